@@ -1,0 +1,35 @@
+//! # vmi substrate
+//!
+//! The core of vmi, with no system calls inside: everything here takes bytes and time as
+//! arguments, so it can be unit-tested, simulated and fuzzed.
+//!
+//! How a byte travels, top to bottom:
+//!
+//! ```text
+//!  application send(buf)
+//!        |
+//!   [irb]  Irb::send(buf) ──► send Chain: filters (counter, ...) ──► sink device
+//!        |                                                           |
+//!   [reliability]  TxState: frame header (seq, piggy-backed ack), copy into the replay ring
+//!        |                                                           |
+//!   [wire::frame]  24-byte header + payload on the physical link (kernel TCP today)
+//!        |
+//!   peer: RxState parses headers out of the link straight into the application's buffer,
+//!         counts delivered bytes (that is what it acknowledges), and hands acks to its TxState
+//! ```
+//!
+//! * [`wire`]: the frame header and the agent protocol.
+//! * [`reliability`]: sequence numbers, acks, replay ring, window, resync.
+//! * [`irb`]: IRBs and device chains (VMI 2.0's model).
+//! * [`devices`]: filters and test sinks.
+//! * [`gid`]: global connection identities.
+
+#![warn(missing_docs)]
+
+pub mod devices;
+pub mod gid;
+pub mod irb;
+pub mod reliability;
+pub mod wire;
+
+pub use gid::Gid;

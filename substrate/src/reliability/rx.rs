@@ -1,0 +1,283 @@
+//! Receive half: parses frames out of what the link delivered, straight into the
+//! application's buffer.
+//!
+//! Payload bytes are never staged inside the layer: a read asks the link for at most the
+//! rest of the current frame's payload (plus the next header), or, at a frame boundary, for a
+//! header and then payload in place, compacting payload over any headers found inside the
+//! buffer. Because the layer holds no payload of its own, the kernel socket's readiness is
+//! exactly the application's readiness (the only difference: a socket holding nothing but an
+//! ack frame looks readable, which non-blocking readers see as `EAGAIN`).
+
+use super::ProtoError;
+use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN};
+
+/// How the next read from the link must be laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadPlan {
+    /// At a frame boundary: read into `header_slot()` first, then into the application
+    /// buffer (`app_max` bytes at most).
+    HeaderFirst {
+        /// Most application-buffer bytes to read.
+        app_max: usize,
+    },
+    /// Inside a frame: read `app_max` payload bytes into the application buffer, then, when
+    /// `then_header` (the read reaches the frame's end), the next header into `header_slot()`.
+    PayloadFirst {
+        /// Payload bytes to read (never past the current frame).
+        app_max: usize,
+        /// Whether the header slot follows the payload in this read.
+        then_header: bool,
+    },
+}
+
+/// What one read gave.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ingested {
+    /// Payload bytes now at the start of the application buffer.
+    pub payload: usize,
+    /// Headers fully parsed (data or control).
+    pub headers: usize,
+}
+
+/// Receive-side state. Plain data (`repr(C)`), so it can live in memory shared across `fork`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RxState {
+    /// Payload bytes delivered to the application: the peer's stream offset we expect next.
+    pub delivered: u64,
+    /// Payload bytes of the current data frame not read yet.
+    pub frame_rem: u64,
+    /// Highest acknowledgement the peer sent (applies to our send half).
+    pub peer_ack: u64,
+    /// The peer's resync value, when one arrived and was not taken yet.
+    pub resync: u64,
+    /// 1 when `resync` holds a value.
+    pub has_resync: u32,
+    /// 1 when a resync frame is allowed (first frame on a rebuilt link).
+    pub expect_resync: u32,
+    /// Bytes of `header` gathered so far.
+    pub header_len: u32,
+    header: [u8; HEADER_LEN],
+}
+
+impl Default for RxState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RxState {
+    /// A fresh receive half.
+    pub fn new() -> Self {
+        RxState {
+            delivered: 0,
+            frame_rem: 0,
+            peer_ack: 0,
+            resync: 0,
+            has_resync: 0,
+            expect_resync: 0,
+            header_len: 0,
+            header: [0; HEADER_LEN],
+        }
+    }
+
+    /// Decides the layout of the next read for an application buffer of `app_len` bytes.
+    pub fn plan_read(&self, app_len: usize) -> ReadPlan {
+        if self.frame_rem > 0 {
+            let app_max = (app_len as u64).min(self.frame_rem) as usize;
+            ReadPlan::PayloadFirst { app_max, then_header: app_max as u64 == self.frame_rem }
+        } else {
+            ReadPlan::HeaderFirst { app_max: app_len }
+        }
+    }
+
+    /// The buffer the next header bytes go into.
+    pub fn header_slot(&mut self) -> &mut [u8] {
+        &mut self.header[self.header_len as usize..]
+    }
+
+    /// True while a header is partly read.
+    pub fn in_header(&self) -> bool {
+        self.header_len > 0
+    }
+
+    /// Takes the result of a read made as `plan` said: `got` bytes in all, laid out in the
+    /// header slot and `app` (the application buffer) in the plan's order. Payload ends up
+    /// compacted at the start of `app`.
+    pub fn ingest(&mut self, plan: ReadPlan, got: usize, app: &mut [u8]) -> Result<Ingested, ProtoError> {
+        let mut out = Ingested::default();
+        match plan {
+            ReadPlan::PayloadFirst { app_max, .. } => {
+                let p = got.min(app_max);
+                self.frame_rem -= p as u64;
+                self.delivered += p as u64;
+                out.payload = p;
+                let h = got - p;
+                if h > 0 {
+                    debug_assert!(self.frame_rem == 0 && self.header_len == 0);
+                    self.header_len = h as u32;
+                    if self.header_len as usize == HEADER_LEN {
+                        self.finish_header(&mut out)?;
+                    }
+                }
+            }
+            ReadPlan::HeaderFirst { .. } => {
+                let slot = HEADER_LEN - self.header_len as usize;
+                let h = got.min(slot);
+                self.header_len += h as u32;
+                if self.header_len as usize == HEADER_LEN {
+                    self.finish_header(&mut out)?;
+                }
+                self.parse_in_place(app, got - h, &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Walks `app[..len]` (bytes straight off the link), moving payload down to `out.payload`.
+    fn parse_in_place(&mut self, app: &mut [u8], len: usize, out: &mut Ingested) -> Result<(), ProtoError> {
+        let mut cur = 0;
+        while cur < len {
+            if self.frame_rem > 0 {
+                let take = ((len - cur) as u64).min(self.frame_rem) as usize;
+                if out.payload != cur {
+                    app.copy_within(cur..cur + take, out.payload);
+                }
+                out.payload += take;
+                cur += take;
+                self.frame_rem -= take as u64;
+                self.delivered += take as u64;
+            } else {
+                let at = self.header_len as usize;
+                let take = (len - cur).min(HEADER_LEN - at);
+                self.header[at..at + take].copy_from_slice(&app[cur..cur + take]);
+                self.header_len += take as u32;
+                cur += take;
+                if self.header_len as usize == HEADER_LEN {
+                    self.finish_header(out)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_header(&mut self, out: &mut Ingested) -> Result<(), ProtoError> {
+        self.header_len = 0;
+        let h = FrameHeader::decode(&self.header)?;
+        out.headers += 1;
+        let first = self.expect_resync != 0;
+        self.expect_resync = 0;
+        match h.kind {
+            FrameKind::Resync if first => {
+                self.resync = h.ack;
+                self.has_resync = 1;
+                return Ok(());
+            }
+            FrameKind::Resync => return Err(ProtoError::UnexpectedResync),
+            _ if first => return Err(ProtoError::MissingResync),
+            FrameKind::Data | FrameKind::Ack => {}
+        }
+        if h.seq != self.delivered {
+            return Err(ProtoError::OutOfOrder { got: h.seq, expected: self.delivered });
+        }
+        if h.ack < self.peer_ack {
+            return Err(ProtoError::AckWentBack { ack: h.ack, before: self.peer_ack });
+        }
+        self.peer_ack = h.ack;
+        if h.kind == FrameKind::Data {
+            self.frame_rem = h.len as u64;
+        }
+        Ok(())
+    }
+
+    /// Takes the peer's resync value, if one arrived.
+    pub fn take_resync(&mut self) -> Option<u64> {
+        if self.has_resync != 0 {
+            self.has_resync = 0;
+            Some(self.resync)
+        } else {
+            None
+        }
+    }
+
+    /// A new link replaced the old one: partial frames are gone; its first frame must be the
+    /// peer's resync.
+    pub fn link_reset(&mut self) {
+        self.frame_rem = 0;
+        self.header_len = 0;
+        self.expect_resync = 1;
+        self.has_resync = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(frames: &[(FrameHeader, &[u8])]) -> Vec<u8> {
+        let mut v = Vec::new();
+        for (h, p) in frames {
+            v.extend_from_slice(&h.encode());
+            v.extend_from_slice(p);
+        }
+        v
+    }
+
+    /// Reads `link` through an `RxState` with reads of `n` bytes; returns delivered payload.
+    fn read_all(link: &[u8], n: usize) -> Result<Vec<u8>, ProtoError> {
+        let mut rx = RxState::new();
+        let mut pos = 0;
+        let mut got_all = Vec::new();
+        while pos < link.len() {
+            let mut app = vec![0u8; n];
+            let plan = rx.plan_read(n);
+            let (first, second): (usize, usize) = match plan {
+                ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - rx.header_len as usize, app_max),
+                ReadPlan::PayloadFirst { app_max, then_header } => (app_max, if then_header { HEADER_LEN } else { 0 }),
+            };
+            let got = (link.len() - pos).min(first + second);
+            let chunk = &link[pos..pos + got];
+            pos += got;
+            let f = got.min(first);
+            match plan {
+                ReadPlan::HeaderFirst { .. } => {
+                    rx.header_slot()[..f].copy_from_slice(&chunk[..f]);
+                    app[..got - f].copy_from_slice(&chunk[f..]);
+                }
+                ReadPlan::PayloadFirst { .. } => {
+                    app[..f].copy_from_slice(&chunk[..f]);
+                    rx.header_slot()[..got - f].copy_from_slice(&chunk[f..]);
+                }
+            }
+            let r = rx.ingest(plan, got, &mut app)?;
+            got_all.extend_from_slice(&app[..r.payload]);
+        }
+        Ok(got_all)
+    }
+
+    #[test]
+    fn frames_of_every_size_through_buffers_of_every_size() {
+        let link = wire(&[
+            (FrameHeader::data(3, 0, 0), b"abc"),
+            (FrameHeader::control(FrameKind::Ack, 3, 0), b""),
+            (FrameHeader::data(1, 3, 0), b"d"),
+            (FrameHeader::data(40, 4, 0), &[b'x'; 40]),
+            (FrameHeader::data(2, 44, 0), b"yz"),
+        ]);
+        let mut want = b"abcd".to_vec();
+        want.extend_from_slice(&[b'x'; 40]);
+        want.extend_from_slice(b"yz");
+        for n in 1..100 {
+            assert_eq!(read_all(&link, n).unwrap(), want, "buffer of {n}");
+        }
+    }
+
+    #[test]
+    fn out_of_order_and_garbage_are_errors() {
+        let link = wire(&[(FrameHeader::data(3, 5, 0), b"abc")]);
+        assert!(matches!(read_all(&link, 64), Err(ProtoError::OutOfOrder { .. })));
+        assert!(matches!(read_all(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n", 64), Err(ProtoError::Frame(_))));
+        let link = wire(&[(FrameHeader::control(FrameKind::Resync, 0, 0), b"")]);
+        assert_eq!(read_all(&link, 64), Err(ProtoError::UnexpectedResync));
+    }
+}

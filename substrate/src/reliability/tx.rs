@@ -1,0 +1,344 @@
+//! Send half of a virtual connection: sequence numbers, the replay buffer, the window, and the
+//! frame that is partly on the wire.
+//!
+//! The application's bytes are accepted only when the physical link took them (so nothing is
+//! ever accepted that nobody will flush later); the accepted bytes are also copied into the
+//! replay ring, where they stay until the peer's *layer* acknowledges them. After a link is
+//! rebuilt, [`TxState::resync`] rewinds the wire position to what the peer says it delivered,
+//! and [`TxState::plan_replay`] hands out the rest again from the ring.
+
+use super::ProtoError;
+use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN, MAX_PAYLOAD};
+
+/// Where the payload of a planned write comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The application's buffer, from its start.
+    App,
+    /// The replay ring, starting at this stream offset.
+    Ring(u64),
+}
+
+/// One write to put on the link: `header` bytes, then `payload` bytes from `source`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Header bytes to write (a new header, or the unwritten rest of one).
+    pub header: [u8; HEADER_LEN],
+    /// How many of `header`'s bytes to write, taken from its end.
+    pub header_len: usize,
+    /// Payload bytes to write after the header.
+    pub payload: usize,
+    /// Where those payload bytes come from.
+    pub source: Source,
+}
+
+impl Plan {
+    /// The header bytes still to write.
+    pub fn header_bytes(&self) -> &[u8] {
+        &self.header[HEADER_LEN - self.header_len..]
+    }
+}
+
+/// Why no write could be planned now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocked {
+    /// The window is full: wait for acknowledgements.
+    Window,
+    /// The link was rebuilt and the peer's resync has not arrived yet.
+    AwaitingResync,
+    /// Replayed bytes must go out before new application bytes: call `plan_replay`.
+    Replaying,
+}
+
+/// Send-side state. Plain data (`repr(C)`), so it can live in memory shared across `fork`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TxState {
+    /// Stream offset of the next application byte to accept.
+    pub next_seq: u64,
+    /// Everything below this offset was delivered by the peer's layer and is freed.
+    pub acked: u64,
+    /// Stream offset of the next byte to put on the current link (below `next_seq` while
+    /// replaying).
+    pub wire_seq: u64,
+    /// Replay-ring capacity; unacknowledged bytes never exceed it.
+    pub window: u64,
+    /// Highest acknowledgement value this side has put on the wire.
+    pub ack_sent: u64,
+    /// Header of the frame in progress.
+    owed_header: [u8; HEADER_LEN],
+    /// Bytes of `owed_header` already written (`HEADER_LEN` = header complete).
+    owed_header_off: u32,
+    /// True when the frame in progress carries ring bytes (a replay), not application bytes.
+    owed_is_replay: u32,
+    /// Payload bytes of the frame in progress still to write.
+    owed_payload: u64,
+    /// Set on a rebuilt link until the peer's resync arrives.
+    awaiting_resync: u32,
+}
+
+impl TxState {
+    /// A fresh send half with a replay ring of `window` bytes.
+    pub fn new(window: u64) -> Self {
+        assert!(window >= 4096, "window too small");
+        TxState {
+            next_seq: 0,
+            acked: 0,
+            wire_seq: 0,
+            window,
+            ack_sent: 0,
+            owed_header: [0; HEADER_LEN],
+            owed_header_off: HEADER_LEN as u32,
+            owed_is_replay: 0,
+            owed_payload: 0,
+            awaiting_resync: 0,
+        }
+    }
+
+    /// Bytes sent but not yet acknowledged by the peer's layer (the replay-buffer fill).
+    pub fn unacked(&self) -> u64 {
+        self.next_seq - self.acked
+    }
+
+    /// Free window space for new application bytes.
+    pub fn space(&self) -> u64 {
+        self.window - self.unacked()
+    }
+
+    /// True while a frame is partly on the wire (nothing else may be written before it ends).
+    pub fn in_frame(&self) -> bool {
+        (self.owed_header_off as usize) < HEADER_LEN || self.owed_payload > 0
+    }
+
+    /// True while replayed bytes remain to be written.
+    pub fn replaying(&self) -> bool {
+        self.wire_seq < self.next_seq
+    }
+
+    /// True until the peer's resync arrives on a rebuilt link.
+    pub fn awaiting_resync(&self) -> bool {
+        self.awaiting_resync != 0
+    }
+
+    fn owed(&self, payload: usize, source: Source) -> Plan {
+        Plan {
+            header: self.owed_header,
+            header_len: HEADER_LEN - self.owed_header_off as usize,
+            payload,
+            source,
+        }
+    }
+
+    /// Plans a write of up to `app_len` application bytes, acknowledging `delivered`.
+    pub fn plan_send(&mut self, app_len: usize, delivered: u64) -> Result<Plan, Blocked> {
+        if self.awaiting_resync() {
+            return Err(Blocked::AwaitingResync);
+        }
+        if self.in_frame() {
+            if self.owed_is_replay != 0 {
+                return Err(Blocked::Replaying);
+            }
+            let payload = (app_len as u64).min(self.owed_payload) as usize;
+            return Ok(self.owed(payload, Source::App));
+        }
+        if self.replaying() {
+            return Err(Blocked::Replaying);
+        }
+        let len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space());
+        if len == 0 {
+            return Err(Blocked::Window);
+        }
+        self.start_frame(FrameHeader::data(len as u32, self.next_seq, delivered), false);
+        Ok(self.owed(len as usize, Source::App))
+    }
+
+    /// Plans the next write of replayed bytes (after a resync), acknowledging `delivered`.
+    /// `None` when nothing remains to replay.
+    pub fn plan_replay(&mut self, delivered: u64) -> Option<Plan> {
+        if self.in_frame() {
+            if self.owed_is_replay == 0 {
+                return None;
+            }
+            let at = self.wire_seq;
+            return Some(self.owed(self.owed_payload as usize, Source::Ring(at)));
+        }
+        if !self.replaying() || self.awaiting_resync() {
+            return None;
+        }
+        let len = (self.next_seq - self.wire_seq).min(MAX_PAYLOAD as u64);
+        self.start_frame(FrameHeader::data(len as u32, self.wire_seq, delivered), true);
+        Some(self.owed(len as usize, Source::Ring(self.wire_seq)))
+    }
+
+    /// Plans a control frame (ack or resync) when no frame is in progress.
+    pub fn plan_control(&mut self, kind: FrameKind, delivered: u64) -> Option<Plan> {
+        if self.in_frame() {
+            return None;
+        }
+        self.start_frame(FrameHeader::control(kind, self.wire_seq, delivered), false);
+        Some(self.owed(0, Source::App))
+    }
+
+    fn start_frame(&mut self, h: FrameHeader, replay: bool) {
+        self.owed_header = h.encode();
+        self.owed_header_off = 0;
+        self.owed_payload = h.len as u64;
+        self.owed_is_replay = replay as u32;
+    }
+
+    /// Records that `written` bytes of `plan` reached the link. Payload bytes from the
+    /// application (`app`, the same buffer the plan was made for) are copied into `ring`.
+    /// Returns how many application bytes were accepted.
+    pub fn commit(&mut self, plan: &Plan, written: usize, app: &[u8], ring: &mut [u8]) -> usize {
+        debug_assert_eq!(ring.len() as u64, self.window);
+        if written == 0 && self.owed_header_off == 0 {
+            // Nothing of a new frame reached the wire: forget it, so the next plan may differ.
+            self.owed_header_off = HEADER_LEN as u32;
+            self.owed_payload = 0;
+            return 0;
+        }
+        let hw = written.min(plan.header_len);
+        self.owed_header_off += hw as u32;
+        if self.owed_header_off as usize == HEADER_LEN && hw > 0 {
+            let ack = u64::from_le_bytes(self.owed_header[16..24].try_into().expect("8 bytes"));
+            self.ack_sent = self.ack_sent.max(ack);
+        }
+        let pw = (written - hw).min(plan.payload);
+        self.owed_payload -= pw as u64;
+        match plan.source {
+            Source::App => {
+                ring_write(ring, self.next_seq, &app[..pw]);
+                self.next_seq += pw as u64;
+                self.wire_seq += pw as u64;
+                pw
+            }
+            Source::Ring(_) => {
+                self.wire_seq += pw as u64;
+                0
+            }
+        }
+    }
+
+    /// Applies a cumulative acknowledgement from the peer's layer.
+    pub fn on_ack(&mut self, ack: u64) -> Result<(), ProtoError> {
+        if ack > self.next_seq {
+            return Err(ProtoError::AckBeyondSent { ack, sent: self.next_seq });
+        }
+        self.acked = self.acked.max(ack);
+        Ok(())
+    }
+
+    /// A new link replaced the old one: the frame in progress is gone with it; wait for the
+    /// peer's resync before writing data.
+    pub fn link_reset(&mut self) {
+        self.owed_header_off = HEADER_LEN as u32;
+        self.owed_payload = 0;
+        self.owed_is_replay = 0;
+        self.awaiting_resync = 1;
+    }
+
+    /// The peer says it delivered `received` bytes of our stream: replay from there.
+    pub fn resync(&mut self, received: u64) -> Result<(), ProtoError> {
+        if received < self.acked || received > self.next_seq {
+            return Err(ProtoError::ResyncOutOfRange {
+                received,
+                acked: self.acked,
+                sent: self.next_seq,
+            });
+        }
+        self.acked = received;
+        self.wire_seq = received;
+        self.awaiting_resync = 0;
+        Ok(())
+    }
+}
+
+/// Copies `data` into the ring at stream offset `seq` (wrapping).
+pub fn ring_write(ring: &mut [u8], seq: u64, data: &[u8]) {
+    if data.is_empty() {
+        return;
+    }
+    let cap = ring.len();
+    let at = (seq % cap as u64) as usize;
+    let first = data.len().min(cap - at);
+    ring[at..at + first].copy_from_slice(&data[..first]);
+    ring[..data.len() - first].copy_from_slice(&data[first..]);
+}
+
+/// The ring's bytes for stream offsets `[seq, seq + len)`, as at most two slices.
+pub fn ring_slices(ring: &[u8], seq: u64, len: usize) -> (&[u8], &[u8]) {
+    let cap = ring.len();
+    let at = (seq % cap as u64) as usize;
+    let first = len.min(cap - at);
+    (&ring[at..at + first], &ring[..len - first])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_writes_keep_the_frame_and_the_window() {
+        let mut tx = TxState::new(4096);
+        let mut ring = vec![0u8; 4096];
+        let app = vec![7u8; 5000];
+        let p = tx.plan_send(app.len(), 0).unwrap();
+        assert_eq!(p.payload, 4096, "window bounds the frame");
+        // Only 10 header bytes go out.
+        assert_eq!(tx.commit(&p, 10, &app, &mut ring), 0);
+        assert!(tx.in_frame());
+        let p = tx.plan_send(app.len(), 0).unwrap();
+        assert_eq!(p.header_len, 14);
+        assert_eq!(tx.commit(&p, 14 + 100, &app, &mut ring), 100);
+        assert_eq!(tx.next_seq, 100);
+        let p = tx.plan_send(3996, 0).unwrap();
+        assert_eq!((p.header_len, p.payload), (0, 3996));
+        assert_eq!(tx.commit(&p, 3996, &app, &mut ring), 3996);
+        assert!(!tx.in_frame());
+        assert_eq!(tx.plan_send(1, 0), Err(Blocked::Window));
+        tx.on_ack(4096).unwrap();
+        assert!(tx.on_ack(4097).is_err());
+        assert!(tx.plan_send(1, 0).is_ok());
+    }
+
+    #[test]
+    fn nothing_written_forgets_the_frame() {
+        let mut tx = TxState::new(4096);
+        let mut ring = vec![0u8; 4096];
+        let p = tx.plan_send(100, 0).unwrap();
+        assert_eq!(tx.commit(&p, 0, &[0; 100], &mut ring), 0);
+        assert!(!tx.in_frame());
+        assert!(tx.plan_control(FrameKind::Ack, 3).is_some());
+    }
+
+    #[test]
+    fn resync_rewinds_and_checks_range() {
+        let mut tx = TxState::new(4096);
+        let mut ring = vec![0u8; 4096];
+        let app: Vec<u8> = (0..255).collect();
+        let p = tx.plan_send(app.len(), 0).unwrap();
+        tx.commit(&p, HEADER_LEN + 255, &app, &mut ring);
+        tx.on_ack(50).unwrap();
+        tx.link_reset();
+        assert_eq!(tx.plan_send(1, 0), Err(Blocked::AwaitingResync));
+        assert!(tx.resync(10).is_err());
+        assert!(tx.resync(300).is_err());
+        tx.resync(100).unwrap();
+        assert_eq!(tx.plan_send(1, 0), Err(Blocked::Replaying));
+        let p = tx.plan_replay(0).unwrap();
+        assert_eq!((p.payload, p.source), (155, Source::Ring(100)));
+        let (a, b) = ring_slices(&ring, 100, 155);
+        assert_eq!([a, b].concat(), app[100..]);
+        tx.commit(&p, HEADER_LEN + 155, &[], &mut ring);
+        assert!(tx.plan_replay(0).is_none());
+        assert!(tx.plan_send(1, 0).is_ok());
+    }
+
+    #[test]
+    fn ring_wraps() {
+        let mut ring = vec![0u8; 8];
+        ring_write(&mut ring, 6, &[1, 2, 3, 4]);
+        let (a, b) = ring_slices(&ring, 6, 4);
+        assert_eq!((a, b), (&[1u8, 2][..], &[3u8, 4][..]));
+    }
+}

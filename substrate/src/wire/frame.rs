@@ -1,0 +1,170 @@
+//! The frame header that the layer puts in front of every chunk of application bytes on a
+//! physical link, and the control frames that share the link.
+//!
+//! ```text
+//!  0        1        2                4                                8
+//! +--------+--------+----------------+--------------------------------+
+//! | magic  |  kind  |  flags (0)     |  len (payload bytes, LE u32)   |
+//! +--------+--------+----------------+--------------------------------+
+//! |  seq: stream offset of the first payload byte (LE u64)            |
+//! +-------------------------------------------------------------------+
+//! |  ack: bytes of the peer's stream this side has delivered (LE u64) |
+//! +-------------------------------------------------------------------+
+//! ```
+//!
+//! * `Data` carries `len` payload bytes (1..=[`MAX_PAYLOAD`]) that follow the header.
+//! * `Ack` carries no payload; only `ack` matters (`seq` is the sender's next offset).
+//! * `Resync` is the first frame on a rebuilt link: `ack` says how many bytes of the peer's
+//!   stream this side has delivered, so the peer replays from there.
+//!
+//! All integers are little endian. Anything else (bad magic, unknown kind, non-zero flags,
+//! a length out of bounds) is a [`FrameError`]: the connection is closed, never guessed at.
+
+/// Length of every frame header in bytes.
+pub const HEADER_LEN: usize = 24;
+/// First byte of every frame.
+pub const MAGIC: u8 = 0xA7;
+/// Largest payload one data frame may carry.
+pub const MAX_PAYLOAD: u32 = 1 << 20;
+
+/// What a frame is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Application bytes follow the header.
+    Data = 1,
+    /// A cumulative acknowledgement with no payload.
+    Ack = 2,
+    /// First frame on a rebuilt link: how much of the peer's stream was delivered.
+    Resync = 3,
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the frame is.
+    pub kind: FrameKind,
+    /// Payload length (zero unless `kind` is `Data`).
+    pub len: u32,
+    /// Stream offset of the first payload byte (next offset for control frames).
+    pub seq: u64,
+    /// Cumulative count of the peer's bytes this side has delivered.
+    pub ack: u64,
+}
+
+/// Why a header was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// The first byte is not [`MAGIC`]: the peer does not speak this protocol.
+    BadMagic(u8),
+    /// The kind byte names no known frame.
+    UnknownKind(u8),
+    /// Reserved flag bits were set.
+    BadFlags(u16),
+    /// A data frame with no payload or more than [`MAX_PAYLOAD`], or a control frame with one.
+    BadLength(u32),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::BadMagic(m) => write!(f, "bad frame magic 0x{m:02x}"),
+            FrameError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+            FrameError::BadFlags(x) => write!(f, "reserved frame flags set: 0x{x:04x}"),
+            FrameError::BadLength(l) => write!(f, "frame length {l} out of bounds"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+impl FrameHeader {
+    /// A data header.
+    pub fn data(len: u32, seq: u64, ack: u64) -> Self {
+        FrameHeader { kind: FrameKind::Data, len, seq, ack }
+    }
+
+    /// A control header (no payload).
+    pub fn control(kind: FrameKind, seq: u64, ack: u64) -> Self {
+        FrameHeader { kind, len: 0, seq, ack }
+    }
+
+    /// Writes the header into its 24-byte wire form.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = MAGIC;
+        b[1] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.ack.to_le_bytes());
+        b
+    }
+
+    /// Parses and validates a header.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self, FrameError> {
+        if b[0] != MAGIC {
+            return Err(FrameError::BadMagic(b[0]));
+        }
+        let kind = match b[1] {
+            1 => FrameKind::Data,
+            2 => FrameKind::Ack,
+            3 => FrameKind::Resync,
+            k => return Err(FrameError::UnknownKind(k)),
+        };
+        let flags = u16::from_le_bytes([b[2], b[3]]);
+        if flags != 0 {
+            return Err(FrameError::BadFlags(flags));
+        }
+        let len = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+        let ok = match kind {
+            FrameKind::Data => (1..=MAX_PAYLOAD).contains(&len),
+            _ => len == 0,
+        };
+        if !ok {
+            return Err(FrameError::BadLength(len));
+        }
+        Ok(FrameHeader {
+            kind,
+            len,
+            seq: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            ack: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        for h in [
+            FrameHeader::data(1, 0, 0),
+            FrameHeader::data(MAX_PAYLOAD, u64::MAX - 5, 77),
+            FrameHeader::control(FrameKind::Ack, 9, 12),
+            FrameHeader::control(FrameKind::Resync, 0, u64::MAX),
+        ] {
+            assert_eq!(FrameHeader::decode(&h.encode()), Ok(h));
+        }
+    }
+
+    #[test]
+    fn refuses_garbage() {
+        let mut b = FrameHeader::data(10, 0, 0).encode();
+        b[0] = b'G';
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::BadMagic(b'G')));
+        let mut b = FrameHeader::data(10, 0, 0).encode();
+        b[1] = 99;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::UnknownKind(99)));
+        let mut b = FrameHeader::data(10, 0, 0).encode();
+        b[3] = 1;
+        assert!(matches!(FrameHeader::decode(&b), Err(FrameError::BadFlags(_))));
+        let b = FrameHeader::data(0, 0, 0).encode();
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::BadLength(0)));
+        let b = FrameHeader::data(MAX_PAYLOAD + 1, 0, 0).encode();
+        assert!(FrameHeader::decode(&b).is_err());
+        let mut b = FrameHeader::control(FrameKind::Ack, 0, 0).encode();
+        b[4] = 3;
+        assert_eq!(FrameHeader::decode(&b), Err(FrameError::BadLength(3)));
+    }
+}
