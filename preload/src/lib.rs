@@ -1,0 +1,74 @@
+//! # libvmi_preload.so
+//!
+//! The interposer of vmi. Loaded with `LD_PRELOAD` into an unmodified program, it turns the
+//! program's TCP connections to other programs under the layer into virtual connections.
+//!
+//! * The descriptor the program holds **is** the connection's physical TCP socket, so
+//!   `poll`/`select`/`epoll`, `fstat`, `fork` inheritance, `getsockname`/`getpeername` and
+//!   socket options stay native. The layer intercepts the calls that move data and frames
+//!   the bytes ([`hooks`]).
+//! * [`setup`] decides at `connect`/`accept` time, with the node agent, whether a connection
+//!   is virtual; everything else stays plain TCP.
+//! * [`vc`] holds a connection's chains; [`tcp_sink`] is the device at their bottom;
+//!   [`shm`] keeps the reliability state in memory shared across `fork`.
+//! * [`fdtable`] says which descriptors are managed; [`real`] reaches libc.
+//!
+//! No panic leaves the library: every hook catches unwinding and turns it into an errno.
+
+pub mod agent;
+pub mod config;
+pub mod error;
+pub mod fdtable;
+pub mod hooks;
+pub mod log;
+pub mod real;
+pub mod setup;
+pub mod shm;
+pub mod stats;
+pub mod sys;
+pub mod tcp_sink;
+pub mod vc;
+
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+
+static PID: AtomicI32 = AtomicI32::new(0);
+
+/// This process's id (cached; refreshed after fork).
+pub fn pid() -> i32 {
+    let p = PID.load(Relaxed);
+    if p != 0 {
+        return p;
+    }
+    // SAFETY: getpid has no preconditions.
+    let p = unsafe { libc::getpid() };
+    PID.store(p, Relaxed);
+    p
+}
+
+extern "C" fn before_fork() {
+    agent::before_fork();
+    fdtable::before_fork();
+}
+
+extern "C" fn after_fork_parent() {
+    fdtable::after_fork_parent();
+    agent::after_fork_parent();
+}
+
+extern "C" fn after_fork_child() {
+    PID.store(0, Relaxed);
+    fdtable::after_fork_child();
+    agent::after_fork_child();
+}
+
+extern "C" fn init() {
+    let _ = std::panic::catch_unwind(|| {
+        config::init();
+        // SAFETY: registering plain extern "C" functions.
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
+    });
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = init;

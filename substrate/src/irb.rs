@@ -88,6 +88,8 @@ pub struct Irb<'a> {
     pub buf: Buf<'a>,
     /// Operation flags (for send/receive: the caller's `MSG_*` flags).
     pub flags: i32,
+    /// Sink-specific handle (for the kernel-TCP sink: the socket descriptor used).
+    pub handle: i64,
 }
 
 /// A completed IRB. Only [`Irb::complete`] and [`PendedIrb::complete`] make one.
@@ -146,15 +148,20 @@ impl PendedIrb {
 impl<'a> Irb<'a> {
     /// A new IRB of `kind` with no buffer.
     pub fn new(kind: IrbKind) -> Self {
-        Irb { kind, buf: Buf::None, flags: 0 }
+        Irb { kind, buf: Buf::None, flags: 0, handle: -1 }
     }
     /// A send IRB.
     pub fn send(data: &'a [u8], flags: i32) -> Self {
-        Irb { kind: IrbKind::Send, buf: Buf::Out(data), flags }
+        Irb { kind: IrbKind::Send, buf: Buf::Out(data), flags, handle: -1 }
     }
     /// A receive IRB.
     pub fn receive(space: &'a mut [u8], flags: i32) -> Self {
-        Irb { kind: IrbKind::Receive, buf: Buf::In(space), flags }
+        Irb { kind: IrbKind::Receive, buf: Buf::In(space), flags, handle: -1 }
+    }
+    /// Sets the sink handle.
+    pub fn with_handle(mut self, handle: i64) -> Self {
+        self.handle = handle;
+        self
     }
     /// What is asked.
     pub fn kind(&self) -> IrbKind {

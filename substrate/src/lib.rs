@@ -23,6 +23,7 @@
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
 //! * [`devices`]: filters and test sinks.
 //! * [`gid`]: global connection identities.
+//! * [`stats`]: the statistics table shared between a process and its agent.
 
 #![warn(missing_docs)]
 
@@ -30,6 +31,7 @@ pub mod devices;
 pub mod gid;
 pub mod irb;
 pub mod reliability;
+pub mod stats;
 pub mod wire;
 
 pub use gid::Gid;

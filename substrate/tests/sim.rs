@@ -41,7 +41,7 @@ struct End {
 
 impl End {
     fn new(side: usize, window: u64) -> Self {
-        End { side, tx: TxState::new(window), rx: RxState::new(), ring: vec![0; window as usize], produced: 0, received: Vec::new() }
+        End { side, tx: TxState::with_soft_window(window, window / 2), rx: RxState::new(), ring: vec![0; window as usize], produced: 0, received: Vec::new() }
     }
 
     /// Puts the bytes of `plan` on `q`, at most `room`; returns how many went.
@@ -86,7 +86,7 @@ fn write_some(e: &mut End, link: &mut Link, rng: &mut Rng, want: usize, gen: boo
     if app.is_empty() {
         return;
     }
-    match e.tx.plan_send(app.len(), e.rx.delivered) {
+    match e.tx.plan_send(app.len(), e.rx.delivered, rng.below(8) == 0) {
         Ok(plan) => {
             let n = e.push(&plan, &app, q, room);
             let acc = e.tx.commit(&plan, n, &app, &mut e.ring);
@@ -101,7 +101,7 @@ fn send_ack(e: &mut End, link: &mut Link) {
     if e.tx.awaiting_resync() && e.rx.expect_resync != 0 {
         return;
     }
-    if !ack_due(e.rx.delivered, e.tx.ack_sent, e.tx.window) {
+    if !ack_due(e.rx.delivered, e.tx.ack_sent, e.tx.soft_window) {
         return;
     }
     let q = &mut link.q[e.side];
@@ -263,11 +263,11 @@ fn delivered_stream_equals_sent_stream_with_no_failures() {
 #[test]
 fn delivered_stream_equals_sent_stream_across_random_link_failures() {
     let mut failures = 0;
-    for seed in 1..200 {
-        let (_, _, f) = run(seed * 7919, 4000, 4096 * (1 + seed % 16), 5);
+    for seed in 1..120 {
+        let (_, _, f) = run(seed * 7919, 3000, 4096 * (1 + seed % 16), 5);
         failures += f;
     }
-    assert!(failures > 500, "the link really failed often: {failures}");
+    assert!(failures > 300, "the link really failed often: {failures}");
 }
 
 #[test]

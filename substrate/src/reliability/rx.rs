@@ -134,6 +134,15 @@ impl RxState {
         Ok(out)
     }
 
+    /// Parses bytes straight off the link (continuing any frame or header in progress),
+    /// compacting payload at the start of `buf`.
+    pub fn parse_buffer(&mut self, buf: &mut [u8]) -> Result<Ingested, ProtoError> {
+        let mut out = Ingested::default();
+        let n = buf.len();
+        self.parse_in_place(buf, n, &mut out)?;
+        Ok(out)
+    }
+
     /// Walks `app[..len]` (bytes straight off the link), moving payload down to `out.payload`.
     fn parse_in_place(&mut self, app: &mut [u8], len: usize, out: &mut Ingested) -> Result<(), ProtoError> {
         let mut cur = 0;

@@ -61,8 +61,12 @@ pub struct TxState {
     /// Stream offset of the next byte to put on the current link (below `next_seq` while
     /// replaying).
     pub wire_seq: u64,
-    /// Replay-ring capacity; unacknowledged bytes never exceed it.
+    /// Replay-ring capacity: unacknowledged bytes never exceed it (the hard limit).
     pub window: u64,
+    /// The window the peer is told about and the sender normally keeps to (the soft limit);
+    /// it is exceeded only when acknowledgements are stuck behind data the application has
+    /// not read yet, so that the layer never deadlocks a program native TCP would not.
+    pub soft_window: u64,
     /// Highest acknowledgement value this side has put on the wire.
     pub ack_sent: u64,
     /// Header of the frame in progress.
@@ -86,6 +90,7 @@ impl TxState {
             acked: 0,
             wire_seq: 0,
             window,
+            soft_window: window,
             ack_sent: 0,
             owed_header: [0; HEADER_LEN],
             owed_header_off: HEADER_LEN as u32,
@@ -100,9 +105,17 @@ impl TxState {
         self.next_seq - self.acked
     }
 
-    /// Free window space for new application bytes.
-    pub fn space(&self) -> u64 {
-        self.window - self.unacked()
+    /// Free window space for new application bytes, under the soft limit (or the hard one).
+    pub fn space(&self, hard: bool) -> u64 {
+        let limit = if hard { self.window } else { self.soft_window.min(self.window) };
+        limit.saturating_sub(self.unacked())
+    }
+
+    /// A send half whose ring holds `ring` bytes and whose normal window is `soft`.
+    pub fn with_soft_window(ring: u64, soft: u64) -> Self {
+        let mut t = Self::new(ring);
+        t.soft_window = soft.min(ring);
+        t
     }
 
     /// True while a frame is partly on the wire (nothing else may be written before it ends).
@@ -129,8 +142,9 @@ impl TxState {
         }
     }
 
-    /// Plans a write of up to `app_len` application bytes, acknowledging `delivered`.
-    pub fn plan_send(&mut self, app_len: usize, delivered: u64) -> Result<Plan, Blocked> {
+    /// Plans a write of up to `app_len` application bytes, acknowledging `delivered`, within
+    /// the soft window (or, with `hard`, within the whole ring).
+    pub fn plan_send(&mut self, app_len: usize, delivered: u64, hard: bool) -> Result<Plan, Blocked> {
         if self.awaiting_resync() {
             return Err(Blocked::AwaitingResync);
         }
@@ -144,7 +158,7 @@ impl TxState {
         if self.replaying() {
             return Err(Blocked::Replaying);
         }
-        let len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space());
+        let len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space(hard));
         if len == 0 {
             return Err(Blocked::Window);
         }
@@ -282,30 +296,30 @@ mod tests {
         let mut tx = TxState::new(4096);
         let mut ring = vec![0u8; 4096];
         let app = vec![7u8; 5000];
-        let p = tx.plan_send(app.len(), 0).unwrap();
+        let p = tx.plan_send(app.len(), 0, false).unwrap();
         assert_eq!(p.payload, 4096, "window bounds the frame");
         // Only 10 header bytes go out.
         assert_eq!(tx.commit(&p, 10, &app, &mut ring), 0);
         assert!(tx.in_frame());
-        let p = tx.plan_send(app.len(), 0).unwrap();
+        let p = tx.plan_send(app.len(), 0, false).unwrap();
         assert_eq!(p.header_len, 14);
         assert_eq!(tx.commit(&p, 14 + 100, &app, &mut ring), 100);
         assert_eq!(tx.next_seq, 100);
-        let p = tx.plan_send(3996, 0).unwrap();
+        let p = tx.plan_send(3996, 0, false).unwrap();
         assert_eq!((p.header_len, p.payload), (0, 3996));
         assert_eq!(tx.commit(&p, 3996, &app, &mut ring), 3996);
         assert!(!tx.in_frame());
-        assert_eq!(tx.plan_send(1, 0), Err(Blocked::Window));
+        assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::Window));
         tx.on_ack(4096).unwrap();
         assert!(tx.on_ack(4097).is_err());
-        assert!(tx.plan_send(1, 0).is_ok());
+        assert!(tx.plan_send(1, 0, false).is_ok());
     }
 
     #[test]
     fn nothing_written_forgets_the_frame() {
         let mut tx = TxState::new(4096);
         let mut ring = vec![0u8; 4096];
-        let p = tx.plan_send(100, 0).unwrap();
+        let p = tx.plan_send(100, 0, false).unwrap();
         assert_eq!(tx.commit(&p, 0, &[0; 100], &mut ring), 0);
         assert!(!tx.in_frame());
         assert!(tx.plan_control(FrameKind::Ack, 3).is_some());
@@ -316,22 +330,22 @@ mod tests {
         let mut tx = TxState::new(4096);
         let mut ring = vec![0u8; 4096];
         let app: Vec<u8> = (0..255).collect();
-        let p = tx.plan_send(app.len(), 0).unwrap();
+        let p = tx.plan_send(app.len(), 0, false).unwrap();
         tx.commit(&p, HEADER_LEN + 255, &app, &mut ring);
         tx.on_ack(50).unwrap();
         tx.link_reset();
-        assert_eq!(tx.plan_send(1, 0), Err(Blocked::AwaitingResync));
+        assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::AwaitingResync));
         assert!(tx.resync(10).is_err());
         assert!(tx.resync(300).is_err());
         tx.resync(100).unwrap();
-        assert_eq!(tx.plan_send(1, 0), Err(Blocked::Replaying));
+        assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::Replaying));
         let p = tx.plan_replay(0).unwrap();
         assert_eq!((p.payload, p.source), (155, Source::Ring(100)));
         let (a, b) = ring_slices(&ring, 100, 155);
         assert_eq!([a, b].concat(), app[100..]);
         tx.commit(&p, HEADER_LEN + 155, &[], &mut ring);
         assert!(tx.plan_replay(0).is_none());
-        assert!(tx.plan_send(1, 0).is_ok());
+        assert!(tx.plan_send(1, 0, false).is_ok());
     }
 
     #[test]

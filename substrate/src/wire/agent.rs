@@ -26,6 +26,8 @@ pub enum Msg {
     Listen {
         /// Listening address (the IP may be unspecified).
         addr: SocketAddr,
+        /// The listening process's window (its accepted connections use it).
+        window: u64,
     },
     /// Layer → agent: the listener at `addr` is closed.
     Unlisten {
@@ -198,9 +200,10 @@ impl Msg {
                 w.u32(*pid);
                 w.str(name);
             }
-            Msg::Listen { addr } => {
+            Msg::Listen { addr, window } => {
                 w.u8(2);
                 w.addr(addr);
+                w.u64(*window);
             }
             Msg::Unlisten { addr } => {
                 w.u8(3);
@@ -256,7 +259,7 @@ impl Msg {
         let mut r = R(body);
         let m = match r.u8()? {
             1 => Msg::Hello { pid: r.u32()?, name: r.str()? },
-            2 => Msg::Listen { addr: r.addr()? },
+            2 => Msg::Listen { addr: r.addr()?, window: r.u64()? },
             3 => Msg::Unlisten { addr: r.addr()? },
             4 => Msg::Connect {
                 src: r.addr()?,
@@ -304,7 +307,7 @@ mod tests {
         let b: SocketAddr = "[fe80::1]:80".parse().unwrap();
         for m in [
             Msg::Hello { pid: 42, name: "iperf3".into() },
-            Msg::Listen { addr: a },
+            Msg::Listen { addr: a, window: 9 },
             Msg::Unlisten { addr: b },
             Msg::Connect { src: a, dst: b, gid: u128::MAX, secret: 7, window: 1 << 22 },
             Msg::Accept { local: b, peer: a },
@@ -324,6 +327,7 @@ mod tests {
         assert_eq!(Msg::decode(&[]), Err(AgentWireError::Truncated));
         assert_eq!(Msg::decode(&[99]), Err(AgentWireError::UnknownTag(99)));
         assert_eq!(Msg::decode(&[2, 5, 0]), Err(AgentWireError::BadFamily(5)));
+        assert_eq!(Msg::decode(&[3, 4, 1, 2, 3, 4, 0]), Err(AgentWireError::Truncated));
         assert_eq!(Msg::decode(&[8, 0]), Err(AgentWireError::TrailingBytes(1)));
         assert_eq!(Msg::decode(&[9, 255, 255, 255, 255]), Err(AgentWireError::Truncated));
         assert!(Msg::body_len([255, 255, 255, 255]).is_err());

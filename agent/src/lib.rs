@@ -1,0 +1,25 @@
+//! # vmi-agent
+//!
+//! One agent per node. It knows the node's processes under the layer and their listeners,
+//! answers the node's layers ("is this destination a listener under the layer?", "is this
+//! accepted connection virtual?") and the agents of other nodes, and reports every virtual
+//! connection of the node to `vmictl` from the statistics tables the processes share with it.
+//!
+//! * [`directory`]: listeners and expected connections, no I/O (unit-tested).
+//! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
+//!   network namespace has its own agent).
+//! * [`peer`]: the TCP port other nodes' agents talk to, and the client side of it.
+//! * [`status`]: the processes' statistics tables and the JSON report.
+//! * [`wire`]: reading and writing agent messages on a stream.
+
+pub mod directory;
+pub mod local;
+pub mod net;
+pub mod peer;
+pub mod status;
+pub mod wire;
+
+/// Default abstract Unix socket name (the layer's `VMI_AGENT_SOCKET` default too).
+pub const DEFAULT_SOCKET: &str = "vmi-agent";
+/// Default TCP port for agent-to-agent traffic.
+pub const DEFAULT_PORT: u16 = 7787;

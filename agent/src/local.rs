@@ -1,0 +1,151 @@
+//! The agent's Unix socket: the node's layers register listeners, announce and look up
+//! connections, and hand over their statistics tables; `vmictl` asks for status.
+
+use crate::directory::Directory;
+use crate::peer::PeerClient;
+use crate::status::Procs;
+use crate::wire::{read_msg_fd, write_msg};
+use crate::{net, status};
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use substrate::wire::agent::Msg;
+use tracing::{debug, info, warn};
+
+/// The agent's shared state.
+pub struct Agent {
+    /// Listeners and expected connections.
+    pub dir: Mutex<Directory>,
+    /// Processes under the layer and their statistics tables.
+    pub procs: Mutex<Procs>,
+    /// Connections to other agents.
+    pub peers: PeerClient,
+    /// TCP port of agents (ours and other nodes').
+    pub port: u16,
+    /// The node's name in reports.
+    pub node: String,
+    next_client: AtomicU64,
+}
+
+impl Agent {
+    /// A new agent.
+    pub fn new(port: u16, node: String) -> Self {
+        Agent {
+            dir: Mutex::new(Directory::default()),
+            procs: Mutex::new(Procs::default()),
+            peers: PeerClient::default(),
+            port,
+            node,
+            next_client: AtomicU64::new(1),
+        }
+    }
+
+    /// A connection to `dst` (on this node) is announced.
+    pub fn expect_local(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
+        let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
+        match d.expect(src, dst, gid, secret, window, Instant::now()) {
+            Some(w) => {
+                debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
+                Msg::Virtual { gid, secret, window: w }
+            }
+            None => Msg::Plain,
+        }
+    }
+
+    /// A local layer is about to connect from `src` (IP maybe unspecified) to `dst`.
+    fn connect(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
+        let src_ip = if src.ip().is_unspecified() { net::source_for(dst.ip()) } else { Some(src.ip()) };
+        let Some(src_ip) = src_ip else { return Msg::Plain };
+        let src = SocketAddr::new(normalize(src_ip), src.port());
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        if net::is_local(dst.ip()) {
+            return self.expect_local(src, dst, gid, secret, window);
+        }
+        match self.peers.ask(dst.ip(), self.port, &Msg::Connect { src, dst, gid, secret, window }) {
+            Ok(a @ (Msg::Virtual { .. } | Msg::Plain)) => a,
+            Ok(other) => {
+                info!("agent of {} answered {other:?}; plain TCP", dst.ip());
+                Msg::Plain
+            }
+            Err(e) => {
+                debug!("no agent at {}: {e}; plain TCP", dst.ip());
+                Msg::Plain
+            }
+        }
+    }
+}
+
+fn normalize(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+/// Serves the node's layers and `vmictl` on `listener`.
+pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
+    for s in listener.incoming() {
+        match s {
+            Ok(s) => {
+                let agent = agent.clone();
+                let id = agent.next_client.fetch_add(1, Relaxed);
+                std::thread::spawn(move || {
+                    if let Err(e) = handle(&agent, id, s) {
+                        if e.kind() != io::ErrorKind::UnexpectedEof {
+                            info!("local client {id} closed: {e}");
+                        }
+                    }
+                    agent.dir.lock().unwrap_or_else(|e| e.into_inner()).drop_owner(id);
+                    agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
+                });
+            }
+            Err(e) => warn!("accepting a local client: {e}"),
+        }
+    }
+}
+
+fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
+    loop {
+        let (m, passed) = match read_msg_fd(s.as_raw_fd()) {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                warn!("malformed message from local client {id}: {e}; closing");
+                let _ = write_msg(&mut s, &Msg::Error { reason: e.to_string() });
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let answer = match m {
+            Msg::Hello { pid, name } => {
+                info!("process {pid} ({name}) under the layer");
+                agent.procs.lock().unwrap_or_else(|e| e.into_inner()).hello(id, pid, name, passed);
+                Msg::Ok
+            }
+            Msg::Listen { addr, window } => {
+                debug!("listener {addr} (client {id})");
+                agent.dir.lock().unwrap_or_else(|e| e.into_inner()).listen(addr, window, id);
+                Msg::Ok
+            }
+            Msg::Unlisten { addr } => {
+                agent.dir.lock().unwrap_or_else(|e| e.into_inner()).unlisten(addr, id);
+                Msg::Ok
+            }
+            Msg::Connect { src, dst, gid, secret, window } => agent.connect(src, dst, gid, secret, window),
+            Msg::Accept { local, peer } => {
+                let local = SocketAddr::new(normalize(local.ip()), local.port());
+                let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
+                match agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer) {
+                    Some(e) => Msg::Virtual { gid: e.gid, secret: e.secret, window: e.window },
+                    None => Msg::Plain,
+                }
+            }
+            Msg::Status => Msg::StatusReply { json: status::report(agent) },
+            other => Msg::Error { reason: format!("unexpected message: {other:?}") },
+        };
+        write_msg(&mut s, &answer)?;
+    }
+}

@@ -1,0 +1,79 @@
+//! What the agent knows about the node's network: its addresses, and which source address
+//! the kernel picks toward a destination.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+
+/// Every address configured on the node's interfaces.
+pub fn node_addrs() -> Vec<IpAddr> {
+    let mut out = Vec::new();
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
+        return out;
+    }
+    let mut p = ifa;
+    while !p.is_null() {
+        // SAFETY: walking the list getifaddrs returned.
+        let a = unsafe { (*p).ifa_addr };
+        if !a.is_null() {
+            // SAFETY: the family tells which sockaddr it is.
+            match unsafe { (*a).sa_family } as i32 {
+                libc::AF_INET => {
+                    // SAFETY: AF_INET means sockaddr_in.
+                    let s = unsafe { &*(a as *const libc::sockaddr_in) };
+                    out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(s.sin_addr.s_addr))));
+                }
+                libc::AF_INET6 => {
+                    // SAFETY: AF_INET6 means sockaddr_in6.
+                    let s = unsafe { &*(a as *const libc::sockaddr_in6) };
+                    out.push(IpAddr::V6(Ipv6Addr::from(s.sin6_addr.s6_addr)));
+                }
+                _ => {}
+            }
+        }
+        // SAFETY: as above.
+        p = unsafe { (*p).ifa_next };
+    }
+    // SAFETY: frees what getifaddrs allocated.
+    unsafe { libc::freeifaddrs(ifa) };
+    out
+}
+
+static CACHE: std::sync::Mutex<Option<(std::time::Instant, Vec<IpAddr>)>> = std::sync::Mutex::new(None);
+
+/// The node's addresses, refreshed at most once a second.
+pub fn cached_addrs() -> Vec<IpAddr> {
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    match &*c {
+        Some((t, v)) if t.elapsed() < std::time::Duration::from_secs(1) => v.clone(),
+        _ => {
+            let v = node_addrs();
+            *c = Some((std::time::Instant::now(), v.clone()));
+            v
+        }
+    }
+}
+
+/// True if `ip` is this node.
+pub fn is_local(ip: IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || cached_addrs().contains(&ip)
+}
+
+/// The source address the kernel would use toward `dst`.
+pub fn source_for(dst: IpAddr) -> Option<IpAddr> {
+    if dst.is_loopback() || dst.is_unspecified() {
+        return Some(if dst.is_ipv4() { IpAddr::V4(Ipv4Addr::LOCALHOST) } else { IpAddr::V6(Ipv6Addr::LOCALHOST) });
+    }
+    let bind: SocketAddr = if dst.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+    let s = UdpSocket::bind(bind).ok()?;
+    s.connect(SocketAddr::new(dst, 9)).ok()?;
+    Some(s.local_addr().ok()?.ip())
+}
+
+/// A name for the node: its first non-loopback IPv4 address, else the host name.
+pub fn node_name() -> String {
+    if let Some(ip) = node_addrs().into_iter().find(|ip| ip.is_ipv4() && !ip.is_loopback()) {
+        return ip.to_string();
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "node".into())
+}

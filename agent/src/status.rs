@@ -1,0 +1,226 @@
+//! The processes under the layer on this node, their statistics tables (mapped read-only
+//! from the memfd each one handed over), and the JSON report `vmictl` prints.
+
+use crate::local::Agent;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use substrate::stats::{SlotView, SLOT_SIZE, TABLE_BYTES, TABLE_HEADER};
+
+/// A process's statistics table, mapped read-only.
+pub struct Table {
+    base: *const u8,
+    len: usize,
+    /// Inode of the memfd (a forked child hands over the same table).
+    pub inode: u64,
+}
+
+// SAFETY: read-only shared mapping; reads copy bytes out.
+unsafe impl Send for Table {}
+// SAFETY: as above.
+unsafe impl Sync for Table {}
+
+impl Table {
+    /// Maps a table from its memfd; `None` if it is not one.
+    pub fn map(fd: &OwnedFd) -> Option<Table> {
+        // SAFETY: zeroed stat is valid; fstat fills it.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as usize) < TABLE_BYTES {
+            return None;
+        }
+        // SAFETY: maps TABLE_BYTES of the memfd read-only.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), TABLE_BYTES, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0)
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let t = Table { base: p as *const u8, len: TABLE_BYTES, inode: st.st_ino };
+        SlotView::table_slots(&t.bytes(0, TABLE_HEADER), t.len)?;
+        Some(t)
+    }
+
+    fn bytes(&self, off: usize, n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        // SAFETY: off + n <= len (callers stay inside the table); the copy is volatile-free
+        // but only reads plain bytes the process may be writing (torn values are harmless).
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(off), v.as_mut_ptr(), n.min(self.len - off)) };
+        v
+    }
+
+    /// Every used slot.
+    pub fn slots(&self) -> Vec<SlotView> {
+        let n = SlotView::table_slots(&self.bytes(0, TABLE_HEADER), self.len).unwrap_or(0);
+        let mut out = Vec::new();
+        for i in 0..n {
+            let off = TABLE_HEADER + i * SLOT_SIZE;
+            // SAFETY: the USED word of slot i is inside the table.
+            let used = unsafe { std::ptr::read_volatile(self.base.add(off) as *const u32) };
+            if used == 1 {
+                if let Some(v) = SlotView::parse(&self.bytes(off, SLOT_SIZE)) {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        // SAFETY: unmaps what `map` mapped.
+        unsafe { libc::munmap(self.base as *mut _, self.len) };
+    }
+}
+
+/// A process under the layer.
+pub struct Proc {
+    /// Its id.
+    pub pid: u32,
+    /// Its name.
+    pub name: String,
+    /// Its table.
+    pub table: Option<Arc<Table>>,
+}
+
+/// All processes, by local client.
+#[derive(Default)]
+pub struct Procs {
+    live: HashMap<u64, Proc>,
+    /// Tables of processes that went away but whose forked children may still use them.
+    orphans: Vec<Arc<Table>>,
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks existence.
+    pid > 0 && (unsafe { libc::kill(pid as i32, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
+impl Procs {
+    /// A process said hello.
+    pub fn hello(&mut self, client: u64, pid: u32, name: String, fd: Option<OwnedFd>) {
+        let table = fd.and_then(|fd| {
+            let t = Table::map(&fd)?;
+            // One mapping per table: a forked child shares its parent's.
+            let known = self.live.values().filter_map(|p| p.table.clone()).chain(self.orphans.iter().cloned()).find(|k| k.inode == t.inode);
+            Some(known.unwrap_or_else(|| Arc::new(t)))
+        });
+        self.live.insert(client, Proc { pid, name, table });
+    }
+
+    /// A local client went away.
+    pub fn gone(&mut self, client: u64) {
+        if let Some(p) = self.live.remove(&client) {
+            if let Some(t) = p.table {
+                self.orphans.push(t);
+            }
+        }
+    }
+
+    /// Distinct tables with their connections (dropping orphans nobody alive uses).
+    pub fn tables(&mut self) -> Vec<Arc<Table>> {
+        self.orphans.retain(|t| t.slots().iter().any(|s| alive(s.pid)));
+        let mut seen = Vec::new();
+        let mut out = Vec::new();
+        for t in self.live.values().filter_map(|p| p.table.clone()).chain(self.orphans.iter().cloned()) {
+            if !seen.contains(&t.inode) {
+                seen.push(t.inode);
+                out.push(t);
+            }
+        }
+        out
+    }
+}
+
+#[derive(Serialize)]
+struct ProcJson {
+    pid: u32,
+    name: String,
+    connections: usize,
+}
+
+#[derive(Serialize)]
+struct ConnJson {
+    gid: String,
+    pid: u32,
+    local: String,
+    peer: String,
+    substrate: &'static str,
+    direction: &'static str,
+    bytes_sent: u64,
+    bytes_received: u64,
+    msgs_sent: u64,
+    msgs_received: u64,
+    unacked_bytes: u64,
+    window: u64,
+    age_ms: u64,
+    error: u32,
+}
+
+#[derive(Serialize)]
+struct ListenerJson {
+    addr: String,
+}
+
+#[derive(Serialize)]
+struct Report {
+    node: String,
+    processes: Vec<ProcJson>,
+    listeners: Vec<ListenerJson>,
+    connections: Vec<ConnJson>,
+}
+
+/// The JSON status report.
+pub fn report(agent: &Agent) -> String {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let mut procs = agent.procs.lock().unwrap_or_else(|e| e.into_inner());
+    let mut conns: Vec<ConnJson> = Vec::new();
+    for t in procs.tables() {
+        for s in t.slots() {
+            if !alive(s.pid) {
+                continue;
+            }
+            conns.push(ConnJson {
+                gid: format!("{:032x}", s.gid),
+                pid: s.pid,
+                local: s.local.to_string(),
+                peer: s.peer.to_string(),
+                substrate: s.substrate,
+                direction: if s.active { "out" } else { "in" },
+                bytes_sent: s.bytes_sent,
+                bytes_received: s.bytes_received,
+                msgs_sent: s.msgs_sent,
+                msgs_received: s.msgs_received,
+                unacked_bytes: s.unacked,
+                window: s.window,
+                age_ms: now_ms.saturating_sub(s.created_ms),
+                error: s.error,
+            });
+        }
+    }
+    conns.sort_by(|a, b| (a.pid, &a.local).cmp(&(b.pid, &b.local)));
+    let mut processes: Vec<ProcJson> = procs
+        .live
+        .values()
+        .filter(|p| alive(p.pid))
+        .map(|p| ProcJson { pid: p.pid, name: p.name.clone(), connections: conns.iter().filter(|c| c.pid == p.pid).count() })
+        .collect();
+    processes.sort_by_key(|p| p.pid);
+    processes.dedup_by_key(|p| p.pid);
+    drop(procs);
+    let listeners = agent
+        .dir
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .listeners()
+        .iter()
+        .map(|l| ListenerJson { addr: l.addr.to_string() })
+        .collect();
+    serde_json::to_string(&Report { node: agent.node.clone(), processes, listeners, connections: conns })
+        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+}

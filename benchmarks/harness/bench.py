@@ -1,0 +1,1605 @@
+#!/usr/bin/env python3
+"""End-to-end benchmarks of vmi: every program natively and under the layer, side by side.
+
+Runs between two network-namespace hosts (vmib1 -> vmib2 over 10.79.0.0/24), or with --local
+between two processes of one host over 127.0.0.1. Native and layered runs alternate and are
+repeated (--reps), so that drift of the machine hits both alike. Prints Markdown tables on
+stdout and writes results.md, results.json and PNG plots into the output folder.
+
+    sudo python3 benchmarks/harness/bench.py                 # full run, ~10 minutes
+    sudo python3 benchmarks/harness/bench.py --quick         # ~2 minutes
+    sudo python3 benchmarks/harness/bench.py --only latency,throughput --reps 5
+    sudo python3 benchmarks/harness/bench.py --quick --native-only   # no layer needed
+
+See benchmarks/README.md for what each number means.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import fcntl
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+PROGRAMS = REPO / "benchmarks" / "programs"
+PREFIX = "vmib"
+NET0 = "10.79.0"
+NET1 = "10.79.1"
+LOCK_PATH = "/run/vmib-bench.lock"
+
+NATIVE, LAYER = "native", "layer"
+
+FULL_SIZES = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65000]
+QUICK_SIZES = [64, 512, 4096, 32768, 65000]
+
+# Goals the project sets itself (printed next to every result).
+TARGET_LATENCY_RATIO = 1.05      # layer median latency <= 105 % of native, every size
+TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
+TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
+TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
+
+BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "hockney", "irb"]
+ALIASES = {
+    "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
+    "iperf": "throughput", "iperf3": "throughput",
+    "redis-benchmark": "redis",
+    "conn": "connrate", "connections": "connrate",
+    "rss": "idle", "memory": "idle", "idle_conns": "idle",
+    "irb-cost": "irb",
+}
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr; stdout carries only the Markdown report."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class BenchError(Exception):
+    """A run failed; the harness records it as an error row and goes on."""
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------
+
+class Procs:
+    """Every long-running process the harness starts, each in its own process group."""
+
+    def __init__(self) -> None:
+        self.live: list[subprocess.Popen] = []
+        self.lock = threading.Lock()
+
+    def start(self, argv: list[str], env: dict | None = None, stdout: Any = subprocess.DEVNULL,
+              stderr: Any = subprocess.DEVNULL, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, stdin=stdin,
+                             start_new_session=True)
+        with self.lock:
+            self.live.append(p)
+        return p
+
+    @staticmethod
+    def _signal_group(p: subprocess.Popen, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, sig)
+
+    def stop(self, p: subprocess.Popen | None, grace: float = 3.0) -> None:
+        if p is None:
+            return
+        if p.poll() is None:
+            self._signal_group(p, signal.SIGTERM)
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._signal_group(p, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=grace)
+        else:
+            # The leader is gone; make sure nothing else of its group lingers.
+            self._signal_group(p, signal.SIGKILL)
+        with self.lock:
+            if p in self.live:
+                self.live.remove(p)
+
+    def stop_all(self) -> None:
+        with self.lock:
+            procs = list(self.live)
+        for p in reversed(procs):
+            self.stop(p, grace=2.0)
+
+
+PROCS = Procs()
+
+
+@dataclass
+class RunResult:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool = False
+
+
+def run(argv: list[str], timeout: float, env: dict | None = None,
+        log_path: Path | None = None) -> RunResult:
+    """Run to completion in its own process group; kill the whole group on timeout."""
+    t0 = time.monotonic()
+    p = PROCS.start(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    timed_out = False
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        PROCS.stop(p, grace=1.0)
+        out, err = p.communicate()
+    finally:
+        PROCS.stop(p, grace=1.0)
+    res = RunResult(p.returncode if p.returncode is not None else -9,
+                    out.decode(errors="replace"), err.decode(errors="replace"),
+                    time.monotonic() - t0, timed_out)
+    if log_path is not None:
+        log_path.write_text(f"$ {shlex.join(argv)}\n# rc={res.rc} seconds={res.seconds:.2f}"
+                            f"{' TIMEOUT' if timed_out else ''}\n--- stdout\n{res.stdout}"
+                            f"--- stderr\n{res.stderr}")
+    return res
+
+
+def quiet(argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# Topology
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Host:
+    name: str
+    ip: str  # address the benchmarks use (eth0, or 127.0.0.1 in --local mode)
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        return ["nsenter", f"--net=/run/netns/{self.name}", *argv]
+
+
+class Topology:
+    """Hosts PREFIX1..PREFIXn, eth0 on bridge PREFIXbr0 and eth1 on PREFIXbr1.
+
+    Uses scripts/topo.sh when it exists (VMI_NET0/VMI_NET1 select our subnets), else builds the
+    same thing itself with `ip`.
+    """
+
+    def __init__(self, n: int, use_script: bool = True) -> None:
+        self.n = n
+        self.script = REPO / "scripts" / "topo.sh"
+        self.use_script = use_script and self.script.exists()
+        self.env = dict(os.environ, VMI_NET0=NET0, VMI_NET1=NET1)
+
+    def names(self) -> list[str]:
+        return [f"{PREFIX}{i}" for i in range(1, self.n + 1)]
+
+    def up(self) -> None:
+        self.down(quiet_errors=True)  # leftovers of an interrupted run
+        if self.use_script:
+            r = subprocess.run(["bash", str(self.script), "up", str(self.n), PREFIX], env=self.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+            if r.returncode == 0 and self._check():
+                log(f"topology up via scripts/topo.sh: {', '.join(self.names())}")
+                return
+            log(f"scripts/topo.sh up failed (rc={r.returncode}: {r.stderr.strip()[-300:]}); "
+                "building the topology directly")
+            self.down(quiet_errors=True)
+        self._up_builtin()
+        if not self._check():
+            raise RuntimeError("topology check failed: hosts cannot reach each other")
+        log(f"topology up: {', '.join(self.names())}")
+
+    def _ip(self, *args: str) -> None:
+        r = quiet(["ip", *args])
+        if r.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+    def _up_builtin(self) -> None:
+        for b in ("br0", "br1"):
+            br = f"{PREFIX}{b}"
+            self._ip("link", "add", "name", br, "type", "bridge")
+            quiet(["ip", "link", "set", "dev", br, "type", "bridge", "stp_state", "0",
+                   "forward_delay", "0"])
+            self._ip("link", "set", "dev", br, "up")
+        for i in range(1, self.n + 1):
+            h = f"{PREFIX}{i}"
+            self._ip("netns", "add", h)
+            self._ip("-n", h, "link", "set", "dev", "lo", "up")
+            for k, net in ((0, NET0), (1, NET1)):
+                side = f"{PREFIX}{i}e{k}"
+                self._ip("link", "add", "name", side, "type", "veth", "peer", "name", f"{side}p")
+                self._ip("link", "set", "dev", f"{side}p", "netns", h)
+                self._ip("-n", h, "link", "set", "dev", f"{side}p", "name", f"eth{k}")
+                self._ip("link", "set", "dev", side, "master", f"{PREFIX}br{k}")
+                self._ip("link", "set", "dev", side, "up")
+                self._ip("-n", h, "addr", "add", f"{net}.{i}/24", "dev", f"eth{k}")
+                self._ip("-n", h, "link", "set", "dev", f"eth{k}", "up")
+
+    def _check(self) -> bool:
+        for h in self.names():
+            if not Path(f"/run/netns/{h}").exists():
+                return False
+        if self.n < 2:
+            return True
+        # Reachability without ping (not always installed): a TCP connect to a closed port of
+        # host 2 that is refused (RST) proves the path works; a timeout means it does not.
+        h1 = Host(self.names()[0], f"{NET0}.1")
+        probe = ("import socket,sys\n"
+                 "try:\n"
+                 f"    socket.create_connection(('{NET0}.2', 9), timeout=1).close()\n"
+                 "except ConnectionRefusedError:\n"
+                 "    pass\n"
+                 "except OSError:\n"
+                 "    sys.exit(1)\n")
+        for _ in range(20):  # the bridge ports may take a moment to forward
+            r = subprocess.run(h1.wrap([sys.executable, "-c", probe]), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=10)
+            if r.returncode == 0:
+                return True
+            time.sleep(0.25)
+        return False
+
+    def down(self, quiet_errors: bool = False) -> None:
+        # Kill whatever still runs inside our hosts (the harness's own processes are already
+        # stopped by then; this only catches strays, e.g. daemons that double-forked).
+        for h in self.names():
+            if Path(f"/run/netns/{h}").exists():
+                r = quiet(["ip", "netns", "pids", h])
+                for pid in r.stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                        os.kill(int(pid), signal.SIGKILL)
+        if self.use_script:
+            subprocess.run(["bash", str(self.script), "down", str(self.n), PREFIX], env=self.env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        for h in self.names():
+            if Path(f"/run/netns/{h}").exists():
+                quiet(["ip", "netns", "del", h])
+        for i in range(1, self.n + 1):
+            for k in (0, 1):
+                quiet(["ip", "link", "del", "dev", f"{PREFIX}{i}e{k}"])
+        for b in ("br0", "br1"):
+            quiet(["ip", "link", "del", "dev", f"{PREFIX}{b}"])
+
+
+# --------------------------------------------------------------------------------------------
+# Agents and verification that the layer really made virtual connections
+# --------------------------------------------------------------------------------------------
+
+class Agents:
+    def __init__(self, bins: dict[str, Path], hosts: list[Host], logdir: Path,
+                 extra_args: list[str]) -> None:
+        self.bins = bins
+        self.hosts = hosts
+        self.logdir = logdir
+        self.extra = extra_args
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts = 0
+
+    def status(self, host: Host, timeout: float = 5.0) -> dict | None:
+        try:
+            r = quiet(host.wrap([str(self.bins["vmictl"]), "status", "--json"]), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        if r.returncode != 0:
+            return None
+        try:
+            return json.loads(r.stdout)
+        except json.JSONDecodeError:
+            return {"_unparsed": r.stdout[:2000]}
+
+    def start(self) -> None:
+        for h in self.hosts:
+            self._start_one(h)
+
+    def _start_one(self, h: Host) -> None:
+        old = self.procs.get(h.name)
+        if old is not None:
+            PROCS.stop(old)
+        logf = open(self.logdir / f"agent-{h.name}.log", "ab")
+        p = PROCS.start(h.wrap([str(self.bins["vmi-agent"]), *self.extra]), stdout=logf,
+                        stderr=subprocess.STDOUT)
+        logf.close()
+        self.procs[h.name] = p
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise RuntimeError(f"vmi-agent in {h.name} exited with {p.returncode} "
+                                   f"(see {self.logdir / f'agent-{h.name}.log'})")
+            if self.status(h) is not None:
+                log(f"agent ready in {h.name} (pid {p.pid})")
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"vmi-agent in {h.name} not ready after 20 s "
+                           f"(`vmictl status --json` kept failing)")
+
+    def ensure(self) -> None:
+        """Restart an agent that died since the last run (recorded as a problem by the caller)."""
+        for h in self.hosts:
+            p = self.procs.get(h.name)
+            if p is None or p.poll() is not None:
+                self.restarts += 1
+                log(f"agent in {h.name} is gone (rc={p.returncode if p else None}); restarting")
+                self._start_one(h)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            PROCS.stop(p)
+        self.procs.clear()
+
+
+@dataclass
+class Seen:
+    """What `vmictl status --json` showed during runs of one mode of one benchmark."""
+    polls: int = 0
+    failed_polls: int = 0
+    max_connections: int = 0
+    substrates: set = field(default_factory=set)
+    sample: Any = None
+
+    def as_json(self) -> dict:
+        return {"polls": self.polls, "failed_polls": self.failed_polls,
+                "max_connections": self.max_connections,
+                "substrates": sorted(self.substrates), "sample_connection": self.sample}
+
+
+class Poller:
+    """Polls the agents of the given hosts while a client runs."""
+
+    def __init__(self, agents: Agents | None, hosts: list[Host], seen: Seen,
+                 first: float = 0.25, interval: float = 1.5) -> None:
+        self.agents = agents
+        self.hosts = hosts
+        self.seen = seen
+        self.first = first
+        self.interval = interval
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "Poller":
+        if self.agents is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_ev.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=15)
+
+    def poll_once(self) -> None:
+        assert self.agents is not None
+        for h in self.hosts:
+            st = self.agents.status(h)
+            self.seen.polls += 1
+            if st is None:
+                self.seen.failed_polls += 1
+                continue
+            conns = st.get("connections") if isinstance(st, dict) else None
+            if not isinstance(conns, list):
+                continue
+            self.seen.max_connections = max(self.seen.max_connections, len(conns))
+            for c in conns:
+                if isinstance(c, dict) and c.get("substrate") is not None:
+                    self.seen.substrates.add(str(c.get("substrate")))
+            if conns and self.seen.sample is None:
+                self.seen.sample = conns[0]
+
+    def _loop(self) -> None:
+        if self.stop_ev.wait(self.first):
+            return
+        while True:
+            try:
+                self.poll_once()
+            except Exception as e:  # never let the observer break a run
+                log(f"poll failed: {e}")
+            if self.stop_ev.wait(self.interval):
+                return
+
+
+# --------------------------------------------------------------------------------------------
+# Output parsers
+# --------------------------------------------------------------------------------------------
+
+def parse_sockperf(text: str) -> dict:
+    """sockperf 3.7 ping-pong: avg-latency, percentile lines, <MIN>/<MAX> (usec, RTT/2)."""
+    t = ANSI.sub("", text)
+    out: dict[str, float] = {}
+    m = re.search(r"avg-latency=([0-9.]+)\s*\(std-dev=([0-9.]+)\)", t)
+    if not m:
+        m2 = re.search(r"Summary: Latency is ([0-9.]+) usec", t)
+        if not m2:
+            raise BenchError("no avg-latency in sockperf output: "
+                             + (t.strip().splitlines() or ["(empty)"])[-1][:200])
+        out["avg"] = float(m2.group(1))
+    else:
+        out["avg"], out["stddev"] = float(m.group(1)), float(m.group(2))
+    for pm in re.finditer(r"percentile\s+([0-9.]+)\s*=\s*([0-9.]+)", t):
+        out[f"p{float(pm.group(1)):g}"] = float(pm.group(2))
+    m = re.search(r"<MEDIAN> observation\s*=\s*([0-9.]+)", t)  # some builds print this
+    if m:
+        out["p50"] = float(m.group(1))
+    for key, tag in (("min", "MIN"), ("max", "MAX")):
+        m = re.search(rf"<{tag}> observation\s*=\s*([0-9.]+)", t)
+        if m:
+            out[key] = float(m.group(1))
+    m = re.search(r"\[Valid Duration\].*?ReceivedMessages=(\d+)", t)
+    if m:
+        out["observations"] = int(m.group(1))
+    if "p50" not in out:
+        raise BenchError("no median (percentile 50) in sockperf output")
+    return out
+
+
+def parse_iperf3(text: str) -> dict:
+    try:
+        j = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BenchError(f"iperf3 output is not JSON: {e}") from None
+    if j.get("error"):
+        raise BenchError(f"iperf3: {j['error']}")
+    end = j.get("end", {})
+    recv = end.get("sum_received", {}).get("bits_per_second")
+    sent = end.get("sum_sent", {}).get("bits_per_second")
+    if recv is None and sent is None:
+        raise BenchError("iperf3 JSON has no end.sum_received")
+    retr = end.get("sum_sent", {}).get("retransmits")
+    return {"gbps": (recv if recv is not None else sent) / 1e9,
+            "sent_gbps": (sent or 0) / 1e9, "retransmits": retr}
+
+
+def parse_redis_csv(text: str) -> dict:
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip('"') for c in line.split(",")]
+        if len(cells) < 2 or cells[0] == "test":
+            continue
+        try:
+            rps = float(cells[1])
+        except ValueError:
+            continue
+        rec = {"rps": rps}
+        names = ["avg_ms", "min_ms", "p50_ms", "p95_ms", "p99_ms", "max_ms"]
+        for k, v in zip(names, cells[2:]):
+            with contextlib.suppress(ValueError):
+                rec[k] = float(v)
+        out[cells[0].upper()] = rec
+    if not out:
+        # Older redis-benchmark -q prints "SET: 12345.67 requests per second".
+        for m in re.finditer(r"^(\w+): ([0-9.]+) requests per second", text, re.M):
+            out[m.group(1).upper()] = {"rps": float(m.group(2))}
+    if not out:
+        raise BenchError("no results in redis-benchmark output: " + text.strip()[-200:])
+    return out
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise BenchError("no JSON result line in output: " + (text.strip()[-200:] or "(empty)"))
+
+
+# --------------------------------------------------------------------------------------------
+# The harness
+# --------------------------------------------------------------------------------------------
+
+class Harness:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out: Path = args.out
+        self.logs = self.out / "logs"
+        self.bindir = self.out / "bin"
+        self.bins = {
+            "preload": args.bin_dir / "libvmi_preload.so",
+            "vmi-agent": args.bin_dir / "vmi-agent",
+            "vmictl": args.bin_dir / "vmictl",
+            "irb-cost": args.bin_dir / "irb-cost",
+        }
+        self.modes = [NATIVE] if args.native_only else [NATIVE, LAYER]
+        self.port = 21000
+        self.agents: Agents | None = None
+        self.agent_error: str | None = None
+        self.results: dict[str, Any] = {"benchmarks": {}, "problems": []}
+        self.client: Host
+        self.server: Host
+        self.hosts: list[Host] = []
+
+    # ---------------------------------------------------------------- helpers
+    def next_port(self, width: int = 1) -> int:
+        p = self.port
+        self.port += max(width, 2)
+        return p
+
+    def env(self, mode: str) -> dict:
+        e = dict(os.environ)
+        e.pop("LD_PRELOAD", None)
+        if mode == LAYER:
+            e["LD_PRELOAD"] = str(self.bins["preload"].resolve())
+        return e
+
+    def pin(self, argv: list[str], role: str) -> list[str]:
+        """CPU placement. On small machines where the ends run decides the latency more than
+        anything else: on one CPU a ping-pong is a context switch (~7 us here), across CPUs it
+        is a cross-CPU wake-up (~20-30 us), and unpinned the scheduler flips between the two
+        from run to run. "split" models two hosts with a CPU each."""
+        if self.args.pin == "none" or (os.cpu_count() or 1) < 2:
+            return argv
+        if self.args.pin == "same":
+            return ["taskset", "-c", "0", *argv]
+        return ["taskset", "-c", "0" if role == "server" else "1", *argv]
+
+    def order(self, i: int) -> list[str]:
+        """Alternate which mode goes first, so slow drift of the machine hits both alike."""
+        return list(self.modes) if i % 2 == 0 else list(reversed(self.modes))
+
+    def bench(self, name: str) -> dict:
+        b = self.results["benchmarks"].setdefault(name, {"runs": [], "errors": []})
+        b.setdefault("seen", {m: Seen() for m in self.modes})
+        return b
+
+    def error(self, name: str, where: str, err: str) -> None:
+        msg = f"{where}: {err}"
+        log(f"ERROR {name} {msg}")
+        self.bench(name)["errors"].append(msg)
+
+    def listening(self, host: Host, port: int) -> bool:
+        r = quiet(host.wrap(["ss", "-Hltn", f"sport = :{port}"]), timeout=5)
+        return bool(r.stdout.strip())
+
+    def serve(self, name: str, mode: str, argv: list[str], port: int, tag: str) -> subprocess.Popen:
+        if mode == LAYER:
+            if self.agent_error:
+                raise BenchError(f"no agent, layered run skipped ({self.agent_error})")
+            if self.agents is not None:
+                try:
+                    self.agents.ensure()
+                except RuntimeError as e:
+                    raise BenchError(f"agent restart failed: {e}") from None
+        logf = open(self.logs / f"{name}-{tag}-server.log", "wb")
+        p = PROCS.start(self.server.wrap(self.pin(argv, "server")), env=self.env(mode),
+                        stdout=logf, stderr=subprocess.STDOUT)
+        logf.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if p.poll() is not None:
+                raise BenchError(f"server exited with {p.returncode} before listening "
+                                 f"(logs/{name}-{tag}-server.log)")
+            if self.listening(self.server, port):
+                return p
+            time.sleep(0.05)
+        PROCS.stop(p)
+        raise BenchError(f"server not listening on port {port} after 15 s")
+
+    def client_run(self, name: str, mode: str, argv: list[str], timeout: float,
+                   tag: str) -> RunResult:
+        seen = self.bench(name)["seen"][mode]
+        hosts = [self.client] if self.client.name == self.server.name else [self.client, self.server]
+        with Poller(self.agents, hosts, seen):
+            r = run(self.client.wrap(self.pin(argv, "client")), timeout=timeout,
+                    env=self.env(mode), log_path=self.logs / f"{name}-{tag}-client.log")
+        if r.timed_out:
+            raise BenchError(f"client timed out after {timeout:.0f} s")
+        return r
+
+    def with_server(self, name: str, mode: str, server_argv: list[str], port: int, tag: str,
+                    body: Callable[[], Any]) -> Any:
+        srv = self.serve(name, mode, server_argv, port, tag)
+        try:
+            return body()
+        finally:
+            PROCS.stop(srv)
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        self.bindir.mkdir(exist_ok=True)
+        for prog in ("connrate", "idle_conns"):
+            src = PROGRAMS / f"{prog}.c"
+            r = quiet(["gcc", "-O2", "-Wall", "-o", str(self.bindir / prog), str(src)], timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"gcc {src}: {r.stderr.strip()}")
+        self.results["meta"] = self.meta()
+
+    def meta(self) -> dict:
+        def out(argv: list[str]) -> str:
+            try:
+                r = quiet(argv, timeout=10)
+                return (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr) else ""
+            except (OSError, subprocess.TimeoutExpired):
+                return ""
+        commit = out(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+        dirty = bool(quiet(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]
+                           ).stdout.strip()) if commit else False
+        bins = {}
+        for k, p in self.bins.items():
+            if p.exists():
+                st = p.stat()
+                bins[k] = {"path": str(p), "mtime": _dt.datetime.fromtimestamp(st.st_mtime)
+                           .isoformat(timespec="seconds"), "size": st.st_size}
+        return {
+            "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "loadavg_at_start": list(os.getloadavg()),
+            "command": shlex.join(sys.argv),
+            "git": commit + ("-dirty" if dirty else ""),
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "topology": "local (one host, 127.0.0.1)" if self.args.local
+            else f"two hosts {PREFIX}1 -> {PREFIX}2 over veth+bridge ({NET0}.0/24)",
+            "reps": self.args.reps,
+            "quick": self.args.quick,
+            "modes": self.modes,
+            "pinned": self.args.pin,
+            "versions": {
+                "sockperf": re.sub(r"\x1b\[[0-9;]*m", "", out(["sockperf", "--version"])),
+                "iperf3": out(["iperf3", "--version"]),
+                "redis-server": out(["redis-server", "--version"]),
+                "gcc": out(["gcc", "--version"]),
+            },
+            "binaries": bins,
+        }
+
+    # ---------------------------------------------------------------- 1. latency
+    def b_latency(self) -> None:
+        name = "latency"
+        a = self.args
+        sizes = a.sizes or (QUICK_SIZES if a.quick else FULL_SIZES)
+        dur = a.duration or (1 if a.quick else 5)
+        b = self.bench(name)
+        b["params"] = {"sizes": sizes, "seconds": dur}
+        k = 0
+        for rep in range(a.reps):
+            for size in sizes:
+                for mode in self.order(k):
+                    k += 1
+                    tag = f"{mode}-r{rep}-m{size}"
+                    port = self.next_port()
+                    log(f"latency {mode} rep {rep + 1}/{a.reps} size {size}")
+                    try:
+                        def body() -> dict:
+                            r = self.client_run(name, mode, [
+                                "sockperf", "ping-pong", "--tcp", "-i", self.server.ip,
+                                "-p", str(port), "-m", str(size), "-t", str(dur)],
+                                timeout=dur + 40, tag=tag)
+                            try:
+                                return parse_sockperf(r.stdout + r.stderr)
+                            except BenchError as e:
+                                raise BenchError(f"rc={r.rc}: {e}") from None
+                        res = self.with_server(name, mode, [
+                            "sockperf", "server", "--tcp", "-i", self.server.ip, "-p", str(port)],
+                            port, tag, body)
+                        b["runs"].append({"mode": mode, "rep": rep, "size": size, **res})
+                    except BenchError as e:
+                        self.error(name, f"{mode} rep {rep + 1} size {size}", str(e))
+
+    # ---------------------------------------------------------------- 2. throughput
+    def b_throughput(self) -> None:
+        name = "throughput"
+        a = self.args
+        dur = 2 if a.quick else 5
+        b = self.bench(name)
+        b["params"] = {"streams": [1, 4], "seconds": dur}
+        k = 0
+        for rep in range(a.reps):
+            for streams in (1, 4):
+                for mode in self.order(k):
+                    k += 1
+                    tag = f"{mode}-r{rep}-P{streams}"
+                    port = self.next_port()
+                    log(f"throughput {mode} rep {rep + 1}/{a.reps} streams {streams}")
+                    try:
+                        def body() -> dict:
+                            r = self.client_run(name, mode, [
+                                "iperf3", "-c", self.server.ip, "-p", str(port), "-t", str(dur),
+                                "-P", str(streams), "--json"], timeout=dur + 40, tag=tag)
+                            try:
+                                return parse_iperf3(r.stdout)
+                            except BenchError as e:
+                                raise BenchError(f"rc={r.rc}: {e} {r.stderr.strip()[-200:]}") from None
+                        res = self.with_server(name, mode, [
+                            "iperf3", "-s", "-B", self.server.ip, "-p", str(port)], port, tag, body)
+                        b["runs"].append({"mode": mode, "rep": rep, "streams": streams, **res})
+                    except BenchError as e:
+                        self.error(name, f"{mode} rep {rep + 1} -P {streams}", str(e))
+
+    # ---------------------------------------------------------------- 3. redis
+    def b_redis(self) -> None:
+        name = "redis"
+        a = self.args
+        n = 20000 if a.quick else 100000
+        b = self.bench(name)
+        b["params"] = {"requests": n, "tests": ["set", "get"], "clients": 50}
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                port = self.next_port()
+                log(f"redis {mode} rep {rep + 1}/{a.reps}")
+                try:
+                    def body() -> dict:
+                        r = self.client_run(name, mode, [
+                            "redis-benchmark", "-h", self.server.ip, "-p", str(port), "-q",
+                            "-n", str(n), "-t", "set,get", "--csv"], timeout=180, tag=tag)
+                        if r.rc != 0:
+                            raise BenchError(f"redis-benchmark rc={r.rc}: {r.stderr.strip()[-200:]}")
+                        return parse_redis_csv(r.stdout)
+                    res = self.with_server(name, mode, [
+                        "redis-server", "--save", "", "--appendonly", "no", "--protected-mode", "no",
+                        "--bind", self.server.ip, "--port", str(port), "--daemonize", "no",
+                        "--dir", str(self.logs)], port, tag, body)
+                    b["runs"].append({"mode": mode, "rep": rep, "tests": res})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
+    # ---------------------------------------------------------------- 4. connection rate
+    def b_connrate(self) -> None:
+        name = "connrate"
+        a = self.args
+        count, secs = (50000, 1.5) if a.quick else (200000, 5.0)
+        prog = str(self.bindir / "connrate")
+        b = self.bench(name)
+        b["params"] = {"max_connections": count, "max_seconds": secs}
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                port = self.next_port(2)
+                log(f"connrate {mode} rep {rep + 1}/{a.reps}")
+                try:
+                    def body() -> dict:
+                        r = self.client_run(name, mode, [
+                            prog, "client", self.server.ip, str(port), str(count), str(secs)],
+                            timeout=secs + 60, tag=tag)
+                        res = last_json_line(r.stdout)
+                        if r.rc != 0:
+                            raise BenchError(f"rc={r.rc} {res} {r.stderr.strip()[-200:]}")
+                        return res
+                    res = self.with_server(name, mode, [prog, "server", self.server.ip, str(port)],
+                                           port, tag, body)
+                    b["runs"].append({"mode": mode, "rep": rep, **res})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
+    # ---------------------------------------------------------------- 5. idle connections
+    @staticmethod
+    def proc_status_kb(pid: int, key: str) -> int | None:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
+    @staticmethod
+    def nfds(pid: int) -> int:
+        try:
+            return len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return -1
+
+    def b_idle(self) -> None:
+        name = "idle"
+        a = self.args
+        n = a.idle_conns or (5000 if a.quick else 10000)
+        prog = str(self.bindir / "idle_conns")
+        b = self.bench(name)
+        b["params"] = {"connections": n, "touch": 1}
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                port = self.next_port()
+                log(f"idle {mode} rep {rep + 1}/{a.reps} ({n} connections)")
+                srv = None
+                cli = None
+                try:
+                    srv = self.serve(name, mode, [prog, "server", self.server.ip, str(port)],
+                                     port, tag)
+                    time.sleep(0.2)
+                    s_rss0 = self.proc_status_kb(srv.pid, "VmRSS")
+                    s_fd0 = self.nfds(srv.pid)
+                    hold = 120.0
+                    seen = b["seen"][mode]
+                    hosts = [self.client] if self.client.name == self.server.name \
+                        else [self.client, self.server]
+                    poller = Poller(self.agents, hosts, seen)
+                    logp = self.logs / f"{name}-{tag}-client.log"
+                    errf = open(logp, "wb")
+                    cli = PROCS.start(self.client.wrap(self.pin(
+                        [prog, "client", self.server.ip, str(port), str(n), str(hold), "1"],
+                        "client")), env=self.env(mode), stdout=subprocess.PIPE, stderr=errf,
+                        stdin=subprocess.PIPE)
+                    errf.close()
+                    # Wait for the client's result line (it then holds the connections).
+                    line = self._read_line(cli, timeout=max(60.0, n / 100.0))
+                    if line is None:
+                        raise BenchError(f"client printed no result (rc={cli.poll()}; "
+                                         f"see logs/{logp.name})")
+                    res = json.loads(line)
+                    # While the connections are held: wait for the server to have them all,
+                    # sample its memory, and ask the agents what they see.
+                    # The server holds the client's connections plus its warm-up connection; wait
+                    # until it has at least that many more fds and the count stopped moving.
+                    want = res["opened"] + 1
+                    deadline = time.monotonic() + 30
+                    last, stable_since = -1, time.monotonic()
+                    while time.monotonic() < deadline:
+                        cur = self.nfds(srv.pid)
+                        if cur != last:
+                            last, stable_since = cur, time.monotonic()
+                        elif cur - s_fd0 >= want and time.monotonic() - stable_since >= 0.5:
+                            break
+                        time.sleep(0.1)
+                    s_rss1 = self.proc_status_kb(srv.pid, "VmRSS")
+                    s_fd1 = self.nfds(srv.pid)
+                    if self.agents is not None:
+                        poller.poll_once()
+                    res["server_rss_before_kb"] = s_rss0
+                    res["server_rss_after_kb"] = s_rss1
+                    res["server_new_fds"] = s_fd1 - s_fd0
+                    if s_fd1 - s_fd0 < want:
+                        self.error(name, f"{mode} rep {rep + 1}", f"server holds only "
+                                   f"{s_fd1 - s_fd0} new fds for {want} connections")
+                    elif s_rss0 is not None and s_rss1 is not None:
+                        res["server_bytes_per_conn"] = (s_rss1 - s_rss0) * 1024.0 / want
+                    with contextlib.suppress(OSError):
+                        assert cli.stdin is not None
+                        cli.stdin.close()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        cli.wait(timeout=30)
+                    if res.get("opened", 0) < n:
+                        self.error(name, f"{mode} rep {rep + 1}",
+                                   f"only {res.get('opened')} of {n} connections opened "
+                                   f"({res.get('errors')} errors)")
+                    b["runs"].append({"mode": mode, "rep": rep, **res})
+                except (BenchError, json.JSONDecodeError, KeyError) as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+                finally:
+                    PROCS.stop(cli)
+                    PROCS.stop(srv)
+
+    @staticmethod
+    def _read_line(p: subprocess.Popen, timeout: float) -> str | None:
+        """First line of p's stdout, or None after timeout / EOF."""
+        box: list[str] = []
+
+        def reader() -> None:
+            assert p.stdout is not None
+            box.append(p.stdout.readline().decode(errors="replace"))
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not box or not box[0].strip():
+            return None
+        return box[0]
+
+    # ---------------------------------------------------------------- 7. IRB cost
+    def b_irb(self) -> None:
+        name = "irb"
+        b = self.bench(name)
+        exe = self.bins["irb-cost"]
+        if not exe.exists():
+            b["skipped"] = f"{exe} not built"
+            log(f"irb: {exe} not found; skipped")
+            return
+        log("irb-cost")
+        try:
+            r = run([str(exe)], timeout=300, log_path=self.logs / "irb-cost.log")
+            if r.timed_out:
+                raise BenchError("timed out after 300 s")
+            if r.rc != 0:
+                raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
+            try:
+                b["output"] = json.loads(r.stdout)
+            except json.JSONDecodeError:
+                b["output"] = last_json_line(r.stdout)
+        except BenchError as e:
+            self.error(name, "irb-cost", str(e))
+
+    # ---------------------------------------------------------------- driver
+    def run_all(self, selected: list[str]) -> None:
+        if self.args.local:
+            topo = Topology(1, use_script=not self.args.no_topo_script)
+        else:
+            topo = Topology(2, use_script=not self.args.no_topo_script)
+        try:
+            topo.up()
+            if self.args.local:
+                h = Host(f"{PREFIX}1", "127.0.0.1")
+                self.client = self.server = h
+                self.hosts = [h]
+            else:
+                self.client = Host(f"{PREFIX}1", f"{NET0}.1")
+                self.server = Host(f"{PREFIX}2", f"{NET0}.2")
+                self.hosts = [self.client, self.server]
+            if LAYER in self.modes:
+                self.agents = Agents(self.bins, self.hosts, self.logs,
+                                     shlex.split(self.args.agent_args))
+                try:
+                    self.agents.start()
+                except RuntimeError as e:
+                    self.agent_error = str(e)
+                    self.results["problems"].append(f"agents did not start: {e}")
+                    log(f"agents did not start ({e}); layered runs will be error rows")
+            order = [("latency", self.b_latency), ("throughput", self.b_throughput),
+                     ("redis", self.b_redis), ("connrate", self.b_connrate),
+                     ("idle", self.b_idle), ("irb", self.b_irb)]
+            for bname, fn in order:
+                want = bname in selected or (bname == "latency" and "hockney" in selected)
+                if not want:
+                    continue
+                missing = self.missing_tools(bname)
+                if missing:
+                    self.bench(bname)
+                    self.error(bname, "setup", f"missing {', '.join(missing)} "
+                               "(apt-get install -y sockperf iperf3 redis-server redis-tools)")
+                    continue
+                t0 = time.monotonic()
+                self.bench(bname)["loadavg_before"] = list(os.getloadavg())
+                try:
+                    fn()
+                except BenchError as e:
+                    self.error(bname, "benchmark", str(e))
+                except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                    self.error(bname, "benchmark", f"{type(e).__name__}: {e}")
+                self.bench(bname)["seconds"] = round(time.monotonic() - t0, 1)
+            if self.agents is not None and self.agents.restarts:
+                self.results["problems"].append(
+                    f"an agent died and was restarted {self.agents.restarts} time(s) during the run")
+        finally:
+            if self.agents is not None:
+                self.agents.stop()
+            PROCS.stop_all()
+            topo.down()
+            log("topology down")
+
+    @staticmethod
+    def missing_tools(bname: str) -> list[str]:
+        need = {"latency": ["sockperf"], "throughput": ["iperf3"],
+                "redis": ["redis-server", "redis-benchmark"]}.get(bname, [])
+        return [t for t in need if shutil.which(t) is None]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and report
+# --------------------------------------------------------------------------------------------
+
+def med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else None
+
+
+def mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def ratio(layer: float | None, native: float | None) -> float | None:
+    if layer is None or native is None or native == 0:
+        return None
+    return layer / native
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    if x is None:
+        return "—"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) >= 100:
+        return f"{x:.1f}"
+    return f"{x:.{digits}f}"
+
+
+def fmt_spread(xs: list[float], digits: int = 2) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "—"
+    m = statistics.median(xs)
+    if len(xs) == 1:
+        return fmt(m, digits)
+    return f"{fmt(m, digits)} ({fmt(min(xs), digits)}–{fmt(max(xs), digits)})"
+
+
+def verdict(r: float | None, target: float, higher_is_better: bool) -> str:
+    if r is None:
+        return "—"
+    ok = r >= target if higher_is_better else r <= target
+    return "ok" if ok else "**MISS**"
+
+
+def size_label(n: int) -> str:
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n // 1024}K"
+    if n == 65000:
+        return "65000 (64K)"
+    return str(n)
+
+
+def hockney(sizes: list[int], lat_us: list[float]) -> dict | None:
+    """Fit t(n) = a + n / r_inf to one-way latency (us) over message size n (bytes)."""
+    pts = [(float(s), float(t)) for s, t in zip(sizes, lat_us) if t is not None]
+    if len(pts) < 2:
+        return None
+    nx = len(pts)
+    mx = sum(p[0] for p in pts) / nx
+    my = sum(p[1] for p in pts) / nx
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    if sxx == 0:
+        return None
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx   # us per byte
+    intercept = my - slope * mx
+    t0 = min(pts)[1]  # half round trip of the smallest message
+    r_inf = 1.0 / slope if slope > 0 else None                  # bytes per us == MB/s
+    return {
+        "t0_us": t0,
+        "fit_intercept_us": intercept,
+        "r_inf_MBps": r_inf,
+        "r_inf_gbps": r_inf * 8 / 1000 if r_inf else None,
+        "n_half_bytes": t0 * r_inf if r_inf else None,
+    }
+
+
+class Report:
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.res = h.results
+        self.modes = h.modes
+        self.summary: dict[str, Any] = {}
+        self.lines: list[str] = []
+
+    def b(self, name: str) -> dict | None:
+        return self.res["benchmarks"].get(name)
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.lines.append("| " + " | ".join(header) + " |")
+        self.lines.append("|" + "|".join(" --- " for _ in header) + "|")
+        for r in rows:
+            r = r + [""] * (len(header) - len(r))
+            self.lines.append("| " + " | ".join(r) + " |")
+        self.lines.append("")
+
+    def error_rows(self, name: str, width: int) -> list[list[str]]:
+        b = self.b(name) or {}
+        return [["**ERROR**", e] + [""] * (width - 2) for e in b.get("errors", [])]
+
+    def check_rows(self, name: str, width: int) -> list[list[str]]:
+        """Warn when layered runs showed no virtual connection (the layer stayed plain TCP)."""
+        b = self.b(name) or {}
+        seen = b.get("seen", {})
+        rows = []
+        lay = seen.get(LAYER)
+        if LAYER in self.modes and lay is not None and any(
+                r.get("mode") == LAYER for r in b.get("runs", [])):
+            if lay.max_connections == 0:
+                rows.append(["**WARNING**",
+                             f"vmictl saw no virtual connection during the layered runs "
+                             f"({lay.polls} polls, {lay.failed_polls} failed): the layer may have "
+                             f"stayed plain TCP"] + [""] * (width - 2))
+        nat = seen.get(NATIVE)
+        if nat is not None and nat.max_connections > 0:
+            rows.append(["**WARNING**", f"vmictl listed {nat.max_connections} virtual connection(s) "
+                         "during native runs"] + [""] * (width - 2))
+        return rows
+
+    def by(self, name: str, mode: str, key: Callable[[dict], bool] = lambda r: True) -> list[dict]:
+        b = self.b(name) or {}
+        return [r for r in b.get("runs", []) if r.get("mode") == mode and key(r)]
+
+    # ------------------------------------------------------------ sections
+    def latency(self) -> None:
+        b = self.b("latency")
+        if not b:
+            return
+        sizes = b.get("params", {}).get("sizes", [])
+        self.lines += ["## Latency: sockperf ping-pong over TCP",
+                       "",
+                       "One-way latency (half the round trip) in microseconds, median over "
+                       f"repetitions of each run's median (p50) and average. Target: layer p50 <= "
+                       f"{TARGET_LATENCY_RATIO:.2f} x native at every size.",
+                       ""]
+        hdr = ["size (B)", "native p50", "layer p50", "p50 ratio", "native avg", "layer avg",
+               "avg ratio", "native p99", "layer p99", "target", "verdict"]
+        rows = []
+        summ: dict[str, dict] = {}
+        for s in sizes:
+            d: dict[str, Any] = {}
+            for m in (NATIVE, LAYER):
+                runs = self.by("latency", m, lambda r, s=s: r["size"] == s)
+                d[m] = {"p50": med([r.get("p50") for r in runs]),
+                        "avg": mean([r.get("avg") for r in runs]),
+                        "p99": med([r.get("p99") for r in runs]),
+                        "p50_reps": [r.get("p50") for r in runs],
+                        "avg_reps": [r.get("avg") for r in runs]}
+            d["p50_ratio"] = ratio(d[LAYER]["p50"], d[NATIVE]["p50"])
+            d["avg_ratio"] = ratio(d[LAYER]["avg"], d[NATIVE]["avg"])
+            d["verdict"] = verdict(d["p50_ratio"], TARGET_LATENCY_RATIO, False)
+            summ[str(s)] = d
+            rows.append([size_label(s), fmt(d[NATIVE]["p50"]), fmt(d[LAYER]["p50"]),
+                         fmt(d["p50_ratio"], 3), fmt(d[NATIVE]["avg"]), fmt(d[LAYER]["avg"]),
+                         fmt(d["avg_ratio"], 3), fmt(d[NATIVE]["p99"]), fmt(d[LAYER]["p99"]),
+                         f"<= {TARGET_LATENCY_RATIO:.2f}", d["verdict"]])
+        rows += self.check_rows("latency", len(hdr)) + self.error_rows("latency", len(hdr))
+        self.table(hdr, rows)
+        self.summary["latency"] = summ
+
+    def rates(self) -> None:
+        hdr = ["benchmark", "native", "layer", "ratio", "target", "verdict"]
+        rows: list[list[str]] = []
+        summ: dict[str, dict] = {}
+
+        def add(key: str, label: str, nat: list[float], lay: list[float], target: float | None,
+                digits: int = 2) -> None:
+            r = ratio(med(lay), med(nat))
+            v = verdict(r, target, True) if target is not None else "—"
+            summ[key] = {"native": med(nat), "layer": med(lay), "ratio": r, "target": target,
+                         "verdict": v, "native_reps": nat, "layer_reps": lay}
+            rows.append([label, fmt_spread(nat, digits), fmt_spread(lay, digits), fmt(r, 3),
+                         f">= {target:.2f}" if target is not None else "(no target)", v])
+
+        if self.b("throughput"):
+            for p in (1, 4):
+                nat = [r["gbps"] for r in self.by("throughput", NATIVE, lambda r, p=p: r["streams"] == p)]
+                lay = [r["gbps"] for r in self.by("throughput", LAYER, lambda r, p=p: r["streams"] == p)]
+                add(f"iperf3_P{p}", f"iperf3 {p} stream{'s' if p > 1 else ''} (Gbit/s)", nat, lay,
+                    TARGET_THROUGHPUT_RATIO)
+            rows += self.check_rows("throughput", len(hdr)) + self.error_rows("throughput", len(hdr))
+        if self.b("redis"):
+            for t in ("SET", "GET"):
+                nat = [r["tests"][t]["rps"] for r in self.by("redis", NATIVE) if t in r["tests"]]
+                lay = [r["tests"][t]["rps"] for r in self.by("redis", LAYER) if t in r["tests"]]
+                add(f"redis_{t}", f"redis-benchmark {t} (ops/s, 50 clients)", nat, lay,
+                    TARGET_REDIS_RATIO, 0)
+            rows += self.check_rows("redis", len(hdr)) + self.error_rows("redis", len(hdr))
+        if self.b("connrate"):
+            nat = [r["conns_per_sec"] for r in self.by("connrate", NATIVE)]
+            lay = [r["conns_per_sec"] for r in self.by("connrate", LAYER)]
+            add("connrate", "connection set-up, sequential (conn/s)", nat, lay, None, 0)
+            rows += self.check_rows("connrate", len(hdr)) + self.error_rows("connrate", len(hdr))
+        if not rows:
+            return
+        self.lines += ["## Throughput and rates",
+                       "",
+                       "Median over repetitions (min–max in brackets). Targets: iperf3 and redis "
+                       f"layer >= {TARGET_THROUGHPUT_RATIO:.2f} x native.",
+                       ""]
+        self.table(hdr, rows)
+        self.summary["rates"] = summ
+
+    def idle(self) -> None:
+        b = self.b("idle")
+        if not b:
+            return
+        n = b.get("params", {}).get("connections")
+        hdr = ["side", "native KiB/conn", "layer KiB/conn", "layer - native", "target", "verdict"]
+        rows = []
+        summ = {}
+        for side, key in (("client (VmRSS)", "bytes_per_conn"),
+                          ("client (RssAnon)", "anon_bytes_per_conn"),
+                          ("server (VmRSS)", "server_bytes_per_conn")):
+            nat = [r[key] / 1024 for r in self.by("idle", NATIVE) if r.get(key) is not None]
+            lay = [r[key] / 1024 for r in self.by("idle", LAYER) if r.get(key) is not None]
+            ln = med(lay)
+            nn = med(nat)
+            v = "—" if ln is None else ("ok" if ln < TARGET_IDLE_KIB else "**MISS**")
+            summ[key] = {"native_kib": nn, "layer_kib": ln, "verdict": v,
+                         "native_reps": nat, "layer_reps": lay}
+            rows.append([side, fmt_spread(nat, 2), fmt_spread(lay, 2),
+                         fmt(None if ln is None or nn is None else ln - nn, 2),
+                         f"layer < {TARGET_IDLE_KIB:.0f}", v])
+        rows += self.check_rows("idle", len(hdr)) + self.error_rows("idle", len(hdr))
+        self.lines += ["## Memory per idle connection",
+                       "",
+                       f"{n} connections held open, each having carried one byte; resident memory "
+                       "growth of each process divided by the number of connections (kernel socket "
+                       "memory is not in RSS). Target: < 32 KiB per idle virtual connection.",
+                       ""]
+        self.table(hdr, rows)
+        self.summary["idle"] = summ
+
+    def hockney_section(self) -> None:
+        lat = self.summary.get("latency")
+        if not lat:
+            return
+        sizes = [int(s) for s in lat]
+        out: dict[str, Any] = {}
+        rows = []
+        iperf = self.summary.get("rates", {}).get("iperf3_P1", {})
+        for m in self.modes:
+            hk = hockney(sizes, [lat[str(s)][m]["p50"] for s in sizes])
+            if hk is None:
+                continue
+            ig = iperf.get(m) if iperf else None
+            if ig:
+                hk["r_inf_iperf3_gbps"] = ig
+                hk["n_half_iperf3_bytes"] = hk["t0_us"] * ig * 1000 / 8
+            out[m] = hk
+            rows.append([m, fmt(hk["t0_us"]), fmt(hk["fit_intercept_us"]),
+                         fmt(hk["r_inf_gbps"], 3), fmt(hk["n_half_bytes"], 0),
+                         fmt(hk.get("r_inf_iperf3_gbps"), 2), fmt(hk.get("n_half_iperf3_bytes"), 0)])
+        if not rows:
+            return
+        if any(v.get("r_inf_MBps") is None for v in out.values()):
+            rows.append(["note", "fit slope <= 0 (latency did not grow with size): r_inf from "
+                         "the fit is undefined; use the iperf3 columns or more repetitions"])
+        self.lines += ["## Hockney parameters (from the ping-pong medians)",
+                       "",
+                       "t0 = one-way latency of the smallest message; r_inf = 1/slope of a "
+                       "least-squares fit t(n) = a + n/r_inf over all sizes; n_1/2 = t0 x r_inf. "
+                       "The last two columns use the iperf3 one-stream figure as r_inf instead.",
+                       ""]
+        self.table(["mode", "t0 (us)", "fit intercept (us)", "r_inf fit (Gbit/s)",
+                    "n_1/2 fit (B)", "r_inf iperf3 (Gbit/s)", "n_1/2 iperf3 (B)"], rows)
+        self.summary["hockney"] = out
+
+    def irb(self) -> None:
+        b = self.b("irb")
+        if not b:
+            return
+        self.lines += ["## IRB cost per device (irb-cost)", ""]
+        if b.get("skipped"):
+            self.lines += [f"Skipped: {b['skipped']}.", ""]
+            return
+        outp = b.get("output")
+        if isinstance(outp, dict):
+            devs = outp.get("devices")
+            if isinstance(devs, list) and devs and all(isinstance(d, dict) for d in devs):
+                keys: list[str] = []
+                for d in devs:
+                    for k in d:
+                        if k not in keys:
+                            keys.append(k)
+                rows = [[fmt(d.get(k), 3) if isinstance(d.get(k), (int, float))
+                         else str(d.get(k, "")) for k in keys] for d in devs]
+                self.table(keys, rows)
+            other = {k: v for k, v in outp.items() if k != "devices"}
+            if other:
+                self.table(["key", "value"], [[k, json.dumps(v)[:200]] for k, v in other.items()])
+        elif outp is not None:
+            self.lines += ["```", json.dumps(outp, indent=1)[:3000], "```", ""]
+        errs = self.error_rows("irb", 2)
+        if errs:
+            self.table(["", "error"], errs)
+
+    def problems(self) -> None:
+        probs = list(self.res.get("problems", []))
+        for name, b in self.res["benchmarks"].items():
+            for e in b.get("errors", []):
+                probs.append(f"{name}: {e}")
+        if probs:
+            self.lines += ["## Problems", ""] + [f"- {p}" for p in probs] + [""]
+
+    def checks(self) -> None:
+        if LAYER not in self.modes:
+            return
+        rows = []
+        for name, b in self.res["benchmarks"].items():
+            seen = b.get("seen", {})
+            if LAYER not in seen:
+                continue
+            lay, nat = seen[LAYER], seen.get(NATIVE, Seen())
+            if lay.polls == 0 and nat.polls == 0:
+                continue
+            rows.append([name, str(lay.polls), str(lay.max_connections),
+                         ", ".join(sorted(lay.substrates)) or "—", str(nat.max_connections),
+                         "ok" if lay.max_connections > 0 else "**NO VIRTUAL CONNECTION**"])
+        if rows:
+            self.lines += ["## Were the layered runs really virtual?", "",
+                           "`vmictl status --json` polled in the hosts while each client ran.", ""]
+            self.table(["benchmark", "polls (layer)", "max virtual conns (layer)", "substrates",
+                        "max virtual conns (native)", "check"], rows)
+
+    def build(self) -> str:
+        meta = self.res.get("meta", {})
+        self.lines = [f"# vmi end-to-end benchmarks, {meta.get('date', '')}", "",
+                      f"- topology: {meta.get('topology')}",
+                      f"- git: {meta.get('git')}, kernel {meta.get('kernel')}, {meta.get('cpus')} CPUs",
+                      f"- repetitions: {meta.get('reps')} (native and layer alternate)"
+                      + (", quick mode" if meta.get("quick") else "")
+                      + {"split": ", clients pinned to CPU 1 and servers to CPU 0",
+                         "same": ", clients and servers pinned to CPU 0",
+                         "none": ", no CPU pinning"}.get(str(meta.get("pinned")), ""),
+                      f"- command: `{meta.get('command')}`", ""]
+        la = meta.get("loadavg_at_start")
+        if la and la[0] > 0.5:
+            self.lines += [f"**Note**: the machine was busy when the run started (load average "
+                           f"{la[0]:.2f}); other work on the CPUs makes every figure noisier.", ""]
+        if self.modes == [NATIVE]:
+            self.lines += ["**Native-only run**: no layered numbers.", ""]
+        self.latency()
+        self.rates()
+        self.idle()
+        self.hockney_section()
+        self.irb()
+        self.checks()
+        self.problems()
+        return "\n".join(self.lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+def plots(h: Harness, summary: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed (python3 -m pip install matplotlib): no plots")
+        return []
+    made = []
+    colors = {NATIVE: "#1f77b4", LAYER: "#d62728"}
+    lat = summary.get("latency")
+    if lat:
+        sizes = [int(s) for s in lat]
+        fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+        for m in h.modes:
+            p50 = [lat[str(s)][m]["p50"] for s in sizes]
+            avg = [lat[str(s)][m]["avg"] for s in sizes]
+            lo = [min([x for x in lat[str(s)][m]["p50_reps"] if x is not None], default=float("nan"))
+                  for s in sizes]
+            hi = [max([x for x in lat[str(s)][m]["p50_reps"] if x is not None], default=float("nan"))
+                  for s in sizes]
+            xs = [s for s, v in zip(sizes, p50) if v is not None]
+            if not xs:
+                continue
+            ys = [v for v in p50 if v is not None]
+            err_lo = [y - l for y, l, v in zip(p50, lo, p50) if v is not None]
+            err_hi = [hh - y for y, hh, v in zip(p50, hi, p50) if v is not None]
+            ax.errorbar(xs, ys, yerr=[err_lo, err_hi], marker="o", capsize=3, color=colors[m],
+                        label=f"{m} median")
+            ax.plot([s for s, v in zip(sizes, avg) if v is not None], [v for v in avg if v is not None],
+                    linestyle="--", color=colors[m], alpha=0.6, label=f"{m} average")
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("one-way latency (us)")
+        ax.set_title("sockperf ping-pong, TCP: " + h.results["meta"]["topology"], fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        rat = [lat[str(s)].get("p50_ratio") for s in sizes]
+        if any(r is not None for r in rat):
+            ax2.plot([s for s, r in zip(sizes, rat) if r is not None], [r for r in rat if r is not None],
+                     marker="o", color=colors[LAYER], label="layer / native (median)")
+            ax2.axhline(TARGET_LATENCY_RATIO, color="gray", linestyle=":", label="target 1.05")
+            ax2.axhline(1.0, color="black", linewidth=0.5)
+            ax2.legend(fontsize=8)
+        else:
+            ax2.text(0.5, 0.5, "no layered runs", ha="center", va="center", transform=ax2.transAxes)
+        ax2.set_ylabel("ratio")
+        ax2.set_xlabel("message size (bytes)")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(sizes)
+        ax2.set_xticklabels([size_label(s).split(" ")[0] for s in sizes], fontsize=8)
+        ax2.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "latency.png", dpi=110)
+        plt.close(fig)
+        made.append("latency.png")
+
+    rates = summary.get("rates", {})
+    if rates:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1, 1.4]})
+        ax = axes[0]
+        groups = [k for k in ("iperf3_P1", "iperf3_P4") if k in rates]
+        width = 0.38
+        for j, m in enumerate(h.modes):
+            vals = [rates[g]["native" if m == NATIVE else "layer"] or 0 for g in groups]
+            reps = [rates[g][f"{m}_reps"] for g in groups]
+            xs = [i + (j - (len(h.modes) - 1) / 2) * width for i in range(len(groups))]
+            errs = [[v - min(r) if r else 0 for v, r in zip(vals, reps)],
+                    [max(r) - v if r else 0 for v, r in zip(vals, reps)]]
+            bars = ax.bar(xs, vals, width, yerr=errs, capsize=4, color=colors[m], label=m)
+            for bar, v in zip(bars, vals):
+                ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center",
+                            va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(["1 stream" if g.endswith("P1") else "4 streams" for g in groups])
+        ax.set_ylabel("Gbit/s")
+        ax.set_title("iperf3 throughput", fontsize=10)
+        ax.legend()
+        ax.grid(True, axis="y", alpha=0.3)
+        ax = axes[1]
+        keys = [k for k in rates]
+        labels = {"iperf3_P1": "iperf3 x1", "iperf3_P4": "iperf3 x4", "redis_SET": "redis SET",
+                  "redis_GET": "redis GET", "connrate": "conn/s"}
+        vals = [rates[k]["ratio"] for k in keys]
+        if any(v is not None for v in vals):
+            ax.bar(range(len(keys)), [v or 0 for v in vals], color=colors[LAYER])
+            for i, v in enumerate(vals):
+                if v is not None:
+                    ax.annotate(f"{v:.3f}", (i, v), ha="center", va="bottom", fontsize=8,
+                                xytext=(0, 3), textcoords="offset points")
+            ax.axhline(TARGET_THROUGHPUT_RATIO, color="gray", linestyle=":", label="target 0.95")
+            ax.axhline(1.0, color="black", linewidth=0.5)
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no layered runs", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([labels.get(k, k) for k in keys], fontsize=9)
+        ax.set_ylabel("layer / native")
+        ax.set_title("throughput and rates, layer relative to native", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=110)
+        plt.close(fig)
+        made.append("throughput.png")
+
+    idle = summary.get("idle")
+    if idle:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        keys = list(idle)
+        names = {"bytes_per_conn": "client RSS", "anon_bytes_per_conn": "client anon",
+                 "server_bytes_per_conn": "server RSS"}
+        width = 0.38
+        for j, m in enumerate(h.modes):
+            vals = [idle[k][f"{m}_kib"] or 0 for k in keys]
+            xs = [i + (j - (len(h.modes) - 1) / 2) * width for i in range(len(keys))]
+            ax.bar(xs, vals, width, color=colors[m], label=m)
+        ax.axhline(TARGET_IDLE_KIB, color="gray", linestyle=":", label="target < 32 KiB")
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([names.get(k, k) for k in keys])
+        ax.set_ylabel("KiB per idle connection")
+        ax.set_title("memory per idle connection", fontsize=10)
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "memory.png", dpi=110)
+        plt.close(fig)
+        made.append("memory.png")
+    return made
+
+
+# --------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of each native/layer pair "
+                    "(default 3, or 1 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="1 repetition, short runs, fewer sizes")
+    ap.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(BENCHMARKS))
+    ap.add_argument("--local", action="store_true",
+                    help="both ends in one namespace host over 127.0.0.1")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default benchmarks/results/<date>/)")
+    ap.add_argument("--native-only", action="store_true",
+                    help="run only the native side (no layer, no agents); for checking the harness")
+    ap.add_argument("--bin-dir", type=Path, default=REPO / "target" / "release",
+                    help="where libvmi_preload.so, vmi-agent, vmictl, irb-cost are")
+    ap.add_argument("--sizes", default="", help="latency message sizes, comma-separated "
+                    "(default 64..64K, fewer with --quick)")
+    ap.add_argument("--duration", type=int, default=None,
+                    help="seconds per sockperf point (default 5, 1 with --quick)")
+    ap.add_argument("--idle-conns", type=int, default=None,
+                    help="connections for the idle-memory benchmark (default 10000, 5000 with --quick)")
+    ap.add_argument("--pin", choices=["split", "same", "none"], default="split",
+                    help="CPU placement: split = servers on CPU 0, clients on CPU 1 (default); "
+                    "same = both on CPU 0; none = leave it to the scheduler")
+    ap.add_argument("--agent-args", default="", help="extra arguments for vmi-agent")
+    ap.add_argument("--no-topo-script", action="store_true",
+                    help="build the namespace hosts here even if scripts/topo.sh exists")
+    a = ap.parse_args(argv)
+    if a.reps is None:
+        a.reps = 1 if a.quick else 3
+    if a.reps < 1:
+        ap.error("--reps must be >= 1")
+    sel = []
+    for x in filter(None, (s.strip().lower() for s in a.only.split(","))):
+        x = ALIASES.get(x, x)
+        if x not in BENCHMARKS:
+            ap.error(f"unknown benchmark {x!r}; choose from {', '.join(BENCHMARKS)}")
+        sel.append(x)
+    a.selected = sel or list(BENCHMARKS)
+    try:
+        a.sizes = [int(s) for s in a.sizes.split(",") if s.strip()] if a.sizes else None
+    except ValueError:
+        ap.error("--sizes takes integers")
+    if a.sizes and max(a.sizes) > 65000:
+        ap.error("sockperf refuses messages above ~65500 bytes; use 65000 for the 64K point")
+    if a.out is None:
+        base = REPO / "benchmarks" / "results" / _dt.date.today().isoformat()
+        a.out = base
+        if (base / "results.json").exists():
+            a.out = base.with_name(base.name + _dt.datetime.now().strftime("-%H%M%S"))
+    a.out = a.out.resolve()
+    a.bin_dir = a.bin_dir.resolve()
+    return a
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench.py: must run as root (network namespaces)", file=sys.stderr)
+        return 2
+    for tool in ("ip", "nsenter", "ss", "gcc"):
+        if shutil.which(tool) is None:
+            print(f"bench.py: {tool} not found", file=sys.stderr)
+            return 2
+    h = Harness(args)
+    if not args.native_only:
+        missing = [k for k in ("preload", "vmi-agent", "vmictl") if not h.bins[k].exists()]
+        if missing:
+            print("bench.py: layer binaries missing in "
+                  f"{args.bin_dir}: {', '.join(str(h.bins[k].name) for k in missing)}\n"
+                  "build them first (release profile), or pass --native-only", file=sys.stderr)
+            return 2
+
+    # One harness at a time: it owns the vmib* hosts.
+    lockf = open(LOCK_PATH, "w")
+    try:
+        fcntl.flock(lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"bench.py: another run holds {LOCK_PATH}", file=sys.stderr)
+        return 2
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+
+    interrupted = False
+    t0 = time.monotonic()
+    try:
+        h.setup()
+        log(f"output: {args.out}")
+        h.run_all(args.selected)
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted: cleaned up; writing what was measured")
+        h.results["problems"].append("run interrupted before the end")
+    except RuntimeError as e:
+        log(f"fatal: {e}")
+        h.results["problems"].append(f"fatal: {e}")
+    finally:
+        PROCS.stop_all()
+
+    h.results.setdefault("meta", {})["seconds"] = round(time.monotonic() - t0, 1)
+    rep = Report(h)
+    md = rep.build()
+    made = plots(h, rep.summary, args.out) if args.out.exists() else []
+    if made:
+        md += "\nPlots: " + ", ".join(made) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(md)
+
+    def enc(o: Any) -> Any:
+        if isinstance(o, Seen):
+            return o.as_json()
+        if isinstance(o, set):
+            return sorted(o)
+        if isinstance(o, Path):
+            return str(o)
+        return str(o)
+    (args.out / "results.json").write_text(json.dumps(
+        {"meta": h.results.get("meta"), "summary": rep.summary,
+         "benchmarks": h.results["benchmarks"], "problems": h.results["problems"]},
+        indent=1, default=enc))
+    print(md)
+    log(f"wrote {args.out}/results.md, results.json" + (", " + ", ".join(made) if made else ""))
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

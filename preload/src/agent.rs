@@ -1,0 +1,254 @@
+//! The layer's side of the node agent: one Unix stream connection per process (abstract
+//! socket, so each network namespace has its own agent), request and answer in order,
+//! short time-outs. Any failure means "no agent": the caller falls back to plain TCP and the
+//! agent is not asked again for a second.
+
+use crate::fdtable::{self, OWN_AGENT, OWN_STATS};
+use crate::{log, real, sys};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use substrate::wire::agent::Msg;
+
+/// Default abstract socket name of the node agent (overridden by `VMI_AGENT_SOCKET`).
+pub const DEFAULT_SOCKET: &str = "vmi-agent";
+const RETRY_NS: u64 = 1_000_000_000;
+const NEGATIVE_TTL_NS: u64 = 1_000_000_000;
+
+struct State {
+    down_until: u64,
+    said_hello: bool,
+    plain: BTreeMap<SocketAddr, u64>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State { down_until: 0, said_hello: false, plain: BTreeMap::new() });
+static SOCKET_NAME: OnceLock<String> = OnceLock::new();
+
+thread_local! {
+    static FORK_GUARD: RefCell<Option<MutexGuard<'static, State>>> = const { RefCell::new(None) };
+}
+
+/// Sets the agent socket name (from the environment, at start).
+pub fn init(name: Option<String>) {
+    let _ = SOCKET_NAME.set(name.unwrap_or_else(|| DEFAULT_SOCKET.to_string()));
+}
+
+fn lock() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// fork, prepare: hold the lock so no other thread is inside a request.
+pub fn before_fork() {
+    let g = lock();
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
+}
+
+/// fork, parent side.
+pub fn after_fork_parent() {
+    FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+/// fork, child side: the agent socket belongs to the parent; the child opens its own.
+pub fn after_fork_child() {
+    FORK_GUARD.with(|f| {
+        if let Some(mut g) = f.borrow_mut().take() {
+            g.said_hello = false;
+            g.down_until = 0;
+        }
+    });
+    let fd = fdtable::unprotect(OWN_AGENT);
+    if fd >= 0 {
+        // SAFETY: the child's copy of our own socket.
+        unsafe { real::close(fd) };
+    }
+}
+
+/// The program closed (or replaced) our agent socket: forget it.
+pub fn lost_socket() {
+    fdtable::unprotect(OWN_AGENT);
+    if let Ok(mut g) = STATE.try_lock() {
+        g.said_hello = false;
+    }
+}
+
+fn open_socket() -> Option<i32> {
+    let name = SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET);
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: zeroed sockaddr_un is valid.
+    let mut sun: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sun.sun_family = libc::AF_UNIX as _;
+    let nb = name.as_bytes();
+    let n = nb.len().min(sun.sun_path.len() - 1);
+    for (i, b) in nb[..n].iter().enumerate() {
+        sun.sun_path[i + 1] = *b as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t;
+    let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    // SAFETY: valid pointers to local structures.
+    let ok = unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv as *const _ as *const _, std::mem::size_of_val(&tv) as _);
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDTIMEO, &tv as *const _ as *const _, std::mem::size_of_val(&tv) as _);
+        real::connect(fd, &sun as *const _ as *const libc::sockaddr, len) == 0
+    };
+    if !ok {
+        // SAFETY: our socket.
+        unsafe { real::close(fd) };
+        return None;
+    }
+    let fd = fdtable::move_high(fd);
+    fdtable::protect(OWN_AGENT, fd);
+    Some(fd)
+}
+
+fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
+    let mut first = true;
+    while !b.is_empty() {
+        let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut _, iov_len: b.len() };
+        // SAFETY: zeroed msghdr is valid; fields set below point at live locals.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        let mut cbuf = [0u64; 4];
+        if let (true, Some(pfd)) = (first, pass_fd) {
+            msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+            // SAFETY: CMSG_SPACE is a pure computation.
+            msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as _;
+            // SAFETY: the control buffer is large enough for one int.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&msg);
+                (*c).cmsg_level = libc::SOL_SOCKET;
+                (*c).cmsg_type = libc::SCM_RIGHTS;
+                (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, pfd);
+            }
+        }
+        // SAFETY: msg is fully initialised.
+        let r = unsafe { real::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        if r < 0 {
+            if sys::errno() == libc::EINTR {
+                continue;
+            }
+            return false;
+        }
+        first = false;
+        b = &b[r as usize..];
+    }
+    true
+}
+
+fn read_exact(fd: i32, mut b: &mut [u8]) -> bool {
+    while !b.is_empty() {
+        // SAFETY: reads into the rest of `b`.
+        let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), 0) };
+        if r < 0 && sys::errno() == libc::EINTR {
+            continue;
+        }
+        if r <= 0 {
+            return false;
+        }
+        b = &mut b[r as usize..];
+    }
+    true
+}
+
+fn exchange(fd: i32, m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
+    if !write_all(fd, &m.encode(), pass_fd) {
+        return None;
+    }
+    let mut pre = [0u8; 4];
+    if !read_exact(fd, &mut pre) {
+        return None;
+    }
+    let n = Msg::body_len(pre).ok()?;
+    let mut body = vec![0u8; n];
+    if !read_exact(fd, &mut body) {
+        return None;
+    }
+    match Msg::decode(&body) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            log::warn(format_args!("agent sent a malformed answer: {e}"));
+            None
+        }
+    }
+}
+
+fn program_name() -> String {
+    std::fs::read_to_string("/proc/self/comm").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// Sends `m` to the node agent and returns its answer; `None` if there is no agent.
+pub fn request(m: &Msg) -> Option<Msg> {
+    let mut st = lock();
+    let now = sys::now_ns();
+    if st.down_until > now {
+        return None;
+    }
+    let mut fd = fdtable::own_fd(OWN_AGENT);
+    if fd < 0 || !st.said_hello {
+        if fd < 0 {
+            fd = match open_socket() {
+                Some(fd) => fd,
+                None => {
+                    st.down_until = now + RETRY_NS;
+                    log::debug(format_args!("no node agent reachable: plain TCP"));
+                    return None;
+                }
+            };
+        }
+        crate::stats::table();
+        let stats_fd = fdtable::own_fd(OWN_STATS);
+        let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
+        match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
+            Some(Msg::Ok) => st.said_hello = true,
+            _ => return fail(&mut st, now),
+        }
+        // First contact, or the agent restarted: it must know every listener we have.
+        for addr in fdtable::listener_addrs() {
+            if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, None).is_none() {
+                return fail(&mut st, now);
+            }
+        }
+    }
+    match exchange(fd, m, None) {
+        Some(a) => Some(a),
+        None => fail(&mut st, now),
+    }
+}
+
+fn fail(st: &mut State, now: u64) -> Option<Msg> {
+    let fd = fdtable::unprotect(OWN_AGENT);
+    if fd >= 0 {
+        // SAFETY: our own socket.
+        unsafe { real::close(fd) };
+    }
+    st.said_hello = false;
+    st.down_until = now + RETRY_NS;
+    log::info(format_args!("node agent stopped answering: plain TCP for now"));
+    None
+}
+
+/// True if `dst` was recently found not to be a listener under the layer.
+pub fn known_plain(dst: &SocketAddr) -> bool {
+    let st = lock();
+    st.plain.get(dst).is_some_and(|&t| t > sys::now_ns())
+}
+
+/// Remembers that `dst` is plain TCP for a while.
+pub fn remember_plain(dst: SocketAddr) {
+    let mut st = lock();
+    if st.plain.len() > 4096 {
+        st.plain.clear();
+    }
+    st.plain.insert(dst, sys::now_ns() + NEGATIVE_TTL_NS);
+}
+
+/// True when the agent is known to be unreachable right now.
+pub fn known_down() -> bool {
+    lock().down_until > sys::now_ns()
+}

@@ -1,0 +1,72 @@
+//! Settings from the environment, read once at start:
+//!
+//! | variable | meaning | default |
+//! | --- | --- | --- |
+//! | `VMI_DISABLE` | `1`: the layer does nothing (every call goes straight to libc) | unset |
+//! | `VMI_LOG` | `off`, `error`, `warn`, `info`, `debug` | `warn` |
+//! | `VMI_WINDOW` | soft window per connection, bytes (`K`/`M` suffixes) | `2M` |
+//! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+
+static DISABLED: AtomicBool = AtomicBool::new(false);
+static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
+
+/// Parses a size such as `512K` or `4M`.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1u64 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<u64>().ok()?.checked_mul(mult)
+}
+
+fn exe_name() -> String {
+    std::fs::read_link("/proc/self/exe")
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_default()
+}
+
+/// Reads the environment.
+pub fn init() {
+    crate::log::init(std::env::var("VMI_LOG").ok().as_deref());
+    let exe = exe_name();
+    // The layer's own daemons are never under the layer.
+    let own = matches!(exe.as_str(), "vmi-agent" | "vmictl");
+    if own || std::env::var_os("VMI_DISABLE").is_some_and(|v| v == "1") {
+        DISABLED.store(true, Relaxed);
+    }
+    if let Ok(w) = std::env::var("VMI_WINDOW") {
+        match parse_size(&w) {
+            Some(n) if (64 << 10..=1 << 30).contains(&n) => WINDOW.store(n, Relaxed),
+            _ => crate::log::warn(format_args!("VMI_WINDOW={w} is not a size between 64K and 1G; using the default")),
+        }
+    }
+    crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// True if the layer is switched off.
+#[inline]
+pub fn disabled() -> bool {
+    DISABLED.load(Relaxed)
+}
+
+/// The soft window for new connections.
+pub fn window() -> u64 {
+    WINDOW.load(Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes() {
+        assert_eq!(super::parse_size("4M"), Some(4 << 20));
+        assert_eq!(super::parse_size("512k"), Some(512 << 10));
+        assert_eq!(super::parse_size("1000"), Some(1000));
+        assert_eq!(super::parse_size("x"), None);
+    }
+}

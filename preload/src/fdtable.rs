@@ -1,0 +1,217 @@
+//! Which descriptors the layer manages: a bitmap for the common check (one atomic load, so
+//! files, pipes and plain sockets pay nothing measurable) and a table of entries behind a
+//! read-write lock. Also the layer's own descriptors (agent socket, statistics memfd), kept
+//! at high numbers and protected from programs that close every descriptor.
+
+use crate::vc::Vc;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::*};
+use std::sync::{Arc, RwLock};
+
+const BITMAP_FDS: usize = 1 << 16;
+
+static MANAGED: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
+static TABLE: RwLock<Vec<Option<Entry>>> = RwLock::new(Vec::new());
+static PROTECTED: [AtomicI32; 4] = [const { AtomicI32::new(-1) }; 4];
+
+/// A listening socket under the layer.
+#[derive(Debug)]
+pub struct Listener {
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+/// What the layer knows about a descriptor.
+#[derive(Clone)]
+pub enum Entry {
+    /// A virtual connection.
+    Vc(Arc<Vc>),
+    /// A listener registered with the agent.
+    Listener(Arc<Listener>),
+}
+
+fn set_bit(fd: i32, on: bool) {
+    if fd >= 0 && (fd as usize) < BITMAP_FDS {
+        let (w, b) = (fd as usize / 64, fd as usize % 64);
+        if on {
+            MANAGED[w].fetch_or(1 << b, Release);
+        } else {
+            MANAGED[w].fetch_and(!(1 << b), Release);
+        }
+    }
+}
+
+/// True if the layer manages `fd`.
+#[inline]
+pub fn is_managed(fd: i32) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    if (fd as usize) < BITMAP_FDS {
+        return MANAGED[fd as usize / 64].load(Acquire) & (1 << (fd as usize % 64)) != 0;
+    }
+    get(fd).is_some()
+}
+
+/// The entry for `fd`.
+pub fn get(fd: i32) -> Option<Entry> {
+    if fd < 0 {
+        return None;
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.get(fd as usize).cloned().flatten()
+}
+
+/// The virtual connection on `fd`, if it is one.
+#[inline]
+pub fn vc(fd: i32) -> Option<Arc<Vc>> {
+    if (fd as usize) < BITMAP_FDS && !is_managed(fd) {
+        return None;
+    }
+    match get(fd) {
+        Some(Entry::Vc(v)) => Some(v),
+        _ => None,
+    }
+}
+
+/// Records `e` for `fd` (replacing what was there); returns the old entry.
+pub fn insert(fd: i32, e: Entry) -> Option<Entry> {
+    if fd < 0 {
+        return None;
+    }
+    let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+    if t.len() <= fd as usize {
+        t.resize(fd as usize + 1, None);
+    }
+    let old = t[fd as usize].replace(e);
+    set_bit(fd, true);
+    old
+}
+
+/// Forgets `fd`; returns what it was.
+pub fn remove(fd: i32) -> Option<Entry> {
+    if !is_managed(fd) {
+        return None;
+    }
+    let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+    set_bit(fd, false);
+    t.get_mut(fd as usize).and_then(|s| s.take())
+}
+
+/// All entries (for fork and exec handling).
+pub fn snapshot() -> Vec<(i32, Entry)> {
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.iter().enumerate().filter_map(|(i, e)| e.clone().map(|e| (i as i32, e))).collect()
+}
+
+/// Addresses of every listener in the table.
+pub fn listener_addrs() -> Vec<SocketAddr> {
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    let mut v: Vec<SocketAddr> = t
+        .iter()
+        .flatten()
+        .filter_map(|e| match e {
+            Entry::Listener(l) => Some(l.addr),
+            _ => None,
+        })
+        .collect();
+    v.dedup();
+    v
+}
+
+/// Runs `f` with the table write-locked (fork's prepare handler must not let another thread
+/// hold the lock across the fork).
+pub fn with_locked<R>(f: impl FnOnce() -> R) -> R {
+    let _t = TABLE.write().unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
+/// Moves one of the layer's own descriptors to a high number (close-on-exec).
+pub fn move_high(fd: i32) -> i32 {
+    // SAFETY: F_DUPFD_CLOEXEC takes an integer argument.
+    let n = unsafe { crate::real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700) };
+    if n >= 0 {
+        // SAFETY: our own descriptor.
+        unsafe { crate::real::close(fd) };
+        n
+    } else {
+        fd
+    }
+}
+
+/// Role of the agent socket among the layer's own descriptors.
+pub const OWN_AGENT: usize = 0;
+/// Role of the statistics memfd.
+pub const OWN_STATS: usize = 1;
+
+/// Marks `fd` as the layer's own descriptor for `role`.
+pub fn protect(role: usize, fd: i32) {
+    PROTECTED[role].store(fd, Release);
+}
+
+/// The layer's own descriptor for `role` (-1 if none).
+pub fn own_fd(role: usize) -> i32 {
+    PROTECTED[role].load(Acquire)
+}
+
+/// Forgets the layer's own descriptor for `role`; returns it.
+pub fn unprotect(role: usize) -> i32 {
+    PROTECTED[role].swap(-1, AcqRel)
+}
+
+/// True if `fd` is one of the layer's own.
+#[inline]
+pub fn is_protected(fd: i32) -> bool {
+    fd >= 0 && PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
+}
+
+/// The protected descriptors.
+pub fn protected() -> Vec<i32> {
+    PROTECTED.iter().map(|p| p.load(Relaxed)).filter(|&f| f >= 0).collect()
+}
+
+/// The program wants descriptor number `fd` (dup2 onto it): move ours out of the way.
+pub fn evict(fd: i32) -> Option<(i32, i32)> {
+    if !is_protected(fd) {
+        return None;
+    }
+    let n = move_high(fd);
+    for p in &PROTECTED {
+        let _ = p.compare_exchange(fd, n, AcqRel, Relaxed);
+    }
+    Some((fd, n))
+}
+
+thread_local! {
+    static FORK_GUARD: std::cell::RefCell<Option<std::sync::RwLockWriteGuard<'static, Vec<Option<Entry>>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// fork, prepare: hold the table so no thread is inside it across the fork.
+pub fn before_fork() {
+    let g = TABLE.write().unwrap_or_else(|e| e.into_inner());
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
+}
+
+/// fork, parent side.
+pub fn after_fork_parent() {
+    FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+/// fork, child side: the child now holds each connection too.
+pub fn after_fork_child() {
+    FORK_GUARD.with(|f| {
+        if let Some(g) = f.borrow_mut().take() {
+            let mut seen: Vec<*const Vc> = Vec::new();
+            for e in g.iter().flatten() {
+                if let Entry::Vc(v) = e {
+                    let p = Arc::as_ptr(v);
+                    if !seen.contains(&p) {
+                        seen.push(p);
+                        v.forked();
+                    }
+                }
+            }
+        }
+    });
+}

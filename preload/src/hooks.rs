@@ -1,0 +1,541 @@
+//! The intercepted libc functions: thin shims. Descriptors the layer does not manage go
+//! straight to libc after one bitmap check; virtual connections go to [`crate::vc`];
+//! set-up calls go to [`crate::setup`]. Errors become errno in [`crate::error`].
+
+#![allow(clippy::missing_safety_doc)]
+
+use crate::error::{guarded, quietly};
+use crate::fdtable::{self, Entry};
+use crate::vc::Vc;
+use crate::{agent, real, setup, sys};
+use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use std::sync::Arc;
+use substrate::irb::IrbError;
+
+/// The program's buffer as a slice (empty when `n` is 0, whatever `p` is).
+unsafe fn buf<'a>(p: *const c_void, n: size_t) -> &'a [u8] {
+    if n == 0 || p.is_null() {
+        &[]
+    } else {
+        // SAFETY: the program passed a buffer of `n` bytes.
+        unsafe { std::slice::from_raw_parts(p as *const u8, n) }
+    }
+}
+
+unsafe fn buf_mut<'a>(p: *mut c_void, n: size_t) -> &'a mut [u8] {
+    if n == 0 || p.is_null() {
+        &mut []
+    } else {
+        // SAFETY: the program passed a writable buffer of `n` bytes.
+        unsafe { std::slice::from_raw_parts_mut(p as *mut u8, n) }
+    }
+}
+
+unsafe fn iovecs<'a>(iov: *const iovec, n: c_int) -> &'a [iovec] {
+    if iov.is_null() || n <= 0 {
+        &[]
+    } else {
+        // SAFETY: the program passed `n` iovecs.
+        unsafe { std::slice::from_raw_parts(iov, n as usize) }
+    }
+}
+
+/// readv semantics over a virtual connection: fill buffers in order, stop at a short read.
+fn vc_readv(vc: &Vc, fd: c_int, iov: &[iovec], flags: c_int) -> Result<usize, IrbError> {
+    let mut total = 0;
+    for v in iov.iter().filter(|v| v.iov_len > 0) {
+        let f = if total > 0 { flags | libc::MSG_DONTWAIT } else { flags };
+        // SAFETY: each iovec names a writable buffer of the program's.
+        let b = unsafe { buf_mut(v.iov_base, v.iov_len) };
+        match vc.recv(fd, b, f) {
+            Ok(n) => {
+                total += n;
+                if n < b.len() {
+                    break;
+                }
+            }
+            Err(_) if total > 0 => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
+/// writev semantics over a virtual connection: small vectors are gathered into one send,
+/// large ones go buffer by buffer and stop at a short send.
+fn vc_writev(vc: &Vc, fd: c_int, iov: &[iovec], flags: c_int) -> Result<usize, IrbError> {
+    let len: usize = iov.iter().map(|v| v.iov_len).sum();
+    let live: Vec<&iovec> = iov.iter().filter(|v| v.iov_len > 0).collect();
+    if live.len() <= 1 || len <= 256 << 10 {
+        if live.len() == 1 {
+            // SAFETY: the program's buffer.
+            return vc.send(fd, unsafe { buf(live[0].iov_base, live[0].iov_len) }, flags);
+        }
+        let mut all = Vec::with_capacity(len);
+        for v in &live {
+            // SAFETY: the program's buffer.
+            all.extend_from_slice(unsafe { buf(v.iov_base, v.iov_len) });
+        }
+        return vc.send(fd, &all, flags);
+    }
+    let mut total = 0;
+    for v in live {
+        // SAFETY: the program's buffer.
+        let b = unsafe { buf(v.iov_base, v.iov_len) };
+        match vc.send(fd, b, flags) {
+            Ok(n) => {
+                total += n;
+                if n < b.len() {
+                    break;
+                }
+            }
+            Err(_) if total > 0 => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(total)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // SAFETY: the program's address of `len` bytes.
+    let pending = match unsafe { sys::from_raw(addr, len) } {
+        Some(dst) => quietly(|| setup::before_connect(fd, dst)),
+        None => None,
+    };
+    // SAFETY: forwarding the program's arguments.
+    let r = unsafe { real::connect(fd, addr, len) };
+    if let Some(p) = pending {
+        let e = sys::errno();
+        if r == 0 || e == libc::EINPROGRESS {
+            quietly(|| {
+                setup::after_connect(fd, p);
+                Some(())
+            });
+        }
+        sys::set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::listen(fd, backlog) };
+    if r == 0 && !fdtable::is_managed(fd) {
+        let e = sys::errno();
+        quietly(|| {
+            setup::after_listen(fd);
+            Some(())
+        });
+        sys::set_errno(e);
+    }
+    r
+}
+
+fn accepted(listen_fd: c_int, fd: c_int) -> c_int {
+    if fd >= 0 && fdtable::is_managed(listen_fd) {
+        let e = sys::errno();
+        quietly(|| {
+            setup::after_accept(listen_fd, fd);
+            Some(())
+        });
+        sys::set_errno(e);
+    }
+    fd
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarding.
+    accepted(fd, unsafe { real::accept(fd, addr, len) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+    // SAFETY: forwarding.
+    accepted(fd, unsafe { real::accept4(fd, addr, len, flags) })
+}
+
+fn forget(fd: c_int) {
+    if let Some(Entry::Listener(l)) = fdtable::remove(fd) {
+        // Other descriptors (dup) may still point at the listener.
+        if Arc::strong_count(&l) == 1 {
+            quietly(|| {
+                setup::closed_listener(&l);
+                Some(())
+            });
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if fdtable::is_protected(fd) {
+        // One of the layer's own descriptors: the program (a daemon closing everything)
+        // does not know it; keep it.
+        return 0;
+    }
+    if fdtable::is_managed(fd) {
+        forget(fd);
+    }
+    // SAFETY: forwarding.
+    unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int != 0 {
+        // SAFETY: forwarding.
+        return unsafe { real::close_range(first, last, flags) };
+    }
+    let mut own: Vec<c_uint> = fdtable::protected().into_iter().map(|f| f as c_uint).filter(|&f| f >= first && f <= last).collect();
+    own.sort_unstable();
+    for (fd, _) in fdtable::snapshot() {
+        if fd as c_uint >= first && fd as c_uint <= last {
+            forget(fd);
+        }
+    }
+    let mut lo = first;
+    for f in own {
+        if f > lo {
+            // SAFETY: closes a sub-range the program asked to close.
+            let r = unsafe { real::close_range(lo, f - 1, flags) };
+            if r != 0 {
+                return r;
+            }
+        }
+        lo = f + 1;
+    }
+    if lo <= last && lo >= first {
+        // SAFETY: as above.
+        return unsafe { real::close_range(lo, last, flags) };
+    }
+    0
+}
+
+fn copy_entry(old: c_int, new: c_int) {
+    if let Some(e) = fdtable::get(old) {
+        fdtable::insert(new, e);
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::dup(fd) };
+    if r >= 0 && fdtable::is_managed(fd) {
+        copy_entry(fd, r);
+    }
+    r
+}
+
+unsafe fn dup_onto(old: c_int, new: c_int, f: impl FnOnce() -> c_int) -> c_int {
+    if old != new {
+        if fdtable::evict(new).is_some() && new == fdtable::own_fd(fdtable::OWN_AGENT) {
+            agent::lost_socket();
+        }
+        if fdtable::is_managed(new) {
+            forget(new);
+        }
+    }
+    let r = f();
+    if r >= 0 && old != new && fdtable::is_managed(old) {
+        copy_entry(old, new);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    // SAFETY: forwarding.
+    unsafe { dup_onto(old, new, || real::dup2(old, new)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    // SAFETY: forwarding.
+    unsafe { dup_onto(old, new, || real::dup3(old, new, flags)) }
+}
+
+fn after_fcntl(fd: c_int, cmd: c_int, r: c_int) -> c_int {
+    if r >= 0 && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) && fdtable::is_managed(fd) {
+        copy_entry(fd, r);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    // SAFETY: forwarding (the variadic argument is passed as a machine word).
+    after_fcntl(fd, cmd, unsafe { real::fcntl(fd, cmd, arg) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
+    // SAFETY: as above.
+    after_fcntl(fd, cmd, unsafe { real::fcntl64(fd, cmd, arg) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int {
+    if req == libc::FIONREAD {
+        if let Some(vc) = fdtable::vc(fd) {
+            return match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vc.readable_bytes(fd))) {
+                Ok(Ok(n)) => {
+                    // SAFETY: FIONREAD's argument points at an int.
+                    unsafe { *(arg as *mut c_int) = n };
+                    0
+                }
+                Ok(Err(e)) => {
+                    sys::set_errno(e);
+                    -1
+                }
+                Err(_) => {
+                    sys::set_errno(libc::EIO);
+                    -1
+                }
+            };
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::ioctl(fd, req, arg) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, b: *mut c_void, n: size_t) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, 0));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::read(fd, b, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, b: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+    if n <= buflen {
+        if let Some(vc) = fdtable::vc(fd) {
+            // SAFETY: the program's buffer.
+            return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, 0));
+        }
+    }
+    // SAFETY: forwarding (libc reports the overflow).
+    unsafe { real::__read_chk(fd, b, n, buflen) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, b: *const c_void, n: size_t) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.send(fd, unsafe { buf(b, n) }, 0));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::write(fd, b, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's iovecs.
+        return guarded(|| vc_readv(&vc, fd, unsafe { iovecs(iov, n) }, 0));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::readv(fd, iov, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's iovecs.
+        return guarded(|| vc_writev(&vc, fd, unsafe { iovecs(iov, n) }, 0));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::writev(fd, iov, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, b: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, flags));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::recv(fd, b, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(fd: c_int, b: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t {
+    if n <= buflen {
+        if let Some(vc) = fdtable::vc(fd) {
+            // SAFETY: the program's buffer.
+            return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, flags));
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::__recv_chk(fd, b, n, buflen, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, b: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.send(fd, unsafe { buf(b, n) }, flags));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::send(fd, b, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    b: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        if !len.is_null() {
+            // SAFETY: TCP reports no source address, as the kernel does.
+            unsafe { *len = 0 };
+        }
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, flags));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::recvfrom(fd, b, n, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    b: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if n <= buflen && fdtable::is_managed(fd) {
+        // SAFETY: same arguments.
+        return unsafe { recvfrom(fd, b, n, flags, addr, len) };
+    }
+    // SAFETY: forwarding.
+    unsafe { real::__recvfrom_chk(fd, b, n, buflen, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    b: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
+    if let Some(vc) = fdtable::vc(fd) {
+        // SAFETY: the program's buffer.
+        return guarded(|| vc.send(fd, unsafe { buf(b, n) }, flags));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::sendto(fd, b, n, flags, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    if !msg.is_null() && flags & libc::MSG_ERRQUEUE == 0 {
+        if let Some(vc) = fdtable::vc(fd) {
+            // SAFETY: the program's msghdr.
+            let m = unsafe { &mut *msg };
+            m.msg_namelen = 0;
+            m.msg_controllen = 0;
+            m.msg_flags = 0;
+            // SAFETY: the program's iovecs.
+            let iov = unsafe { iovecs(m.msg_iov, m.msg_iovlen as c_int) };
+            return guarded(|| vc_readv(&vc, fd, iov, flags));
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::recvmsg(fd, msg, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    if !msg.is_null() {
+        if let Some(vc) = fdtable::vc(fd) {
+            // SAFETY: the program's msghdr and iovecs.
+            let iov = unsafe { iovecs((*msg).msg_iov, (*msg).msg_iovlen as c_int) };
+            return guarded(|| vc_writev(&vc, fd, iov, flags));
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::sendmsg(fd, msg, flags) }
+}
+
+/// sendfile onto a virtual connection: read the file, send through the chain.
+fn vc_sendfile(vc: &Vc, out: c_int, inp: c_int, off: *mut off_t, count: size_t) -> Result<usize, IrbError> {
+    let mut pos: off_t = if off.is_null() {
+        // SAFETY: lseek on the program's descriptor, without moving it.
+        unsafe { libc::lseek(inp, 0, libc::SEEK_CUR) }
+    } else {
+        // SAFETY: the program's offset.
+        unsafe { *off }
+    };
+    if pos < 0 {
+        return Err(IrbError::Os(sys::errno()));
+    }
+    let mut chunk = vec![0u8; count.min(256 << 10)];
+    let mut total = 0usize;
+    while total < count {
+        let want = (count - total).min(chunk.len());
+        // SAFETY: reads into our own buffer.
+        let r = unsafe { libc::pread(inp, chunk.as_mut_ptr() as *mut c_void, want, pos) };
+        if r < 0 {
+            if total > 0 {
+                break;
+            }
+            return Err(IrbError::Os(sys::errno()));
+        }
+        if r == 0 {
+            break;
+        }
+        let flags = if total > 0 { libc::MSG_DONTWAIT } else { 0 };
+        let sent = match vc.send(out, &chunk[..r as usize], flags) {
+            Ok(n) => n,
+            Err(_) if total > 0 => 0,
+            Err(e) => return Err(e),
+        };
+        total += sent;
+        pos += sent as off_t;
+        if sent < r as usize {
+            break;
+        }
+    }
+    if off.is_null() {
+        // SAFETY: moves the program's file position past what was sent.
+        unsafe { libc::lseek(inp, pos, libc::SEEK_SET) };
+    } else {
+        // SAFETY: the program's offset.
+        unsafe { *off = pos };
+    }
+    Ok(total)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t {
+    if let Some(vc) = fdtable::vc(out) {
+        return guarded(|| vc_sendfile(&vc, out, inp, off, count));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::sendfile(out, inp, off, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, count: size_t) -> ssize_t {
+    if let Some(vc) = fdtable::vc(out) {
+        return guarded(|| vc_sendfile(&vc, out, inp, off, count));
+    }
+    // SAFETY: forwarding.
+    unsafe { real::sendfile64(out, inp, off, count) }
+}

@@ -1,0 +1,73 @@
+//! The real libc functions, resolved once with `dlsym(RTLD_NEXT)` into one table (as
+//! rdma-core's preload does). Every call the layer makes on the program's behalf goes through
+//! here, never through the hooks.
+
+use libc::{c_char, c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+fn resolve(name: &'static str) -> usize {
+    // SAFETY: `name` is NUL-terminated (built with concat!); dlsym is thread-safe.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char) };
+    if p.is_null() {
+        crate::log::error(format_args!("cannot resolve {}; aborting", name.trim_end_matches('\0')));
+        std::process::abort();
+    }
+    p as usize
+}
+
+macro_rules! real {
+    ($($name:ident: fn($($arg:ident: $t:ty),*) -> $r:ty;)*) => {
+        $(
+            /// Calls the real libc function of the same name.
+            ///
+            /// # Safety
+            /// Same contract as the libc function.
+            #[inline]
+            pub unsafe fn $name($($arg: $t),*) -> $r {
+                static P: AtomicUsize = AtomicUsize::new(0);
+                let mut p = P.load(Relaxed);
+                if p == 0 {
+                    p = resolve(concat!(stringify!($name), "\0"));
+                    P.store(p, Relaxed);
+                }
+                // SAFETY: `p` is the address dlsym gave for this exact symbol, whose C
+                // signature is the one written here.
+                let f = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn($($t),*) -> $r>(p) };
+                // SAFETY: the caller upholds the libc contract.
+                unsafe { f($($arg),*) }
+            }
+        )*
+    };
+}
+
+real! {
+    connect: fn(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int;
+    listen: fn(fd: c_int, backlog: c_int) -> c_int;
+    accept: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
+    accept4: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int;
+    close: fn(fd: c_int) -> c_int;
+    close_range: fn(first: c_uint, last: c_uint, flags: c_int) -> c_int;
+    read: fn(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t;
+    write: fn(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t;
+    readv: fn(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t;
+    writev: fn(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t;
+    recv: fn(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t;
+    send: fn(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t;
+    recvfrom: fn(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
+    sendto: fn(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t;
+    recvmsg: fn(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
+    sendmsg: fn(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t;
+    sendfile: fn(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    sendfile64: fn(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    dup: fn(fd: c_int) -> c_int;
+    dup2: fn(old: c_int, new: c_int) -> c_int;
+    dup3: fn(old: c_int, new: c_int, flags: c_int) -> c_int;
+    fcntl: fn(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
+    fcntl64: fn(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
+    ioctl: fn(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int;
+    shutdown: fn(fd: c_int, how: c_int) -> c_int;
+    execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
+    __read_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t;
+    __recv_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t;
+    __recvfrom_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
+}

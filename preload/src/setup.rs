@@ -1,0 +1,136 @@
+//! Setting up virtual connections: what `connect`, `listen` and `accept` do besides the real
+//! call. The rule: a connection becomes virtual only when the node agents *know* both ends
+//! run the layer (the destination is a listener registered by a layer, and the connecting
+//! layer registered the connection before its SYN left). Anything else stays plain TCP, byte
+//! for byte, with no added delay on the data.
+
+use crate::fdtable::{self, Entry, Listener};
+use crate::vc::{Setup, Vc};
+use crate::{agent, config, log, sys};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use substrate::wire::agent::Msg;
+
+/// A connect the agents agreed to make virtual.
+pub struct Pending {
+    gid: u128,
+    secret: u128,
+    peer_window: u64,
+    dst: SocketAddr,
+}
+
+/// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
+/// if so, registers the connection. Binds the socket to an ephemeral port first when the
+/// program did not bind it, so the registration can name the source port.
+pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
+    if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 {
+        return None;
+    }
+    let fam = sys::tcp_family(fd)?;
+    if agent::known_down() || agent::known_plain(&dst) {
+        return None;
+    }
+    let mut local = sys::local_addr(fd)?;
+    if local.port() == 0 {
+        let any = if fam == libc::AF_INET6 {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+        } else {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+        };
+        let (st, len) = sys::to_raw(&any, fam == libc::AF_INET6);
+        // SAFETY: binds our own socket to a well-formed address.
+        if unsafe { libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) } != 0 {
+            log::debug(format_args!("cannot bind before connect ({}): plain TCP", sys::errno()));
+            return None;
+        }
+        local = sys::local_addr(fd)?;
+    }
+    let gid = u128::from_le_bytes(sys::random16());
+    let secret = u128::from_le_bytes(sys::random16());
+    let m = Msg::Connect { src: local, dst, gid, secret, window: config::window() };
+    match agent::request(&m) {
+        Some(Msg::Virtual { window, .. }) => Some(Pending { gid, secret, peer_window: window, dst }),
+        Some(Msg::Plain) => {
+            agent::remember_plain(dst);
+            None
+        }
+        Some(other) => {
+            log::debug(format_args!("agent answered {other:?} to a connect: plain TCP"));
+            None
+        }
+        None => None,
+    }
+}
+
+/// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
+pub fn after_connect(fd: i32, p: Pending) {
+    let local = sys::local_addr(fd).unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+    let s = Setup {
+        gid: p.gid,
+        secret: p.secret,
+        window: config::window(),
+        peer_window: p.peer_window,
+        local,
+        peer: p.dst,
+        active: true,
+    };
+    match Vc::new(&s) {
+        Some(vc) => {
+            log::info(format_args!("virtual connection {:032x}: {local} -> {}", p.gid, p.dst));
+            fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+        }
+        None => log::error(format_args!(
+            "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
+            p.gid
+        )),
+    }
+}
+
+/// After a successful `listen`: register the listener with the agent.
+pub fn after_listen(fd: i32) {
+    if config::disabled() || sys::tcp_family(fd).is_none() {
+        return;
+    }
+    let Some(addr) = sys::local_addr(fd) else { return };
+    if register_listener(addr) {
+        fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
+    }
+}
+
+/// Tells the agent about a listener; true if it took note.
+pub fn register_listener(addr: SocketAddr) -> bool {
+    match agent::request(&Msg::Listen { addr, window: crate::config::window() }) {
+        Some(Msg::Ok) => {
+            log::debug(format_args!("listener {addr} registered"));
+            true
+        }
+        _ => false,
+    }
+}
+
+/// A listener is closed for good.
+pub fn closed_listener(l: &Listener) {
+    let _ = agent::request(&Msg::Unlisten { addr: l.addr });
+}
+
+/// After a successful `accept` on a registered listener: asks the agent whether the
+/// connection is virtual.
+pub fn after_accept(listen_fd: i32, fd: i32) {
+    let Some(Entry::Listener(_)) = fdtable::get(listen_fd) else { return };
+    let (Some(local), Some(peer)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { return };
+    let Some(Msg::Virtual { gid, secret, window }) = agent::request(&Msg::Accept { local, peer }) else {
+        return;
+    };
+    let s = Setup { gid, secret, window: config::window(), peer_window: window, local, peer, active: false };
+    match Vc::new(&s) {
+        Some(vc) => {
+            log::info(format_args!("virtual connection {gid:032x}: {local} <- {peer}"));
+            fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+        }
+        None => {
+            log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));
+            // SAFETY: shuts down the socket we just accepted.
+            unsafe { crate::real::shutdown(fd, libc::SHUT_RDWR) };
+        }
+    }
+}

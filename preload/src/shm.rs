@@ -1,0 +1,203 @@
+//! Per-connection state in memory shared across `fork`: a process-shared futex lock for each
+//! half, the reliability state and the replay ring, all in one anonymous shared mapping, so
+//! a parent and a child that both use an inherited socket keep one sequence space.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use substrate::reliability::{RxState, TxState};
+
+/// A lock that works across processes sharing the memory (no `FUTEX_PRIVATE_FLAG`). If its
+/// owner process died holding it, the next locker takes it over.
+#[repr(C)]
+pub struct FutexLock {
+    state: AtomicU32,
+    owner: AtomicI32,
+}
+
+/// Holds a [`FutexLock`]; unlocks on drop.
+pub struct FutexGuard<'a>(&'a FutexLock);
+
+fn futex(word: &AtomicU32, op: i32, val: u32, timeout_ms: i64) -> i64 {
+    let ts = libc::timespec { tv_sec: timeout_ms / 1000, tv_nsec: (timeout_ms % 1000) * 1_000_000 };
+    let tsp = if timeout_ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };
+    // SAFETY: `word` is a valid, aligned u32 for the duration of the call.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, val, tsp, 0usize, 0u32) }
+}
+
+impl FutexLock {
+    /// Takes the lock, waiting as long as needed.
+    pub fn lock(&self) -> FutexGuard<'_> {
+        for _ in 0..64 {
+            if let Some(g) = self.try_lock() {
+                return g;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            if self.state.swap(2, Acquire) == 0 {
+                self.owner.store(crate::pid(), Relaxed);
+                return FutexGuard(self);
+            }
+            futex(&self.state, libc::FUTEX_WAIT, 2, 200);
+            self.reap_dead_owner();
+        }
+    }
+
+    /// Takes the lock if it is free.
+    pub fn try_lock(&self) -> Option<FutexGuard<'_>> {
+        if self.state.compare_exchange(0, 1, Acquire, Relaxed).is_ok() {
+            self.owner.store(crate::pid(), Relaxed);
+            Some(FutexGuard(self))
+        } else {
+            None
+        }
+    }
+
+    fn reap_dead_owner(&self) {
+        let owner = self.owner.load(Relaxed);
+        // SAFETY: kill with signal 0 only checks for existence.
+        if owner > 0 && unsafe { libc::kill(owner, 0) } != 0 && crate::sys::errno() == libc::ESRCH {
+            crate::log::warn(format_args!("process {owner} died holding a connection lock; taking it over"));
+            self.owner.store(0, Relaxed);
+            self.state.store(0, Release);
+        }
+    }
+}
+
+impl Drop for FutexGuard<'_> {
+    fn drop(&mut self) {
+        if self.0.state.swap(0, Release) == 2 {
+            futex(&self.0.state, libc::FUTEX_WAKE, 1, -1);
+        }
+    }
+}
+
+/// The shared part of a virtual connection (first page of its mapping; the ring follows).
+#[repr(C)]
+pub struct SharedConn {
+    /// Guards `tx` and the send chain.
+    pub tx_lock: FutexLock,
+    /// Guards `rx` and the receive chain.
+    pub rx_lock: FutexLock,
+    /// Processes holding the connection.
+    pub procs: AtomicU32,
+    /// errno every call reports once the connection is broken (0 = healthy).
+    pub broken: AtomicI32,
+    /// Copy of `rx.delivered` for the send half's piggy-backed acks.
+    pub delivered: AtomicU64,
+    /// Highest ack the receive half saw, for the send half to apply.
+    pub peer_ack: AtomicU64,
+    /// Copy of `tx.ack_sent`, for the receive half's decision to send an ack alone.
+    pub ack_sent: AtomicU64,
+    /// Copy of `tx.unacked()`, for statistics.
+    pub unacked: AtomicU64,
+    /// The connection's GID.
+    pub gid: u128,
+    /// Its secret.
+    pub secret: u128,
+    /// The peer's window (its acks come every quarter of ours; ours every quarter of it).
+    pub peer_window: u64,
+    /// Send half (under `tx_lock`).
+    pub tx: UnsafeCell<TxState>,
+    /// Receive half (under `rx_lock`).
+    pub rx: UnsafeCell<RxState>,
+}
+
+/// Bytes before the ring in a connection's mapping.
+pub const HEAD: usize = 4096;
+const _: () = assert!(std::mem::size_of::<SharedConn>() <= HEAD);
+
+/// A view of one connection's memory: a [`SharedConn`] then the replay ring. Copyable; the
+/// owning [`Mapping`] keeps it mapped.
+#[derive(Clone, Copy)]
+pub struct ConnMem {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory; all access goes through the locks and atomics of
+// `SharedConn`.
+unsafe impl Send for ConnMem {}
+// SAFETY: as above.
+unsafe impl Sync for ConnMem {}
+
+/// Owns a connection's mapping; unmaps it (in this process) on drop.
+pub struct Mapping(ConnMem);
+
+impl std::ops::Deref for Mapping {
+    type Target = ConnMem;
+    fn deref(&self) -> &ConnMem {
+        &self.0
+    }
+}
+
+impl Mapping {
+    /// Maps a new connection with a ring of `ring` bytes and a soft window of `soft`.
+    pub fn new(ring: usize, soft: u64, gid: u128, secret: u128, peer_window: u64) -> Option<Mapping> {
+        let len = HEAD + ring;
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        let sc = SharedConn {
+            tx_lock: FutexLock { state: AtomicU32::new(0), owner: AtomicI32::new(0) },
+            rx_lock: FutexLock { state: AtomicU32::new(0), owner: AtomicI32::new(0) },
+            procs: AtomicU32::new(1),
+            broken: AtomicI32::new(0),
+            delivered: AtomicU64::new(0),
+            peer_ack: AtomicU64::new(0),
+            ack_sent: AtomicU64::new(0),
+            unacked: AtomicU64::new(0),
+            gid,
+            secret,
+            peer_window,
+            tx: UnsafeCell::new(TxState::with_soft_window(ring as u64, soft)),
+            rx: UnsafeCell::new(RxState::new()),
+        };
+        // SAFETY: the mapping is fresh, page aligned and HEAD bytes fit a SharedConn.
+        unsafe { std::ptr::write(p as *mut SharedConn, sc) };
+        Some(Mapping(ConnMem { base: p as *mut u8, len }))
+    }
+}
+
+impl ConnMem {
+    /// The shared state.
+    pub fn conn(&self) -> &'static SharedConn {
+        // SAFETY: initialised in `new`, mapped for the life of `self`.
+        unsafe { &*(self.base as *const SharedConn) }
+    }
+
+    /// The replay ring.
+    ///
+    /// # Safety
+    /// The caller holds `tx_lock`, so no one else touches the ring.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn ring(&self) -> &'static mut [u8] {
+        // SAFETY: the ring is mapped for `len - HEAD` bytes after HEAD; exclusivity is the
+        // caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(HEAD), self.len - HEAD) }
+    }
+
+    /// Gives back the ring's memory (when it holds nothing worth keeping).
+    pub fn release_ring(&self) {
+        // SAFETY: MADV_REMOVE on our own shared anonymous mapping only drops page contents.
+        unsafe { libc::madvise(self.base.add(HEAD) as *mut _, self.len - HEAD, libc::MADV_REMOVE) };
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped.
+        unsafe { libc::munmap(self.0.base as *mut _, self.0.len) };
+    }
+}

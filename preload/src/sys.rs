@@ -1,0 +1,185 @@
+//! Small safe wrappers over the system calls the layer makes for itself.
+
+use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+
+/// The calling thread's errno.
+pub fn errno() -> c_int {
+    // SAFETY: __errno_location always returns the thread's errno slot.
+    unsafe { *libc::__errno_location() }
+}
+
+/// Sets the calling thread's errno.
+pub fn set_errno(e: c_int) {
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = e }
+}
+
+/// Reads a socket address given by the program.
+///
+/// # Safety
+/// `addr` must be valid for `len` bytes (or null).
+pub unsafe fn from_raw(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() || (len as usize) < std::mem::size_of::<libc::sa_family_t>() {
+        return None;
+    }
+    // SAFETY: at least the family field is readable.
+    let family = unsafe { (*addr).sa_family } as c_int;
+    match family {
+        libc::AF_INET if len as usize >= std::mem::size_of::<sockaddr_in>() => {
+            // SAFETY: length checked; sockaddr_in has no alignment above 4 and we copy it.
+            let a = unsafe { std::ptr::read_unaligned(addr as *const sockaddr_in) };
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                u16::from_be(a.sin_port),
+            )))
+        }
+        libc::AF_INET6 if len as usize >= std::mem::size_of::<sockaddr_in6>() => {
+            // SAFETY: length checked; copied out unaligned.
+            let a = unsafe { std::ptr::read_unaligned(addr as *const sockaddr_in6) };
+            let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+            let port = u16::from_be(a.sin6_port);
+            // An IPv4-mapped address is the IPv4 peer it stands for.
+            Some(match ip.to_ipv4_mapped() {
+                Some(v4) => SocketAddr::V4(SocketAddrV4::new(v4, port)),
+                None => SocketAddr::V6(SocketAddrV6::new(ip, port, a.sin6_flowinfo, a.sin6_scope_id)),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Builds a raw socket address of the given family.
+pub fn to_raw(a: &SocketAddr, v6_socket: bool) -> (sockaddr_storage, socklen_t) {
+    // SAFETY: all-zero is a valid sockaddr_storage.
+    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
+    let ip6 = match (a.ip(), v6_socket) {
+        (IpAddr::V4(v4), false) => {
+            let sin = sockaddr_in {
+                sin_family: libc::AF_INET as _,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(v4).to_be() },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            unsafe { std::ptr::write(&mut st as *mut _ as *mut sockaddr_in, sin) };
+            return (st, std::mem::size_of::<sockaddr_in>() as socklen_t);
+        }
+        (IpAddr::V4(v4), true) => v4.to_ipv6_mapped(),
+        (IpAddr::V6(v6), _) => v6,
+    };
+    let sin6 = sockaddr_in6 {
+        sin6_family: libc::AF_INET6 as _,
+        sin6_port: a.port().to_be(),
+        sin6_flowinfo: 0,
+        sin6_addr: libc::in6_addr { s6_addr: ip6.octets() },
+        sin6_scope_id: 0,
+    };
+    // SAFETY: as above, for sockaddr_in6.
+    unsafe { std::ptr::write(&mut st as *mut _ as *mut sockaddr_in6, sin6) };
+    (st, std::mem::size_of::<sockaddr_in6>() as socklen_t)
+}
+
+fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
+    // SAFETY: zeroed storage is valid; the kernel fills at most `len` bytes.
+    let mut st: sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<sockaddr_storage>() as socklen_t;
+    let p = &mut st as *mut _ as *mut sockaddr;
+    // SAFETY: valid pointers to owned storage.
+    let r = unsafe {
+        if peer {
+            libc::getpeername(fd, p, &mut len)
+        } else {
+            libc::getsockname(fd, p, &mut len)
+        }
+    };
+    if r != 0 {
+        return None;
+    }
+    // SAFETY: the kernel wrote `len` bytes.
+    unsafe { from_raw(p, len) }
+}
+
+/// The socket's local address.
+pub fn local_addr(fd: c_int) -> Option<SocketAddr> {
+    name_of(fd, false)
+}
+
+/// The socket's peer address.
+pub fn peer_addr(fd: c_int) -> Option<SocketAddr> {
+    name_of(fd, true)
+}
+
+fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as socklen_t;
+    // SAFETY: valid pointers to a local int.
+    let r = unsafe { libc::getsockopt(fd, level, opt, &mut v as *mut _ as *mut _, &mut len) };
+    (r == 0).then_some(v)
+}
+
+/// Family of a TCP socket (AF_INET or AF_INET6), or `None` if `fd` is anything else.
+pub fn tcp_family(fd: c_int) -> Option<c_int> {
+    if sockopt_int(fd, libc::SOL_SOCKET, libc::SO_TYPE)? != libc::SOCK_STREAM {
+        return None;
+    }
+    if sockopt_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
+        return None;
+    }
+    let fam = sockopt_int(fd, libc::SOL_SOCKET, libc::SO_DOMAIN)?;
+    matches!(fam, libc::AF_INET | libc::AF_INET6).then_some(fam)
+}
+
+/// True if the descriptor is in non-blocking mode.
+pub fn nonblocking(fd: c_int) -> bool {
+    // SAFETY: F_GETFL has no pointer argument.
+    let fl = unsafe { crate::real::fcntl(fd, libc::F_GETFL, 0) };
+    fl >= 0 && fl & libc::O_NONBLOCK != 0
+}
+
+/// 16 random bytes from the kernel.
+pub fn random16() -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let mut got = 0;
+    while got < 16 {
+        // SAFETY: writes into the rest of `b`.
+        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr() as *mut _, 16 - got, 0) };
+        if r > 0 {
+            got += r as usize;
+        } else if errno() != libc::EINTR {
+            // Fall back to time and address entropy; GIDs stay unique, if less secret.
+            let t = now_ns() as u128 ^ ((&b as *const _ as usize as u128) << 64);
+            return t.to_le_bytes();
+        }
+    }
+    b
+}
+
+/// Monotonic time in nanoseconds.
+pub fn now_ns() -> u64 {
+    // SAFETY: zeroed timespec filled by the kernel.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wall-clock milliseconds since the epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Waits up to `ms` for `events` on `fd`.
+pub fn wait_fd(fd: c_int, events: i16, ms: c_int) -> i16 {
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r > 0 {
+        p.revents
+    } else {
+        0
+    }
+}

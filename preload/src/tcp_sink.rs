@@ -1,0 +1,359 @@
+//! The kernel-TCP sink: the bottom device of a virtual connection's chains. It frames the
+//! application's bytes onto the connection's own socket (the descriptor the program holds)
+//! and parses frames out of it straight into the program's buffers.
+//!
+//! Calls run in the program's thread (no progress thread): a send writes header and payload
+//! with one `sendmsg`, a receive reads with one `recvmsg` laid out by
+//! [`RxState::plan_read`]. Acknowledgements ride on data; an ack goes alone only when a
+//! quarter of the peer's window waits for one. A sender whose window is full first reads
+//! ack frames waiting at the head of its socket; if data from the peer stands in front of
+//! them, it uses the spare room of its ring instead of waiting for the program to read, so
+//! the layer never deadlocks a program that native TCP would not.
+
+use crate::shm::ConnMem;
+use crate::stats::Slot;
+use crate::{log, real, sys};
+use libc::{c_int, iovec};
+use std::sync::atomic::Ordering::*;
+use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
+use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, ProtoError, ReadPlan, RxState, Source, TxState};
+use substrate::wire::frame::FrameKind;
+
+/// The kernel-TCP sink device.
+pub struct TcpSink {
+    mem: ConnMem,
+    slot: Option<Slot>,
+}
+
+impl TcpSink {
+    /// A sink over the connection whose shared memory is `mem`.
+    pub fn new(mem: ConnMem, slot: Option<Slot>) -> Self {
+        TcpSink { mem, slot }
+    }
+}
+
+impl Device for TcpSink {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn dispatch<'a>(&mut self, mut irb: Irb<'a>, _cx: &mut Dispatch<'_>) -> Disposition<'a> {
+        let fd = irb.handle as c_int;
+        let flags = irb.flags;
+        let r = match (irb.kind(), &mut irb.buf) {
+            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, d, flags),
+            (IrbKind::Receive, Buf::In(b)) => recv(self.mem, self.slot, fd, b, flags),
+            (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
+            _ => return Disposition::Forward(irb),
+        };
+        irb.complete(r)
+    }
+}
+
+fn errno_result(e: c_int) -> IrbError {
+    if e == libc::EAGAIN {
+        IrbError::WouldBlock
+    } else {
+        IrbError::Os(e)
+    }
+}
+
+/// Closes the connection after a protocol violation: a clear log line, `ECONNRESET` for the
+/// program from now on, and a shutdown so the peer sees the end too.
+fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError {
+    let c = mem.conn();
+    if c.broken.swap(libc::ECONNRESET, AcqRel) == 0 {
+        let peer = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+        log::error(format_args!(
+            "virtual connection {:032x} with {peer}: {e}; closing it (the program sees ECONNRESET)",
+            c.gid
+        ));
+        if let Some(s) = slot {
+            s.set_error(libc::ECONNRESET);
+        }
+        // SAFETY: shutdown on the connection's own socket.
+        unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+    }
+    IrbError::Os(libc::ECONNRESET)
+}
+
+fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
+    let c = mem.conn();
+    c.ack_sent.store(tx.ack_sent, Release);
+    c.unacked.store(tx.unacked(), Relaxed);
+    if let Some(s) = slot {
+        s.set_unacked(tx.unacked());
+    }
+}
+
+fn publish_rx(mem: ConnMem, rx: &RxState) {
+    let c = mem.conn();
+    c.delivered.store(rx.delivered, Release);
+    c.peer_ack.fetch_max(rx.peer_ack, AcqRel);
+}
+
+/// Writes what `plan` says, with one sendmsg. Returns the kernel's answer.
+fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> isize {
+    let mut iov: [iovec; 3] = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
+    let mut n = 0;
+    let h = plan.header_bytes();
+    if !h.is_empty() {
+        iov[n] = iovec { iov_base: h.as_ptr() as *mut _, iov_len: h.len() };
+        n += 1;
+    }
+    if plan.payload > 0 {
+        match plan.source {
+            Source::App => {
+                iov[n] = iovec { iov_base: app.as_ptr() as *mut _, iov_len: plan.payload };
+                n += 1;
+            }
+            Source::Ring(seq) => {
+                let (a, b) = ring_slices(ring, seq, plan.payload);
+                for s in [a, b] {
+                    if !s.is_empty() {
+                        iov[n] = iovec { iov_base: s.as_ptr() as *mut _, iov_len: s.len() };
+                        n += 1;
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = n;
+    // SAFETY: msg is initialised and its buffers outlive the call.
+    unsafe { real::sendmsg(fd, &msg, flags) }
+}
+
+/// The send path. The caller holds the tx lock.
+pub fn send(mem: ConnMem, slot: Option<Slot>, fd: c_int, data: &[u8], flags: c_int) -> Result<usize, IrbError> {
+    let c = mem.conn();
+    let b = c.broken.load(Acquire);
+    if b != 0 {
+        return Err(IrbError::Os(b));
+    }
+    if flags & libc::MSG_OOB != 0 {
+        return Err(IrbError::Os(libc::EOPNOTSUPP));
+    }
+    if data.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: the caller holds tx_lock: the send half and the ring are ours.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    let kflags = flags & (libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | libc::MSG_MORE);
+    let mut nonblock = (flags & libc::MSG_DONTWAIT != 0).then_some(true);
+    let mut total = 0;
+    loop {
+        if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
+            return Err(fail(mem, slot, fd, e));
+        }
+        let rest = &data[total..];
+        let delivered = c.delivered.load(Acquire);
+        let plan = match tx.plan_send(rest.len(), delivered, false) {
+            Ok(p) => p,
+            Err(Blocked::Window) => {
+                if harvest(mem, slot, fd)? {
+                    continue;
+                }
+                match tx.plan_send(rest.len(), delivered, true) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        if total > 0 {
+                            return Ok(total);
+                        }
+                        if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                            return Err(IrbError::WouldBlock);
+                        }
+                        wait_for_acks(mem, fd);
+                        continue;
+                    }
+                }
+            }
+            Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
+        };
+        let r = write_plan(fd, &plan, rest, ring, kflags);
+        if r < 0 {
+            let e = sys::errno();
+            tx.commit(&plan, 0, rest, ring);
+            return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+        }
+        total += tx.commit(&plan, r as usize, rest, ring);
+        publish_tx(mem, tx, slot);
+        if total == data.len() {
+            return Ok(total);
+        }
+        if (r as usize) < plan.header_len + plan.payload && total > 0 {
+            // The kernel took less than offered (signal, or a full non-blocking buffer).
+            return Ok(total);
+        }
+    }
+}
+
+/// Reads ack frames waiting at the head of the socket (never payload). Returns true if the
+/// window opened. The caller holds the tx lock.
+fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<bool, IrbError> {
+    let c = mem.conn();
+    let Some(_g) = c.rx_lock.try_lock() else { return Ok(false) };
+    // SAFETY: we hold rx_lock.
+    let rx = unsafe { &mut *c.rx.get() };
+    let before = c.peer_ack.load(Acquire);
+    while rx.frame_rem == 0 {
+        let s = rx.header_slot();
+        // SAFETY: reads into the header slot only.
+        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
+        if r <= 0 {
+            break;
+        }
+        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []) {
+            return Err(fail(mem, slot, fd, e));
+        }
+        publish_rx(mem, rx);
+    }
+    Ok(c.peer_ack.load(Acquire) > before)
+}
+
+/// Blocks briefly for acknowledgements (blocking sockets with a full window).
+fn wait_for_acks(mem: ConnMem, fd: c_int) {
+    let c = mem.conn();
+    // SAFETY: frame_rem is read racily only to choose how to wait.
+    let mid_frame = unsafe { (*c.rx.get()).frame_rem } > 0;
+    if c.rx_lock.try_lock().is_some() && !mid_frame {
+        sys::wait_fd(fd, libc::POLLIN, 10);
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+}
+
+/// Sends an ack alone if a quarter of the peer's window waits for one. The caller holds
+/// the rx lock.
+fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
+    let c = mem.conn();
+    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) {
+        return;
+    }
+    let Some(_g) = c.tx_lock.try_lock() else { return };
+    // SAFETY: we hold tx_lock.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    let Some(plan) = tx.plan_control(FrameKind::Ack, delivered) else { return };
+    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+    tx.commit(&plan, r.max(0) as usize, &[], ring);
+    publish_tx(mem, tx, slot);
+}
+
+/// Reads as `plan` says, with one recvmsg.
+fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags: c_int) -> isize {
+    let slot = rx.header_slot();
+    let hs = iovec { iov_base: slot.as_mut_ptr() as *mut _, iov_len: slot.len() };
+    let mut iov = [hs, hs];
+    let n = match plan {
+        ReadPlan::HeaderFirst { app_max } => {
+            iov[1] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: app_max };
+            2
+        }
+        ReadPlan::PayloadFirst { app_max, then_header } => {
+            iov[0] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: app_max };
+            1 + then_header as usize
+        }
+    };
+    // SAFETY: zeroed msghdr is valid; iovecs point at live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = n;
+    // SAFETY: as above.
+    unsafe { real::recvmsg(fd, &mut msg, flags) }
+}
+
+/// The receive path. The caller holds the rx lock.
+pub fn recv(mem: ConnMem, slot: Option<Slot>, fd: c_int, buf: &mut [u8], flags: c_int) -> Result<usize, IrbError> {
+    let c = mem.conn();
+    let b = c.broken.load(Acquire);
+    if b != 0 {
+        return Err(IrbError::Os(b));
+    }
+    if flags & (libc::MSG_OOB | libc::MSG_TRUNC) != 0 {
+        return Err(IrbError::Os(libc::EOPNOTSUPP));
+    }
+    if buf.is_empty() {
+        return Ok(0);
+    }
+    // SAFETY: the caller holds rx_lock.
+    let rx = unsafe { &mut *c.rx.get() };
+    let kflags = flags & libc::MSG_DONTWAIT;
+    if flags & libc::MSG_PEEK != 0 {
+        return peek(mem, slot, rx, fd, buf, kflags);
+    }
+    let waitall = flags & libc::MSG_WAITALL != 0;
+    let mut total = 0;
+    loop {
+        let space = &mut buf[total..];
+        let plan = rx.plan_read(space.len());
+        let r = read_plan(fd, rx, plan, space, kflags);
+        if r < 0 {
+            let e = sys::errno();
+            return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+        }
+        if r == 0 {
+            return Ok(total);
+        }
+        let got = match rx.ingest(plan, r as usize, space) {
+            Ok(i) => i.payload,
+            Err(e) => {
+                let err = fail(mem, slot, fd, e);
+                return if total > 0 { Ok(total) } else { Err(err) };
+            }
+        };
+        publish_rx(mem, rx);
+        total += got;
+        maybe_ack(mem, slot, fd, rx.delivered);
+        if total > 0 && (!waitall || total == buf.len()) {
+            return Ok(total);
+        }
+    }
+}
+
+fn peek(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int, buf: &mut [u8], kflags: c_int) -> Result<usize, IrbError> {
+    loop {
+        if rx.frame_rem > 0 {
+            let n = (buf.len() as u64).min(rx.frame_rem) as usize;
+            // SAFETY: peeks into the program's buffer.
+            let r = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut _, n, libc::MSG_PEEK | kflags) };
+            return if r < 0 { Err(errno_result(sys::errno())) } else { Ok(r as usize) };
+        }
+        // At a frame boundary: take headers (invisible to the program) until data starts.
+        let s = rx.header_slot();
+        // SAFETY: reads into the header slot only.
+        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), kflags) };
+        if r < 0 {
+            return Err(errno_result(sys::errno()));
+        }
+        if r == 0 {
+            return Ok(0);
+        }
+        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []) {
+            return Err(fail(mem, slot, fd, e));
+        }
+        publish_rx(mem, rx);
+    }
+}
+
+/// Payload bytes readable without blocking (FIONREAD / SIOCINQ). The caller holds the rx lock.
+pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
+    let mut n: c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    if unsafe { real::ioctl(fd, libc::FIONREAD, &mut n as *mut c_int as libc::c_ulong) } < 0 {
+        return Err(sys::errno());
+    }
+    // SAFETY: the caller holds rx_lock; we work on a copy.
+    let mut rx = unsafe { *mem.conn().rx.get() };
+    if n <= 0 || rx.frame_rem >= n as u64 {
+        return Ok(n.max(0));
+    }
+    let mut tmp = vec![0u8; (n as usize).min(4 << 20)];
+    // SAFETY: peeks into our own buffer.
+    let r = unsafe { real::recv(fd, tmp.as_mut_ptr() as *mut _, tmp.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    if r <= 0 {
+        return Ok(0);
+    }
+    Ok(rx.parse_buffer(&mut tmp[..r as usize]).map(|i| i.payload as i32).unwrap_or(0))
+}

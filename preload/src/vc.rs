@@ -1,0 +1,141 @@
+//! A virtual connection in this process: its shared memory (state and replay ring), its
+//! statistics slot, and its send and receive chains. The kernel-TCP sink at the bottom of
+//! both chains is in [`crate::tcp_sink`].
+
+use crate::shm::{ConnMem, Mapping};
+use crate::stats::{Slot, SlotInfo};
+use crate::tcp_sink::TcpSink;
+use std::cell::UnsafeCell;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::*;
+use substrate::devices::CounterFilter;
+use substrate::irb::{Chain, Irb, IrbError, Outcome};
+
+/// Default soft window (bytes in flight before the sender waits for acknowledgements).
+pub const DEFAULT_WINDOW: u64 = 2 << 20;
+/// The replay ring is this many times the soft window (room used only when acks are stuck
+/// behind unread data).
+pub const RING_FACTOR: u64 = 4;
+
+/// A virtual connection.
+pub struct Vc {
+    mem: Mapping,
+    slot: Option<Slot>,
+    /// Local address.
+    pub local: SocketAddr,
+    /// Peer address.
+    pub peer: SocketAddr,
+    send_chain: UnsafeCell<Chain>,
+    recv_chain: UnsafeCell<Chain>,
+}
+
+// SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
+// immutable or atomic.
+unsafe impl Send for Vc {}
+// SAFETY: as above.
+unsafe impl Sync for Vc {}
+
+/// What is needed to set up a virtual connection.
+pub struct Setup {
+    /// GID.
+    pub gid: u128,
+    /// Secret.
+    pub secret: u128,
+    /// Our soft window.
+    pub window: u64,
+    /// The peer's soft window.
+    pub peer_window: u64,
+    /// Local address.
+    pub local: SocketAddr,
+    /// Peer address.
+    pub peer: SocketAddr,
+    /// True when this side connected.
+    pub active: bool,
+}
+
+fn chain_for(mem: ConnMem, slot: Option<Slot>) -> Chain {
+    let mut c = Chain::new();
+    if let Some(s) = slot {
+        let _ = c.attach(0, Box::new(CounterFilter::new(s.counters())));
+    }
+    let _ = c.attach(usize::MAX, Box::new(TcpSink::new(mem, slot)));
+    c
+}
+
+impl Vc {
+    /// Sets up the layer's side of a virtual connection.
+    pub fn new(s: &Setup) -> Option<Vc> {
+        let ring = (s.window * RING_FACTOR) as usize;
+        let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window)?;
+        let slot = crate::stats::table().and_then(|t| {
+            t.alloc(&SlotInfo { gid: s.gid, local: s.local, peer: s.peer, active: s.active, window: s.window })
+        });
+        let m = *mem;
+        Some(Vc {
+            mem,
+            slot,
+            local: s.local,
+            peer: s.peer,
+            send_chain: UnsafeCell::new(chain_for(m, slot)),
+            recv_chain: UnsafeCell::new(chain_for(m, slot)),
+        })
+    }
+
+    /// The shared memory view.
+    pub fn mem(&self) -> ConnMem {
+        *self.mem
+    }
+
+    /// The GID.
+    pub fn gid(&self) -> u128 {
+        self.mem.conn().gid
+    }
+
+    fn run(chain: &mut Chain, irb: Irb<'_>) -> Result<usize, IrbError> {
+        match chain.submit(irb) {
+            Outcome::Complete(c) => c.result(),
+            Outcome::Pending(_) => Err(IrbError::WouldBlock),
+        }
+    }
+
+    /// Sends application bytes through the send chain.
+    pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
+        let c = self.mem.conn();
+        let _g = c.tx_lock.lock();
+        // SAFETY: the send chain is only used under tx_lock, which we hold.
+        let chain = unsafe { &mut *self.send_chain.get() };
+        Self::run(chain, Irb::send(data, flags).with_handle(fd as i64))
+    }
+
+    /// Receives application bytes through the receive chain.
+    pub fn recv(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+        let c = self.mem.conn();
+        let _g = c.rx_lock.lock();
+        // SAFETY: the receive chain is only used under rx_lock, which we hold.
+        let chain = unsafe { &mut *self.recv_chain.get() };
+        Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64))
+    }
+
+    /// Payload bytes readable now (FIONREAD).
+    pub fn readable_bytes(&self, fd: i32) -> Result<i32, i32> {
+        let c = self.mem.conn();
+        let _g = c.rx_lock.lock();
+        crate::tcp_sink::readable_bytes(self.mem(), fd)
+    }
+
+    /// This process took another reference (fork).
+    pub fn forked(&self) {
+        self.mem.conn().procs.fetch_add(1, AcqRel);
+    }
+}
+
+impl Drop for Vc {
+    fn drop(&mut self) {
+        // The last process to let go frees the statistics slot.
+        if self.mem.conn().procs.fetch_sub(1, AcqRel) == 1 {
+            if let Some(s) = self.slot {
+                s.free();
+            }
+        }
+    }
+}

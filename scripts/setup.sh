@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Install what the integration tests and benchmarks need on a fresh Debian 12 machine.
+# Run as root. Safe to run again: already installed packages are left as they are.
+set -euo pipefail
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "setup.sh: must run as root" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+
+APT_PACKAGES=(
+    iperf3
+    sockperf
+    redis-server
+    redis-tools
+    socat
+    netcat-openbsd
+    iproute2
+    curl
+    python3-pip
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "setup.sh: installing ${missing[*]}"
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+    echo "setup.sh: system packages already installed"
+fi
+
+# The package starts a redis server on 127.0.0.1:6379; the tests start their own.
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop redis-server >/dev/null 2>&1 || true
+    systemctl disable redis-server >/dev/null 2>&1 || true
+fi
+service redis-server stop >/dev/null 2>&1 || true
+
+# Python packages, for whichever python3 comes first on PATH.
+PY=python3
+export PIP_ROOT_USER_ACTION=ignore
+if ! "$PY" -c 'import pytest, matplotlib' >/dev/null 2>&1; then
+    echo "setup.sh: installing pytest and matplotlib for $(command -v "$PY")"
+    if ! "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m ensurepip --upgrade >/dev/null 2>&1 || true
+    fi
+    PIP=("$PY" -m pip install -q --disable-pip-version-check --no-warn-script-location)
+    if ! "${PIP[@]}" pytest matplotlib 2>/dev/null; then
+        # Debian's own python3 refuses system-wide installs (PEP 668, "externally managed").
+        "${PIP[@]}" --break-system-packages pytest matplotlib
+    fi
+else
+    echo "setup.sh: pytest and matplotlib already available"
+fi
+
+echo "setup.sh: done"

@@ -1,0 +1,153 @@
+//! The statistics table a process under the layer shares with its node agent: a file (a
+//! memfd handed to the agent) holding a header and one fixed-size slot per virtual
+//! connection. The layer writes slots with atomics; the agent maps the file read-only and
+//! reads them with [`SlotView::parse`], which needs no `unsafe` and trusts nothing.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+/// Magic number at the start of a table.
+pub const TABLE_MAGIC: u64 = 0x766d_6973_7461_7431; // "vmistat1"
+/// Bytes before the first slot.
+pub const TABLE_HEADER: usize = 64;
+/// Bytes per slot.
+pub const SLOT_SIZE: usize = 192;
+/// Slots per table.
+pub const TABLE_SLOTS: usize = 65536;
+/// Total table size in bytes.
+pub const TABLE_BYTES: usize = TABLE_HEADER + SLOT_SIZE * TABLE_SLOTS;
+
+/// Byte offsets of a slot's fields (all little endian, naturally aligned).
+pub mod off {
+    /// u32: 0 free, 1 in use.
+    pub const USED: usize = 0;
+    /// u32: process id of the process that made the connection.
+    pub const PID: usize = 4;
+    /// u128: the GID.
+    pub const GID: usize = 16;
+    /// 20 bytes: local address (u16 family 4/6, u16 port, 16 bytes IP).
+    pub const LOCAL: usize = 32;
+    /// 20 bytes: peer address.
+    pub const PEER: usize = 52;
+    /// u32: substrate code (1 = tcp).
+    pub const SUBSTRATE: usize = 72;
+    /// u32: 1 = this side connected, 0 = accepted.
+    pub const ACTIVE: usize = 76;
+    /// u64: window (soft) in bytes.
+    pub const WINDOW: usize = 80;
+    /// u64 ×4: bytes sent, bytes received, messages sent, messages received.
+    pub const COUNTERS: usize = 88;
+    /// u64: unacknowledged bytes in the replay buffer.
+    pub const UNACKED: usize = 120;
+    /// u64: creation time, ms since the Unix epoch.
+    pub const CREATED_MS: usize = 128;
+    /// u32: errno the connection failed with (0 = healthy).
+    pub const ERROR: usize = 136;
+}
+
+/// Encodes an address into the 20-byte slot form.
+pub fn encode_addr(a: &SocketAddr) -> [u8; 20] {
+    let mut b = [0u8; 20];
+    match a.ip() {
+        IpAddr::V4(ip) => {
+            b[0] = 4;
+            b[4..8].copy_from_slice(&ip.octets());
+        }
+        IpAddr::V6(ip) => {
+            b[0] = 6;
+            b[4..20].copy_from_slice(&ip.octets());
+        }
+    }
+    b[2..4].copy_from_slice(&a.port().to_le_bytes());
+    b
+}
+
+fn decode_addr(b: &[u8]) -> Option<SocketAddr> {
+    let port = u16::from_le_bytes([b[2], b[3]]);
+    let ip = match b[0] {
+        4 => IpAddr::V4(Ipv4Addr::new(b[4], b[5], b[6], b[7])),
+        6 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&b[4..20]).ok()?)),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+/// One slot as the agent reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotView {
+    /// Process that made the connection.
+    pub pid: u32,
+    /// GID.
+    pub gid: u128,
+    /// Local address.
+    pub local: SocketAddr,
+    /// Peer address.
+    pub peer: SocketAddr,
+    /// Substrate name.
+    pub substrate: &'static str,
+    /// True when this side connected.
+    pub active: bool,
+    /// Soft window.
+    pub window: u64,
+    /// Bytes sent.
+    pub bytes_sent: u64,
+    /// Bytes received.
+    pub bytes_received: u64,
+    /// Messages sent.
+    pub msgs_sent: u64,
+    /// Messages received.
+    pub msgs_received: u64,
+    /// Bytes in the replay buffer.
+    pub unacked: u64,
+    /// Creation time (ms since the epoch).
+    pub created_ms: u64,
+    /// errno the connection failed with, 0 when healthy.
+    pub error: u32,
+}
+
+/// Substrate name for a code.
+pub fn substrate_name(code: u32) -> &'static str {
+    match code {
+        1 => "tcp",
+        _ => "unknown",
+    }
+}
+
+impl SlotView {
+    /// Reads a slot; `None` if it is free or does not make sense.
+    pub fn parse(s: &[u8]) -> Option<SlotView> {
+        if s.len() < SLOT_SIZE {
+            return None;
+        }
+        let u32at = |o: usize| u32::from_le_bytes(s[o..o + 4].try_into().expect("4"));
+        let u64at = |o: usize| u64::from_le_bytes(s[o..o + 8].try_into().expect("8"));
+        if u32at(off::USED) != 1 {
+            return None;
+        }
+        Some(SlotView {
+            pid: u32at(off::PID),
+            gid: u128::from_le_bytes(s[off::GID..off::GID + 16].try_into().expect("16")),
+            local: decode_addr(&s[off::LOCAL..off::LOCAL + 20])?,
+            peer: decode_addr(&s[off::PEER..off::PEER + 20])?,
+            substrate: substrate_name(u32at(off::SUBSTRATE)),
+            active: u32at(off::ACTIVE) == 1,
+            window: u64at(off::WINDOW),
+            bytes_sent: u64at(off::COUNTERS),
+            bytes_received: u64at(off::COUNTERS + 8),
+            msgs_sent: u64at(off::COUNTERS + 16),
+            msgs_received: u64at(off::COUNTERS + 24),
+            unacked: u64at(off::UNACKED),
+            created_ms: u64at(off::CREATED_MS),
+            error: u32at(off::ERROR),
+        })
+    }
+
+    /// Checks a table's header (its first [`TABLE_HEADER`] bytes) against the table's total
+    /// size; returns the slot count.
+    pub fn table_slots(header: &[u8], total_len: usize) -> Option<usize> {
+        if header.len() < TABLE_HEADER || u64::from_le_bytes(header[..8].try_into().ok()?) != TABLE_MAGIC {
+            return None;
+        }
+        let n = u32::from_le_bytes(header[8..12].try_into().ok()?) as usize;
+        (TABLE_HEADER + n.checked_mul(SLOT_SIZE)? <= total_len).then_some(n)
+    }
+}

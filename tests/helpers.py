@@ -1,0 +1,690 @@
+"""Shared pieces of the integration suite.
+
+Everything the tests need to know about the machine lives here: the binaries, the namespace
+topology and its addresses, every port, every timeout. Then process control inside namespace
+hosts (with or without the layer), `vmictl status --json` snapshots taken while programs run,
+and the assertions built on them (virtual or plain, byte counts).
+
+Set VMI_TEST_BASELINE=1 to run the whole suite on plain TCP: no LD_PRELOAD, no agents, and the
+vmictl assertions are not evaluated (the report header says so). It tells a harness or
+environment problem from a layer problem; it is never how the suite is run for real.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------------
+# Paths and binaries
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASE = REPO / "target" / "release"
+PRELOAD_LIB = RELEASE / "libvmi_preload.so"
+AGENT_BIN = RELEASE / "vmi-agent"
+VMICTL_BIN = RELEASE / "vmictl"
+PROGRAMS = REPO / "tests" / "programs"
+TOPO_SCRIPT = REPO / "scripts" / "topo.sh"
+# The interpreter running pytest (a real binary, not a shell shim), for the Python programs.
+PYTHON = sys.executable
+
+SYSTEM_TOOLS = ["nsenter", "ss", "env", "iperf3", "sockperf", "redis-server", "redis-cli",
+                "redis-benchmark", "curl"]
+
+BASELINE = os.environ.get("VMI_TEST_BASELINE") == "1"
+LAYER_LOG = os.environ.get("VMI_TEST_LOG", "warn")          # VMI_LOG for layered programs
+AGENT_LOG = os.environ.get("VMI_TEST_AGENT_LOG", "info")    # VMI_LOG for the agents
+
+# ---------------------------------------------------------------------------------------------
+# Topology: three namespace hosts on two networks; agents on hosts 1 and 2 only.
+
+PREFIX = "vmit"
+NET0 = "10.78.0"
+NET1 = "10.78.1"
+NUM_HOSTS = 3
+H1, H2, H3 = "vmit1", "vmit2", "vmit3"
+AGENT_HOSTS = (H1, H2)
+NO_AGENT_HOST = H3
+AGENT_PORT = 7787
+
+
+def host_ip(host, net=0):
+    """Address of a host on network 0 (eth0) or 1 (eth1)."""
+    index = int(host[len(PREFIX):])
+    return f"{NET0 if net == 0 else NET1}.{index}"
+
+
+H1_IP, H2_IP, H3_IP = host_ip(H1), host_ip(H2), host_ip(H3)
+H1_IP1 = host_ip(H1, 1)
+LOOPBACK = "127.0.0.1"
+
+# ---------------------------------------------------------------------------------------------
+# Ports: one per use, so no test meets a port another left in TIME_WAIT.
+
+PORTS = {
+    "iperf3_plain": 15201,
+    "iperf3_parallel4": 15202,
+    "iperf3_reverse": 15203,
+    "iperf3_local_eth0": 15204,
+    "iperf3_local_lo": 15205,
+    "sockperf_ping_pong": 11201,
+    "sockperf_throughput": 11202,
+    "sockperf_under_load": 11203,
+    "redis_benchmark": 16301,
+    "redis_big_value": 16302,
+    "http": 18001,
+    "http_no_agent": 18002,
+    "echo": 17001,
+    "fork_hash": 17101,
+    "fork_both": 17102,
+    "stream_net0": 17201,
+    "stream_net1": 17202,
+    "stream_local": 17203,
+    "stream_loopback": 17204,
+    "stream_tiny": 17205,
+    "mixed_iperf3_plain_server": 15301,
+    "mixed_iperf3_plain_client": 15302,
+    "mixed_stream_plain_server": 17301,
+    "mixed_stream_plain_client": 17302,
+    "mixed_banner_plain_server": 17303,
+    "mixed_banner_plain_client": 17304,
+    "mixed_disabled": 17305,
+    "no_agent_stream_out": 17401,
+    "no_agent_banner_in": 17402,
+}
+assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
+assert AGENT_PORT not in PORTS.values()
+
+# ---------------------------------------------------------------------------------------------
+# Timeouts (seconds)
+
+AGENT_READY_TIMEOUT = 10.0
+LISTEN_TIMEOUT = 10.0
+VMICTL_TIMEOUT = 5.0
+RUN_TIMEOUT = 45.0          # default for one client program
+STOP_GRACE = 3.0            # SIGTERM to SIGKILL
+POLL_INTERVAL = 0.1         # vmictl snapshots while traffic runs
+LOG_TAIL_LINES = 150
+
+# ---------------------------------------------------------------------------------------------
+# Process groups started by the suite, for the last-resort cleanup at exit.
+
+_ALL_GROUPS = set()
+_ALL_GROUPS_LOCK = threading.Lock()
+
+
+def kill_group(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_all_groups():
+    with _ALL_GROUPS_LOCK:
+        groups = list(_ALL_GROUPS)
+        _ALL_GROUPS.clear()
+    for pgid in groups:
+        kill_group(pgid, signal.SIGKILL)
+
+
+class HarnessError(AssertionError):
+    """A program misbehaved (exit status, timeout, unparsable output)."""
+
+
+def tail(path, lines=LOG_TAIL_LINES):
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        return f"<cannot read {path}: {exc}>"
+    parts = text.splitlines()
+    if len(parts) > lines:
+        return f"... ({len(parts) - lines} earlier lines in {path})\n" + "\n".join(parts[-lines:])
+    return text
+
+
+def layer_env():
+    if BASELINE:
+        return {}
+    return {"LD_PRELOAD": str(PRELOAD_LIB), "VMI_LOG": LAYER_LOG}
+
+
+def host_argv(host, argv, env):
+    """Command line that runs argv inside host's network namespace with exactly env added.
+
+    nsenter only joins the network namespace (not the mount namespace, unlike `ip netns
+    exec`); `env` drops any inherited LD_PRELOAD so that only the target program, never
+    nsenter or env themselves, gets the layer. All three exec, so the pid is the program's.
+    """
+    envargs = ["env", "-u", "LD_PRELOAD", "-u", "VMI_DISABLE", "-u", "VMI_LOG"]
+    envargs += [f"{k}={v}" for k, v in env.items()]
+    return ["nsenter", f"--net=/run/netns/{host}", *envargs, *[str(a) for a in argv]]
+
+
+class Proc:
+    """One program started in a namespace host, in its own process group."""
+
+    def __init__(self, name, host, argv, layer, env, logdir, stdin_path=None, cwd=None):
+        self.name = name
+        self.host = host
+        self.argv = [str(a) for a in argv]
+        self.layer = layer
+        self.out_path = Path(logdir) / f"{name}.stdout"
+        self.err_path = Path(logdir) / f"{name}.stderr"
+        full_env = dict(layer_env() if layer else {})
+        full_env.update(env or {})
+        self.cmdline = host_argv(host, self.argv, full_env)
+        stdin = open(stdin_path, "rb") if stdin_path else subprocess.DEVNULL
+        try:
+            with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+                self.popen = subprocess.Popen(self.cmdline, stdin=stdin, stdout=out, stderr=err,
+                                              start_new_session=True, cwd=cwd)
+        finally:
+            if stdin_path:
+                stdin.close()
+        with _ALL_GROUPS_LOCK:
+            _ALL_GROUPS.add(self.popen.pid)
+        self.started = time.monotonic()
+
+    @property
+    def pid(self):
+        return self.popen.pid
+
+    @property
+    def returncode(self):
+        return self.popen.returncode
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def describe(self):
+        status = "running" if self.alive() else f"exit status {self.popen.returncode}"
+        what = "with the layer" if self.layer and not BASELINE else "plain"
+        return f"{self.name} (pid {self.pid}, host {self.host}, {what}, {status}): " \
+               f"{' '.join(self.argv)}"
+
+    def failure(self, why):
+        return HarnessError(
+            f"{self.describe()}\n{why}\n--- stderr tail ({self.err_path}) ---\n"
+            f"{tail(self.err_path, 40)}\n--- stdout tail ({self.out_path}) ---\n"
+            f"{tail(self.out_path, 20)}")
+
+    def wait(self, timeout=RUN_TIMEOUT, check=True):
+        """Wait for exit; kill the group and fail if it takes longer than timeout."""
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise self.failure(f"did not finish within {timeout} s (killed)") from None
+        if check and self.popen.returncode != 0:
+            raise self.failure(f"exit status {self.popen.returncode}")
+        return self.popen.returncode
+
+    def stop(self):
+        """SIGTERM the whole group, SIGKILL it if still there after STOP_GRACE."""
+        if self.alive():
+            kill_group(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children (a forking server's) may outlive the leader: always sweep the group.
+        kill_group(self.pid, signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
+        with _ALL_GROUPS_LOCK:
+            _ALL_GROUPS.discard(self.pid)
+
+    def stdout(self):
+        return self.out_path.read_text(errors="replace")
+
+    def stderr(self):
+        return self.err_path.read_text(errors="replace")
+
+    def json(self):
+        """The whole stdout as one JSON document."""
+        try:
+            return json.loads(self.stdout())
+        except ValueError as exc:
+            raise self.failure(f"stdout is not JSON: {exc}") from None
+
+    def json_lines(self):
+        """Every stdout line that is a JSON object."""
+        out = []
+        for line in self.stdout().splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError as exc:
+                    raise self.failure(f"bad JSON line {line!r}: {exc}") from None
+        return out
+
+    def last_json(self):
+        lines = self.json_lines()
+        if not lines:
+            raise self.failure("printed no JSON result")
+        return lines[-1]
+
+    def assert_layer_loaded(self, timeout=5.0):
+        """Check (while the program runs) that the layer is mapped into it."""
+        if BASELINE:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                maps = Path(f"/proc/{self.pid}/maps").read_text()
+            except OSError:
+                maps = ""
+            if PRELOAD_LIB.name in maps:
+                return
+            if not self.alive():
+                break
+            time.sleep(0.02)
+        raise self.failure(f"{PRELOAD_LIB.name} is not mapped into the process; "
+                           "the test would prove nothing about the layer")
+
+
+def wait_listening(host, port, proc=None, timeout=LISTEN_TIMEOUT):
+    """Wait until something listens on TCP port in host, without connecting to it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = subprocess.run(["nsenter", f"--net=/run/netns/{host}", "ss", "-Hltn",
+                            "sport", "=", f":{port}"],
+                           capture_output=True, text=True, timeout=VMICTL_TIMEOUT)
+        if r.returncode == 0 and r.stdout.strip():
+            return
+        if proc is not None and not proc.alive():
+            raise proc.failure(f"exited before listening on port {port}")
+        time.sleep(0.05)
+    if proc is not None:
+        raise proc.failure(f"not listening on port {port} after {timeout} s")
+    raise HarnessError(f"nothing listens on {host} port {port} after {timeout} s")
+
+
+class Runner:
+    """The programs one test starts; all of them are stopped when the test ends."""
+
+    def __init__(self, logdir):
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.procs = []
+
+    def start(self, host, argv, *, layer, name, env=None, stdin_path=None, cwd=None):
+        name = f"{len(self.procs) + 1:02d}-{name}"
+        p = Proc(name, host, argv, layer, env, self.logdir, stdin_path=stdin_path, cwd=cwd)
+        self.procs.append(p)
+        return p
+
+    def run(self, host, argv, *, layer, name, timeout=RUN_TIMEOUT, check=True, env=None,
+            stdin_path=None, cwd=None):
+        """Start a program and wait for it to finish (exit status 0 unless check=False)."""
+        p = self.start(host, argv, layer=layer, name=name, env=env, stdin_path=stdin_path,
+                       cwd=cwd)
+        p.wait(timeout=timeout, check=check)
+        return p
+
+    def server(self, host, argv, port, *, layer, name, env=None, cwd=None):
+        """Start a server and wait until it listens on port."""
+        p = self.start(host, argv, layer=layer, name=name, env=env, cwd=cwd)
+        wait_listening(host, port, proc=p)
+        return p
+
+    def cleanup(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+    def report(self):
+        parts = []
+        for p in self.procs:
+            parts.append(f"=== {p.describe()}\n--- stderr ({p.err_path}) ---\n{tail(p.err_path)}"
+                         f"\n--- stdout ({p.out_path}) ---\n{tail(p.out_path, 30)}")
+        return "\n".join(parts)
+
+
+def python_prog(name, *args):
+    """argv for one of the programs in tests/programs."""
+    return [PYTHON, PROGRAMS / name, *args]
+
+
+# ---------------------------------------------------------------------------------------------
+# vmictl
+
+class VmictlError(AssertionError):
+    pass
+
+
+def vmictl_status(host, timeout=VMICTL_TIMEOUT):
+    """`vmictl status --json` inside host, parsed."""
+    cmd = host_argv(host, [VMICTL_BIN, "status", "--json"], {})
+    try:
+        r = subprocess.run(cmd, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise VmictlError(f"vmictl status --json in {host} did not answer in {timeout} s") \
+            from None
+    if r.returncode != 0:
+        raise VmictlError(f"vmictl status --json in {host}: exit status {r.returncode}: "
+                          f"{r.stderr.decode(errors='replace').strip()[-500:]}")
+    try:
+        return json.loads(r.stdout)
+    except ValueError as exc:
+        raise VmictlError(f"vmictl status --json in {host} printed no JSON ({exc}): "
+                          f"{r.stdout[:500]!r}") from None
+
+
+_GID = re.compile(r"^[0-9a-f]{32}$")
+_ADDR = re.compile(r"^\d{1,3}(\.\d{1,3}){3}:\d{1,5}$")
+_CONN_INT_FIELDS = ("pid", "bytes_sent", "bytes_received", "msgs_sent", "msgs_received",
+                    "unacked_bytes", "window")
+
+
+def status_problems(status):
+    """Ways a status document departs from the documented shape (empty list if none)."""
+    problems = []
+    if not isinstance(status, dict):
+        return [f"not an object: {status!r:.200}"]
+    if not isinstance(status.get("node"), str) or not status.get("node"):
+        problems.append(f"node: expected a non-empty string, got {status.get('node')!r}")
+    procs = status.get("processes")
+    if not isinstance(procs, list):
+        problems.append(f"processes: expected a list, got {procs!r:.200}")
+    else:
+        for p in procs:
+            if not (isinstance(p, dict) and isinstance(p.get("pid"), int)
+                    and isinstance(p.get("name"), str)
+                    and isinstance(p.get("connections"), int)):
+                problems.append(f"bad process entry {p!r:.200}")
+    conns = status.get("connections")
+    if not isinstance(conns, list):
+        problems.append(f"connections: expected a list, got {conns!r:.200}")
+        return problems
+    for c in conns:
+        if not isinstance(c, dict):
+            problems.append(f"bad connection entry {c!r:.200}")
+            continue
+        bad = []
+        if not (isinstance(c.get("gid"), str) and _GID.match(c["gid"])):
+            bad.append("gid")
+        for f in ("local", "peer"):
+            if not (isinstance(c.get(f), str) and _ADDR.match(c[f])):
+                bad.append(f)
+        if not isinstance(c.get("substrate"), str):
+            bad.append("substrate")
+        for f in _CONN_INT_FIELDS:
+            if not (isinstance(c.get(f), int) and c[f] >= 0):
+                bad.append(f)
+        if bad:
+            problems.append(f"connection entry with bad {', '.join(bad)}: {c!r:.300}")
+    return problems
+
+
+class Watcher:
+    """Polls `vmictl status --json` on some hosts while a test's traffic runs.
+
+    Connections appear in vmictl only while a process holds them open, so the union of
+    everything seen during the run is what the assertions look at. For each (host, gid,
+    local) the latest record is kept, with byte and message counters at their maximum.
+    """
+
+    def __init__(self, *hosts, interval=POLL_INTERVAL):
+        self.hosts = [h for h in hosts]
+        self.interval = interval
+        self.conns = {h: {} for h in self.hosts}
+        self.processes = {h: {} for h in self.hosts}
+        self.snapshots = {h: 0 for h in self.hosts}
+        self.errors = {h: [] for h in self.hosts}
+        self.problems = []
+        self._stop = threading.Event()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        if not BASELINE:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name="vmictl-watcher")
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def stop(self):
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=VMICTL_TIMEOUT * len(self.hosts) + 5)
+        self._thread = None
+        self.poll_once()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.poll_once()
+            self._stop.wait(self.interval)
+
+    def poll_once(self):
+        for h in self.hosts:
+            try:
+                status = vmictl_status(h)
+            except VmictlError as exc:
+                with self._lock:
+                    self.errors[h].append(str(exc))
+                continue
+            self._merge(h, status)
+
+    def _merge(self, host, status):
+        problems = status_problems(status)
+        with self._lock:
+            self.snapshots[host] += 1
+            if problems:
+                self.problems.extend(f"{host}: {p}" for p in problems[:5])
+                if len(self.problems) > 50:
+                    del self.problems[50:]
+            for p in status.get("processes") or []:
+                if isinstance(p, dict) and "pid" in p:
+                    self.processes[host][p["pid"]] = p
+            for c in status.get("connections") or []:
+                if not isinstance(c, dict):
+                    continue
+                key = (c.get("gid"), c.get("local"), c.get("peer"))
+                old = self.conns[host].get(key)
+                rec = dict(c)
+                if old is not None:
+                    for f in ("bytes_sent", "bytes_received", "msgs_sent", "msgs_received"):
+                        if isinstance(old.get(f), int) and isinstance(rec.get(f), int):
+                            rec[f] = max(old[f], rec[f])
+                self.conns[host][key] = rec
+
+    def connections(self, host):
+        with self._lock:
+            return list(self.conns[host].values())
+
+    def require_snapshots(self, *hosts, minimum=2):
+        """Fail unless vmictl answered often enough on hosts while the traffic ran."""
+        for h in hosts or self.hosts:
+            if self.snapshots[h] < minimum:
+                errs = "\n".join(self.errors[h][-5:]) or "(no errors recorded)"
+                raise VmictlError(f"only {self.snapshots[h]} vmictl snapshots of {h} were "
+                                  f"taken while the programs ran (need {minimum}); last "
+                                  f"errors:\n{errs}")
+        if self.problems:
+            raise VmictlError("vmictl status --json does not have the documented shape:\n"
+                              + "\n".join(self.problems[:20]))
+
+    def summary(self, host):
+        conns = self.connections(host)
+        lines = [f"{host}: {self.snapshots[host]} snapshots, {len(conns)} connections seen, "
+                 f"{len(self.errors[host])} vmictl errors"]
+        for c in conns[:40]:
+            lines.append(f"  gid={c.get('gid')} pid={c.get('pid')} local={c.get('local')} "
+                         f"peer={c.get('peer')} sent={c.get('bytes_sent')} "
+                         f"received={c.get('bytes_received')}")
+        if len(conns) > 40:
+            lines.append(f"  ... {len(conns) - 40} more")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Assertions on what vmictl saw
+
+BYTES_LOW_FRACTION = 0.5    # a snapshot may precede the last bytes of a short-lived connection
+BYTES_HIGH_FRACTION = 1.05
+BYTES_HIGH_SLACK = 1 << 20  # control traffic (iperf3's control connection, headers)
+
+
+def server_ends(watcher, host, server_addr):
+    return [c for c in watcher.connections(host) if c.get("local") == server_addr]
+
+
+def client_ends(watcher, host, server_addr):
+    return [c for c in watcher.connections(host) if c.get("peer") == server_addr]
+
+
+def _check_bytes(what, counted, expected, exact, watcher, hosts):
+    if exact:
+        ok = counted == expected
+        rule = "exactly"
+    else:
+        low = int(expected * BYTES_LOW_FRACTION)
+        high = int(expected * BYTES_HIGH_FRACTION) + BYTES_HIGH_SLACK
+        ok = low <= counted <= high
+        rule = f"between {low} and {high} for"
+    if not ok:
+        seen = "\n".join(watcher.summary(h) for h in hosts)
+        raise AssertionError(f"{what}: vmictl counted {counted} bytes, expected {rule} "
+                             f"{expected} moved by the programs\n{seen}")
+
+
+def assert_virtual(watcher, server_host, server_addr, client_host, *, min_conns=1,
+                   c2s_bytes=None, s2c_bytes=None, exact=False, client_pid=None,
+                   server_pids_not=None):
+    """The connections to server_addr were virtual at both ends.
+
+    Both hosts must list at least min_conns connections to/from server_addr, both ends of a
+    connection carry the same GID, and (if given) the bytes vmictl counted match what the
+    programs moved (c2s: client to server, s2c: server to client).
+    """
+    if BASELINE:
+        return
+    hosts = sorted({server_host, client_host})
+    watcher.require_snapshots(*hosts)
+    srv = server_ends(watcher, server_host, server_addr)
+    cli = client_ends(watcher, client_host, server_addr)
+    seen = "\n".join(watcher.summary(h) for h in hosts)
+    assert len(srv) >= min_conns, \
+        f"{server_host} listed {len(srv)} virtual connections at {server_addr} " \
+        f"(server ends), expected at least {min_conns}\n{seen}"
+    assert len(cli) >= min_conns, \
+        f"{client_host} listed {len(cli)} virtual connections to {server_addr} " \
+        f"(client ends), expected at least {min_conns}\n{seen}"
+    common = {c["gid"] for c in srv} & {c["gid"] for c in cli}
+    assert len(common) >= min_conns, \
+        f"only {len(common)} GIDs are listed at both ends of connections to {server_addr}, " \
+        f"expected at least {min_conns} (both ends of a virtual connection share its GID)" \
+        f"\n{seen}"
+    if client_pid is not None:
+        pids = {c["pid"] for c in cli}
+        assert pids == {client_pid}, \
+            f"client ends of connections to {server_addr} list pids {sorted(pids)}, " \
+            f"expected only the client's pid {client_pid}\n{seen}"
+    if server_pids_not is not None:
+        bad = [c for c in srv if c["pid"] in server_pids_not]
+        assert not bad, f"server ends still attributed to pid(s) {server_pids_not} in " \
+                        f"their latest snapshot: {bad[:5]}\n{seen}"
+    if c2s_bytes is not None:
+        _check_bytes(f"bytes_sent at the client ends ({client_host})",
+                     sum(c["bytes_sent"] for c in cli), c2s_bytes, exact, watcher, hosts)
+        _check_bytes(f"bytes_received at the server ends ({server_host})",
+                     sum(c["bytes_received"] for c in srv), c2s_bytes, exact, watcher, hosts)
+    if s2c_bytes is not None:
+        _check_bytes(f"bytes_sent at the server ends ({server_host})",
+                     sum(c["bytes_sent"] for c in srv), s2c_bytes, exact, watcher, hosts)
+        _check_bytes(f"bytes_received at the client ends ({client_host})",
+                     sum(c["bytes_received"] for c in cli), s2c_bytes, exact, watcher, hosts)
+
+
+def assert_plain(watcher, server_addr, *, server_host=None, client_host=None):
+    """No host lists a connection to/from server_addr as virtual."""
+    if BASELINE:
+        return
+    hosts = [h for h in (server_host, client_host) if h is not None]
+    watcher.require_snapshots(*hosts)
+    for host in hosts:
+        listed = server_ends(watcher, host, server_addr) + client_ends(watcher, host,
+                                                                       server_addr)
+        assert not listed, \
+            f"{host} lists connections to/from {server_addr} as virtual, but only one " \
+            f"side runs the layer: they must stay plain TCP\n{watcher.summary(host)}"
+
+
+def assert_same_stream(client, server):
+    """Two stream.py results (client and server side of one connection) agree."""
+    for r in (client, server):
+        assert "error" not in r, f"stream.py {r.get('role')} reported an error: {r}"
+    assert client["sent_bytes"] == server["recv_bytes"], \
+        f"client sent {client['sent_bytes']} bytes, server received {server['recv_bytes']}"
+    assert client["sent_sha256"] == server["recv_sha256"], \
+        "client->server bytes differ (SHA-256 of what the client sent and what the server " \
+        f"received): {client['sent_sha256']} != {server['recv_sha256']}"
+    assert server["sent_bytes"] == client["recv_bytes"], \
+        f"server sent {server['sent_bytes']} bytes, client received {client['recv_bytes']}"
+    assert server["sent_sha256"] == client["recv_sha256"], \
+        "server->client bytes differ (SHA-256 of what the server sent and what the client " \
+        f"received): {server['sent_sha256']} != {client['recv_sha256']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology and agents
+
+def topo(*args):
+    env = dict(os.environ, VMI_NET0=NET0, VMI_NET1=NET1)
+    r = subprocess.run(["bash", str(TOPO_SCRIPT), *args], env=env, capture_output=True,
+                       text=True, timeout=60)
+    if r.returncode != 0:
+        raise HarnessError(f"scripts/topo.sh {' '.join(args)} failed ({r.returncode}):\n"
+                           f"{r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def topo_up():
+    topo("down-all", PREFIX)
+    topo("up", str(NUM_HOSTS), PREFIX)
+
+
+def topo_down():
+    topo("down-all", PREFIX)
+
+
+class Agent:
+    """vmi-agent running in the foreground inside one host."""
+
+    def __init__(self, host, logdir):
+        self.host = host
+        self.proc = Proc(f"agent-{host}", host, [AGENT_BIN], layer=False,
+                         env={"VMI_LOG": AGENT_LOG}, logdir=logdir)
+
+    def wait_ready(self, timeout=AGENT_READY_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise self.proc.failure("vmi-agent exited during start-up")
+            try:
+                status = vmictl_status(self.host, timeout=max(0.5, deadline - time.monotonic()))
+            except VmictlError as exc:
+                last = exc
+                time.sleep(0.1)
+                continue
+            return status
+        raise self.proc.failure(f"vmictl status --json did not succeed within {timeout} s "
+                                f"of starting the agent; last error: {last}")
+
+    def stop(self):
+        self.proc.stop()

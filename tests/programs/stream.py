@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Checksummed two-way byte stream, for checking that a connection loses, repeats or
+reorders nothing.
+
+    stream.py server --bind IP:PORT [--count K] [--hold S]
+    stream.py client --connect IP:PORT --bytes N --seed S [--server-bytes M]
+                     [--rate BYTES_PER_S] [--hold S] [--progress S]
+
+The client opens one connection and sends a 24-byte header (magic, the number of bytes the
+server must send back, the seed for the server's data). Then both sides send at the same time,
+each from its own thread, in writes of random size (1 B .. 256 KiB, drawn from the seed), and
+read until end of stream; each side half-closes (shutdown SHUT_WR) when it has sent everything.
+At the end each side prints one JSON line on stdout:
+
+    {"role": "client", "sent_bytes": N, "sent_sha256": "...", "recv_bytes": M,
+     "recv_sha256": "...", "seconds": T, "local": "ip:port", "peer": "ip:port", "pid": P}
+
+The header is not counted. The server serves connections concurrently and exits after K of
+them when --count is given (otherwise it runs until killed). Sockets are blocking: the test
+harness, not the program, bounds how long anything may take.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import socket
+import struct
+import sys
+import threading
+import time
+
+MAGIC = b"VMISTRM1"
+HEADER = struct.Struct("!8sQQ")
+MAX_WRITE = 256 * 1024
+SERVER_SEED_XOR = 0x9E3779B97F4A7C15
+
+
+def parse_addr(text):
+    host, _, port = text.rpartition(":")
+    if not host or not port:
+        raise argparse.ArgumentTypeError(f"expected IP:PORT, got {text!r}")
+    return host, int(port)
+
+
+def fmt_addr(addr):
+    return f"{addr[0]}:{addr[1]}"
+
+
+def write_sizes(rng, total):
+    """Yield write sizes 1..MAX_WRITE, log-uniform so that tiny and huge writes both occur."""
+    left = total
+    while left > 0:
+        size = int(2 ** rng.uniform(0, 18))
+        size = max(1, min(size, MAX_WRITE, left))
+        yield size
+        left -= size
+
+
+class Sender:
+    def __init__(self, sock, total, seed, rate=0.0, progress=0.0, role=""):
+        self.sock = sock
+        self.total = total
+        self.seed = seed
+        self.rate = rate
+        self.progress = progress
+        self.role = role
+        self.sent = 0
+        self.hash = hashlib.sha256()
+        self.error = None
+
+    def run(self):
+        try:
+            rng = random.Random(self.seed)
+            start = time.monotonic()
+            last_report = start
+            for size in write_sizes(rng, self.total):
+                chunk = rng.randbytes(size)
+                if self.rate > 0:
+                    due = start + (self.sent + size) / self.rate
+                    delay = due - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                self.sock.sendall(chunk)
+                self.hash.update(chunk)
+                self.sent += size
+                if self.progress > 0 and time.monotonic() - last_report >= self.progress:
+                    last_report = time.monotonic()
+                    print(json.dumps({"role": self.role, "progress_sent": self.sent}),
+                          file=sys.stderr, flush=True)
+            self.sock.shutdown(socket.SHUT_WR)
+        except Exception as exc:  # reported in the JSON result
+            self.error = f"send: {exc!r}"
+
+
+class Receiver:
+    def __init__(self, sock):
+        self.sock = sock
+        self.received = 0
+        self.hash = hashlib.sha256()
+        self.error = None
+
+    def run(self):
+        try:
+            while True:
+                data = self.sock.recv(MAX_WRITE)
+                if not data:
+                    return
+                self.hash.update(data)
+                self.received += len(data)
+        except Exception as exc:
+            self.error = f"recv: {exc!r}"
+
+
+def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0):
+    """Send and receive at once; return the result dict."""
+    start = time.monotonic()
+    local, peer = fmt_addr(sock.getsockname()), fmt_addr(sock.getpeername())
+    sender = Sender(sock, send_bytes, seed, rate, progress, role)
+    receiver = Receiver(sock)
+    threads = [threading.Thread(target=sender.run, daemon=True),
+               threading.Thread(target=receiver.run, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [e for e in (sender.error, receiver.error) if e]
+    result = {
+        "role": role,
+        "pid": os.getpid(),
+        "sent_bytes": sender.sent,
+        "sent_sha256": sender.hash.hexdigest(),
+        "recv_bytes": receiver.received,
+        "recv_sha256": receiver.hash.hexdigest(),
+        "seconds": round(time.monotonic() - start, 6),
+        "local": local,
+        "peer": peer,
+    }
+    if errors:
+        result["error"] = "; ".join(errors)
+    return result
+
+
+def recv_exact(sock, n):
+    buf = b""
+    while len(buf) < n:
+        data = sock.recv(n - len(buf))
+        if not data:
+            raise EOFError(f"connection closed after {len(buf)} of {n} header bytes")
+        buf += data
+    return buf
+
+
+def serve_one(conn, hold, out_lock):
+    try:
+        magic, back_bytes, seed = HEADER.unpack(recv_exact(conn, HEADER.size))
+        if magic != MAGIC:
+            raise ValueError(f"bad magic {magic!r}")
+        result = exchange(conn, "server", back_bytes, seed ^ SERVER_SEED_XOR)
+    except Exception as exc:
+        result = {"role": "server", "pid": os.getpid(), "error": f"header: {exc!r}"}
+    if hold > 0:
+        time.sleep(hold)
+    conn.close()
+    with out_lock:
+        print(json.dumps(result), flush=True)
+
+
+def server(args):
+    host, port = args.bind
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind((host, port))
+    lsock.listen(128)
+    out_lock = threading.Lock()
+    workers = []
+    served = 0
+    while args.count == 0 or served < args.count:
+        conn, _ = lsock.accept()
+        served += 1
+        t = threading.Thread(target=serve_one, args=(conn, args.hold, out_lock), daemon=True)
+        t.start()
+        workers.append(t)
+    for t in workers:
+        t.join()
+    lsock.close()
+    return 0
+
+
+def client(args):
+    sock = socket.create_connection(args.connect)
+    back = args.bytes if args.server_bytes is None else args.server_bytes
+    sock.sendall(HEADER.pack(MAGIC, back, args.seed))
+    result = exchange(sock, "client", args.bytes, args.seed, args.rate, args.progress)
+    if hold := args.hold:
+        time.sleep(hold)
+    sock.close()
+    print(json.dumps(result), flush=True)
+    return 1 if "error" in result else 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("server")
+    s.add_argument("--bind", type=parse_addr, required=True)
+    s.add_argument("--count", type=int, default=0, help="exit after this many connections")
+    s.add_argument("--hold", type=float, default=0.0, help="seconds to keep each finished "
+                   "connection open before closing it")
+    c = sub.add_parser("client")
+    c.add_argument("--connect", type=parse_addr, required=True)
+    c.add_argument("--bytes", type=int, required=True, help="bytes the client sends")
+    c.add_argument("--server-bytes", type=int, default=None,
+                   help="bytes the server sends back (default: same as --bytes)")
+    c.add_argument("--seed", type=int, default=1)
+    c.add_argument("--rate", type=float, default=0.0, help="limit sending to bytes/second")
+    c.add_argument("--hold", type=float, default=0.0, help="seconds to keep the finished "
+                   "connection open before closing it")
+    c.add_argument("--progress", type=float, default=0.0,
+                   help="print sent-byte progress to stderr every this many seconds")
+    args = p.parse_args()
+    return server(args) if args.cmd == "server" else client(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""curl downloading a large file from python3 -m http.server, both under the layer."""
+
+import hashlib
+import os
+
+from helpers import H1, H1_IP, H2, PORTS, PYTHON, Watcher, assert_virtual
+
+FILE_SIZE = 64 << 20
+
+
+def write_random_file(path, size):
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 1 << 20))
+            f.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def test_curl_http_server(procs, workdir):
+    port = PORTS["http"]
+    served = workdir / "www"
+    served.mkdir()
+    digest = write_random_file(served / "file", FILE_SIZE)
+    out = workdir / "download"
+    procs.server(H1, [PYTHON, "-m", "http.server", port, "--bind", H1_IP, "--directory",
+                      served], port, layer=True, name="http-server")
+    with Watcher(H1, H2) as w:
+        # The rate limit keeps the transfer open for several vmictl snapshots (~0.7 s).
+        procs.run(H2, ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "100M",
+                       "-o", out, f"http://{H1_IP}:{port}/file"],
+                  layer=True, name="curl", timeout=45)
+    assert out.stat().st_size == FILE_SIZE
+    assert sha256_file(out) == digest, "downloaded file differs from the served one"
+    assert_virtual(w, H1, f"{H1_IP}:{port}", H2, s2c_bytes=FILE_SIZE)

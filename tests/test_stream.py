@@ -1,0 +1,40 @@
+"""Checksummed two-way streams (tests/programs/stream.py) between layered programs."""
+
+import pytest
+
+from helpers import (H1, H1_IP, H1_IP1, H2, LOOPBACK, PORTS, Watcher, assert_same_stream,
+                     assert_virtual, python_prog)
+
+MiB = 1 << 20
+
+CASES = [
+    # name, server host, server ip, client host, client->server bytes, server->client bytes
+    ("net0", H1, H1_IP, H2, 32 * MiB, 24 * MiB),
+    ("net1", H1, H1_IP1, H2, 8 * MiB, 8 * MiB),
+    ("local", H1, H1_IP, H1, 16 * MiB, 16 * MiB),
+    ("loopback", H1, LOOPBACK, H1, 16 * MiB, 16 * MiB),
+    ("tiny", H1, H1_IP, H2, 1, 0),
+]
+
+
+@pytest.mark.parametrize("name,server_host,server_ip,client_host,up,down", CASES,
+                         ids=[c[0] for c in CASES])
+def test_stream(procs, name, server_host, server_ip, client_host, up, down):
+    port = PORTS[f"stream_{name}"]
+    addr = f"{server_ip}:{port}"
+    srv = procs.server(server_host, python_prog("stream.py", "server", "--bind", addr,
+                                                "--count", "1", "--hold", "1"),
+                       port, layer=True, name="stream-server")
+    with Watcher(server_host, client_host) as w:
+        cli = procs.run(client_host,
+                        python_prog("stream.py", "client", "--connect", addr, "--bytes", up,
+                                    "--server-bytes", down, "--seed", port, "--hold", "1"),
+                        layer=True, name="stream-client", timeout=50)
+        srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == up and c["recv_bytes"] == down, c
+    assert_same_stream(c, s)
+    assert c["peer"] == addr and s["local"] == addr, (c, s)
+    # The client also sent stream.py's 24-byte header on the connection.
+    assert_virtual(w, server_host, addr, client_host, c2s_bytes=up + 24, s2c_bytes=down,
+                   exact=True, client_pid=cli.pid)
