@@ -181,8 +181,12 @@ pub fn report(agent: &Agent) -> String {
     let mut procs = agent.procs.lock().unwrap_or_else(|e| e.into_inner());
     let mut conns: Vec<ConnJson> = Vec::new();
     for t in procs.tables() {
+        // A slot of a table whose process is alive is listed even if the process recorded in
+        // it (a forked child that used it last) is gone; a slot of an orphan table only if its
+        // process lives.
+        let owner_alive = procs.live.values().any(|p| alive(p.pid) && p.table.as_ref().is_some_and(|x| x.inode == t.inode));
         for s in t.slots() {
-            if !alive(s.pid) {
+            if !owner_alive && !alive(s.pid) {
                 continue;
             }
             conns.push(ConnJson {

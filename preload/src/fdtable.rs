@@ -198,20 +198,21 @@ pub fn after_fork_parent() {
     FORK_GUARD.with(|f| f.borrow_mut().take());
 }
 
-/// fork, child side: the child now holds each connection too.
+/// fork, child side.
 pub fn after_fork_child() {
-    FORK_GUARD.with(|f| {
-        if let Some(g) = f.borrow_mut().take() {
-            let mut seen: Vec<*const Vc> = Vec::new();
-            for e in g.iter().flatten() {
-                if let Entry::Vc(v) = e {
-                    let p = Arc::as_ptr(v);
-                    if !seen.contains(&p) {
-                        seen.push(p);
-                        v.forked();
-                    }
-                }
+    FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+/// Each distinct virtual connection in the table, once.
+pub fn distinct_vcs() -> Vec<Arc<Vc>> {
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    let mut out: Vec<Arc<Vc>> = Vec::new();
+    for e in t.iter().flatten() {
+        if let Entry::Vc(v) = e {
+            if !out.iter().any(|o| Arc::ptr_eq(o, v)) {
+                out.push(v.clone());
             }
         }
-    });
+    }
+    out
 }

@@ -157,15 +157,24 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     accepted(fd, unsafe { real::accept4(fd, addr, len, flags) })
 }
 
-fn forget(fd: c_int) {
-    if let Some(Entry::Listener(l)) = fdtable::remove(fd) {
-        // Other descriptors (dup) may still point at the listener.
-        if Arc::strong_count(&l) == 1 {
-            quietly(|| {
-                setup::closed_listener(&l);
-                Some(())
-            });
+/// Forgets `fd`. Returns true when it was the last hold on a virtual connection anywhere
+/// (no other descriptor here, no other process).
+fn forget(fd: c_int) -> bool {
+    match fdtable::remove(fd) {
+        Some(Entry::Listener(l)) => {
+            // Other descriptors (dup) may still point at the listener.
+            if Arc::strong_count(&l) == 1 {
+                quietly(|| {
+                    setup::closed_listener(&l);
+                    Some(())
+                });
+            }
+            false
         }
+        Some(Entry::Vc(v)) => {
+            Arc::strong_count(&v) == 1 && v.mem().conn().procs.load(std::sync::atomic::Ordering::Acquire) == 1
+        }
+        None => false,
     }
 }
 
@@ -176,8 +185,8 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
-    if fdtable::is_managed(fd) {
-        forget(fd);
+    if fdtable::is_managed(fd) && forget(fd) {
+        return crate::linger::close_last(fd);
     }
     // SAFETY: forwarding.
     unsafe { real::close(fd) }
@@ -538,4 +547,24 @@ pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, cou
     }
     // SAFETY: forwarding.
     unsafe { real::sendfile64(out, inp, off, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    // The child will hold every virtual connection too: count it before it exists, so that
+    // the parent closing its copy right after fork is not taken for the last close.
+    let vcs = fdtable::distinct_vcs();
+    for v in &vcs {
+        v.hold();
+    }
+    // SAFETY: forwarding; the atfork handlers keep the layer's locks consistent.
+    let r = unsafe { real::fork() };
+    if r < 0 {
+        let e = sys::errno();
+        for v in &vcs {
+            v.release();
+        }
+        sys::set_errno(e);
+    }
+    r
 }

@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod fdtable;
 pub mod hooks;
+pub mod linger;
 pub mod log;
 pub mod real;
 pub mod setup;
@@ -47,18 +48,25 @@ pub fn pid() -> i32 {
 
 extern "C" fn before_fork() {
     agent::before_fork();
+    linger::before_fork();
     fdtable::before_fork();
 }
 
 extern "C" fn after_fork_parent() {
     fdtable::after_fork_parent();
+    linger::after_fork_parent();
     agent::after_fork_parent();
 }
 
 extern "C" fn after_fork_child() {
     PID.store(0, Relaxed);
     fdtable::after_fork_child();
+    linger::after_fork_child();
     agent::after_fork_child();
+}
+
+extern "C" fn fini() {
+    let _ = std::panic::catch_unwind(linger::at_exit);
 }
 
 extern "C" fn init() {
@@ -72,3 +80,7 @@ extern "C" fn init() {
 #[used]
 #[link_section = ".init_array"]
 static INIT: extern "C" fn() = init;
+
+#[used]
+#[link_section = ".fini_array"]
+static FINI: extern "C" fn() = fini;

@@ -66,6 +66,7 @@ real! {
     fcntl64: fn(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
     ioctl: fn(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int;
     shutdown: fn(fd: c_int, how: c_int) -> c_int;
+    fork: fn() -> libc::pid_t;
     execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
     __read_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t;
     __recv_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t;

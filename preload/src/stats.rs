@@ -133,6 +133,16 @@ impl Slot {
         unsafe { AtomicU64::from_ptr(self.0.add(off::UNACKED) as *mut u64) }.store(n, Relaxed);
     }
 
+    /// Records the process using the connection (one relaxed load when unchanged).
+    #[inline]
+    pub fn set_pid(&self, pid: i32) {
+        // SAFETY: PID is a 4-aligned u32 inside the slot.
+        let a = unsafe { AtomicU32::from_ptr(self.0.add(off::PID) as *mut u32) };
+        if a.load(Relaxed) != pid as u32 {
+            a.store(pid as u32, Relaxed);
+        }
+    }
+
     /// Records the errno the connection failed with.
     pub fn set_error(&self, e: i32) {
         // SAFETY: ERROR is a 4-aligned u32 inside the slot.

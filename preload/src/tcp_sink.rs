@@ -229,7 +229,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 /// the rx lock.
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
-    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) {
+    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_finished(fd) {
         return;
     }
     let Some(_g) = c.tx_lock.try_lock() else { return };
@@ -239,6 +239,19 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
     tx.commit(&plan, r.max(0) as usize, &[], ring);
     publish_tx(mem, tx, slot);
+}
+
+/// True once the peer closed its side (its FIN arrived): it sends nothing more, so it needs
+/// no acknowledgement, and one arriving after its close would make its kernel reset the
+/// connection.
+fn peer_finished(fd: c_int) -> bool {
+    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len) };
+    const TCP_CLOSE_WAIT: u8 = 8;
+    r == 0 && ti.tcpi_state == TCP_CLOSE_WAIT
 }
 
 /// Reads as `plan` says, with one recvmsg.

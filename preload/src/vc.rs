@@ -98,8 +98,18 @@ impl Vc {
         }
     }
 
+    /// Points the statistics slot at the calling process when it is not the one recorded
+    /// (a forked child took the connection over).
+    #[inline]
+    fn note_user(&self) {
+        if let Some(s) = self.slot {
+            s.set_pid(crate::pid());
+        }
+    }
+
     /// Sends application bytes through the send chain.
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
+        self.note_user();
         let c = self.mem.conn();
         let _g = c.tx_lock.lock();
         // SAFETY: the send chain is only used under tx_lock, which we hold.
@@ -109,6 +119,7 @@ impl Vc {
 
     /// Receives application bytes through the receive chain.
     pub fn recv(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+        self.note_user();
         let c = self.mem.conn();
         let _g = c.rx_lock.lock();
         // SAFETY: the receive chain is only used under rx_lock, which we hold.
@@ -123,16 +134,31 @@ impl Vc {
         crate::tcp_sink::readable_bytes(self.mem(), fd)
     }
 
-    /// This process took another reference (fork).
-    pub fn forked(&self) {
+    /// One more process holds the connection (before a fork: counted before the parent can
+    /// close its copy, so a close in the parent never looks like the last one).
+    pub fn hold(&self) {
         self.mem.conn().procs.fetch_add(1, AcqRel);
+    }
+
+    /// This process leaves while others still hold the connection: name the parent (the
+    /// usual other holder) in the statistics slot instead of this process.
+    pub fn hand_back_slot(&self) {
+        if let Some(s) = self.slot {
+            // SAFETY: getppid has no preconditions.
+            s.set_pid(unsafe { libc::getppid() });
+        }
+    }
+
+    /// One process less (a fork that failed, or a process leaving).
+    pub fn release(&self) -> u32 {
+        self.mem.conn().procs.fetch_sub(1, AcqRel)
     }
 }
 
 impl Drop for Vc {
     fn drop(&mut self) {
         // The last process to let go frees the statistics slot.
-        if self.mem.conn().procs.fetch_sub(1, AcqRel) == 1 {
+        if self.release() == 1 {
             if let Some(s) = self.slot {
                 s.free();
             }
