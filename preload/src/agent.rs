@@ -182,46 +182,59 @@ fn program_name() -> String {
     std::fs::read_to_string("/proc/self/comm").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
-/// Sends `m` to the node agent and returns its answer; `None` if there is no agent.
-pub fn request(m: &Msg) -> Option<Msg> {
-    let mut st = lock();
-    let now = sys::now_ns();
+/// Opens the agent socket and says hello if that is not done yet; the socket, or `None`.
+fn ensure(st: &mut State, now: u64) -> Option<i32> {
     if st.down_until > now {
         return None;
     }
     let mut fd = fdtable::own_fd(OWN_AGENT);
-    if fd < 0 || !st.said_hello {
-        if fd < 0 {
-            fd = match open_socket() {
-                Some(fd) => fd,
-                None => {
-                    st.down_until = now + RETRY_NS;
-                    log::debug(format_args!("no node agent reachable: plain TCP"));
-                    return None;
-                }
-            };
-        }
-        crate::stats::table();
-        let stats_fd = fdtable::own_fd(OWN_STATS);
-        let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
-        match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
-            Some(Msg::Ok) => st.said_hello = true,
-            _ => return fail(&mut st, now),
-        }
-        // First contact, or the agent restarted: it must know every listener we have.
-        for addr in fdtable::listener_addrs() {
-            if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, None).is_none() {
-                return fail(&mut st, now);
+    if fd >= 0 && st.said_hello {
+        return Some(fd);
+    }
+    if fd < 0 {
+        fd = match open_socket() {
+            Some(fd) => fd,
+            None => {
+                st.down_until = now + RETRY_NS;
+                log::debug(format_args!("no node agent reachable: plain TCP"));
+                return None;
             }
+        };
+    }
+    crate::stats::table();
+    let stats_fd = fdtable::own_fd(OWN_STATS);
+    let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
+    match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
+        Some(Msg::Ok) => st.said_hello = true,
+        _ => return fail(st, now),
+    }
+    // First contact, or the agent restarted: it must know every listener we have.
+    for addr in fdtable::listener_addrs() {
+        if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, None).is_none() {
+            return fail(st, now);
         }
     }
+    Some(fd)
+}
+
+/// Introduces this process to the agent now (a new image that inherited connections).
+pub fn hello() {
+    let mut st = lock();
+    let _ = ensure(&mut st, sys::now_ns());
+}
+
+/// Sends `m` to the node agent and returns its answer; `None` if there is no agent.
+pub fn request(m: &Msg) -> Option<Msg> {
+    let mut st = lock();
+    let now = sys::now_ns();
+    let fd = ensure(&mut st, now)?;
     match exchange(fd, m, None) {
         Some(a) => Some(a),
         None => fail(&mut st, now),
     }
 }
 
-fn fail(st: &mut State, now: u64) -> Option<Msg> {
+fn fail<T>(st: &mut State, now: u64) -> Option<T> {
     let fd = fdtable::unprotect(OWN_AGENT);
     if fd >= 0 {
         // SAFETY: our own socket.

@@ -13,6 +13,12 @@ const BITMAP_FDS: usize = 1 << 16;
 static MANAGED: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
 static TABLE: RwLock<Vec<Option<Entry>>> = RwLock::new(Vec::new());
 static PROTECTED: [AtomicI32; 4] = [const { AtomicI32::new(-1) }; 4];
+static ENTRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// True if the table holds anything (one load: the exec hook's fast path).
+pub fn any() -> bool {
+    ENTRIES.load(Relaxed) > 0
+}
 
 /// A listening socket under the layer.
 #[derive(Debug)]
@@ -84,6 +90,9 @@ pub fn insert(fd: i32, e: Entry) -> Option<Entry> {
         t.resize(fd as usize + 1, None);
     }
     let old = t[fd as usize].replace(e);
+    if old.is_none() {
+        ENTRIES.fetch_add(1, Relaxed);
+    }
     set_bit(fd, true);
     old
 }
@@ -95,7 +104,11 @@ pub fn remove(fd: i32) -> Option<Entry> {
     }
     let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
     set_bit(fd, false);
-    t.get_mut(fd as usize).and_then(|s| s.take())
+    let old = t.get_mut(fd as usize).and_then(|s| s.take());
+    if old.is_some() {
+        ENTRIES.fetch_sub(1, Relaxed);
+    }
+    old
 }
 
 /// All entries (for fork and exec handling).

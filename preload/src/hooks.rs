@@ -568,3 +568,59 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     }
     r
 }
+
+extern "C" {
+    static environ: *const *const libc::c_char;
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    // SAFETY: the program's environment array.
+    match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
+        // SAFETY: forwarding with the extended environment.
+        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execve(path, argv, e) }),
+        // SAFETY: forwarding.
+        None => unsafe { real::execve(path, argv, envp) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    // SAFETY: as in execve.
+    match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
+        // SAFETY: forwarding with the extended environment.
+        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execvpe(file, argv, e) }),
+        // SAFETY: forwarding.
+        None => unsafe { real::execvpe(file, argv, envp) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    // SAFETY: `environ` is the process environment.
+    match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
+        // SAFETY: forwarding to execve with the extended environment.
+        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execve(path, argv, e) }),
+        // SAFETY: forwarding.
+        None => unsafe { real::execv(path, argv) },
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    // SAFETY: `environ` is the process environment.
+    match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
+        // SAFETY: forwarding to execvpe with the extended environment.
+        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execvpe(file, argv, e) }),
+        // SAFETY: forwarding.
+        None => unsafe { real::execvp(file, argv) },
+    }
+}

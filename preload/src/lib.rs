@@ -18,6 +18,7 @@
 pub mod agent;
 pub mod config;
 pub mod error;
+pub mod exec;
 pub mod fdtable;
 pub mod hooks;
 pub mod linger;
@@ -72,6 +73,7 @@ extern "C" fn fini() {
 extern "C" fn init() {
     let _ = std::panic::catch_unwind(|| {
         config::init();
+        exec::adopt();
         // SAFETY: registering plain extern "C" functions.
         unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
     });

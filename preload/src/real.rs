@@ -68,6 +68,9 @@ real! {
     shutdown: fn(fd: c_int, how: c_int) -> c_int;
     fork: fn() -> libc::pid_t;
     execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
+    execv: fn(path: *const c_char, argv: *const *const c_char) -> c_int;
+    execvp: fn(file: *const c_char, argv: *const *const c_char) -> c_int;
+    execvpe: fn(file: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
     __read_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t;
     __recv_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t;
     __recvfrom_chk: fn(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;

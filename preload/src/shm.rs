@@ -188,6 +188,11 @@ impl ConnMem {
         unsafe { std::slice::from_raw_parts_mut(self.base.add(HEAD), self.len - HEAD) }
     }
 
+    /// Ring length in bytes.
+    pub fn ring_len(&self) -> usize {
+        self.len - HEAD
+    }
+
     /// Gives back the ring's memory (when it holds nothing worth keeping).
     pub fn release_ring(&self) {
         // SAFETY: MADV_REMOVE on our own shared anonymous mapping only drops page contents.

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering::*;
 use substrate::devices::CounterFilter;
 use substrate::irb::{Chain, Irb, IrbError, Outcome};
+use substrate::reliability::{RxState, TxState};
 
 /// Default soft window (bytes in flight before the sender waits for acknowledgements).
 pub const DEFAULT_WINDOW: u64 = 2 << 20;
@@ -25,6 +26,8 @@ pub struct Vc {
     pub local: SocketAddr,
     /// Peer address.
     pub peer: SocketAddr,
+    /// True when this side connected.
+    pub active: bool,
     send_chain: UnsafeCell<Chain>,
     recv_chain: UnsafeCell<Chain>,
 }
@@ -76,9 +79,31 @@ impl Vc {
             slot,
             local: s.local,
             peer: s.peer,
+            active: s.active,
             send_chain: UnsafeCell::new(chain_for(m, slot)),
             recv_chain: UnsafeCell::new(chain_for(m, slot)),
         })
+    }
+
+    /// Rebuilds a connection handed over across `exec`: same identity, same stream
+    /// positions. The old image's replay ring is gone with it, so the bytes it held count as
+    /// acknowledged.
+    pub fn restore(s: &Setup, mut tx: TxState, rx: RxState) -> Option<Vc> {
+        let vc = Vc::new(s)?;
+        let c = vc.mem.conn();
+        let fresh = TxState::with_soft_window(vc.mem.ring_len() as u64, s.window);
+        tx.window = fresh.window;
+        tx.soft_window = fresh.soft_window;
+        tx.acked = tx.next_seq;
+        // SAFETY: the connection is new and not shared yet; no lock is needed.
+        unsafe {
+            *c.tx.get() = tx;
+            *c.rx.get() = rx;
+        }
+        c.delivered.store(rx.delivered, Release);
+        c.peer_ack.store(rx.peer_ack, Release);
+        c.ack_sent.store(tx.ack_sent, Release);
+        Some(vc)
     }
 
     /// The shared memory view.

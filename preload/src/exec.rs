@@ -1,0 +1,189 @@
+//! Handing virtual connections over across `exec`.
+//!
+//! A socket without close-on-exec survives `exec`, but the layer's state (stream offsets, a
+//! frame in progress, the GID) lives in memory that `exec` discards. Before the real `exec`
+//! the layer writes that state into the new image's environment (`VMI_INHERIT`), and makes
+//! sure the new image loads the layer (`LD_PRELOAD`), since a virtual connection read
+//! without it would show the program raw frames. The new image's layer rebuilds each
+//! connection at start and removes the variable. What cannot cross: the replay ring (bytes
+//! the peer had not acknowledged yet are no longer replayable after the exec), and sharing
+//! with a process that keeps using the same socket in the old image (each side then has its
+//! own stream offsets).
+
+use crate::fdtable::{self, Entry};
+use crate::vc::{Setup, Vc};
+use crate::{config, log, real};
+use std::ffi::{CStr, CString};
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use substrate::reliability::{RxState, TxState};
+
+const VAR: &str = "VMI_INHERIT";
+
+fn hex(b: &[u8]) -> String {
+    let mut s = String::with_capacity(b.len() * 2);
+    for x in b {
+        let _ = write!(s, "{x:02x}");
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
+}
+
+fn bytes_of<T: Copy>(v: &T) -> Vec<u8> {
+    // SAFETY: T is a plain repr(C) Copy struct; we read its bytes.
+    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }.to_vec()
+}
+
+fn from_bytes<T: Copy>(b: &[u8]) -> Option<T> {
+    // SAFETY: the length is checked; the bytes came from `bytes_of::<T>` of the same library
+    // build (the sizes are part of the record, so another build's record is refused).
+    (b.len() == std::mem::size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
+}
+
+/// The `VMI_INHERIT` value for the virtual connections that survive exec, if any.
+fn inherit_value() -> Option<String> {
+    let mut recs = Vec::new();
+    let mut done: Vec<*const Vc> = Vec::new();
+    for (fd, e) in fdtable::snapshot() {
+        let Entry::Vc(v) = e else { continue };
+        // SAFETY: F_GETFD has no pointer argument.
+        let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+        if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
+            continue;
+        }
+        let c = v.mem().conn();
+        let _tg = c.tx_lock.lock();
+        let _rg = c.rx_lock.lock();
+        // SAFETY: both locks held.
+        let (tx, rx) = unsafe { (*c.tx.get(), *c.rx.get()) };
+        let p = Arc::as_ptr(&v);
+        if !done.contains(&p) {
+            done.push(p);
+        }
+        recs.push(format!(
+            "{fd},{:032x},{:032x},{},{},{},{},{},{},{}",
+            c.gid,
+            c.secret,
+            c.peer_window,
+            tx.soft_window,
+            v.local,
+            v.peer,
+            u8::from(v.active),
+            hex(&bytes_of(&tx)),
+            hex(&bytes_of(&rx)),
+        ));
+    }
+    (!recs.is_empty()).then(|| recs.join(";"))
+}
+
+fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
+    let f: Vec<&str> = r.split(',').collect();
+    if f.len() != 10 {
+        return None;
+    }
+    let s = Setup {
+        gid: u128::from_str_radix(f[1], 16).ok()?,
+        secret: u128::from_str_radix(f[2], 16).ok()?,
+        peer_window: f[3].parse().ok()?,
+        window: f[4].parse().ok()?,
+        local: f[5].parse::<SocketAddr>().ok()?,
+        peer: f[6].parse::<SocketAddr>().ok()?,
+        active: f[7] == "1",
+    };
+    Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
+}
+
+/// At start: rebuild the connections the previous image handed over.
+pub fn adopt() {
+    let Ok(v) = std::env::var(VAR) else { return };
+    // SAFETY: runs in the library constructor, before the program's threads.
+    unsafe { std::env::remove_var(VAR) };
+    let mut adopted = false;
+    for r in v.split(';') {
+        match parse_rec(r) {
+            Some((fd, s, tx, rx)) if crate::sys::tcp_family(fd).is_some() => match Vc::restore(&s, tx, rx) {
+                Some(vc) => {
+                    log::info(format_args!("virtual connection {:032x} on fd {fd} carried across exec", s.gid));
+                    fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+                    adopted = true;
+                }
+                None => log::error(format_args!("cannot rebuild virtual connection {:032x} after exec", s.gid)),
+            },
+            _ => log::error(format_args!("unusable {VAR} record; that descriptor stays as it is")),
+        }
+    }
+    if adopted && !config::disabled() {
+        crate::agent::hello();
+    }
+}
+
+fn own_path() -> Option<String> {
+    // SAFETY: dladdr on an address inside this library.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::dladdr(adopt as *const libc::c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr returned a C string.
+    Some(unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
+}
+
+/// The environment for the new image: `envp` plus the hand-over (and the layer in
+/// `LD_PRELOAD`). `None` when nothing is handed over.
+///
+/// # Safety
+/// `envp` is a valid NULL-terminated array of C strings (or null).
+pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Vec<CString>> {
+    if config::disabled() || !fdtable::any() {
+        return None;
+    }
+    let value = inherit_value()?;
+    let mut out: Vec<CString> = Vec::new();
+    let mut preload_seen = false;
+    let me = own_path().unwrap_or_default();
+    let mut p = envp;
+    while !p.is_null() {
+        // SAFETY: walking the caller's array until its NULL.
+        let s = unsafe { *p };
+        if s.is_null() {
+            break;
+        }
+        // SAFETY: each entry is a C string.
+        let e = unsafe { CStr::from_ptr(s) }.to_owned();
+        let b = e.as_bytes();
+        if b.starts_with(b"VMI_INHERIT=") {
+            // replaced below
+        } else if b.starts_with(b"LD_PRELOAD=") {
+            preload_seen = true;
+            let v = String::from_utf8_lossy(&b[11..]).into_owned();
+            if !me.is_empty() && !v.contains(&me) {
+                out.push(CString::new(format!("LD_PRELOAD={me} {v}")).ok()?);
+            } else {
+                out.push(e);
+            }
+        } else {
+            out.push(e);
+        }
+        // SAFETY: next entry.
+        p = unsafe { p.add(1) };
+    }
+    if !preload_seen && !me.is_empty() {
+        out.push(CString::new(format!("LD_PRELOAD={me}")).ok()?);
+    }
+    out.push(CString::new(format!("{VAR}={value}")).ok()?);
+    Some(out)
+}
+
+/// Runs `f` with a NULL-terminated pointer array over `env`.
+pub fn with_envp<R>(env: &[CString], f: impl FnOnce(*const *const libc::c_char) -> R) -> R {
+    let mut ptrs: Vec<*const libc::c_char> = env.iter().map(|c| c.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    f(ptrs.as_ptr())
+}
