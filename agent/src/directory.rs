@@ -76,7 +76,15 @@ impl Directory {
 
     /// A connecting layer announces `src → dst`. Returns the listener's window if `dst` is a
     /// listener under the layer (the connection is then expected), `None` otherwise.
-    pub fn expect(&mut self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64, now: Instant) -> Option<u64> {
+    pub fn expect(
+        &mut self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        gid: u128,
+        secret: u128,
+        window: u64,
+        now: Instant,
+    ) -> Option<u64> {
         let w = self.listener_for(dst)?.window;
         self.expected.retain(|_, e| now.duration_since(e.at) < PENDING_TTL);
         self.expected.insert((src, dst), Expected { gid, secret, window, at: now });

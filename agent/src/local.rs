@@ -45,7 +45,14 @@ impl Agent {
     }
 
     /// A connection to `dst` (on this node) is announced.
-    pub fn expect_local(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
+    pub fn expect_local(
+        &self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        gid: u128,
+        secret: u128,
+        window: u64,
+    ) -> Msg {
         let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
         match d.expect(src, dst, gid, secret, window, Instant::now()) {
             Some(w) => {

@@ -31,7 +31,12 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { socket: DEFAULT_SOCKET.into(), port: DEFAULT_PORT, bind: "0.0.0.0".parse().expect("ip"), node: None };
+    let mut a = Args {
+        socket: DEFAULT_SOCKET.into(),
+        port: DEFAULT_PORT,
+        bind: "0.0.0.0".parse().expect("ip"),
+        node: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -51,9 +56,14 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("VMI_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("VMI_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     use std::io::IsTerminal;
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::stderr().is_terminal()).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -62,7 +72,9 @@ fn main() {
         }
     };
     let node = args.node.clone().unwrap_or_else(net::node_name);
-    let unix = match UnixAddr::from_abstract_name(args.socket.as_bytes()).and_then(|a| UnixListener::bind_addr(&a)) {
+    let unix = match UnixAddr::from_abstract_name(args.socket.as_bytes())
+        .and_then(|a| UnixListener::bind_addr(&a))
+    {
         Ok(l) => l,
         Err(e) => {
             error!("cannot listen on abstract socket @{}: {e} (is another agent running in this network namespace?)", args.socket);

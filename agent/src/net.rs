@@ -62,7 +62,11 @@ pub fn is_local(ip: IpAddr) -> bool {
 /// The source address the kernel would use toward `dst`.
 pub fn source_for(dst: IpAddr) -> Option<IpAddr> {
     if dst.is_loopback() || dst.is_unspecified() {
-        return Some(if dst.is_ipv4() { IpAddr::V4(Ipv4Addr::LOCALHOST) } else { IpAddr::V6(Ipv6Addr::LOCALHOST) });
+        return Some(if dst.is_ipv4() {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        } else {
+            IpAddr::V6(Ipv6Addr::LOCALHOST)
+        });
     }
     let bind: SocketAddr = if dst.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
     let s = UdpSocket::bind(bind).ok()?;
@@ -75,5 +79,7 @@ pub fn node_name() -> String {
     if let Some(ip) = node_addrs().into_iter().find(|ip| ip.is_ipv4() && !ip.is_loopback()) {
         return ip.to_string();
     }
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "node".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "node".into())
 }

@@ -32,7 +32,14 @@ impl Table {
         }
         // SAFETY: maps TABLE_BYTES of the memfd read-only.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), TABLE_BYTES, libc::PROT_READ, libc::MAP_SHARED, fd.as_raw_fd(), 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                TABLE_BYTES,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return None;
@@ -95,7 +102,9 @@ pub struct Procs {
 
 fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks existence.
-    pid > 0 && (unsafe { libc::kill(pid as i32, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    pid > 0
+        && (unsafe { libc::kill(pid as i32, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
 impl Procs {
@@ -104,7 +113,12 @@ impl Procs {
         let table = fd.and_then(|fd| {
             let t = Table::map(&fd)?;
             // One mapping per table: a forked child shares its parent's.
-            let known = self.live.values().filter_map(|p| p.table.clone()).chain(self.orphans.iter().cloned()).find(|k| k.inode == t.inode);
+            let known = self
+                .live
+                .values()
+                .filter_map(|p| p.table.clone())
+                .chain(self.orphans.iter().cloned())
+                .find(|k| k.inode == t.inode);
             Some(known.unwrap_or_else(|| Arc::new(t)))
         });
         self.live.insert(client, Proc { pid, name, table });
@@ -184,7 +198,8 @@ pub fn report(agent: &Agent) -> String {
         // A slot of a table whose process is alive is listed even if the process recorded in
         // it (a forked child that used it last) is gone; a slot of an orphan table only if its
         // process lives.
-        let owner_alive = procs.live.values().any(|p| alive(p.pid) && p.table.as_ref().is_some_and(|x| x.inode == t.inode));
+        let owner_alive =
+            procs.live.values().any(|p| alive(p.pid) && p.table.as_ref().is_some_and(|x| x.inode == t.inode));
         for s in t.slots() {
             if !owner_alive && !alive(s.pid) {
                 continue;
@@ -212,7 +227,11 @@ pub fn report(agent: &Agent) -> String {
         .live
         .values()
         .filter(|p| alive(p.pid))
-        .map(|p| ProcJson { pid: p.pid, name: p.name.clone(), connections: conns.iter().filter(|c| c.pid == p.pid).count() })
+        .map(|p| ProcJson {
+            pid: p.pid,
+            name: p.name.clone(),
+            connections: conns.iter().filter(|c| c.pid == p.pid).count(),
+        })
         .collect();
     processes.sort_by_key(|p| p.pid);
     processes.dedup_by_key(|p| p.pid);

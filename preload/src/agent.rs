@@ -91,8 +91,20 @@ fn open_socket() -> Option<i32> {
     let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
     // SAFETY: valid pointers to local structures.
     let ok = unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv as *const _ as *const _, std::mem::size_of_val(&tv) as _);
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDTIMEO, &tv as *const _ as *const _, std::mem::size_of_val(&tv) as _);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const _,
+            std::mem::size_of_val(&tv) as _,
+        );
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            &tv as *const _ as *const _,
+            std::mem::size_of_val(&tv) as _,
+        );
         real::connect(fd, &sun as *const _ as *const libc::sockaddr, len) == 0
     };
     if !ok {

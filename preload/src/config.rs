@@ -43,7 +43,9 @@ pub fn init() {
     if let Ok(w) = std::env::var("VMI_WINDOW") {
         match parse_size(&w) {
             Some(n) if (64 << 10..=1 << 30).contains(&n) => WINDOW.store(n, Relaxed),
-            _ => crate::log::warn(format_args!("VMI_WINDOW={w} is not a size between 64K and 1G; using the default")),
+            _ => crate::log::warn(format_args!(
+                "VMI_WINDOW={w} is not a size between 64K and 1G; using the default"
+            )),
         }
     }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());

@@ -30,7 +30,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
@@ -110,11 +110,16 @@ pub fn adopt() {
         match parse_rec(r) {
             Some((fd, s, tx, rx)) if crate::sys::tcp_family(fd).is_some() => match Vc::restore(&s, tx, rx) {
                 Some(vc) => {
-                    log::info(format_args!("virtual connection {:032x} on fd {fd} carried across exec", s.gid));
+                    log::info(format_args!(
+                        "virtual connection {:032x} on fd {fd} carried across exec",
+                        s.gid
+                    ));
                     fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
                     adopted = true;
                 }
-                None => log::error(format_args!("cannot rebuild virtual connection {:032x} after exec", s.gid)),
+                None => {
+                    log::error(format_args!("cannot rebuild virtual connection {:032x} after exec", s.gid))
+                }
             },
             _ => log::error(format_args!("unusable {VAR} record; that descriptor stays as it is")),
         }

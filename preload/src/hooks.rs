@@ -198,7 +198,8 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
         // SAFETY: forwarding.
         return unsafe { real::close_range(first, last, flags) };
     }
-    let mut own: Vec<c_uint> = fdtable::protected().into_iter().map(|f| f as c_uint).filter(|&f| f >= first && f <= last).collect();
+    let mut own: Vec<c_uint> =
+        fdtable::protected().into_iter().map(|f| f as c_uint).filter(|&f| f >= first && f <= last).collect();
     own.sort_unstable();
     for (fd, _) in fdtable::snapshot() {
         if fd as c_uint >= first && fd as c_uint <= last {
@@ -374,7 +375,13 @@ pub unsafe extern "C" fn recv(fd: c_int, b: *mut c_void, n: size_t, flags: c_int
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __recv_chk(fd: c_int, b: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t {
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    b: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
     if n <= buflen {
         if let Some(vc) = fdtable::vc(fd) {
             // SAFETY: the program's buffer.

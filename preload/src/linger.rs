@@ -80,7 +80,8 @@ fn drain(fd: i32) -> bool {
 fn reaper() {
     loop {
         let fds: Vec<i32> = lock().fds.iter().map(|f| f.0).collect();
-        let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        let mut p: Vec<libc::pollfd> =
+            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
         let now = Instant::now();
@@ -123,7 +124,8 @@ pub fn at_exit() {
     }
     let deadline = Instant::now() + EXIT_LINGER;
     while !fds.is_empty() && Instant::now() < deadline {
-        let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        let mut p: Vec<libc::pollfd> =
+            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
         fds.retain(|&fd| !(p.iter().any(|q| q.fd == fd && q.revents != 0) && drain(fd)));

@@ -32,7 +32,7 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     let mut s = String::with_capacity(128);
     // SAFETY: getpid has no preconditions.
     let pid = unsafe { libc::getpid() };
-    let _ = write!(s, "vmi[{pid}]: {tag}: {args}\n");
+    let _ = writeln!(s, "vmi[{pid}]: {tag}: {args}");
     // SAFETY: writes a valid buffer to fd 2 through the real write.
     unsafe { crate::real::write(2, s.as_ptr() as *const _, s.len()) };
 }

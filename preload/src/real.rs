@@ -2,7 +2,9 @@
 //! rdma-core's preload does). Every call the layer makes on the program's behalf goes through
 //! here, never through the hooks.
 
-use libc::{c_char, c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{
+    c_char, c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t,
+};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 fn resolve(name: &'static str) -> usize {

@@ -37,7 +37,14 @@ fn create() -> Option<Table> {
             crate::real::close(fd);
             return None;
         }
-        libc::mmap(std::ptr::null_mut(), TABLE_BYTES, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            TABLE_BYTES,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
     };
     if base == libc::MAP_FAILED {
         // SAFETY: our fd.

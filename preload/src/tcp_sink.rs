@@ -16,7 +16,9 @@ use crate::{log, real, sys};
 use libc::{c_int, iovec};
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
-use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, ProtoError, ReadPlan, RxState, Source, TxState};
+use substrate::reliability::{
+    ack_due, ring_slices, Blocked, Plan, ProtoError, ReadPlan, RxState, Source, TxState,
+};
 use substrate::wire::frame::FrameKind;
 
 /// The kernel-TCP sink device.
@@ -127,7 +129,13 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
 }
 
 /// The send path. The caller holds the tx lock.
-pub fn send(mem: ConnMem, slot: Option<Slot>, fd: c_int, data: &[u8], flags: c_int) -> Result<usize, IrbError> {
+pub fn send(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    fd: c_int,
+    data: &[u8],
+    flags: c_int,
+) -> Result<usize, IrbError> {
     let c = mem.conn();
     let b = c.broken.load(Acquire);
     if b != 0 {
@@ -249,7 +257,9 @@ fn peer_finished(fd: c_int) -> bool {
     let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
     // SAFETY: valid pointers to locals.
-    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len) };
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+    };
     const TCP_CLOSE_WAIT: u8 = 8;
     r == 0 && ti.tcpi_state == TCP_CLOSE_WAIT
 }
@@ -278,7 +288,13 @@ fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags:
 }
 
 /// The receive path. The caller holds the rx lock.
-pub fn recv(mem: ConnMem, slot: Option<Slot>, fd: c_int, buf: &mut [u8], flags: c_int) -> Result<usize, IrbError> {
+pub fn recv(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    fd: c_int,
+    buf: &mut [u8],
+    flags: c_int,
+) -> Result<usize, IrbError> {
     let c = mem.conn();
     let b = c.broken.load(Acquire);
     if b != 0 {
@@ -325,7 +341,14 @@ pub fn recv(mem: ConnMem, slot: Option<Slot>, fd: c_int, buf: &mut [u8], flags: 
     }
 }
 
-fn peek(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int, buf: &mut [u8], kflags: c_int) -> Result<usize, IrbError> {
+fn peek(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    rx: &mut RxState,
+    fd: c_int,
+    buf: &mut [u8],
+    kflags: c_int,
+) -> Result<usize, IrbError> {
     loop {
         if rx.frame_rem > 0 {
             let n = (buf.len() as u64).min(rx.frame_rem) as usize;
@@ -364,7 +387,8 @@ pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
     }
     let mut tmp = vec![0u8; (n as usize).min(4 << 20)];
     // SAFETY: peeks into our own buffer.
-    let r = unsafe { real::recv(fd, tmp.as_mut_ptr() as *mut _, tmp.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let r =
+        unsafe { real::recv(fd, tmp.as_mut_ptr() as *mut _, tmp.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
     if r <= 0 {
         return Ok(0);
     }

@@ -71,7 +71,13 @@ impl Vc {
         let ring = (s.window * RING_FACTOR) as usize;
         let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window)?;
         let slot = crate::stats::table().and_then(|t| {
-            t.alloc(&SlotInfo { gid: s.gid, local: s.local, peer: s.peer, active: s.active, window: s.window })
+            t.alloc(&SlotInfo {
+                gid: s.gid,
+                local: s.local,
+                peer: s.peer,
+                active: s.active,
+                window: s.window,
+            })
         });
         let m = *mem;
         Some(Vc {

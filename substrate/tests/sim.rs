@@ -41,7 +41,14 @@ struct End {
 
 impl End {
     fn new(side: usize, window: u64) -> Self {
-        End { side, tx: TxState::with_soft_window(window, window / 2), rx: RxState::new(), ring: vec![0; window as usize], produced: 0, received: Vec::new() }
+        End {
+            side,
+            tx: TxState::with_soft_window(window, window / 2),
+            rx: RxState::new(),
+            ring: vec![0; window as usize],
+            produced: 0,
+            received: Vec::new(),
+        }
     }
 
     /// Puts the bytes of `plan` on `q`, at most `room`; returns how many went.
@@ -117,7 +124,9 @@ fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     let mut app = vec![0u8; n];
     let (first, second) = match plan {
         ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - e.rx.header_len as usize, app_max),
-        ReadPlan::PayloadFirst { app_max, then_header } => (app_max, if then_header { HEADER_LEN } else { 0 }),
+        ReadPlan::PayloadFirst { app_max, then_header } => {
+            (app_max, if then_header { HEADER_LEN } else { 0 })
+        }
     };
     let avail = peer_q.len().min(first + second);
     if avail == 0 {
@@ -178,7 +187,8 @@ fn check_invariants(ends: &[End; 2]) {
 fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u32) {
     let mut rng = Rng(seed | 1);
     let mut ends = [End::new(0, window), End::new(1, window)];
-    let mut link = Link { q: [VecDeque::new(), VecDeque::new()], cap: 512 + rng.below(20_000) as usize, up: true };
+    let mut link =
+        Link { q: [VecDeque::new(), VecDeque::new()], cap: 512 + rng.below(20_000) as usize, up: true };
     let mut down_until = 0u64;
     let mut failures = 0;
     let mut now = 0u64;
@@ -216,9 +226,9 @@ fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u3
         }
         if !generating {
             // Drain: finish replays and frames in progress, then let the readers catch up.
-            for s in 0..2 {
-                write_some(&mut ends[s], &mut link, &mut rng, 0, false);
-                send_ack(&mut ends[s], &mut link);
+            for e in ends.iter_mut() {
+                write_some(e, &mut link, &mut rng, 0, false);
+                send_ack(e, &mut link);
             }
         }
         check_invariants(&ends);
@@ -246,7 +256,7 @@ fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u3
         let want: Vec<u8> = (0..ends[1 - s].tx.next_seq).map(|i| stream_byte(1 - s, i)).collect();
         assert_eq!(ends[s].received.len(), want.len(), "seed {seed}: side {s} got a different length");
         assert!(ends[s].received == want, "seed {seed}: side {s} got different bytes");
-        assert!(ends[1 - s].tx.replaying() == false);
+        assert!(!ends[1 - s].tx.replaying());
     }
     (ends[0].tx.next_seq, ends[1].tx.next_seq, failures)
 }

@@ -45,7 +45,12 @@ fn print_table(v: &Value) {
     let procs = v["processes"].as_array().cloned().unwrap_or_default();
     println!("\nprocesses under the layer: {}", procs.len());
     for p in &procs {
-        println!("  {:>7}  {:<20} {} virtual connections", p["pid"], p["name"].as_str().unwrap_or(""), p["connections"]);
+        println!(
+            "  {:>7}  {:<20} {} virtual connections",
+            p["pid"],
+            p["name"].as_str().unwrap_or(""),
+            p["connections"]
+        );
     }
     let ls = v["listeners"].as_array().cloned().unwrap_or_default();
     println!("\nlisteners: {}", ls.len());

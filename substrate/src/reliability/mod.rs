@@ -83,10 +83,9 @@ impl std::fmt::Display for ProtoError {
             }
             ProtoError::UnexpectedResync => write!(f, "resync frame in the middle of a link"),
             ProtoError::MissingResync => write!(f, "rebuilt link did not start with a resync"),
-            ProtoError::ResyncOutOfRange { received, acked, sent } => write!(
-                f,
-                "peer resynced at {received}, replayable range is {acked}..={sent}"
-            ),
+            ProtoError::ResyncOutOfRange { received, acked, sent } => {
+                write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")
+            }
         }
     }
 }

@@ -242,7 +242,9 @@ mod tests {
             let plan = rx.plan_read(n);
             let (first, second): (usize, usize) = match plan {
                 ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - rx.header_len as usize, app_max),
-                ReadPlan::PayloadFirst { app_max, then_header } => (app_max, if then_header { HEADER_LEN } else { 0 }),
+                ReadPlan::PayloadFirst { app_max, then_header } => {
+                    (app_max, if then_header { HEADER_LEN } else { 0 })
+                }
             };
             let got = (link.len() - pos).min(first + second);
             let chunk = &link[pos..pos + got];
@@ -285,7 +287,10 @@ mod tests {
     fn out_of_order_and_garbage_are_errors() {
         let link = wire(&[(FrameHeader::data(3, 5, 0), b"abc")]);
         assert!(matches!(read_all(&link, 64), Err(ProtoError::OutOfOrder { .. })));
-        assert!(matches!(read_all(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n", 64), Err(ProtoError::Frame(_))));
+        assert!(matches!(
+            read_all(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n", 64),
+            Err(ProtoError::Frame(_))
+        ));
         let link = wire(&[(FrameHeader::control(FrameKind::Resync, 0, 0), b"")]);
         assert_eq!(read_all(&link, 64), Err(ProtoError::UnexpectedResync));
     }

@@ -254,11 +254,7 @@ impl TxState {
     /// The peer says it delivered `received` bytes of our stream: replay from there.
     pub fn resync(&mut self, received: u64) -> Result<(), ProtoError> {
         if received < self.acked || received > self.next_seq {
-            return Err(ProtoError::ResyncOutOfRange {
-                received,
-                acked: self.acked,
-                sent: self.next_seq,
-            });
+            return Err(ProtoError::ResyncOutOfRange { received, acked: self.acked, sent: self.next_seq });
         }
         self.acked = received;
         self.wire_seq = received;
