@@ -10,3 +10,4 @@ cd "$(dirname "$0")/.."
 cargo build --release --workspace
 cargo test --release --workspace
 python3 -m pytest -x -v tests/ "$@"
+scripts/fuzz.sh "${VMI_FUZZ_RUNS:-5000000}"

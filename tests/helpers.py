@@ -96,9 +96,32 @@ PORTS = {
     "mixed_disabled": 17305,
     "no_agent_stream_out": 17401,
     "no_agent_banner_in": 17402,
+    "exec_fork_exec": 17701,
+    "exec_subprocess": 17702,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()
+
+# Blocks of ports for tests parametrized over many cases: case i uses base + i.
+PORT_BLOCK_SIZE = 50
+PORT_BLOCKS = {
+    "semantics_layer": 17500,
+    "semantics_native": 17550,
+    "hostile": 17600,
+}
+
+
+def block_port(block, index):
+    """Port of case `index` of a parametrized test (see PORT_BLOCKS)."""
+    assert 0 <= index < PORT_BLOCK_SIZE, f"{block}: case {index} is outside its port block"
+    return PORT_BLOCKS[block] + index
+
+
+assert not any(b <= p < b + PORT_BLOCK_SIZE for b in PORT_BLOCKS.values()
+               for p in list(PORTS.values()) + [AGENT_PORT]), "PORTS overlap a port block"
+assert all(b - a >= PORT_BLOCK_SIZE for a, b in zip(sorted(PORT_BLOCKS.values()),
+                                                   sorted(PORT_BLOCKS.values())[1:])), \
+    "port blocks overlap"
 
 # ---------------------------------------------------------------------------------------------
 # Timeouts (seconds)

@@ -47,10 +47,11 @@ fn from_bytes<T: Copy>(b: &[u8]) -> Option<T> {
     (b.len() == std::mem::size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
 }
 
-/// The `VMI_INHERIT` value for the virtual connections that survive exec, if any.
-fn inherit_value() -> Option<String> {
+/// The `VMI_INHERIT` value for the virtual connections that survive exec, and those
+/// connections.
+fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
     let mut recs = Vec::new();
-    let mut done: Vec<*const Vc> = Vec::new();
+    let mut done: Vec<Arc<Vc>> = Vec::new();
     for (fd, e) in fdtable::snapshot() {
         let Entry::Vc(v) = e else { continue };
         // SAFETY: F_GETFD has no pointer argument.
@@ -63,9 +64,8 @@ fn inherit_value() -> Option<String> {
         let _rg = c.rx_lock.lock();
         // SAFETY: both locks held.
         let (tx, rx) = unsafe { (*c.tx.get(), *c.rx.get()) };
-        let p = Arc::as_ptr(&v);
-        if !done.contains(&p) {
-            done.push(p);
+        if !done.iter().any(|d| Arc::ptr_eq(d, &v)) {
+            done.push(v.clone());
         }
         recs.push(format!(
             "{fd},{:032x},{:032x},{},{},{},{},{},{},{}",
@@ -80,7 +80,7 @@ fn inherit_value() -> Option<String> {
             hex(&bytes_of(&rx)),
         ));
     }
-    (!recs.is_empty()).then(|| recs.join(";"))
+    (!recs.is_empty()).then(|| (recs.join(";"), done))
 }
 
 fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
@@ -140,16 +140,42 @@ fn own_path() -> Option<String> {
     Some(unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
 }
 
-/// The environment for the new image: `envp` plus the hand-over (and the layer in
-/// `LD_PRELOAD`). `None` when nothing is handed over.
+/// What an exec hands over: the new image's environment, and the connections it carries.
+pub struct Handover {
+    /// `envp` plus the hand-over (and the layer in `LD_PRELOAD`).
+    pub env: Vec<CString>,
+    /// The connections handed over.
+    pub vcs: Vec<Arc<Vc>>,
+}
+
+impl Handover {
+    /// Runs the real exec with the new environment. The new image counts as one more holder
+    /// of each connection from now on (so that a parent closing its copy after a `vfork` +
+    /// exec, which the fork hook never saw, is not taken for the last close); if the exec
+    /// fails, that is undone.
+    pub fn exec(&self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
+        for v in &self.vcs {
+            v.hold();
+        }
+        let r = with_envp(&self.env, f);
+        let e = crate::sys::errno();
+        for v in &self.vcs {
+            v.release();
+        }
+        crate::sys::set_errno(e);
+        r
+    }
+}
+
+/// The hand-over for an exec with environment `envp`; `None` when nothing is handed over.
 ///
 /// # Safety
 /// `envp` is a valid NULL-terminated array of C strings (or null).
-pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Vec<CString>> {
+pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover> {
     if config::disabled() || !fdtable::any() {
         return None;
     }
-    let value = inherit_value()?;
+    let (value, vcs) = inherit_value()?;
     let mut out: Vec<CString> = Vec::new();
     let mut preload_seen = false;
     let me = own_path().unwrap_or_default();
@@ -183,7 +209,7 @@ pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Vec<CStri
         out.push(CString::new(format!("LD_PRELOAD={me}")).ok()?);
     }
     out.push(CString::new(format!("{VAR}={value}")).ok()?);
-    Some(out)
+    Some(Handover { env: out, vcs })
 }
 
 /// Runs `f` with a NULL-terminated pointer array over `env`.

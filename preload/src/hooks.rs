@@ -157,9 +157,9 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
     accepted(fd, unsafe { real::accept4(fd, addr, len, flags) })
 }
 
-/// Forgets `fd`. Returns true when it was the last hold on a virtual connection anywhere
+/// Forgets `fd`. Returns the virtual connection when `fd` was the last hold on it anywhere
 /// (no other descriptor here, no other process).
-fn forget(fd: c_int) -> bool {
+fn forget(fd: c_int) -> Option<Arc<Vc>> {
     match fdtable::remove(fd) {
         Some(Entry::Listener(l)) => {
             // Other descriptors (dup) may still point at the listener.
@@ -169,12 +169,14 @@ fn forget(fd: c_int) -> bool {
                     Some(())
                 });
             }
-            false
+            None
         }
         Some(Entry::Vc(v)) => {
-            Arc::strong_count(&v) == 1 && v.mem().conn().procs.load(std::sync::atomic::Ordering::Acquire) == 1
+            let last = Arc::strong_count(&v) == 1
+                && v.mem().conn().procs.load(std::sync::atomic::Ordering::Acquire) == 1;
+            last.then_some(v)
         }
-        None => false,
+        None => None,
     }
 }
 
@@ -185,8 +187,10 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
-    if fdtable::is_managed(fd) && forget(fd) {
-        return crate::linger::close_last(fd);
+    if fdtable::is_managed(fd) {
+        if let Some(vc) = forget(fd) {
+            return crate::linger::close_last(fd, vc);
+        }
     }
     // SAFETY: forwarding.
     unsafe { real::close(fd) }
@@ -589,7 +593,7 @@ pub unsafe extern "C" fn execve(
     // SAFETY: the program's environment array.
     match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
         // SAFETY: forwarding with the extended environment.
-        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execve(path, argv, e) }),
+        Some(h) => h.exec(|e| unsafe { real::execve(path, argv, e) }),
         // SAFETY: forwarding.
         None => unsafe { real::execve(path, argv, envp) },
     }
@@ -604,7 +608,7 @@ pub unsafe extern "C" fn execvpe(
     // SAFETY: as in execve.
     match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
         // SAFETY: forwarding with the extended environment.
-        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execvpe(file, argv, e) }),
+        Some(h) => h.exec(|e| unsafe { real::execvpe(file, argv, e) }),
         // SAFETY: forwarding.
         None => unsafe { real::execvpe(file, argv, envp) },
     }
@@ -615,7 +619,7 @@ pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const li
     // SAFETY: `environ` is the process environment.
     match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
         // SAFETY: forwarding to execve with the extended environment.
-        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execve(path, argv, e) }),
+        Some(h) => h.exec(|e| unsafe { real::execve(path, argv, e) }),
         // SAFETY: forwarding.
         None => unsafe { real::execv(path, argv) },
     }
@@ -626,7 +630,7 @@ pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const l
     // SAFETY: `environ` is the process environment.
     match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
         // SAFETY: forwarding to execvpe with the extended environment.
-        Some(env) => crate::exec::with_envp(&env, |e| unsafe { real::execvpe(file, argv, e) }),
+        Some(h) => h.exec(|e| unsafe { real::execvpe(file, argv, e) }),
         // SAFETY: forwarding.
         None => unsafe { real::execvp(file, argv) },
     }

@@ -1,28 +1,34 @@
-//! Closing a virtual connection without losing the peer's last bytes.
+//! Closing a virtual connection the way native TCP closes, although the peer's layer keeps
+//! sending acknowledgements the program never reads.
 //!
-//! The peer's layer sends acknowledgements that the program never reads. A kernel socket
-//! closed with unread bytes, or one that receives bytes after it was closed, answers with a
-//! reset, and a reset makes the *peer's* kernel drop whatever it had not delivered yet: the
-//! tail of a download would vanish. So when a program closes the last descriptor of a
-//! virtual connection, the layer keeps the socket a little longer: it sends the FIN at once
-//! (the program's close means just that), then a background thread reads and discards what
-//! still arrives until the peer closes too (or 30 s pass). At exit, the same happens inline
-//! for every open virtual connection, for at most one second.
+//! A kernel socket closed with unread bytes, or receiving bytes after its close, answers with
+//! a reset, and a reset makes the *peer's* kernel drop what it had not delivered yet: a
+//! download's tail would vanish because of an ack. So the last close of a virtual connection:
+//!
+//! * resets at once if payload the program never read is waiting (as native TCP does);
+//! * otherwise sends the FIN at once and lets a background thread read what still arrives:
+//!   ack frames are discarded; the first data frame resets the connection (as native TCP
+//!   does when data reaches a closed socket, so the writer gets `EPIPE`); the peer's FIN, or
+//!   30 s, end it.
+//!
+//! At exit the same happens inline for every open virtual connection, for at most a second.
 
 use crate::fdtable::{self, Entry};
+use crate::tcp_sink::{drain_closed, unread_payload};
+use crate::vc::Vc;
 use crate::{real, sys};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const LINGER: Duration = Duration::from_secs(30);
 const EXIT_LINGER: Duration = Duration::from_secs(1);
 
 struct Lingering {
-    fds: Vec<(i32, Instant)>,
+    socks: Vec<(i32, Arc<Vc>, Instant)>,
     thread: bool,
 }
 
-static LIST: Mutex<Lingering> = Mutex::new(Lingering { fds: Vec::new(), thread: false });
+static LIST: Mutex<Lingering> = Mutex::new(Lingering { socks: Vec::new(), thread: false });
 
 thread_local! {
     static FORK_GUARD: std::cell::RefCell<Option<MutexGuard<'static, Lingering>>> = const { std::cell::RefCell::new(None) };
@@ -32,9 +38,23 @@ fn lock() -> MutexGuard<'static, Lingering> {
     LIST.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Closes the program's descriptor `fd` of a virtual connection that no one else holds:
-/// FIN now, drain until the peer's FIN in the background. Returns the result of the close.
-pub fn close_last(fd: i32) -> i32 {
+/// Closes `fd` with a reset (SO_LINGER 0); returns the close's result.
+fn reset(fd: i32) -> i32 {
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    // SAFETY: sets an option on a socket being closed, then closes it.
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, &l as *const _ as *const _, std::mem::size_of_val(&l) as _);
+        real::close(fd)
+    }
+}
+
+/// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
+/// of the program's close.
+pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
+    if unread_payload(vc.mem(), fd) {
+        // What the kernel itself does when a program closes with unread data.
+        return reset(fd);
+    }
     // SAFETY: duplicates the program's descriptor for our own use.
     let keep = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700) };
     // SAFETY: the program's close.
@@ -44,16 +64,12 @@ pub fn close_last(fd: i32) -> i32 {
         // SAFETY: our duplicate.
         unsafe { real::shutdown(keep, libc::SHUT_WR) };
         let mut l = lock();
-        l.fds.push((keep, Instant::now() + LINGER));
+        l.socks.push((keep, vc, Instant::now() + LINGER));
         if !l.thread {
-            l.thread = std::thread::Builder::new()
-                .name("vmi-linger".into())
-                .stack_size(64 << 10)
-                .spawn(reaper)
-                .is_ok();
+            l.thread = std::thread::Builder::new().name("vmi-linger".into()).stack_size(64 << 10).spawn(reaper).is_ok();
             if !l.thread {
                 // No thread: give up lingering rather than leak the socket.
-                for (f, _) in l.fds.drain(..) {
+                for (f, _, _) in l.socks.drain(..) {
                     // SAFETY: our duplicates.
                     unsafe { real::close(f) };
                 }
@@ -64,47 +80,50 @@ pub fn close_last(fd: i32) -> i32 {
     r
 }
 
-/// Reads and discards; true when the peer closed (or the socket failed).
-fn drain(fd: i32) -> bool {
-    let mut buf = [0u8; 16384];
-    loop {
-        // SAFETY: reads into our own buffer.
-        let r = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut _, buf.len(), libc::MSG_DONTWAIT) };
-        if r > 0 {
-            continue;
+/// One look at a lingering socket: true when it is finished (and closed).
+fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
+    match if ready { drain_closed(vc.mem(), fd) } else { Ok(false) } {
+        Err(()) => {
+            reset(fd);
+            true
         }
-        return !(r < 0 && (sys::errno() == libc::EAGAIN || sys::errno() == libc::EINTR));
+        Ok(true) => {
+            // SAFETY: our duplicate.
+            unsafe { real::close(fd) };
+            true
+        }
+        Ok(false) if expired => {
+            // SAFETY: our duplicate.
+            unsafe { real::close(fd) };
+            true
+        }
+        Ok(false) => false,
     }
 }
 
 fn reaper() {
     loop {
-        let fds: Vec<i32> = lock().fds.iter().map(|f| f.0).collect();
-        let mut p: Vec<libc::pollfd> =
-            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        let fds: Vec<i32> = lock().socks.iter().map(|s| s.0).collect();
+        let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
         let now = Instant::now();
         let mut l = lock();
-        l.fds.retain(|&(fd, deadline)| {
-            let done = p.iter().any(|q| q.fd == fd && q.revents != 0) && drain(fd) || now > deadline;
-            if done {
-                // SAFETY: our duplicate.
-                unsafe { real::close(fd) };
-            }
-            !done
+        l.socks.retain(|(fd, vc, deadline)| {
+            let ready = p.iter().any(|q| q.fd == *fd && q.revents != 0);
+            !step(*fd, vc, ready, now > *deadline)
         });
     }
 }
 
-/// At exit: FIN on every virtual connection this process alone holds, then drain them and
-/// the lingering ones until their peers close, for at most a second.
+/// At exit: every virtual connection this process alone holds ends as it would with close;
+/// lingering ones get the rest of one second to see their peers close.
 pub fn at_exit() {
-    let mut fds: Vec<i32> = Vec::new();
-    let mut done: Vec<*const crate::vc::Vc> = Vec::new();
+    let mut socks: Vec<(i32, Arc<Vc>)> = Vec::new();
+    let mut done: Vec<*const Vc> = Vec::new();
     for (fd, e) in fdtable::snapshot() {
         if let Entry::Vc(v) = e {
-            let p = std::sync::Arc::as_ptr(&v);
+            let p = Arc::as_ptr(&v);
             if done.contains(&p) {
                 continue;
             }
@@ -112,23 +131,25 @@ pub fn at_exit() {
             // This process lets go; if it was the last, the connection ends here.
             if v.release() != 1 {
                 v.hand_back_slot();
-            } else {
+            } else if !unread_payload(v.mem(), fd) {
                 // SAFETY: the process is exiting; its sockets close anyway.
                 unsafe { real::shutdown(fd, libc::SHUT_WR) };
-                fds.push(fd);
+                socks.push((fd, v));
             }
         }
     }
-    if let Ok(l) = LIST.try_lock() {
-        fds.extend(l.fds.iter().map(|f| f.0));
+    if let Ok(mut l) = LIST.try_lock() {
+        socks.extend(l.socks.drain(..).map(|(fd, v, _)| (fd, v)));
     }
     let deadline = Instant::now() + EXIT_LINGER;
-    while !fds.is_empty() && Instant::now() < deadline {
-        let mut p: Vec<libc::pollfd> =
-            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    while !socks.is_empty() && Instant::now() < deadline {
+        let mut p: Vec<libc::pollfd> = socks.iter().map(|s| libc::pollfd { fd: s.0, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
-        fds.retain(|&fd| !(p.iter().any(|q| q.fd == fd && q.revents != 0) && drain(fd)));
+        socks.retain(|(fd, v)| {
+            let ready = p.iter().any(|q| q.fd == *fd && q.revents != 0);
+            !(ready && drain_closed(v.mem(), *fd) != Ok(false))
+        });
     }
 }
 
@@ -147,7 +168,7 @@ pub fn after_fork_parent() {
 pub fn after_fork_child() {
     FORK_GUARD.with(|f| {
         if let Some(mut g) = f.borrow_mut().take() {
-            for (fd, _) in g.fds.drain(..) {
+            for (fd, _, _) in g.socks.drain(..) {
                 // SAFETY: the child's copies of the parent's lingering sockets.
                 unsafe { real::close(fd) };
             }

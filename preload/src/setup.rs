@@ -92,9 +92,10 @@ pub fn after_listen(fd: i32) {
         return;
     }
     let Some(addr) = sys::local_addr(fd) else { return };
-    if register_listener(addr) {
-        fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
-    }
+    // Kept even if no agent answers now: the listener is registered whenever the process
+    // next reaches an agent (a restarted one included).
+    fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
+    register_listener(addr);
 }
 
 /// Tells the agent about a listener; true if it took note.

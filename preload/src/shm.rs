@@ -91,6 +91,11 @@ pub struct SharedConn {
     pub ack_sent: AtomicU64,
     /// Copy of `tx.unacked()`, for statistics.
     pub unacked: AtomicU64,
+    /// Highest stream offset that may be on the wire (set before each write), the bound for
+    /// the peer's acknowledgements.
+    pub wire_hi: AtomicU64,
+    /// 1 once the peer's FIN arrived: it sends no more acks.
+    pub peer_eof: AtomicU32,
     /// The connection's GID.
     pub gid: u128,
     /// Its secret.
@@ -158,6 +163,8 @@ impl Mapping {
             peer_ack: AtomicU64::new(0),
             ack_sent: AtomicU64::new(0),
             unacked: AtomicU64::new(0),
+            wire_hi: AtomicU64::new(0),
+            peer_eof: AtomicU32::new(0),
             gid,
             secret,
             peer_window,

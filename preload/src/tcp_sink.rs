@@ -19,7 +19,7 @@ use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind}
 use substrate::reliability::{
     ack_due, ring_slices, Blocked, Plan, ProtoError, ReadPlan, RxState, Source, TxState,
 };
-use substrate::wire::frame::FrameKind;
+use substrate::wire::frame::{FrameKind, HEADER_LEN};
 
 /// The kernel-TCP sink device.
 pub struct TcpSink {
@@ -88,10 +88,22 @@ fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
     }
 }
 
-fn publish_rx(mem: ConnMem, rx: &RxState) {
+/// Publishes what the receive half learned; refuses an ack for bytes that were never on the
+/// wire.
+fn publish_rx(mem: ConnMem, rx: &RxState) -> Result<(), ProtoError> {
     let c = mem.conn();
     c.delivered.store(rx.delivered, Release);
+    let hi = c.wire_hi.load(Acquire);
+    if rx.peer_ack > hi {
+        return Err(ProtoError::AckBeyondSent { ack: rx.peer_ack, sent: hi });
+    }
     c.peer_ack.fetch_max(rx.peer_ack, AcqRel);
+    Ok(())
+}
+
+/// The peer's FIN arrived.
+fn note_peer_eof(mem: ConnMem) {
+    mem.conn().peer_eof.store(1, Release);
 }
 
 /// Writes what `plan` says, with one sendmsg. Returns the kernel's answer.
@@ -156,21 +168,31 @@ pub fn send(
         if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
             return Err(fail(mem, slot, fd, e));
         }
+        if c.peer_eof.load(Acquire) != 0 {
+            tx.peer_finished();
+        }
         let rest = &data[total..];
         let delivered = c.delivered.load(Acquire);
         let plan = match tx.plan_send(rest.len(), delivered, false) {
             Ok(p) => p,
             Err(Blocked::Window) => {
-                if harvest(mem, slot, fd)? {
+                let h = harvest(mem, slot, fd)?;
+                if h == Harvest::Opened {
                     continue;
                 }
-                match tx.plan_send(rest.len(), delivered, true) {
-                    Ok(p) => p,
-                    Err(_) => {
+                let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
+                // The ring's spare room is for acks stuck behind data the program has not read
+                // (waiting could deadlock it), and for non-blocking senders, which must not be
+                // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
+                // would wait for a writability edge that never comes).
+                let spare = if h == Harvest::Stuck || nb { tx.plan_send(rest.len(), delivered, true).ok() } else { None };
+                match spare {
+                    Some(p) => p,
+                    None => {
                         if total > 0 {
                             return Ok(total);
                         }
-                        if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                        if nb {
                             return Err(IrbError::WouldBlock);
                         }
                         wait_for_acks(mem, fd);
@@ -180,6 +202,7 @@ pub fn send(
             }
             Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
         };
+        c.wire_hi.fetch_max(tx.next_seq + plan.payload as u64, AcqRel);
         let r = write_plan(fd, &plan, rest, ring, kflags);
         if r < 0 {
             let e = sys::errno();
@@ -198,11 +221,22 @@ pub fn send(
     }
 }
 
-/// Reads ack frames waiting at the head of the socket (never payload). Returns true if the
-/// window opened. The caller holds the tx lock.
-fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<bool, IrbError> {
+/// What reading acks at the head of the socket gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Harvest {
+    /// Acknowledgements opened the window.
+    Opened,
+    /// Nothing to read yet (or another thread is reading): acks are on their way.
+    Empty,
+    /// The peer's data stands in front of any acks; only the program's reads get past it.
+    Stuck,
+}
+
+/// Reads ack frames waiting at the head of the socket (never payload). The caller holds the
+/// tx lock.
+fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbError> {
     let c = mem.conn();
-    let Some(_g) = c.rx_lock.try_lock() else { return Ok(false) };
+    let Some(_g) = c.rx_lock.try_lock() else { return Ok(Harvest::Empty) };
     // SAFETY: we hold rx_lock.
     let rx = unsafe { &mut *c.rx.get() };
     let before = c.peer_ack.load(Acquire);
@@ -210,20 +244,33 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<bool, IrbError
         let s = rx.header_slot();
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
-        if r <= 0 {
+        if r == 0 {
+            // The peer half-closed: no ack will come again.
+            note_peer_eof(mem);
+            return Ok(Harvest::Opened);
+        }
+        if r < 0 {
             break;
         }
-        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []) {
+        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).and_then(|_| publish_rx(mem, rx)) {
             return Err(fail(mem, slot, fd, e));
         }
-        publish_rx(mem, rx);
     }
-    Ok(c.peer_ack.load(Acquire) > before)
+    Ok(if c.peer_ack.load(Acquire) > before {
+        Harvest::Opened
+    } else if rx.frame_rem > 0 {
+        Harvest::Stuck
+    } else {
+        Harvest::Empty
+    })
 }
 
 /// Blocks briefly for acknowledgements (blocking sockets with a full window).
 fn wait_for_acks(mem: ConnMem, fd: c_int) {
     let c = mem.conn();
+    if c.peer_eof.load(Acquire) != 0 {
+        return;
+    }
     // SAFETY: frame_rem is read racily only to choose how to wait.
     let mid_frame = unsafe { (*c.rx.get()).frame_rem } > 0;
     if c.rx_lock.try_lock().is_some() && !mid_frame {
@@ -323,16 +370,16 @@ pub fn recv(
             return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
         }
         if r == 0 {
+            note_peer_eof(mem);
             return Ok(total);
         }
-        let got = match rx.ingest(plan, r as usize, space) {
-            Ok(i) => i.payload,
+        let got = match rx.ingest(plan, r as usize, space).and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
+            Ok(n) => n,
             Err(e) => {
                 let err = fail(mem, slot, fd, e);
                 return if total > 0 { Ok(total) } else { Err(err) };
             }
         };
-        publish_rx(mem, rx);
         total += got;
         maybe_ack(mem, slot, fd, rx.delivered);
         if total > 0 && (!waitall || total == buf.len()) {
@@ -341,20 +388,27 @@ pub fn recv(
     }
 }
 
-fn peek(
-    mem: ConnMem,
-    slot: Option<Slot>,
-    rx: &mut RxState,
-    fd: c_int,
-    buf: &mut [u8],
-    kflags: c_int,
-) -> Result<usize, IrbError> {
+fn peek(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int, buf: &mut [u8], kflags: c_int) -> Result<usize, IrbError> {
     loop {
         if rx.frame_rem > 0 {
-            let n = (buf.len() as u64).min(rx.frame_rem) as usize;
-            // SAFETY: peeks into the program's buffer.
-            let r = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut _, n, libc::MSG_PEEK | kflags) };
-            return if r < 0 { Err(errno_result(sys::errno())) } else { Ok(r as usize) };
+            // Peek past frame boundaries as native TCP does: look at the raw bytes, parse a
+            // copy of the receive state, hand over the payload.
+            let mut raw = vec![0u8; buf.len() + 16 * HEADER_LEN];
+            // SAFETY: peeks into our own buffer.
+            let r = unsafe { real::recv(fd, raw.as_mut_ptr() as *mut _, raw.len(), libc::MSG_PEEK | kflags) };
+            if r < 0 {
+                return Err(errno_result(sys::errno()));
+            }
+            let mut copy = *rx;
+            let n = match copy.parse_buffer(&mut raw[..r as usize]) {
+                Ok(i) => i.payload,
+                // Garbage further on is dealt with when it is really read; the current
+                // frame's payload is fine.
+                Err(_) => (r as u64).min(rx.frame_rem) as usize,
+            };
+            let n = n.min(buf.len());
+            buf[..n].copy_from_slice(&raw[..n]);
+            return Ok(n);
         }
         // At a frame boundary: take headers (invisible to the program) until data starts.
         let s = rx.header_slot();
@@ -364,12 +418,48 @@ fn peek(
             return Err(errno_result(sys::errno()));
         }
         if r == 0 {
+            note_peer_eof(mem);
             return Ok(0);
         }
-        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []) {
+        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).and_then(|_| publish_rx(mem, rx)) {
             return Err(fail(mem, slot, fd, e));
         }
-        publish_rx(mem, rx);
+    }
+}
+
+/// True if payload the program never read waits on the socket (or is on its way, mid-frame):
+/// closing now must reset the connection, as native TCP does.
+pub fn unread_payload(mem: ConnMem, fd: c_int) -> bool {
+    // SAFETY: a racy read of a plain integer, only to choose how to close.
+    let mid_frame = unsafe { (*mem.conn().rx.get()).frame_rem } > 0;
+    mid_frame || readable_bytes(mem, fd).unwrap_or(0) > 0
+}
+
+/// Reads ack frames of a closed connection (the linger after close). `Ok(true)` when the
+/// peer closed too, `Ok(false)` to wait more, `Err(())` when data arrived for a program that
+/// closed (the connection must be reset, as native TCP does).
+pub fn drain_closed(mem: ConnMem, fd: c_int) -> Result<bool, ()> {
+    let c = mem.conn();
+    let _g = c.rx_lock.lock();
+    // SAFETY: we hold rx_lock.
+    let rx = unsafe { &mut *c.rx.get() };
+    loop {
+        if rx.frame_rem > 0 {
+            return Err(());
+        }
+        let s = rx.header_slot();
+        // SAFETY: reads into the header slot only.
+        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
+        if r == 0 {
+            return Ok(true);
+        }
+        if r < 0 {
+            let e = sys::errno();
+            return if e == libc::EAGAIN || e == libc::EINTR { Ok(false) } else { Ok(true) };
+        }
+        if rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).is_err() {
+            return Err(());
+        }
     }
 }
 

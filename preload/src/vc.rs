@@ -109,6 +109,7 @@ impl Vc {
         c.delivered.store(rx.delivered, Release);
         c.peer_ack.store(rx.peer_ack, Release);
         c.ack_sent.store(tx.ack_sent, Release);
+        c.wire_hi.store(tx.next_seq, Release);
         Some(vc)
     }
 

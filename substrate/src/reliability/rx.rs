@@ -9,7 +9,7 @@
 //! ack frame looks readable, which non-blocking readers see as `EAGAIN`).
 
 use super::ProtoError;
-use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC};
 
 /// How the next read from the link must be laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +116,7 @@ impl RxState {
                 if h > 0 {
                     debug_assert!(self.frame_rem == 0 && self.header_len == 0);
                     self.header_len = h as u32;
+                    self.check_partial()?;
                     if self.header_len as usize == HEADER_LEN {
                         self.finish_header(&mut out)?;
                     }
@@ -125,6 +126,7 @@ impl RxState {
                 let slot = HEADER_LEN - self.header_len as usize;
                 let h = got.min(slot);
                 self.header_len += h as u32;
+                self.check_partial()?;
                 if self.header_len as usize == HEADER_LEN {
                     self.finish_header(&mut out)?;
                 }
@@ -162,10 +164,28 @@ impl RxState {
                 self.header[at..at + take].copy_from_slice(&app[cur..cur + take]);
                 self.header_len += take as u32;
                 cur += take;
+                self.check_partial()?;
                 if self.header_len as usize == HEADER_LEN {
                     self.finish_header(out)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses a header as soon as its first bytes are wrong (a peer that sends a few bytes of
+    /// garbage and waits must not leave the connection hanging).
+    fn check_partial(&self) -> Result<(), ProtoError> {
+        let n = self.header_len as usize;
+        let h = &self.header;
+        if n >= 1 && h[0] != MAGIC {
+            return Err(FrameError::BadMagic(h[0]).into());
+        }
+        if n >= 2 && !(1..=3).contains(&h[1]) {
+            return Err(FrameError::UnknownKind(h[1]).into());
+        }
+        if n >= 4 && (h[2] != 0 || h[3] != 0) {
+            return Err(FrameError::BadFlags(u16::from_le_bytes([h[2], h[3]])).into());
         }
         Ok(())
     }

@@ -242,6 +242,13 @@ impl TxState {
         Ok(())
     }
 
+    /// The peer closed its sending side: its layer can acknowledge nothing more. Everything
+    /// sent counts as acknowledged (it can no longer be replayed), so the window never stalls
+    /// on acks that cannot come.
+    pub fn peer_finished(&mut self) {
+        self.acked = self.next_seq;
+    }
+
     /// A new link replaced the old one: the frame in progress is gone with it; wait for the
     /// peer's resync before writing data.
     pub fn link_reset(&mut self) {

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs every fuzz target for a fixed number of iterations (default 200000 each), on stable
+# Rust (no sanitizer). Installs cargo-fuzz if it is missing.
+#
+#   scripts/fuzz.sh [RUNS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs="${1:-200000}"
+command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked -q
+for t in frame_header rx_stream agent_msg stats_slot; do
+    echo "--- fuzz $t ($runs runs)"
+    log="$(mktemp)"
+    if ! cargo fuzz run -s none "$t" -- -runs="$runs" -max_len=4096 >"$log" 2>&1; then
+        tail -40 "$log"
+        echo "fuzz target $t FAILED" >&2
+        exit 1
+    fi
+    grep -E "^Done" "$log"
+    rm -f "$log"
+done
