@@ -20,6 +20,7 @@ APT_PACKAGES=(
     iproute2
     curl
     python3-pip
+    gcc
 )
 
 missing=()

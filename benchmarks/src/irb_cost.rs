@@ -36,6 +36,9 @@ impl Device for PassThrough {
     }
 }
 
+/// Makes one filter of a kind.
+type MakeDevice = Box<dyn Fn() -> Box<dyn Device>>;
+
 fn chain(filters: usize, make: &dyn Fn() -> Box<dyn Device>) -> Chain {
     let mut c = Chain::new();
     for _ in 0..filters {
@@ -68,7 +71,7 @@ fn ns_per_irb(c: &mut Chain, iters: u64) -> f64 {
 fn main() {
     let iters: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(2_000_000);
     let counters = Arc::new(Counters::default());
-    let kinds: Vec<(&str, Box<dyn Fn() -> Box<dyn Device>>)> = vec![
+    let kinds: Vec<(&str, MakeDevice)> = vec![
         ("pass", Box::new(|| Box::new(PassThrough) as Box<dyn Device>)),
         ("counter", {
             let c = counters.clone();

@@ -43,7 +43,13 @@ fn reset(fd: i32) -> i32 {
     let l = libc::linger { l_onoff: 1, l_linger: 0 };
     // SAFETY: sets an option on a socket being closed, then closes it.
     unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, &l as *const _ as *const _, std::mem::size_of_val(&l) as _);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const _ as *const _,
+            std::mem::size_of_val(&l) as _,
+        );
         real::close(fd)
     }
 }
@@ -66,7 +72,11 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
         if !l.thread {
-            l.thread = std::thread::Builder::new().name("vmi-linger".into()).stack_size(64 << 10).spawn(reaper).is_ok();
+            l.thread = std::thread::Builder::new()
+                .name("vmi-linger".into())
+                .stack_size(64 << 10)
+                .spawn(reaper)
+                .is_ok();
             if !l.thread {
                 // No thread: give up lingering rather than leak the socket.
                 for (f, _, _) in l.socks.drain(..) {
@@ -104,7 +114,8 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
 fn reaper() {
     loop {
         let fds: Vec<i32> = lock().socks.iter().map(|s| s.0).collect();
-        let mut p: Vec<libc::pollfd> = fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        let mut p: Vec<libc::pollfd> =
+            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
         let now = Instant::now();
@@ -143,7 +154,8 @@ pub fn at_exit() {
     }
     let deadline = Instant::now() + EXIT_LINGER;
     while !socks.is_empty() && Instant::now() < deadline {
-        let mut p: Vec<libc::pollfd> = socks.iter().map(|s| libc::pollfd { fd: s.0, events: libc::POLLIN, revents: 0 }).collect();
+        let mut p: Vec<libc::pollfd> =
+            socks.iter().map(|s| libc::pollfd { fd: s.0, events: libc::POLLIN, revents: 0 }).collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
         socks.retain(|(fd, v)| {

@@ -181,11 +181,18 @@ pub fn send(
                     continue;
                 }
                 let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
+                if h == Harvest::Empty && nb && await_acks_briefly(mem, slot, fd)? {
+                    continue;
+                }
                 // The ring's spare room is for acks stuck behind data the program has not read
                 // (waiting could deadlock it), and for non-blocking senders, which must not be
                 // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
                 // would wait for a writability edge that never comes).
-                let spare = if h == Harvest::Stuck || nb { tx.plan_send(rest.len(), delivered, true).ok() } else { None };
+                let spare = if h == Harvest::Stuck || nb {
+                    tx.plan_send(rest.len(), delivered, true).ok()
+                } else {
+                    None
+                };
                 match spare {
                     Some(p) => p,
                     None => {
@@ -252,7 +259,10 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         if r < 0 {
             break;
         }
-        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).and_then(|_| publish_rx(mem, rx)) {
+        if let Err(e) = rx
+            .ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut [])
+            .and_then(|_| publish_rx(mem, rx))
+        {
             return Err(fail(mem, slot, fd, e));
         }
     }
@@ -264,6 +274,34 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         Harvest::Empty
     })
 }
+
+/// Acks are usually one round trip away: a non-blocking sender with a full window waits for
+/// them a little (at most [`BRIEF_WAIT_US`]) before it dips into the ring's spare room, which
+/// keeps the ring's working set, and so the cache footprint, near the window. True if the
+/// window opened.
+fn await_acks_briefly(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<bool, IrbError> {
+    let start = sys::now_ns();
+    loop {
+        let left = BRIEF_WAIT_US * 1000 - (sys::now_ns() - start).min(BRIEF_WAIT_US * 1000);
+        if left == 0 {
+            return Ok(false);
+        }
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: left as i64 };
+        // SAFETY: one valid pollfd, a valid timeout and no signal mask.
+        if unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) } <= 0 {
+            return Ok(false);
+        }
+        match harvest(mem, slot, fd)? {
+            Harvest::Opened => return Ok(true),
+            Harvest::Stuck => return Ok(false),
+            Harvest::Empty => {}
+        }
+    }
+}
+
+/// Longest brief wait for acks, microseconds.
+const BRIEF_WAIT_US: u64 = 500;
 
 /// Blocks briefly for acknowledgements (blocking sockets with a full window).
 fn wait_for_acks(mem: ConnMem, fd: c_int) {
@@ -373,13 +411,14 @@ pub fn recv(
             note_peer_eof(mem);
             return Ok(total);
         }
-        let got = match rx.ingest(plan, r as usize, space).and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
-            Ok(n) => n,
-            Err(e) => {
-                let err = fail(mem, slot, fd, e);
-                return if total > 0 { Ok(total) } else { Err(err) };
-            }
-        };
+        let got =
+            match rx.ingest(plan, r as usize, space).and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
+                Ok(n) => n,
+                Err(e) => {
+                    let err = fail(mem, slot, fd, e);
+                    return if total > 0 { Ok(total) } else { Err(err) };
+                }
+            };
         total += got;
         maybe_ack(mem, slot, fd, rx.delivered);
         if total > 0 && (!waitall || total == buf.len()) {
@@ -388,7 +427,14 @@ pub fn recv(
     }
 }
 
-fn peek(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int, buf: &mut [u8], kflags: c_int) -> Result<usize, IrbError> {
+fn peek(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    rx: &mut RxState,
+    fd: c_int,
+    buf: &mut [u8],
+    kflags: c_int,
+) -> Result<usize, IrbError> {
     loop {
         if rx.frame_rem > 0 {
             // Peek past frame boundaries as native TCP does: look at the raw bytes, parse a
@@ -421,7 +467,10 @@ fn peek(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int, buf: &mut
             note_peer_eof(mem);
             return Ok(0);
         }
-        if let Err(e) = rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).and_then(|_| publish_rx(mem, rx)) {
+        if let Err(e) = rx
+            .ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut [])
+            .and_then(|_| publish_rx(mem, rx))
+        {
             return Err(fail(mem, slot, fd, e));
         }
     }
