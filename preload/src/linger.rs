@@ -14,7 +14,7 @@
 //! At exit the same happens inline for every open virtual connection, for at most a second.
 
 use crate::fdtable::{self, Entry};
-use crate::tcp_sink::{drain_closed, unread_payload};
+use crate::tcp_sink::{drain_closed, unread_payload, Drained};
 use crate::vc::Vc;
 use crate::{real, sys};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -92,22 +92,17 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
 
 /// One look at a lingering socket: true when it is finished (and closed).
 fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
-    match if ready { drain_closed(vc.mem(), fd) } else { Ok(false) } {
-        Err(()) => {
+    match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {
+        Drained::DataArrived => {
             reset(fd);
             true
         }
-        Ok(true) => {
+        Drained::Open if !expired => false,
+        Drained::Finished | Drained::Open => {
             // SAFETY: our duplicate.
             unsafe { real::close(fd) };
             true
         }
-        Ok(false) if expired => {
-            // SAFETY: our duplicate.
-            unsafe { real::close(fd) };
-            true
-        }
-        Ok(false) => false,
     }
 }
 
@@ -160,7 +155,7 @@ pub fn at_exit() {
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
         socks.retain(|(fd, v)| {
             let ready = p.iter().any(|q| q.fd == *fd && q.revents != 0);
-            !(ready && drain_closed(v.mem(), *fd) != Ok(false))
+            !(ready && drain_closed(v.mem(), *fd) != Drained::Open)
         });
     }
 }

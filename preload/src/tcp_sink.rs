@@ -484,30 +484,39 @@ pub fn unread_payload(mem: ConnMem, fd: c_int) -> bool {
     mid_frame || readable_bytes(mem, fd).unwrap_or(0) > 0
 }
 
-/// Reads ack frames of a closed connection (the linger after close). `Ok(true)` when the
-/// peer closed too, `Ok(false)` to wait more, `Err(())` when data arrived for a program that
-/// closed (the connection must be reset, as native TCP does).
-pub fn drain_closed(mem: ConnMem, fd: c_int) -> Result<bool, ()> {
+/// What reading a closed connection's socket gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drained {
+    /// Nothing more for now.
+    Open,
+    /// The peer closed too (or the socket failed): done.
+    Finished,
+    /// Data arrived for a program that closed: reset, as native TCP does.
+    DataArrived,
+}
+
+/// Reads ack frames of a closed connection (the linger after close).
+pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
     let c = mem.conn();
     let _g = c.rx_lock.lock();
     // SAFETY: we hold rx_lock.
     let rx = unsafe { &mut *c.rx.get() };
     loop {
         if rx.frame_rem > 0 {
-            return Err(());
+            return Drained::DataArrived;
         }
         let s = rx.header_slot();
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
         if r == 0 {
-            return Ok(true);
+            return Drained::Finished;
         }
         if r < 0 {
             let e = sys::errno();
-            return if e == libc::EAGAIN || e == libc::EINTR { Ok(false) } else { Ok(true) };
+            return if e == libc::EAGAIN || e == libc::EINTR { Drained::Open } else { Drained::Finished };
         }
         if rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).is_err() {
-            return Err(());
+            return Drained::DataArrived;
         }
     }
 }
