@@ -5,12 +5,14 @@
 //! | `VMI_DISABLE` | `1`: the layer does nothing (every call goes straight to libc) | unset |
 //! | `VMI_LOG` | `off`, `error`, `warn`, `info`, `debug` | `warn` |
 //! | `VMI_WINDOW` | soft window per connection, bytes (`K`/`M` suffixes) | `2M` |
+//! | `VMI_RING_FACTOR` | replay ring size as a multiple of the window (1-16) | `4` |
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 static DISABLED: AtomicBool = AtomicBool::new(false);
 static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
+static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -48,6 +50,12 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(f) = std::env::var("VMI_RING_FACTOR") {
+        match f.trim().parse::<u64>() {
+            Ok(n) if (1..=16).contains(&n) => RING_FACTOR.store(n, Relaxed),
+            _ => crate::log::warn(format_args!("VMI_RING_FACTOR={f} is not between 1 and 16; using the default")),
+        }
+    }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
 }
 
@@ -55,6 +63,11 @@ pub fn init() {
 #[inline]
 pub fn disabled() -> bool {
     DISABLED.load(Relaxed)
+}
+
+/// Replay ring size as a multiple of the window.
+pub fn ring_factor() -> u64 {
+    RING_FACTOR.load(Relaxed)
 }
 
 /// The soft window for new connections.

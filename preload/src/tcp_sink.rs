@@ -181,9 +181,6 @@ pub fn send(
                     continue;
                 }
                 let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
-                if h == Harvest::Empty && nb && await_acks_briefly(mem, slot, fd)? {
-                    continue;
-                }
                 // The ring's spare room is for acks stuck behind data the program has not read
                 // (waiting could deadlock it), and for non-blocking senders, which must not be
                 // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
@@ -274,34 +271,6 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         Harvest::Empty
     })
 }
-
-/// Acks are usually one round trip away: a non-blocking sender with a full window waits for
-/// them a little (at most [`BRIEF_WAIT_US`]) before it dips into the ring's spare room, which
-/// keeps the ring's working set, and so the cache footprint, near the window. True if the
-/// window opened.
-fn await_acks_briefly(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<bool, IrbError> {
-    let start = sys::now_ns();
-    loop {
-        let left = BRIEF_WAIT_US * 1000 - (sys::now_ns() - start).min(BRIEF_WAIT_US * 1000);
-        if left == 0 {
-            return Ok(false);
-        }
-        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        let ts = libc::timespec { tv_sec: 0, tv_nsec: left as i64 };
-        // SAFETY: one valid pollfd, a valid timeout and no signal mask.
-        if unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) } <= 0 {
-            return Ok(false);
-        }
-        match harvest(mem, slot, fd)? {
-            Harvest::Opened => return Ok(true),
-            Harvest::Stuck => return Ok(false),
-            Harvest::Empty => {}
-        }
-    }
-}
-
-/// Longest brief wait for acks, microseconds.
-const BRIEF_WAIT_US: u64 = 500;
 
 /// Blocks briefly for acknowledgements (blocking sockets with a full window).
 fn wait_for_acks(mem: ConnMem, fd: c_int) {

@@ -68,7 +68,7 @@ fn chain_for(mem: ConnMem, slot: Option<Slot>) -> Chain {
 impl Vc {
     /// Sets up the layer's side of a virtual connection.
     pub fn new(s: &Setup) -> Option<Vc> {
-        let ring = (s.window * RING_FACTOR) as usize;
+        let ring = (s.window * crate::config::ring_factor()) as usize;
         let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window)?;
         let slot = crate::stats::table().and_then(|t| {
             t.alloc(&SlotInfo {
