@@ -53,7 +53,9 @@ pub fn init() {
     if let Ok(f) = std::env::var("VMI_RING_FACTOR") {
         match f.trim().parse::<u64>() {
             Ok(n) if (1..=16).contains(&n) => RING_FACTOR.store(n, Relaxed),
-            _ => crate::log::warn(format_args!("VMI_RING_FACTOR={f} is not between 1 and 16; using the default")),
+            _ => crate::log::warn(format_args!(
+                "VMI_RING_FACTOR={f} is not between 1 and 16; using the default"
+            )),
         }
     }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
