@@ -53,14 +53,16 @@ TARGET_LATENCY_RATIO = 1.05      # layer median latency <= 105 % of native, ever
 TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
 TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
+TARGET_NONTCP_RATIO = 1.05       # calls on descriptors the layer does not manage: <= 105 %
 
-BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "hockney", "irb"]
+BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "hockney", "irb"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
     "redis-benchmark": "redis",
     "conn": "connrate", "connections": "connrate",
     "rss": "idle", "memory": "idle", "idle_conns": "idle",
+    "non-tcp": "nontcp", "nontcp_calls": "nontcp", "unmanaged": "nontcp",
     "irb-cost": "irb",
 }
 
@@ -619,7 +621,7 @@ class Harness:
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         self.bindir.mkdir(exist_ok=True)
-        for prog in ("connrate", "idle_conns"):
+        for prog in ("connrate", "idle_conns", "nontcp_calls"):
             src = PROGRAMS / f"{prog}.c"
             r = quiet(["gcc", "-O2", "-Wall", "-o", str(self.bindir / prog), str(src)], timeout=120)
             if r.returncode != 0:
@@ -896,6 +898,41 @@ class Harness:
             return None
         return box[0]
 
+    # ---------------------------------------------------------------- 6. non-TCP descriptors
+    def b_nontcp(self) -> None:
+        """I/O on descriptors the layer does not manage (pipe, AF_UNIX socketpair, UDP,
+        /dev/zero): one process, no server and no agent involved, so it runs alone in the
+        client host, pinned like the other clients. Not polled with vmictl (nothing there is
+        virtual); instead the program reports whether libvmi_preload is mapped into it."""
+        name = "nontcp"
+        a = self.args
+        n = a.nontcp_iters or (200000 if a.quick else 1000000)
+        prog = str(self.bindir / "nontcp_calls")
+        b = self.bench(name)
+        b["params"] = {"iterations": n, "message_bytes": 64,
+                       "cases": ["pipe", "unix", "udp", "devzero"]}
+        timeout = 60.0 + n * 60e-6  # ~8 us per iteration of all four cases; generous
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                log(f"nontcp {mode} rep {rep + 1}/{a.reps} ({n:,} iterations per case)")
+                try:
+                    r = run(self.client.wrap(self.pin([prog, str(n)], "client")),
+                            timeout=timeout, env=self.env(mode),
+                            log_path=self.logs / f"{name}-{tag}-client.log")
+                    if r.timed_out:
+                        raise BenchError(f"timed out after {timeout:.0f} s")
+                    if r.rc != 0:
+                        raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
+                    res = last_json_line(r.stdout)
+                    if bool(res.get("preloaded")) != (mode == LAYER):
+                        raise BenchError(
+                            "libvmi_preload was not mapped into the layered run" if mode == LAYER
+                            else "libvmi_preload was mapped into the native run")
+                    b["runs"].append({"mode": mode, "rep": rep, **res})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
     # ---------------------------------------------------------------- 7. IRB cost
     def b_irb(self) -> None:
         name = "irb"
@@ -946,7 +983,7 @@ class Harness:
                     log(f"agents did not start ({e}); layered runs will be error rows")
             order = [("latency", self.b_latency), ("throughput", self.b_throughput),
                      ("redis", self.b_redis), ("connrate", self.b_connrate),
-                     ("idle", self.b_idle), ("irb", self.b_irb)]
+                     ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("irb", self.b_irb)]
             for bname, fn in order:
                 want = bname in selected or (bname == "latency" and "hockney" in selected)
                 if not want:
@@ -1219,6 +1256,40 @@ class Report:
         self.table(hdr, rows)
         self.summary["idle"] = summ
 
+    def nontcp(self) -> None:
+        b = self.b("nontcp")
+        if not b:
+            return
+        n = b.get("params", {}).get("iterations")
+        hdr = ["calls (64 B each)", "native ns/iter", "layer ns/iter", "ratio", "target", "verdict"]
+        rows = []
+        summ = {}
+        for key, label in (("pipe", "pipe: write + read"),
+                           ("unix", "AF_UNIX socketpair: send + recv"),
+                           ("udp", "UDP 127.0.0.1: sendto + recvfrom"),
+                           ("devzero", "/dev/zero: read")):
+            nat = [r[f"{key}_ns"] for r in self.by("nontcp", NATIVE) if r.get(f"{key}_ns") is not None]
+            lay = [r[f"{key}_ns"] for r in self.by("nontcp", LAYER) if r.get(f"{key}_ns") is not None]
+            r = ratio(med(lay), med(nat))
+            v = verdict(r, TARGET_NONTCP_RATIO, False)
+            summ[key] = {"native_ns": med(nat), "layer_ns": med(lay), "ratio": r,
+                         "target": TARGET_NONTCP_RATIO, "verdict": v,
+                         "native_reps": nat, "layer_reps": lay}
+            rows.append([label, fmt_spread(nat, 1), fmt_spread(lay, 1), fmt(r, 3),
+                         f"<= {TARGET_NONTCP_RATIO:.2f}", v])
+        rows += self.error_rows("nontcp", len(hdr))
+        count = f"{n:,}" if isinstance(n, int) else "N"
+        self.lines += ["## Descriptors the layer does not manage",
+                       "",
+                       f"One process times {count} iterations of each case in turn, in the client "
+                       "host and pinned like the clients; nanoseconds per iteration, median over "
+                       "repetitions (min–max in brackets). The layered run only adds `LD_PRELOAD` "
+                       "(no connection there can be virtual). Target: layer <= "
+                       f"{TARGET_NONTCP_RATIO:.2f} x native.",
+                       ""]
+        self.table(hdr, rows)
+        self.summary["nontcp"] = summ
+
     def hockney_section(self) -> None:
         lat = self.summary.get("latency")
         if not lat:
@@ -1331,6 +1402,7 @@ class Report:
         self.latency()
         self.rates()
         self.idle()
+        self.nontcp()
         self.hockney_section()
         self.irb()
         self.checks()
@@ -1494,6 +1566,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="seconds per sockperf point (default 5, 1 with --quick)")
     ap.add_argument("--idle-conns", type=int, default=None,
                     help="connections for the idle-memory benchmark (default 10000, 5000 with --quick)")
+    ap.add_argument("--nontcp-iters", type=int, default=None,
+                    help="iterations of each case of the nontcp benchmark (default 1000000, "
+                    "200000 with --quick)")
     ap.add_argument("--pin", choices=["split", "same", "none"], default="split",
                     help="CPU placement: split = servers on CPU 0, clients on CPU 1 (default); "
                     "same = both on CPU 0; none = leave it to the scheduler")
@@ -1505,6 +1580,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.reps = 1 if a.quick else 3
     if a.reps < 1:
         ap.error("--reps must be >= 1")
+    if a.nontcp_iters is not None and a.nontcp_iters < 1:
+        ap.error("--nontcp-iters must be >= 1")
     sel = []
     for x in filter(None, (s.strip().lower() for s in a.only.split(","))):
         x = ALIASES.get(x, x)

@@ -3,8 +3,7 @@
 //! error the connection is over.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use substrate::reliability::{ReadPlan, RxState};
-use substrate::wire::frame::HEADER_LEN;
+use substrate::reliability::RxState;
 
 fuzz_target!(|data: &[u8]| {
     if data.is_empty() {
@@ -22,27 +21,9 @@ fuzz_target!(|data: &[u8]| {
         let n = 1 + (seed * 31 + i * 17) % 97;
         let mut app = vec![0u8; n];
         let plan = rx.plan_read(n);
-        let (first, second) = match plan {
-            ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - rx.header_len as usize, app_max),
-            ReadPlan::PayloadFirst { app_max, then_header } => {
-                (app_max, if then_header { HEADER_LEN } else { 0 })
-            }
-        };
-        let got = (link.len() - pos).min(first + second);
-        let chunk = &link[pos..pos + got];
+        let (got, r) = rx.read_from(plan, &link[pos..], &mut app);
         pos += got;
-        let f = got.min(first);
-        match plan {
-            ReadPlan::HeaderFirst { .. } => {
-                rx.header_slot()[..f].copy_from_slice(&chunk[..f]);
-                app[..got - f].copy_from_slice(&chunk[f..]);
-            }
-            ReadPlan::PayloadFirst { .. } => {
-                app[..f].copy_from_slice(&chunk[..f]);
-                rx.header_slot()[..got - f].copy_from_slice(&chunk[f..]);
-            }
-        }
-        match rx.ingest(plan, got, &mut app) {
+        match r {
             Ok(r) => {
                 assert!(r.payload <= got);
                 delivered += r.payload;

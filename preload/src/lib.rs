@@ -17,6 +17,7 @@
 
 pub mod agent;
 pub mod config;
+pub mod copy;
 pub mod error;
 pub mod exec;
 pub mod fdtable;

@@ -213,7 +213,7 @@ pub fn send(
             tx.commit(&plan, 0, rest, ring);
             return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
         }
-        total += tx.commit(&plan, r as usize, rest, ring);
+        total += tx.commit_with(&plan, r as usize, rest, ring, crate::copy::to_ring);
         publish_tx(mem, tx, slot);
         if total == data.len() {
             return Ok(total);
@@ -256,9 +256,8 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         if r < 0 {
             break;
         }
-        if let Err(e) = rx
-            .ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut [])
-            .and_then(|_| publish_rx(mem, rx))
+        if let Err(e) =
+            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
         {
             return Err(fail(mem, slot, fd, e));
         }
@@ -322,15 +321,28 @@ fn peer_finished(fd: c_int) -> bool {
 fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags: c_int) -> isize {
     let slot = rx.header_slot();
     let hs = iovec { iov_base: slot.as_mut_ptr() as *mut _, iov_len: slot.len() };
-    let mut iov = [hs, hs];
+    let none = iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+    let mut iov = [none; 3];
     let n = match plan {
-        ReadPlan::HeaderFirst { app_max } => {
+        ReadPlan::HeaderFirst { app_max, .. } => {
+            iov[0] = hs;
             iov[1] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: app_max };
             2
         }
-        ReadPlan::PayloadFirst { app_max, then_header } => {
-            iov[0] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: app_max };
-            1 + then_header as usize
+        ReadPlan::PayloadFirst { payload, header, rest } => {
+            iov[0] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: payload };
+            if header == 0 {
+                1
+            } else {
+                iov[1] = hs;
+                let after = app[payload..].as_mut_ptr();
+                iov[2] = iovec { iov_base: after as *mut _, iov_len: rest };
+                if rest > 0 {
+                    3
+                } else {
+                    2
+                }
+            }
         }
     };
     // SAFETY: zeroed msghdr is valid; iovecs point at live buffers.
@@ -436,9 +448,8 @@ fn peek(
             note_peer_eof(mem);
             return Ok(0);
         }
-        if let Err(e) = rx
-            .ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut [])
-            .and_then(|_| publish_rx(mem, rx))
+        if let Err(e) =
+            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
         {
             return Err(fail(mem, slot, fd, e));
         }
@@ -484,7 +495,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
             let e = sys::errno();
             return if e == libc::EAGAIN || e == libc::EINTR { Drained::Open } else { Drained::Finished };
         }
-        if rx.ingest(ReadPlan::HeaderFirst { app_max: 0 }, r as usize, &mut []).is_err() {
+        if rx.ingest(rx.header_only_plan(), r as usize, &mut []).is_err() {
             return Drained::DataArrived;
         }
     }

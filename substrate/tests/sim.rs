@@ -6,7 +6,7 @@
 //! before the peer's layer had delivered it.
 
 use std::collections::VecDeque;
-use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, ReadPlan, RxState, Source, TxState};
+use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, RxState, Source, TxState};
 use substrate::wire::frame::{FrameKind, HEADER_LEN};
 
 struct Rng(u64);
@@ -122,30 +122,15 @@ fn send_ack(e: &mut End, link: &mut Link) {
 fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     let plan = e.rx.plan_read(n);
     let mut app = vec![0u8; n];
-    let (first, second) = match plan {
-        ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - e.rx.header_len as usize, app_max),
-        ReadPlan::PayloadFirst { app_max, then_header } => {
-            (app_max, if then_header { HEADER_LEN } else { 0 })
-        }
-    };
-    let avail = peer_q.len().min(first + second);
+    let avail = peer_q.len().min(plan.total());
     if avail == 0 {
         return;
     }
-    let got = 1 + rng.below(avail as u64) as usize;
-    let chunk: Vec<u8> = peer_q.drain(..got).collect();
-    let f = got.min(first);
-    match plan {
-        ReadPlan::HeaderFirst { .. } => {
-            e.rx.header_slot()[..f].copy_from_slice(&chunk[..f]);
-            app[..got - f].copy_from_slice(&chunk[f..]);
-        }
-        ReadPlan::PayloadFirst { .. } => {
-            app[..f].copy_from_slice(&chunk[..f]);
-            e.rx.header_slot()[..got - f].copy_from_slice(&chunk[f..]);
-        }
-    }
-    let r = e.rx.ingest(plan, got, &mut app).expect("honest peer never breaks the protocol");
+    let take = 1 + rng.below(avail as u64) as usize;
+    let chunk: Vec<u8> = peer_q.drain(..take).collect();
+    let (got, r) = e.rx.read_from(plan, &chunk, &mut app);
+    assert_eq!(got, take);
+    let r = r.expect("honest peer never breaks the protocol");
     e.received.extend_from_slice(&app[..r.payload]);
     e.tx.on_ack(e.rx.peer_ack).expect("ack within what was sent");
     if let Some(r) = e.rx.take_resync() {

@@ -17,7 +17,7 @@ pub mod rx;
 pub mod tx;
 
 pub use rx::{Ingested, ReadPlan, RxState};
-pub use tx::{ring_slices, ring_write, Blocked, Plan, Source, TxState};
+pub use tx::{ring_slices, ring_write, ring_write_with, Blocked, Plan, Source, TxState};
 
 use crate::wire::frame::FrameError;
 

@@ -11,23 +11,39 @@
 use super::ProtoError;
 use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC};
 
-/// How the next read from the link must be laid out.
+/// How the next read from the link must be laid out (the segments of one `readv`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadPlan {
-    /// At a frame boundary: read into `header_slot()` first, then into the application
-    /// buffer (`app_max` bytes at most).
+    /// At a frame boundary: `header` bytes into [`RxState::header_slot`], then the
+    /// application buffer (`app_max` bytes at most).
     HeaderFirst {
+        /// Bytes still missing from the header (the slot's length).
+        header: usize,
         /// Most application-buffer bytes to read.
         app_max: usize,
     },
-    /// Inside a frame: read `app_max` payload bytes into the application buffer, then, when
-    /// `then_header` (the read reaches the frame's end), the next header into `header_slot()`.
+    /// Inside a frame: `payload` bytes (never past the current frame) into the start of the
+    /// application buffer; then, if that reaches the frame's end, the next header into the
+    /// header slot (`header` = 24, else 0) and `rest` more bytes into the application buffer
+    /// right after the first part (the next frame's payload lands where it belongs).
     PayloadFirst {
-        /// Payload bytes to read (never past the current frame).
-        app_max: usize,
-        /// Whether the header slot follows the payload in this read.
-        then_header: bool,
+        /// Payload bytes of the current frame to read first.
+        payload: usize,
+        /// Header-slot bytes after them (0 or a whole header).
+        header: usize,
+        /// Application-buffer bytes after the header.
+        rest: usize,
     },
+}
+
+impl ReadPlan {
+    /// Most bytes one read may take.
+    pub fn total(&self) -> usize {
+        match *self {
+            ReadPlan::HeaderFirst { header, app_max } => header + app_max,
+            ReadPlan::PayloadFirst { payload, header, rest } => payload + header + rest,
+        }
+    }
 }
 
 /// What one read gave.
@@ -84,11 +100,48 @@ impl RxState {
     /// Decides the layout of the next read for an application buffer of `app_len` bytes.
     pub fn plan_read(&self, app_len: usize) -> ReadPlan {
         if self.frame_rem > 0 {
-            let app_max = (app_len as u64).min(self.frame_rem) as usize;
-            ReadPlan::PayloadFirst { app_max, then_header: app_max as u64 == self.frame_rem }
+            let payload = (app_len as u64).min(self.frame_rem) as usize;
+            if payload as u64 == self.frame_rem {
+                ReadPlan::PayloadFirst { payload, header: HEADER_LEN, rest: app_len - payload }
+            } else {
+                ReadPlan::PayloadFirst { payload, header: 0, rest: 0 }
+            }
         } else {
-            ReadPlan::HeaderFirst { app_max: app_len }
+            ReadPlan::HeaderFirst { header: HEADER_LEN - self.header_len as usize, app_max: app_len }
         }
+    }
+
+    /// A read of header bytes only (used to take ack frames without touching payload).
+    pub fn header_only_plan(&self) -> ReadPlan {
+        ReadPlan::HeaderFirst { header: HEADER_LEN - self.header_len as usize, app_max: 0 }
+    }
+
+    /// Does what a `readv` laid out as `plan` does with the bytes `src` (for simulations,
+    /// tests and fuzzing), then [`ingest`](Self::ingest)s them. Returns the bytes taken and
+    /// what they gave.
+    pub fn read_from(
+        &mut self,
+        plan: ReadPlan,
+        src: &[u8],
+        app: &mut [u8],
+    ) -> (usize, Result<Ingested, ProtoError>) {
+        let got = src.len().min(plan.total());
+        let src = &src[..got];
+        match plan {
+            ReadPlan::HeaderFirst { header, .. } => {
+                let h = got.min(header);
+                self.header_slot()[..h].copy_from_slice(&src[..h]);
+                app[..got - h].copy_from_slice(&src[h..]);
+            }
+            ReadPlan::PayloadFirst { payload, header, .. } => {
+                let p = got.min(payload);
+                app[..p].copy_from_slice(&src[..p]);
+                let h = (got - p).min(header);
+                self.header_slot()[..h].copy_from_slice(&src[p..p + h]);
+                app[p..p + got - p - h].copy_from_slice(&src[p + h..]);
+            }
+        }
+        (got, self.ingest(plan, got, app))
     }
 
     /// The buffer the next header bytes go into.
@@ -107,12 +160,12 @@ impl RxState {
     pub fn ingest(&mut self, plan: ReadPlan, got: usize, app: &mut [u8]) -> Result<Ingested, ProtoError> {
         let mut out = Ingested::default();
         match plan {
-            ReadPlan::PayloadFirst { app_max, .. } => {
-                let p = got.min(app_max);
+            ReadPlan::PayloadFirst { payload, header, .. } => {
+                let p = got.min(payload);
                 self.frame_rem -= p as u64;
                 self.delivered += p as u64;
                 out.payload = p;
-                let h = got - p;
+                let h = (got - p).min(header);
                 if h > 0 {
                     debug_assert!(self.frame_rem == 0 && self.header_len == 0);
                     self.header_len = h as u32;
@@ -120,6 +173,14 @@ impl RxState {
                     if self.header_len as usize == HEADER_LEN {
                         self.finish_header(&mut out)?;
                     }
+                }
+                let u = got - p - h;
+                if u > 0 {
+                    // The next frame's payload (and maybe more frames) right after ours.
+                    let mut more = Ingested::default();
+                    self.parse_in_place(&mut app[p..], u, &mut more)?;
+                    out.payload += more.payload;
+                    out.headers += more.headers;
                 }
             }
             ReadPlan::HeaderFirst { .. } => {
@@ -260,28 +321,9 @@ mod tests {
         while pos < link.len() {
             let mut app = vec![0u8; n];
             let plan = rx.plan_read(n);
-            let (first, second): (usize, usize) = match plan {
-                ReadPlan::HeaderFirst { app_max } => (HEADER_LEN - rx.header_len as usize, app_max),
-                ReadPlan::PayloadFirst { app_max, then_header } => {
-                    (app_max, if then_header { HEADER_LEN } else { 0 })
-                }
-            };
-            let got = (link.len() - pos).min(first + second);
-            let chunk = &link[pos..pos + got];
+            let (got, r) = rx.read_from(plan, &link[pos..], &mut app);
             pos += got;
-            let f = got.min(first);
-            match plan {
-                ReadPlan::HeaderFirst { .. } => {
-                    rx.header_slot()[..f].copy_from_slice(&chunk[..f]);
-                    app[..got - f].copy_from_slice(&chunk[f..]);
-                }
-                ReadPlan::PayloadFirst { .. } => {
-                    app[..f].copy_from_slice(&chunk[..f]);
-                    rx.header_slot()[..got - f].copy_from_slice(&chunk[f..]);
-                }
-            }
-            let r = rx.ingest(plan, got, &mut app)?;
-            got_all.extend_from_slice(&app[..r.payload]);
+            got_all.extend_from_slice(&app[..r?.payload]);
         }
         Ok(got_all)
     }

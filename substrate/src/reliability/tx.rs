@@ -204,6 +204,19 @@ impl TxState {
     /// application (`app`, the same buffer the plan was made for) are copied into `ring`.
     /// Returns how many application bytes were accepted.
     pub fn commit(&mut self, plan: &Plan, written: usize, app: &[u8], ring: &mut [u8]) -> usize {
+        self.commit_with(plan, written, app, ring, |d, s| d.copy_from_slice(s))
+    }
+
+    /// [`commit`](Self::commit) with the caller's copy routine for the ring (the replay ring
+    /// is written once and read only after a failure, so a copy that bypasses the cache pays).
+    pub fn commit_with(
+        &mut self,
+        plan: &Plan,
+        written: usize,
+        app: &[u8],
+        ring: &mut [u8],
+        copy: impl Fn(&mut [u8], &[u8]),
+    ) -> usize {
         debug_assert_eq!(ring.len() as u64, self.window);
         if written == 0 && self.owed_header_off == 0 {
             // Nothing of a new frame reached the wire: forget it, so the next plan may differ.
@@ -221,7 +234,7 @@ impl TxState {
         self.owed_payload -= pw as u64;
         match plan.source {
             Source::App => {
-                ring_write(ring, self.next_seq, &app[..pw]);
+                ring_write_with(ring, self.next_seq, &app[..pw], copy);
                 self.next_seq += pw as u64;
                 self.wire_seq += pw as u64;
                 pw
@@ -272,14 +285,21 @@ impl TxState {
 
 /// Copies `data` into the ring at stream offset `seq` (wrapping).
 pub fn ring_write(ring: &mut [u8], seq: u64, data: &[u8]) {
+    ring_write_with(ring, seq, data, |d, s| d.copy_from_slice(s))
+}
+
+/// [`ring_write`] with the caller's copy routine.
+pub fn ring_write_with(ring: &mut [u8], seq: u64, data: &[u8], copy: impl Fn(&mut [u8], &[u8])) {
     if data.is_empty() {
         return;
     }
     let cap = ring.len();
     let at = (seq % cap as u64) as usize;
     let first = data.len().min(cap - at);
-    ring[at..at + first].copy_from_slice(&data[..first]);
-    ring[..data.len() - first].copy_from_slice(&data[first..]);
+    copy(&mut ring[at..at + first], &data[..first]);
+    if first < data.len() {
+        copy(&mut ring[..data.len() - first], &data[first..]);
+    }
 }
 
 /// The ring's bytes for stream offsets `[seq, seq + len)`, as at most two slices.
