@@ -97,7 +97,10 @@ fn publish_rx(mem: ConnMem, rx: &RxState) -> Result<(), ProtoError> {
     if rx.peer_ack > hi {
         return Err(ProtoError::AckBeyondSent { ack: rx.peer_ack, sent: hi });
     }
-    c.peer_ack.fetch_max(rx.peer_ack, AcqRel);
+    // Only the receive half (under its lock) writes it.
+    if rx.peer_ack > c.peer_ack.load(Relaxed) {
+        c.peer_ack.store(rx.peer_ack, Release);
+    }
     Ok(())
 }
 
@@ -131,6 +134,12 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
                 }
             }
         }
+    }
+    if flags == 0 {
+        // writev is the cheaper path through the kernel (no msghdr to copy in), and has the
+        // same meaning as sendmsg without flags (SIGPIPE included).
+        // SAFETY: the iovecs point at live buffers.
+        return unsafe { real::writev(fd, iov.as_ptr(), n as c_int) };
     }
     // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -206,7 +215,11 @@ pub fn send(
             }
             Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
         };
-        c.wire_hi.fetch_max(tx.next_seq + plan.payload as u64, AcqRel);
+        // Only the send half (under its lock) writes it; set before the bytes can reach the peer.
+        let hi = tx.next_seq + plan.payload as u64;
+        if hi > c.wire_hi.load(Relaxed) {
+            c.wire_hi.store(hi, Release);
+        }
         let r = write_plan(fd, &plan, rest, ring, kflags);
         if r < 0 {
             let e = sys::errno();
@@ -345,6 +358,11 @@ fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags:
             }
         }
     };
+    if flags == 0 {
+        // readv: the cheaper path through the kernel for the common case.
+        // SAFETY: the iovecs point at live buffers.
+        return unsafe { real::readv(fd, iov.as_ptr(), n as c_int) };
+    }
     // SAFETY: zeroed msghdr is valid; iovecs point at live buffers.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
