@@ -132,13 +132,6 @@ pub fn listener_addrs() -> Vec<SocketAddr> {
     v
 }
 
-/// Runs `f` with the table write-locked (fork's prepare handler must not let another thread
-/// hold the lock across the fork).
-pub fn with_locked<R>(f: impl FnOnce() -> R) -> R {
-    let _t = TABLE.write().unwrap_or_else(|e| e.into_inner());
-    f()
-}
-
 /// Moves one of the layer's own descriptors to a high number (close-on-exec).
 pub fn move_high(fd: i32) -> i32 {
     // SAFETY: F_DUPFD_CLOEXEC takes an integer argument.

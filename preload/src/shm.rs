@@ -199,12 +199,6 @@ impl ConnMem {
     pub fn ring_len(&self) -> usize {
         self.len - HEAD
     }
-
-    /// Gives back the ring's memory (when it holds nothing worth keeping).
-    pub fn release_ring(&self) {
-        // SAFETY: MADV_REMOVE on our own shared anonymous mapping only drops page contents.
-        unsafe { libc::madvise(self.base.add(HEAD) as *mut _, self.len - HEAD, libc::MADV_REMOVE) };
-    }
 }
 
 impl Drop for Mapping {

@@ -118,11 +118,6 @@ impl Vc {
         *self.mem
     }
 
-    /// The GID.
-    pub fn gid(&self) -> u128 {
-        self.mem.conn().gid
-    }
-
     fn run(chain: &mut Chain, irb: Irb<'_>) -> Result<usize, IrbError> {
         match chain.submit(irb) {
             Outcome::Complete(c) => c.result(),

@@ -334,9 +334,4 @@ impl Chain {
             d.on_complete(c.kind, &c.result);
         }
     }
-
-    /// The device at `i`.
-    pub fn device_mut(&mut self, i: usize) -> Option<&mut (dyn Device + 'static)> {
-        self.devices.get_mut(i).map(|b| b.as_mut())
-    }
 }

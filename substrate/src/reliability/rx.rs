@@ -149,11 +149,6 @@ impl RxState {
         &mut self.header[self.header_len as usize..]
     }
 
-    /// True while a header is partly read.
-    pub fn in_header(&self) -> bool {
-        self.header_len > 0
-    }
-
     /// Takes the result of a read made as `plan` said: `got` bytes in all, laid out in the
     /// header slot and `app` (the application buffer) in the plan's order. Payload ends up
     /// compacted at the start of `app`.
