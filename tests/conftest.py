@@ -7,6 +7,10 @@ session, on failure, on SIGTERM and, as a last resort, at interpreter exit.
 Per test: `procs`, a Runner that starts programs in hosts with or without the layer, logs
 their output under the test's temporary folder and stops them all when the test ends. When a
 test fails, the logs of its programs and of the agents are attached to the report.
+
+For link-failure tests: `faults` injects network faults and undoes them all when the test
+ends; `agent_control` kills agents and restarts them (again, at the latest, when the test
+ends, before the dead-agent check).
 """
 
 import atexit
@@ -18,9 +22,9 @@ import sys
 import pytest
 
 import helpers
-from helpers import (AGENT_BIN, AGENT_HOSTS, BASELINE, PRELOAD_LIB, PYTHON, SYSTEM_TOOLS,
-                     VMICTL_BIN, Agent, Runner, VmictlError, tail, topo_down, topo_up,
-                     vmictl_status)
+from helpers import (AGENT_BIN, AGENT_HOSTS, BASELINE, PATH_RECOVERY_TIMEOUT, PRELOAD_LIB,
+                     PYTHON, SYSTEM_TOOLS, VMICTL_BIN, Agent, AgentControl, Faults, Runner,
+                     VmictlError, tail, topo_down, topo_up, vmictl_status, wait_paths_alive)
 
 _SESSION = {"topology_up": False, "agents": {}}
 
@@ -120,6 +124,34 @@ def procs(topology, tmp_path, request):
     if dead:
         pytest.fail("vmi-agent died during this test:\n" + "\n".join(
             a.proc.describe() + "\n" + tail(a.proc.err_path, 40) for a in dead), pytrace=False)
+
+
+@pytest.fixture
+def faults(procs):
+    """helpers.Faults for one test: every link, bridge port and `vmictl net` change it makes
+    is undone when the test ends (before its programs are stopped), then the agents are
+    given PATH_RECOVERY_TIMEOUT to see every path alive again."""
+    f = Faults()
+    try:
+        yield f
+    finally:
+        try:
+            f.restore()
+        finally:
+            if not wait_paths_alive(AGENT_HOSTS, PATH_RECOVERY_TIMEOUT):
+                print(f"\nvmi: paths not all alive {PATH_RECOVERY_TIMEOUT} s after the test's "
+                      "faults were undone", file=sys.stderr)
+
+
+@pytest.fixture
+def agent_control(procs, topology):
+    """helpers.AgentControl over the session's agents; any agent the test killed is started
+    again when the test ends (before `procs` checks that no agent died)."""
+    ctl = AgentControl(topology["agents"])
+    try:
+        yield ctl
+    finally:
+        ctl.restore()
 
 
 @pytest.fixture

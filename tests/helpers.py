@@ -61,7 +61,27 @@ def host_ip(host, net=0):
 
 H1_IP, H2_IP, H3_IP = host_ip(H1), host_ip(H2), host_ip(H3)
 H1_IP1 = host_ip(H1, 1)
+H2_IP1 = host_ip(H2, 1)
 LOOPBACK = "127.0.0.1"
+
+# Interfaces inside every host, and the host-side pieces of topo.sh that carry them.
+ETH0, ETH1 = "eth0", "eth1"
+IFACES = (ETH0, ETH1)
+
+
+def iface(net):
+    """Interface name of network 0 or 1 inside a host."""
+    return IFACES[net]
+
+
+def host_veth(host, net=0):
+    """Host-side veth end of a host's network 0 or 1 (scripts/topo.sh: PREFIXie0 / PREFIXie1)."""
+    return f"{host}e{net}"
+
+
+def bridge(net=0):
+    """Bridge of network 0 or 1 (scripts/topo.sh: PREFIXbr0 / PREFIXbr1)."""
+    return f"{PREFIX}br{net}"
 
 # ---------------------------------------------------------------------------------------------
 # Ports: one per use, so no test meets a port another left in TIME_WAIT.
@@ -98,6 +118,18 @@ PORTS = {
     "no_agent_banner_in": 17402,
     "exec_fork_exec": 17701,
     "exec_subprocess": 17702,
+    "failover_loud": 17801,
+    "failover_blackhole": 17802,
+    "failover_flap": 17803,
+    "failover_all_down": 17804,
+    "failover_net_admin": 17805,
+    "failover_agent_kill": 17806,
+    "failover_grace": 17807,
+    "failover_resume_attack": 17808,
+    "failover_new_conn_admin": 17809,
+    "failover_new_conn_link": 17810,
+    "failover_iperf3": 15401,
+    "failover_redis": 16401,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()
@@ -133,6 +165,16 @@ RUN_TIMEOUT = 45.0          # default for one client program
 STOP_GRACE = 3.0            # SIGTERM to SIGKILL
 POLL_INTERVAL = 0.1         # vmictl snapshots while traffic runs
 LOG_TAIL_LINES = 150
+
+# Link failure: what the agents and the layer promise (agent flags --probe-interval and
+# --dead-after, layer variable VMI_GRACE), and how long the tests wait for it.
+PROBE_INTERVAL_MS = 30      # agent default
+DEAD_AFTER_MS = 150         # agent default: a path silent this long is dead
+GRACE_ENV = "VMI_GRACE"     # seconds a connection waits with no network working (default 60)
+DEFAULT_GRACE = 60.0
+FAILOVER_TIMEOUT = 5.0      # a fault until vmictl shows the connection on the other network
+PATH_RECOVERY_TIMEOUT = 8.0  # a repaired network until the agents see its paths alive again
+IP_TIMEOUT = 5.0            # one `ip` command
 
 # ---------------------------------------------------------------------------------------------
 # Process groups started by the suite, for the last-resort cleanup at exit.
@@ -688,9 +730,9 @@ def topo_down():
 class Agent:
     """vmi-agent running in the foreground inside one host."""
 
-    def __init__(self, host, logdir):
+    def __init__(self, host, logdir, name=None):
         self.host = host
-        self.proc = Proc(f"agent-{host}", host, [AGENT_BIN], layer=False,
+        self.proc = Proc(name or f"agent-{host}", host, [AGENT_BIN], layer=False,
                          env={"VMI_LOG": AGENT_LOG}, logdir=logdir)
 
     def wait_ready(self, timeout=AGENT_READY_TIMEOUT):
@@ -711,3 +753,390 @@ class Agent:
 
     def stop(self):
         self.proc.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Link failure: faults injected into the topology, and what vmictl says about networks, paths
+# and the physical links of virtual connections
+
+def ip_cmd(*args):
+    """`ip ARGS` on the machine (pass "-n", HOST to act inside a host); its stdout."""
+    argv = ["ip", *[str(a) for a in args]]
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=IP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise HarnessError(f"{' '.join(argv)} did not finish within {IP_TIMEOUT} s") from None
+    if r.returncode != 0:
+        raise HarnessError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r.stdout
+
+
+def link_down(host, ifname=ETH0):
+    """Loud failure: the interface goes down inside the host. Its routes go with it, so the
+    host's sends on that network fail at once (its IPv4 address stays)."""
+    ip_cmd("-n", host, "link", "set", "dev", ifname, "down")
+
+
+def link_up(host, ifname=ETH0):
+    """Undoes link_down (idempotent)."""
+    ip_cmd("-n", host, "link", "set", "dev", ifname, "up")
+
+
+def blackhole(host, net=0):
+    """Silent failure: the host's veth is taken off its network's bridge. Inside the host the
+    interface stays up with its address and routes, sends succeed, and nothing arrives in
+    either direction: only silence tells."""
+    ip_cmd("link", "set", "dev", host_veth(host, net), "nomaster")
+
+
+def unblackhole(host, net=0):
+    """Undoes blackhole (idempotent)."""
+    ip_cmd("link", "set", "dev", host_veth(host, net), "master", bridge(net))
+    ip_cmd("link", "set", "dev", host_veth(host, net), "up")
+
+
+def link_is_up(host, ifname):
+    """True if the interface inside host is administratively up."""
+    out = ip_cmd("-n", host, "-o", "link", "show", "dev", ifname)
+    m = re.search(r"<([^>]*)>", out)
+    return bool(m) and "UP" in m.group(1).split(",")
+
+
+def veth_attached(host, net=0):
+    """True if the host's veth of network `net` is on its bridge."""
+    return f"master {bridge(net)} " in ip_cmd("-o", "link", "show", "dev", host_veth(host, net))
+
+
+class Flapper:
+    """Takes an interface of a host down and up again, every `period` seconds (down for one
+    period, up for the next) for `duration` seconds, in a thread. It always leaves the
+    interface up, also when stopped early or when an `ip` command fails."""
+
+    def __init__(self, host, ifname=ETH0, period=0.2, duration=10.0):
+        self.host = host
+        self.ifname = ifname
+        self.period = period
+        self.duration = duration
+        self.toggles = 0
+        self.error = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"flap-{host}-{ifname}")
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def _run(self):
+        deadline = time.monotonic() + self.duration
+        down = False
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                (link_up if down else link_down)(self.host, self.ifname)
+                down = not down
+                self.toggles += 1
+                self._stop.wait(self.period)
+        except Exception as exc:  # reported by check()
+            self.error = exc
+        finally:
+            try:
+                link_up(self.host, self.ifname)
+            except Exception as exc:
+                self.error = self.error or exc
+
+    def join(self, timeout=None):
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(timeout=IP_TIMEOUT * 2)
+
+    def check(self):
+        if self.error is not None:
+            raise HarnessError(f"flapping {self.ifname} of {self.host} failed after "
+                               f"{self.toggles} changes: {self.error}")
+
+
+def vmictl(host, *args, timeout=VMICTL_TIMEOUT):
+    """`vmictl ARGS` inside host: the CompletedProcess (text), whatever its exit status."""
+    cmd = host_argv(host, [VMICTL_BIN, *args], {})
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise VmictlError(f"vmictl {' '.join(map(str, args))} in {host} did not answer in "
+                          f"{timeout} s") from None
+
+
+def _vmictl_ok(host, *args):
+    r = vmictl(host, *args)
+    if r.returncode != 0:
+        raise VmictlError(f"vmictl {' '.join(map(str, args))} in {host}: exit status "
+                          f"{r.returncode}: {(r.stderr + r.stdout).strip()[-500:]}")
+    return r
+
+
+def net_down(host, name):
+    """`vmictl net down NAME` in host: the node takes that network out of service."""
+    return _vmictl_ok(host, "net", "down", name)
+
+
+def net_up(host, name):
+    """`vmictl net up NAME` in host: the network is back in service."""
+    return _vmictl_ok(host, "net", "up", name)
+
+
+class Faults:
+    """The network faults one test injects. Each is remembered before it is made; a test may
+    undo one itself (link_up, unblackhole, net_up), and restore() (the `faults` fixture calls
+    it when the test ends, passed or failed) undoes all the others in reverse order, trying
+    every one even if some fail."""
+
+    def __init__(self):
+        self._undo = []         # (key, description, function)
+        self._flappers = []
+
+    def _remember(self, key, what, fn):
+        self._undo.append((key, what, fn))
+
+    def _forget(self, key):
+        self._undo = [u for u in self._undo if u[0] != key]
+
+    def link_down(self, host, ifname=ETH0):
+        self._remember(("link", host, ifname), f"ip -n {host} link set {ifname} up",
+                       lambda: link_up(host, ifname))
+        link_down(host, ifname)
+
+    def link_up(self, host, ifname=ETH0):
+        link_up(host, ifname)
+        self._forget(("link", host, ifname))
+
+    def blackhole(self, host, net=0):
+        self._remember(("bridge", host, net),
+                       f"ip link set {host_veth(host, net)} master {bridge(net)}",
+                       lambda: unblackhole(host, net))
+        blackhole(host, net)
+
+    def unblackhole(self, host, net=0):
+        unblackhole(host, net)
+        self._forget(("bridge", host, net))
+
+    def net_down(self, host, name):
+        self._remember(("net", host, name), f"vmictl net up {name} in {host}",
+                       lambda: net_up(host, name))
+        return net_down(host, name)
+
+    def net_up(self, host, name):
+        r = net_up(host, name)
+        self._forget(("net", host, name))
+        return r
+
+    def flap(self, host, ifname=ETH0, period=0.2, duration=10.0):
+        """Starts a Flapper (stopped by restore() at the latest); returns it."""
+        self._remember(("flap", host, ifname), f"ip -n {host} link set {ifname} up",
+                       lambda: link_up(host, ifname))
+        f = Flapper(host, ifname, period, duration)
+        self._flappers.append(f)
+        return f.start()
+
+    def restore(self):
+        errors = []
+        for f in self._flappers:
+            f.stop()
+        self._flappers.clear()
+        for _, what, fn in reversed(self._undo):
+            try:
+                fn()
+            except Exception as exc:
+                errors.append(f"{what}: {exc}")
+        self._undo.clear()
+        if errors:
+            raise HarnessError("could not undo the test's network faults (later tests may "
+                               "fail for that reason):\n  " + "\n  ".join(errors))
+
+
+def client_conns(status, server_addr):
+    """Connections of a status document whose peer is server_addr (client ends)."""
+    return [c for c in status.get("connections") or [] if c.get("peer") == server_addr]
+
+
+def server_conns(status, server_addr):
+    """Connections of a status document whose local address is server_addr (server ends)."""
+    return [c for c in status.get("connections") or [] if c.get("local") == server_addr]
+
+
+def describe_links(status):
+    """Networks, paths and the physical links of connections of a status document, for
+    failure messages."""
+    if not isinstance(status, dict):
+        return f"(no status: {status!r:.200})"
+    lines = [f"node {status.get('node')!r}"]
+    for n in status.get("networks") or []:
+        lines.append(f"  network {n}")
+    for p in status.get("paths") or []:
+        lines.append(f"  path {p}")
+    for c in (status.get("connections") or [])[:20]:
+        lines.append(f"  connection gid={c.get('gid')} pid={c.get('pid')} "
+                     f"local={c.get('local')} peer={c.get('peer')} "
+                     f"network={c.get('network')!r} link={c.get('link_local')}->"
+                     f"{c.get('link_peer')} failovers={c.get('failovers')} "
+                     f"state={c.get('link')!r} error={c.get('error')} "
+                     f"sent={c.get('bytes_sent')} received={c.get('bytes_received')}")
+    return "\n".join(lines)
+
+
+def wait_status(host, check, timeout, what):
+    """Polls `vmictl status --json` in host until check(status) is truthy; returns that value.
+    Fails with the last status seen if it does not happen within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    last, err = None, None
+    while True:
+        try:
+            last = vmictl_status(host)
+            got = check(last)
+            if got:
+                return got
+        except VmictlError as exc:
+            err = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen in {host} within {timeout} s\nlast status: "
+                                 f"{describe_links(last)}\nlast vmictl error: {err}")
+        time.sleep(POLL_INTERVAL)
+
+
+def wait_conn(host, server_addr, check, timeout, what, side="client"):
+    """Waits until host lists a connection to (side "client") or at (side "server")
+    server_addr for which check(connection) is true; returns that connection record."""
+    pick = client_conns if side == "client" else server_conns
+
+    def find(status):
+        for c in pick(status, server_addr):
+            if check(c):
+                return c
+        return None
+    return wait_status(host, find, timeout, what)
+
+
+def network_entry(status, name):
+    """The entry of `networks` named name, or None."""
+    for n in status.get("networks") or []:
+        if isinstance(n, dict) and n.get("name") == name:
+            return n
+    return None
+
+
+def paths_on(status, network):
+    """Entries of `paths` on one of the node's networks (interface name)."""
+    return [p for p in status.get("paths") or [] if isinstance(p, dict)
+            and p.get("network") == network]
+
+
+_IP = re.compile(r"^\d{1,3}(\.\d{1,3}){3}$")
+
+
+def failover_problems(status):
+    """Ways a status document departs from the documented link-failure fields: `networks`,
+    `paths`, and network, link_local, link_peer, failovers of every connection."""
+    problems = []
+    nets = status.get("networks")
+    if not isinstance(nets, list):
+        problems.append(f"networks: expected a list, got {nets!r:.200}")
+    else:
+        for n in nets:
+            if not (isinstance(n, dict) and isinstance(n.get("name"), str) and n["name"]
+                    and isinstance(n.get("addr"), str) and n.get("admin") in ("up", "down")):
+                problems.append(f"bad networks entry {n!r:.200}")
+    paths = status.get("paths")
+    if not isinstance(paths, list):
+        problems.append(f"paths: expected a list, got {paths!r:.200}")
+    else:
+        for p in paths:
+            if not (isinstance(p, dict) and isinstance(p.get("local"), str)
+                    and isinstance(p.get("peer"), str) and isinstance(p.get("network"), str)
+                    and p.get("state") in ("alive", "dead")
+                    and isinstance(p.get("silent_ms"), int) and p["silent_ms"] >= 0):
+                problems.append(f"bad paths entry {p!r:.200}")
+    for c in status.get("connections") or []:
+        if not isinstance(c, dict):
+            continue
+        bad = []
+        if not (isinstance(c.get("network"), str) and c["network"]):
+            bad.append("network")
+        for f in ("link_local", "link_peer"):
+            if not (isinstance(c.get(f), str) and _ADDR.match(c[f])):
+                bad.append(f)
+        if not (isinstance(c.get("failovers"), int) and c["failovers"] >= 0):
+            bad.append("failovers")
+        if bad:
+            problems.append(f"connection entry with bad {', '.join(bad)}: {c!r:.300}")
+    return problems
+
+
+def paths_alive(host):
+    """True if host's agent answers and lists every path it knows as alive."""
+    try:
+        status = vmictl_status(host)
+    except VmictlError:
+        return False
+    return all(isinstance(p, dict) and p.get("state") == "alive"
+               for p in status.get("paths") or [])
+
+
+def wait_paths_alive(hosts, timeout=PATH_RECOVERY_TIMEOUT):
+    """Waits until the agents of hosts see every path alive (after a fault was undone, so
+    that the next test starts on a healthy topology); False if that does not happen."""
+    if BASELINE:
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        if all(paths_alive(h) for h in hosts):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_INTERVAL)
+
+
+_RESTARTS = iter(range(1, 1 << 30))
+
+
+class AgentControl:
+    """Kills and restarts the session's agents (the dict the `topology` fixture shares, so
+    the replacement is the one later tests, the dead-agent checks and the session teardown
+    see). restore() restarts every agent that is not running."""
+
+    def __init__(self, agents):
+        self.agents = agents
+
+    def kill(self, host, sig=signal.SIGKILL):
+        """Sends sig (default SIGKILL: no clean-up at all) to host's agent and reaps it."""
+        proc = self.agents[host].proc
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.popen.wait(timeout=STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            raise proc.failure(f"vmi-agent did not die of signal {sig}") from None
+
+    def restart(self, host):
+        """Starts a new agent in host (stopping what is left of the old one); waits until
+        vmictl answers."""
+        old = self.agents[host]
+        old.stop()
+        new = Agent(host, old.proc.out_path.parent,
+                    name=f"agent-{host}-restart{next(_RESTARTS)}")
+        self.agents[host] = new
+        new.wait_ready()
+        return new
+
+    def restore(self):
+        for host, agent in list(self.agents.items()):
+            if not agent.proc.alive():
+                self.restart(host)
+
+
+def program_lines(text):
+    """Lines of a layered program's output that are not the layer's own log lines."""
+    return [line for line in text.splitlines() if not line.startswith("vmi[")]

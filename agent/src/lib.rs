@@ -9,12 +9,16 @@
 //! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
 //!   network namespace has its own agent).
 //! * [`peer`]: the TCP port other nodes' agents talk to, and the client side of it.
+//! * [`paths`]: the node's networks and the health of every path to other nodes.
+//! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
 //! * [`status`]: the processes' statistics tables and the JSON report.
 //! * [`wire`]: reading and writing agent messages on a stream.
 
 pub mod directory;
+pub mod events;
 pub mod local;
 pub mod net;
+pub mod paths;
 pub mod peer;
 pub mod status;
 pub mod wire;

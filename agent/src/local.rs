@@ -2,6 +2,8 @@
 //! connections, and hand over their statistics tables; `vmictl` asks for status.
 
 use crate::directory::Directory;
+use crate::events::Events;
+use crate::paths::Health;
 use crate::peer::PeerClient;
 use crate::status::Procs;
 use crate::wire::{read_msg_fd, write_msg};
@@ -12,7 +14,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use substrate::wire::agent::Msg;
 use tracing::{debug, info, warn};
 
@@ -28,17 +30,23 @@ pub struct Agent {
     pub port: u16,
     /// The node's name in reports.
     pub node: String,
+    /// Event channels of the node's processes.
+    pub events: Arc<Events>,
+    /// The node's networks and path health.
+    pub health: Arc<Health>,
     next_client: AtomicU64,
 }
 
 impl Agent {
     /// A new agent.
-    pub fn new(port: u16, node: String) -> Self {
+    pub fn new(port: u16, node: String, probe_interval: Duration, dead_after: Duration) -> Self {
         Agent {
             dir: Mutex::new(Directory::default()),
             procs: Mutex::new(Procs::default()),
             peers: PeerClient::default(),
             port,
+            events: Arc::new(Events::default()),
+            health: Arc::new(Health::new(node.clone(), port, probe_interval, dead_after)),
             node,
             next_client: AtomicU64::new(1),
         }
@@ -57,7 +65,7 @@ impl Agent {
         match d.expect(src, dst, gid, secret, window, Instant::now()) {
             Some(w) => {
                 debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
-                Msg::Virtual { gid, secret, window: w }
+                Msg::Virtual { gid, secret, window: w, addrs: self.health.advertised() }
             }
             None => Msg::Plain,
         }
@@ -73,7 +81,11 @@ impl Agent {
             return self.expect_local(src, dst, gid, secret, window);
         }
         match self.peers.ask(dst.ip(), self.port, &Msg::Connect { src, dst, gid, secret, window }) {
-            Ok(a @ (Msg::Virtual { .. } | Msg::Plain)) => a,
+            Ok(Msg::Virtual { gid, secret, window, addrs }) => {
+                self.health.learn(&addrs);
+                Msg::Virtual { gid, secret, window, addrs }
+            }
+            Ok(Msg::Plain) => Msg::Plain,
             Ok(other) => {
                 info!("agent of {} answered {other:?}; plain TCP", dst.ip());
                 Msg::Plain
@@ -146,11 +158,26 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
                 match agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer) {
-                    Some(e) => Msg::Virtual { gid: e.gid, secret: e.secret, window: e.window },
+                    Some(e) => Msg::Virtual {
+                        gid: e.gid,
+                        secret: e.secret,
+                        window: e.window,
+                        addrs: agent.health.advertised(),
+                    },
                     None => Msg::Plain,
                 }
             }
             Msg::Status => Msg::StatusReply { json: status::report(agent) },
+            Msg::Events { pid } => {
+                // From now on this connection is the process's event channel.
+                agent.events.serve(id, pid, s);
+                return Ok(());
+            }
+            Msg::Paths { peers } => Msg::PathList { pairs: agent.health.paths_to(&peers) },
+            Msg::Net { name, up } => match agent.health.set_admin(&name, up, &agent.events) {
+                Ok(_) => Msg::Ok,
+                Err(reason) => Msg::Error { reason },
+            },
             other => Msg::Error { reason: format!("unexpected message: {other:?}") },
         };
         write_msg(&mut s, &answer)?;

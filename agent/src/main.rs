@@ -3,17 +3,20 @@
 //!
 //! ```text
 //! vmi-agent [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+//!           [--probe-interval MS] [--dead-after MS]
 //! ```
 
 use agent::local::{self, Agent};
-use agent::{net, peer, DEFAULT_PORT, DEFAULT_SOCKET};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use agent::{net, paths, peer, DEFAULT_PORT, DEFAULT_SOCKET};
+use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
 use std::sync::Arc;
+use std::time::Duration;
 use tracing::{error, info};
 
 const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+                 [--probe-interval MS] [--dead-after MS]
 
   --socket NAME  abstract Unix socket the node's layers use (default vmi-agent; the layer
                  reads VMI_AGENT_SOCKET). Abstract sockets belong to the network namespace,
@@ -21,6 +24,10 @@ const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR
   --port PORT    TCP port for other nodes' agents (default 7787)
   --bind ADDR    address to listen on for other agents (default 0.0.0.0)
   --node NAME    name shown in reports (default: first IPv4 address)
+  --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on
+                 PORT (default 30)
+  --dead-after MS  silence after which a path is dead and connections leave it
+                 (default 150)
 Logging: VMI_LOG=error|warn|info|debug (default info).";
 
 struct Args {
@@ -28,6 +35,8 @@ struct Args {
     port: u16,
     bind: IpAddr,
     node: Option<String>,
+    probe_interval: u64,
+    dead_after: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -36,6 +45,8 @@ fn parse_args() -> Result<Args, String> {
         port: DEFAULT_PORT,
         bind: "0.0.0.0".parse().expect("ip"),
         node: None,
+        probe_interval: paths::DEFAULT_INTERVAL.as_millis() as u64,
+        dead_after: paths::DEFAULT_DEAD_AFTER.as_millis() as u64,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -45,12 +56,22 @@ fn parse_args() -> Result<Args, String> {
             "--port" => a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?,
             "--bind" => a.bind = val("--bind")?.parse().map_err(|e| format!("--bind: {e}"))?,
             "--node" => a.node = Some(val("--node")?),
+            "--probe-interval" => {
+                a.probe_interval =
+                    val("--probe-interval")?.parse().map_err(|e| format!("--probe-interval: {e}"))?
+            }
+            "--dead-after" => {
+                a.dead_after = val("--dead-after")?.parse().map_err(|e| format!("--dead-after: {e}"))?
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if a.probe_interval == 0 || a.dead_after <= a.probe_interval {
+        return Err("--probe-interval must be > 0 and below --dead-after".into());
     }
     Ok(a)
 }
@@ -88,8 +109,24 @@ fn main() {
             std::process::exit(1);
         }
     };
-    info!("vmi-agent for node {node}: local socket @{}, agents on {}:{}", args.socket, args.bind, args.port);
-    let agent = Arc::new(Agent::new(args.port, node));
+    let udp = match UdpSocket::bind(SocketAddr::new(args.bind, args.port)) {
+        Ok(s) => s,
+        Err(e) => {
+            error!("cannot open UDP {}:{} for path probes: {e}", args.bind, args.port);
+            std::process::exit(1);
+        }
+    };
+    info!(
+        "vmi-agent for node {node}: local socket @{}, agents on {}:{} (TCP, UDP probes every {} ms, dead after {} ms)",
+        args.socket, args.bind, args.port, args.probe_interval, args.dead_after
+    );
+    let agent = Arc::new(Agent::new(
+        args.port,
+        node,
+        Duration::from_millis(args.probe_interval),
+        Duration::from_millis(args.dead_after),
+    ));
+    paths::run(agent.health.clone(), agent.events.clone(), udp);
     let a2 = agent.clone();
     std::thread::spawn(move || peer::serve(a2, tcp));
     local::serve(agent, unix);

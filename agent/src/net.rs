@@ -83,3 +83,82 @@ pub fn node_name() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "node".into())
 }
+
+/// One address on one of the node's interfaces: a network the node is on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Iface {
+    /// Interface name.
+    pub name: String,
+    /// Address.
+    pub addr: IpAddr,
+    /// Prefix length of the address's subnet.
+    pub prefix: u8,
+}
+
+impl Iface {
+    /// True if `ip` is on this interface's subnet.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(a), IpAddr::V4(b)) => {
+                let m = if self.prefix == 0 { 0 } else { u32::MAX << (32 - self.prefix.min(32) as u32) };
+                u32::from(a) & m == u32::from(b) & m
+            }
+            (IpAddr::V6(a), IpAddr::V6(b)) => {
+                let m = if self.prefix == 0 { 0 } else { u128::MAX << (128 - self.prefix.min(128) as u32) };
+                u128::from(a) & m == u128::from(b) & m
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The node's networks: every non-loopback, non-link-local address with its interface and
+/// prefix (interfaces that are down included: a network taken down is still one of ours).
+pub fn interfaces() -> Vec<Iface> {
+    let mut out = Vec::new();
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
+        return out;
+    }
+    let mut p = ifa;
+    while !p.is_null() {
+        // SAFETY: walking the list getifaddrs returned; the family says which sockaddr it is.
+        unsafe {
+            let a = (*p).ifa_addr;
+            let m = (*p).ifa_netmask;
+            if !a.is_null() && !m.is_null() {
+                let name = std::ffi::CStr::from_ptr((*p).ifa_name).to_string_lossy().into_owned();
+                let got = match (*a).sa_family as i32 {
+                    libc::AF_INET => {
+                        let s = &*(a as *const libc::sockaddr_in);
+                        let mm = &*(m as *const libc::sockaddr_in);
+                        Some((
+                            IpAddr::V4(Ipv4Addr::from(u32::from_be(s.sin_addr.s_addr))),
+                            u32::from_be(mm.sin_addr.s_addr).count_ones() as u8,
+                        ))
+                    }
+                    libc::AF_INET6 => {
+                        let s = &*(a as *const libc::sockaddr_in6);
+                        let mm = &*(m as *const libc::sockaddr_in6);
+                        Some((
+                            IpAddr::V6(Ipv6Addr::from(s.sin6_addr.s6_addr)),
+                            u128::from_be_bytes(mm.sin6_addr.s6_addr).count_ones() as u8,
+                        ))
+                    }
+                    _ => None,
+                };
+                if let Some((addr, prefix)) = got {
+                    let link_local = matches!(addr, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80);
+                    if !addr.is_loopback() && !link_local {
+                        out.push(Iface { name, addr, prefix });
+                    }
+                }
+            }
+            p = (*p).ifa_next;
+        }
+    }
+    // SAFETY: frees what getifaddrs allocated.
+    unsafe { libc::freeifaddrs(ifa) };
+    out
+}

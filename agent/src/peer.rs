@@ -6,6 +6,7 @@ use crate::{local::Agent, net};
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use substrate::wire::agent::Msg;
@@ -99,6 +100,15 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                 agent.expect_local(src, dst, gid, secret, window)
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
+            Msg::Resume { gid, nonce } => {
+                // A new link for a connection of this node: the process holding it takes the
+                // socket and authenticates the dialer itself.
+                if agent.events.handover(gid, nonce, s.as_raw_fd()) {
+                    return Ok(());
+                }
+                info!("resume of {gid:032x} from {:?} refused: no process here holds it", s.peer_addr().ok());
+                Msg::Error { reason: "no such connection".into() }
+            }
             other => Msg::Error { reason: format!("unexpected message from an agent: {other:?}") },
         };
         write_msg(&mut s, &answer)?;

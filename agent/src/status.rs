@@ -171,6 +171,11 @@ struct ConnJson {
     window: u64,
     age_ms: u64,
     error: u32,
+    network: Option<String>,
+    link_local: Option<String>,
+    link_peer: Option<String>,
+    failovers: u32,
+    link: &'static str,
 }
 
 #[derive(Serialize)]
@@ -183,6 +188,8 @@ struct Report {
     node: String,
     processes: Vec<ProcJson>,
     listeners: Vec<ListenerJson>,
+    networks: Vec<crate::paths::NetJson>,
+    paths: Vec<crate::paths::PathJson>,
     connections: Vec<ConnJson>,
 }
 
@@ -219,6 +226,20 @@ pub fn report(agent: &Agent) -> String {
                 window: s.window,
                 age_ms: now_ms.saturating_sub(s.created_ms),
                 error: s.error,
+                network: s
+                    .link_local
+                    .and_then(|a| agent.health.network_of(a.ip()))
+                    .or_else(|| s.link_local.filter(|a| a.ip().is_loopback()).map(|_| "lo".to_string())),
+                link_local: s.link_local.map(|a| a.to_string()),
+                link_peer: s.link_peer.map(|a| a.to_string()),
+                failovers: s.failovers,
+                link: if s.error != 0 {
+                    "failed"
+                } else if s.relinking {
+                    "relinking"
+                } else {
+                    "up"
+                },
             });
         }
     }
@@ -244,6 +265,13 @@ pub fn report(agent: &Agent) -> String {
         .iter()
         .map(|l| ListenerJson { addr: l.addr.to_string() })
         .collect();
-    serde_json::to_string(&Report { node: agent.node.clone(), processes, listeners, connections: conns })
-        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
+    serde_json::to_string(&Report {
+        node: agent.node.clone(),
+        processes,
+        listeners,
+        networks: agent.health.networks(),
+        paths: agent.health.paths(),
+        connections: conns,
+    })
+    .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

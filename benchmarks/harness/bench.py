@@ -54,8 +54,11 @@ TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
 TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
 TARGET_NONTCP_RATIO = 1.05       # calls on descriptors the layer does not manage: <= 105 %
+TARGET_FAILOVER_SILENT_MS = 100.0  # longest receive stall after a silent path failure (and
+                                   # the layer no worse than MPTCP for either kind of failure)
 
-BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "hockney", "irb"]
+BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "hockney", "irb",
+              "failover"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
@@ -64,7 +67,14 @@ ALIASES = {
     "rss": "idle", "memory": "idle", "idle_conns": "idle",
     "non-tcp": "nontcp", "nontcp_calls": "nontcp", "unmanaged": "nontcp",
     "irb-cost": "irb",
+    "mptcp": "failover", "stall": "failover", "failure": "failover",
 }
+
+# The failover benchmark compares Linux MPTCP (its "native" side) with the layer.
+FAILOVER_KINDS = ["loud", "silent"]
+FAILOVER_LABEL = {NATIVE: "MPTCP", LAYER: "vmi"}
+FAILOVER_TBF = ["tbf", "rate", "1gbit", "burst", "256kb", "latency", "20ms"]
+IPPROTO_MPTCP = 262
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -285,6 +295,170 @@ class Topology:
             quiet(["ip", "link", "del", "dev", f"{PREFIX}{b}"])
 
 
+def reachable(host: Host, ip: str, timeout: float = 1.0) -> bool:
+    """A TCP connect from `host` to a closed port of `ip`: refused (RST) means the path works."""
+    probe = ("import socket,sys\n"
+             "try:\n"
+             f"    socket.create_connection(('{ip}', 9), timeout={timeout}).close()\n"
+             "except ConnectionRefusedError:\n"
+             "    pass\n"
+             "except OSError:\n"
+             "    sys.exit(1)\n")
+    r = subprocess.run(host.wrap([sys.executable, "-c", probe]), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=timeout + 10)
+    return r.returncode == 0
+
+
+class FailoverNet:
+    """Links, shaping, MPTCP path manager and failure injection for the failover benchmark.
+
+    Every eth0 and eth1 of the two hosts gets a 1 Gbit/s tbf. MPTCP: both hosts allow 2 extra
+    subflows and 2 accepted ADD_ADDRs, and the receiver's host announces its eth1 address (a
+    `signal` endpoint), so the sender's kernel opens a second subflow to it over eth1 next to
+    the initial one over eth0. Failures hit eth0 of the sender's host:
+      loud   `ip -n SENDER link set dev eth0 down` (the sender's kernel sees it at once);
+      silent `ip link set dev SENDERe0 nomaster` (host-side veth off bridge 0: eth0 stays up
+             with carrier and its packets vanish).
+    `restore` undoes either (idempotent); `teardown` also removes the shaping and the MPTCP
+    settings. Every command run is kept in `commands` for the report.
+    """
+
+    def __init__(self, snd: Host, rcv: Host, rcv_ip1: str) -> None:
+        self.snd = snd
+        self.rcv = rcv
+        self.rcv_ip1 = rcv_ip1
+        self.veth = f"{snd.name}e0"
+        self.bridge = f"{PREFIX}br0"
+        self.limits: dict[str, list[str]] = {}
+        self.commands: list[str] = []
+        self.shaped = False
+
+    def _run(self, argv: list[str], check: bool = True) -> str:
+        r = quiet(argv, timeout=15)
+        self.commands.append(shlex.join(argv))
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{shlex.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
+        return r.stdout
+
+    def setup(self) -> None:
+        self.commands = []
+        self.shaped = True
+        for h in (self.snd, self.rcv):
+            for dev in ("eth0", "eth1"):
+                self._run(["tc", "-n", h.name, "qdisc", "replace", "dev", dev, "root",
+                           *FAILOVER_TBF])
+            # "add_addr_accepted 0 subflows 2 ": kept to be put back at the end.
+            words = quiet(["ip", "-n", h.name, "mptcp", "limits", "show"]).stdout.split()
+            kv = dict(zip(words[::2], words[1::2]))
+            if "subflows" in kv and "add_addr_accepted" in kv:
+                self.limits[h.name] = ["subflow", kv["subflows"],
+                                       "add_addr_accepted", kv["add_addr_accepted"]]
+            self._run(["ip", "-n", h.name, "mptcp", "endpoint", "flush"])
+            self._run(["ip", "-n", h.name, "mptcp", "limits", "set", "subflow", "2",
+                       "add_addr_accepted", "2"])
+        self._run(["ip", "-n", self.rcv.name, "mptcp", "endpoint", "add", self.rcv_ip1,
+                   "dev", "eth1", "signal"])
+
+    def inject(self, kind: str) -> None:
+        if kind == "loud":
+            self._run(["ip", "-n", self.snd.name, "link", "set", "dev", "eth0", "down"])
+        elif kind == "silent":
+            self._run(["ip", "link", "set", "dev", self.veth, "nomaster"])
+        else:
+            raise ValueError(kind)
+
+    def restore(self) -> None:
+        errs = []
+        for argv in (["ip", "link", "set", "dev", self.veth, "master", self.bridge],
+                     ["ip", "link", "set", "dev", self.veth, "up"],
+                     ["ip", "-n", self.snd.name, "link", "set", "dev", "eth0", "up"]):
+            r = quiet(argv, timeout=15)
+            if r.returncode != 0:
+                errs.append(f"{shlex.join(argv)}: {r.stderr.strip()}")
+        if errs:
+            raise RuntimeError("could not restore the links: " + "; ".join(errs))
+
+    def wait_reachable(self, timeout: float = 15.0) -> None:
+        """Both networks work again from the sender's host (after `restore`)."""
+        deadline = time.monotonic() + timeout
+        want = [self.rcv.ip, self.rcv_ip1]
+        while want:
+            want = [ip for ip in want if not reachable(self.snd, ip, timeout=0.5)]
+            if not want:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.snd.name} cannot reach {', '.join(want)} "
+                                   f"{timeout:.0f} s after the links were restored")
+            time.sleep(0.1)
+
+    def teardown(self) -> None:
+        with contextlib.suppress(RuntimeError, subprocess.SubprocessError, OSError):
+            self.restore()
+        if not self.shaped:
+            return
+        for h in (self.snd, self.rcv):
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                for dev in ("eth0", "eth1"):
+                    quiet(["tc", "-n", h.name, "qdisc", "del", "dev", dev, "root"])
+                quiet(["ip", "-n", h.name, "mptcp", "endpoint", "flush"])
+                if h.name in self.limits:
+                    quiet(["ip", "-n", h.name, "mptcp", "limits", "set", *self.limits[h.name]])
+        self.shaped = False
+
+
+class Lines:
+    """A process's stdout, read line by line in a thread (so waits can have timeouts)."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.p = p
+        self.lines: list[str] = []
+        self.pos = 0
+        self.eof = False
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        assert self.p.stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            for raw in self.p.stdout:
+                with self.cond:
+                    self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                    self.cond.notify_all()
+        with self.cond:
+            self.eof = True
+            self.cond.notify_all()
+
+    def next(self, timeout: float) -> str | None:
+        """The next line not returned yet, or None on EOF / timeout."""
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.lines) > self.pos or self.eof,
+                               timeout=max(0.0, timeout))
+            if len(self.lines) > self.pos:
+                self.pos += 1
+                return self.lines[self.pos - 1]
+            return None
+
+    def wait_eof(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.eof, timeout=max(0.0, timeout))
+
+    def last_json(self, event: str) -> dict | None:
+        with self.cond:
+            lines = list(self.lines)
+        for line in reversed(lines):
+            with contextlib.suppress(json.JSONDecodeError):
+                j = json.loads(line)
+                if isinstance(j, dict) and j.get("event") == event:
+                    return j
+        return None
+
+
+def sleep_until(t: float) -> None:
+    d = t - time.monotonic()
+    if d > 0:
+        time.sleep(d)
+
+
 # --------------------------------------------------------------------------------------------
 # Agents and verification that the layer really made virtual connections
 # --------------------------------------------------------------------------------------------
@@ -366,6 +540,23 @@ class Seen:
                 "substrates": sorted(self.substrates), "sample_connection": self.sample}
 
 
+def note_status(seen: Seen, st: dict | None) -> None:
+    """Records one `vmictl status --json` answer (None: the poll failed) in `seen`."""
+    seen.polls += 1
+    if st is None:
+        seen.failed_polls += 1
+        return
+    conns = st.get("connections") if isinstance(st, dict) else None
+    if not isinstance(conns, list):
+        return
+    seen.max_connections = max(seen.max_connections, len(conns))
+    for c in conns:
+        if isinstance(c, dict) and c.get("substrate") is not None:
+            seen.substrates.add(str(c.get("substrate")))
+    if conns and seen.sample is None:
+        seen.sample = conns[0]
+
+
 class Poller:
     """Polls the agents of the given hosts while a client runs."""
 
@@ -392,20 +583,7 @@ class Poller:
     def poll_once(self) -> None:
         assert self.agents is not None
         for h in self.hosts:
-            st = self.agents.status(h)
-            self.seen.polls += 1
-            if st is None:
-                self.seen.failed_polls += 1
-                continue
-            conns = st.get("connections") if isinstance(st, dict) else None
-            if not isinstance(conns, list):
-                continue
-            self.seen.max_connections = max(self.seen.max_connections, len(conns))
-            for c in conns:
-                if isinstance(c, dict) and c.get("substrate") is not None:
-                    self.seen.substrates.add(str(c.get("substrate")))
-            if conns and self.seen.sample is None:
-                self.seen.sample = conns[0]
+            note_status(self.seen, self.agents.status(h))
 
     def _loop(self) -> None:
         if self.stop_ev.wait(self.first):
@@ -504,6 +682,61 @@ def last_json_line(text: str) -> dict:
             except json.JSONDecodeError:
                 continue
     raise BenchError("no JSON result line in output: " + (text.strip()[-200:] or "(empty)"))
+
+
+def failover_analyse(s: dict, r: dict, t0: float, t_fail: float, warm: float) -> dict:
+    """Figures of one failover run from the sender's and receiver's result lines.
+
+    All times are CLOCK_MONOTONIC seconds (one clock for every namespace of the machine).
+    The failure window runs from the moment the harness started the failure command to the
+    moment the sender stopped writing; a receive gap counts for it if it ended after the
+    former and began before the latter (a stall that began just before the command, as the
+    kernel acted on it, counts too). The control is the longest gap that ended before the
+    failure. Gaps under 1 ms are not recorded by the receiver: 0 means "under 1 ms".
+    """
+    t_stop = s.get("t_stop") or (t0 + warm)
+    gaps = [(float(b), float(e)) for b, e in r.get("gaps") or []]
+    post = [(b, e) for b, e in gaps if e > t_fail and b < t_stop]
+    pre = [(b, e) for b, e in gaps if e <= t_fail]
+    longest = max(post, key=lambda g: g[1] - g[0], default=None)
+    marks = [(float(t), int(n)) for t, n in r.get("marks") or []]
+
+    def received_by(t: float) -> int | None:
+        """Bytes received by time t (last mark at or before t)."""
+        best = None
+        for mt, n in marks:
+            if mt > t:
+                break
+            best = n
+        return best
+
+    def gbps(a: float, b: float) -> float | None:
+        na, nb = received_by(a), received_by(b)
+        if na is None or nb is None or b <= a:
+            return None
+        return (nb - na) * 8 / (b - a) / 1e9
+
+    ms = lambda x: round(x * 1000.0, 2)  # noqa: E731
+    out: dict[str, Any] = {
+        "stall_ms": ms(longest[1] - longest[0]) if longest else 0.0,
+        "stall_began_ms": ms(longest[0] - t_fail) if longest else None,
+        "stall_ended_ms": ms(longest[1] - t_fail) if longest else None,
+        "stall_total_ms": ms(sum(e - b for b, e in post if e - b >= 0.010)),
+        "stalls_10ms": sum(1 for b, e in post if e - b >= 0.010),
+        "pre_ms": ms(max((e - b for b, e in pre), default=0.0)),
+        "top_stalls": [[ms(b - t_fail), ms(e - b)]
+                       for b, e in sorted(post, key=lambda g: g[0] - g[1])[:8]],
+        "bytes": r.get("bytes"),
+        "sent_bytes": s.get("bytes"),
+        "sha256_equal": s.get("sha256") == r.get("sha256"),
+        "stream_s": round(t_stop - t0, 3),
+        "drain_ms": ms(s["t_end"] - t_stop) if s.get("t_end") and s.get("t_stop") else None,
+        "gbps_before": gbps(t0 + 0.5, t_fail),
+        "gbps_after": gbps(t_fail, t_stop),
+        # Received bytes around the failure, for the plot: [ms after the failure, bytes].
+        "timeline": [[ms(t - t_fail), n] for t, n in marks if -0.6 <= t - t_fail <= t_stop - t_fail],
+    }
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -956,6 +1189,247 @@ class Harness:
         except BenchError as e:
             self.error(name, "irb-cost", str(e))
 
+    # ---------------------------------------------------------------- 8. failover
+    def b_failover(self) -> None:
+        """Longest receive stall when one of two paths fails mid-stream: Linux MPTCP (a
+        subflow on each network; the "native" side) against the layer (plain TCP sockets under
+        LD_PRELOAD), on the same two tbf-shaped 1 Gbit/s networks, for a loud failure (eth0 of
+        the sender's host down) and a silent one (its host-side veth off the bridge)."""
+        name = "failover"
+        a = self.args
+        b = self.bench(name)
+        b.setdefault("failed_runs", [])
+        if a.local:
+            b["skipped"] = "needs two hosts on two networks (not with --local)"
+            log("failover: skipped with --local")
+            return
+        warm, post = (1.5, 2.5) if a.quick else (2.0, 3.0)
+        reps = a.failover_reps or a.reps
+        net = FailoverNet(self.client, self.server, f"{NET1}.{self.server.name[len(PREFIX):]}")
+        b["params"] = {"reps": reps, "warmup_s": warm, "after_failure_s": post,
+                       "sender": f"{self.client.name} ({self.client.ip})",
+                       "receiver": f"{self.server.name} ({self.server.ip}, listening on 0.0.0.0)",
+                       "shaping": "tc qdisc replace dev ethX root " + " ".join(FAILOVER_TBF)
+                       + " (eth0 and eth1 of both hosts)",
+                       "failures": {"loud": f"ip -n {self.client.name} link set dev eth0 down",
+                                    "silent": f"ip link set dev {net.veth} nomaster"},
+                       "gap_threshold_ms": 1.0, "write_bytes": 65536, "read_bytes": 262144}
+        try:
+            net.setup()
+            b["params"]["setup_commands"] = list(net.commands)
+            k = 0
+            for rep in range(reps):
+                for kind in FAILOVER_KINDS:
+                    for mode in self.order(k):
+                        k += 1
+                        label = FAILOVER_LABEL[mode]
+                        log(f"failover {label} {kind} rep {rep + 1}/{reps}")
+                        try:
+                            res = self.failover_once(net, mode, kind, rep, warm, post)
+                            b["runs"].append(res)
+                            log(f"failover {label} {kind}: longest stall after the failure "
+                                f"{res['stall_ms']:.1f} ms (before it {res['pre_ms']:.1f} ms), "
+                                f"{res['bytes'] / 1e6:.0f} MB, content verified")
+                        except BenchError as e:
+                            self.error(name, f"{label} {kind} rep {rep + 1}", str(e))
+                            b["failed_runs"].append({"mode": mode, "kind": kind, "rep": rep,
+                                                     "error": str(e)})
+        finally:
+            net.teardown()
+
+    def failover_settle(self, net: FailoverNet) -> float:
+        """Before each run (both sides alike): both networks reachable from the sender's host,
+        and, where agents run, every path they report alive again. Returns the seconds it took."""
+        t0 = time.monotonic()
+        net.restore()
+        net.wait_reachable()
+        if self.agents is not None and not self.agent_error:
+            deadline = t0 + 15
+            while True:
+                states = []
+                for h in self.hosts:
+                    st = self.agents.status(h)
+                    paths = st.get("paths") if isinstance(st, dict) else None
+                    if isinstance(paths, list):
+                        states += [str(p.get("state")) for p in paths if isinstance(p, dict)]
+                if all(s == "alive" for s in states):
+                    break
+                if time.monotonic() > deadline:
+                    log(f"failover: agents still report paths {states} 15 s after the links came "
+                        "back; going on")
+                    break
+                time.sleep(0.1)
+        time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def failover_observe(self, mode: str, port: int, pid: int) -> dict:
+        """What carries the stream: established TCP sockets in the sender's host (MPTCP
+        subflows show there one by one) and what the agents say. Done the same way for both
+        sides, at the same moments, so that its cost hits both alike."""
+        out: dict[str, Any] = {"t": time.monotonic()}
+        r = quiet(self.client.wrap(["ss", "-Htn", "state", "established"]), timeout=5)
+        socks = []
+        for line in r.stdout.splitlines():
+            f = line.split()
+            if len(f) >= 4:
+                socks.append(f"{f[2]} -> {f[3]}")
+        out["tcp"] = socks[:40]
+        out["tcp_to_port"] = [x for x in socks if x.endswith(f":{port}")]
+        if self.agents is not None:
+            seen = self.bench("failover")["seen"][mode]
+            for h in self.hosts:
+                st = self.agents.status(h)
+                note_status(seen, st)
+                if not isinstance(st, dict):
+                    out[f"vmictl_{h.name}"] = None
+                    continue
+                conns = [c for c in st.get("connections", []) if isinstance(c, dict)]
+                mine = [c for c in conns if c.get("pid") == pid or str(c.get("local", "")).endswith(
+                    f":{port}") or str(c.get("peer", "")).endswith(f":{port}")]
+                keep = ("pid", "local", "peer", "substrate", "network", "link_local", "link_peer",
+                        "link", "failovers", "bytes_sent", "bytes_received", "error")
+                out[f"vmictl_{h.name}"] = {
+                    "connections": [{k: c.get(k) for k in keep} for c in mine],
+                    "paths": st.get("paths")}
+        return out
+
+    def failover_once(self, net: FailoverNet, mode: str, kind: str, rep: int, warm: float,
+                      post: float) -> dict:
+        label = FAILOVER_LABEL[mode]
+        tag = f"{label.lower()}-{kind}-r{rep}"
+        if mode == LAYER:
+            if self.agent_error:
+                raise BenchError(f"no agent, layered run skipped ({self.agent_error})")
+            if self.agents is not None:
+                try:
+                    self.agents.ensure()
+                except RuntimeError as e:
+                    raise BenchError(f"agent restart failed: {e}") from None
+        settle_s = self.failover_settle(net)
+        port = self.next_port()
+        prog = [sys.executable, str(PROGRAMS / "failover_stream.py")]
+        extra = ["--mptcp"] if mode == NATIVE else []
+        env = self.env(mode)
+        logs = {"recv": self.logs / f"failover-{tag}-recv.log",
+                "send": self.logs / f"failover-{tag}-send.log"}
+        procs: dict[str, subprocess.Popen] = {}
+        lines: dict[str, Lines] = {}
+        obs: dict[str, Any] = {}
+        t_fail = t_injected = None
+
+        def start(role: str, host: Host, argv: list[str], pin_role: str) -> None:
+            with open(logs[role], "wb") as errf:
+                procs[role] = PROCS.start(host.wrap(self.pin([*prog, *argv], pin_role)), env=env,
+                                          stdout=subprocess.PIPE, stderr=errf)
+            lines[role] = Lines(procs[role])
+
+        def tail(role: str) -> str:
+            with contextlib.suppress(OSError):
+                t = logs[role].read_text(errors="replace").strip()
+                return t.splitlines()[-1][-300:] if t else "(no output on stderr)"
+            return ""
+
+        try:
+            start("recv", self.server, ["recv", "--bind", "0.0.0.0", "--port", str(port), *extra],
+                  "server")
+            if lines["recv"].next(15) is None:
+                raise BenchError(f"receiver did not start (rc={procs['recv'].poll()}): "
+                                 f"{tail('recv')}")
+            start("send", self.client, ["send", "--connect", self.server.ip, "--port", str(port),
+                                        "--seconds", f"{warm + post:g}", *extra], "client")
+            first = lines["send"].next(15)
+            try:
+                t0 = float(json.loads(first or "")["t"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs["send"].wait(timeout=2)
+                raise BenchError(f"sender did not start streaming (rc={procs['send'].poll()}, "
+                                 f"stdout {first!r}): {tail('send')}") from None
+            sleep_until(t0 + warm / 2)
+            obs["before"] = self.failover_observe(mode, port, procs["send"].pid)
+            sleep_until(t0 + warm)
+            for role, p in procs.items():
+                if p.poll() is not None:
+                    raise BenchError(f"{role}er exited with {p.returncode} before the failure: "
+                                     f"{tail(role)}")
+            t_fail = time.monotonic()
+            net.inject(kind)
+            t_injected = time.monotonic()
+            sleep_until(t_fail + post * 0.6)
+            obs["after"] = self.failover_observe(mode, port, procs["send"].pid)
+            deadline = t0 + warm + post + 20
+            finished = lines["send"].wait_eof(deadline - time.monotonic())
+            finished = lines["recv"].wait_eof(max(deadline - time.monotonic(), 5.0)) and finished
+            if not finished:
+                log(f"failover {label} {kind}: stream not finished 20 s after it should have; "
+                    "stopping it")
+        finally:
+            for role in ("send", "recv"):
+                if role in procs:
+                    PROCS.stop(procs[role])
+                    lines[role].wait_eof(5)
+                    with contextlib.suppress(OSError), open(logs[role], "a") as f:
+                        f.write(f"--- stdout (rc={procs[role].returncode})\n"
+                                + "\n".join(lines[role].lines) + "\n")
+            net.restore()
+
+        s = lines["send"].last_json("done")
+        r = lines["recv"].last_json("done")
+        res: dict[str, Any] = {"mode": mode, "stack": label, "kind": kind, "rep": rep,
+                               "port": port, "settle_s": round(settle_s, 2),
+                               "inject_ms": round((t_injected - t_fail) * 1000, 1)}
+        if s is None or r is None:
+            raise BenchError(f"no result from the {'sender' if s is None else 'receiver'} "
+                             f"(sender: {tail('send')}; receiver: {tail('recv')})")
+        res.update(failover_analyse(s, r, t0, t_fail, warm))
+        res["observed"] = obs
+        res["sender_error"], res["receiver_error"] = s.get("error"), r.get("error")
+        if mode == NATIVE:
+            res["mptcp_subflows"] = s.get("mptcp")
+        # What carried the stream just before the failure.
+        before = obs.get("before", {})
+        problems = []
+        if mode == NATIVE:
+            nets = {x.split(" -> ")[0].rsplit(".", 1)[0] for x in before.get("tcp_to_port", [])}
+            if not {NET0, NET1} <= nets:
+                problems.append("the MPTCP connection did not have a subflow on each network "
+                                f"before the failure (sockets to the port: "
+                                f"{before.get('tcp_to_port')}, subflow counts "
+                                f"{[x[1] for x in (s.get('mptcp') or [])][:8]})")
+        elif self.agents is not None:
+            st = before.get(f"vmictl_{self.client.name}")
+            if isinstance(st, dict):
+                mine = [c for c in st.get("connections", []) if c.get("pid") == procs["send"].pid]
+                if not mine:
+                    problems.append("vmictl listed no virtual connection of the sender before "
+                                    "the failure: the layer stayed plain TCP")
+                else:
+                    ll = str(mine[0].get("link_local") or "")
+                    res["link_before"] = ll or None
+                    res["network_before"] = mine[0].get("network")
+                    # A link on network 1 is not hit by a failure of eth0: not a failover.
+                    res["hit"] = not ll.startswith(f"{NET1}.")
+            after = obs.get("after", {}).get(f"vmictl_{self.client.name}")
+            if isinstance(after, dict):
+                mine = [c for c in after.get("connections", []) if c.get("pid") == procs["send"].pid]
+                if mine:
+                    res["link_after"] = mine[0].get("link_local")
+                    res["failovers_after"] = mine[0].get("failovers")
+        if s.get("error") or r.get("error"):
+            problems.append(f"sender: {s.get('error')}; receiver: {r.get('error')}")
+        if s.get("bytes") != r.get("bytes"):
+            problems.append(f"receiver got {r.get('bytes')} bytes, sender sent {s.get('bytes')}")
+        elif s.get("sha256") != r.get("sha256"):
+            problems.append("SHA-256 of the received stream differs from the sent one")
+        if r.get("mismatch_at") is not None:
+            problems.append(f"received content wrong from stream offset {r['mismatch_at']}")
+        if not r.get("bytes"):
+            problems.append("nothing received")
+        if problems:
+            raise BenchError("; ".join(problems) + f" (longest stall after the failure "
+                             f"{res.get('stall_ms')} ms; logs/failover-{tag}-*.log)")
+        return res
+
     # ---------------------------------------------------------------- driver
     def run_all(self, selected: list[str]) -> None:
         if self.args.local:
@@ -983,7 +1457,8 @@ class Harness:
                     log(f"agents did not start ({e}); layered runs will be error rows")
             order = [("latency", self.b_latency), ("throughput", self.b_throughput),
                      ("redis", self.b_redis), ("connrate", self.b_connrate),
-                     ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("irb", self.b_irb)]
+                     ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("irb", self.b_irb),
+                     ("failover", self.b_failover)]
             for bname, fn in order:
                 want = bname in selected or (bname == "latency" and "hockney" in selected)
                 if not want:
@@ -992,7 +1467,8 @@ class Harness:
                 if missing:
                     self.bench(bname)
                     self.error(bname, "setup", f"missing {', '.join(missing)} "
-                               "(apt-get install -y sockperf iperf3 redis-server redis-tools)")
+                               "(apt-get install -y sockperf iperf3 redis-server redis-tools "
+                               "iproute2)")
                     continue
                 t0 = time.monotonic()
                 self.bench(bname)["loadavg_before"] = list(os.getloadavg())
@@ -1016,7 +1492,7 @@ class Harness:
     @staticmethod
     def missing_tools(bname: str) -> list[str]:
         need = {"latency": ["sockperf"], "throughput": ["iperf3"],
-                "redis": ["redis-server", "redis-benchmark"]}.get(bname, [])
+                "redis": ["redis-server", "redis-benchmark"], "failover": ["tc"]}.get(bname, [])
         return [t for t in need if shutil.which(t) is None]
 
 
@@ -1405,6 +1881,7 @@ class Report:
         self.nontcp()
         self.hockney_section()
         self.irb()
+        self.failover()
         self.checks()
         self.problems()
         return "\n".join(self.lines)
@@ -1572,6 +2049,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--pin", choices=["split", "same", "none"], default="split",
                     help="CPU placement: split = servers on CPU 0, clients on CPU 1 (default); "
                     "same = both on CPU 0; none = leave it to the scheduler")
+    ap.add_argument("--failover-reps", type=int, default=None,
+                    help="repetitions of each MPTCP/vmi pair of the failover benchmark (default: "
+                    "--reps); its figures vary much from run to run, 5 or more are worth it")
     ap.add_argument("--agent-args", default="", help="extra arguments for vmi-agent")
     ap.add_argument("--no-topo-script", action="store_true",
                     help="build the namespace hosts here even if scripts/topo.sh exists")
@@ -1580,6 +2060,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.reps = 1 if a.quick else 3
     if a.reps < 1:
         ap.error("--reps must be >= 1")
+    if a.failover_reps is not None and a.failover_reps < 1:
+        ap.error("--failover-reps must be >= 1")
     if a.nontcp_iters is not None and a.nontcp_iters < 1:
         ap.error("--nontcp-iters must be >= 1")
     sel = []

@@ -72,7 +72,8 @@ pub fn lost_socket() {
     }
 }
 
-fn open_socket() -> Option<i32> {
+/// Opens a new connection to the node agent, kept as the layer's own descriptor `role`.
+pub(crate) fn open_socket(role: usize) -> Option<i32> {
     let name = SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET);
     // SAFETY: plain socket creation.
     let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
@@ -113,11 +114,11 @@ fn open_socket() -> Option<i32> {
         return None;
     }
     let fd = fdtable::move_high(fd);
-    fdtable::protect(OWN_AGENT, fd);
+    fdtable::protect(role, fd);
     Some(fd)
 }
 
-fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
+pub(crate) fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
     let mut first = true;
     while !b.is_empty() {
         let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut _, iov_len: b.len() };
@@ -153,7 +154,7 @@ fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
     true
 }
 
-fn read_exact(fd: i32, mut b: &mut [u8]) -> bool {
+pub(crate) fn read_exact(fd: i32, mut b: &mut [u8]) -> bool {
     while !b.is_empty() {
         // SAFETY: reads into the rest of `b`.
         let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), 0) };
@@ -204,7 +205,7 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         return Some(fd);
     }
     if fd < 0 {
-        fd = match open_socket() {
+        fd = match open_socket(OWN_AGENT) {
             Some(fd) => fd,
             None => {
                 st.down_until = now + RETRY_NS;

@@ -7,12 +7,14 @@
 //! | `VMI_WINDOW` | soft window per connection, bytes (`K`/`M` suffixes) | `2M` |
 //! | `VMI_RING_FACTOR` | replay ring size as a multiple of the window (1-16) | `4` |
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
+//! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 static DISABLED: AtomicBool = AtomicBool::new(false);
 static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
 static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
+static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -58,7 +60,20 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(g) = std::env::var("VMI_GRACE") {
+        match g.trim().parse::<f64>() {
+            Ok(x) if (0.1..=86400.0).contains(&x) => GRACE_MS.store((x * 1000.0) as u64, Relaxed),
+            _ => crate::log::warn(format_args!(
+                "VMI_GRACE={g} is not a number of seconds between 0.1 and 86400; using 60"
+            )),
+        }
+    }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// How long a connection waits for a working network, in milliseconds.
+pub fn grace_ms() -> u64 {
+    GRACE_MS.load(Relaxed)
 }
 
 /// True if the layer is switched off.

@@ -68,7 +68,7 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
             done.push(v.clone());
         }
         recs.push(format!(
-            "{fd},{:032x},{:032x},{},{},{},{},{},{},{}",
+            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{}",
             c.gid,
             c.secret,
             c.peer_window,
@@ -78,6 +78,7 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
             u8::from(v.active),
             hex(&bytes_of(&tx)),
             hex(&bytes_of(&rx)),
+            c.peer_agents().iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" "),
         ));
     }
     (!recs.is_empty()).then(|| (recs.join(";"), done))
@@ -85,7 +86,7 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
 
 fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
     let f: Vec<&str> = r.split(',').collect();
-    if f.len() != 10 {
+    if f.len() != 11 {
         return None;
     }
     let s = Setup {
@@ -96,6 +97,7 @@ fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
         local: f[5].parse::<SocketAddr>().ok()?,
         peer: f[6].parse::<SocketAddr>().ok()?,
         active: f[7] == "1",
+        peer_agents: f[10].split(' ').filter_map(|a| a.parse().ok()).collect(),
     };
     Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
 }

@@ -149,6 +149,10 @@ pub fn move_high(fd: i32) -> i32 {
 pub const OWN_AGENT: usize = 0;
 /// Role of the statistics memfd.
 pub const OWN_STATS: usize = 1;
+/// Role of the event channel to the agent.
+pub const OWN_EVENTS: usize = 2;
+/// Role of the control thread's wake-up eventfd.
+pub const OWN_WAKE: usize = 3;
 
 /// Marks `fd` as the layer's own descriptor for `role`.
 pub fn protect(role: usize, fd: i32) {
@@ -207,6 +211,18 @@ pub fn after_fork_parent() {
 /// fork, child side.
 pub fn after_fork_child() {
     FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+/// The descriptors of this process that name `vc`.
+pub fn fds_of(vc: &Vc) -> Vec<i32> {
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    t.iter()
+        .enumerate()
+        .filter_map(|(i, e)| match e {
+            Some(Entry::Vc(v)) if std::ptr::eq(Arc::as_ptr(v), vc) => Some(i as i32),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Each distinct virtual connection in the table, once.

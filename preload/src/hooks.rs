@@ -187,6 +187,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
+    crate::relink::epoll_closed(fd);
     if fdtable::is_managed(fd) {
         if let Some(vc) = forget(fd) {
             return crate::linger::close_last(fd, vc);
@@ -194,6 +195,82 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     }
     // SAFETY: forwarding.
     unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    if r == 0 && fdtable::vc(fd).is_some() {
+        // Remembered so that a rebuilt link under the same number is registered again.
+        // SAFETY: the call succeeded, so `ev` (when not null) pointed at a valid event.
+        let e = (!ev.is_null()).then(|| unsafe { std::ptr::read_unaligned(ev) });
+        crate::relink::epoll_note(epfd, op, fd, e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if let Some(vc) = fdtable::vc(fd) {
+        if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
+            // The end of stream travels as a Fin frame (the peer keeps acknowledging).
+            let r = quietly(|| Some(crate::tcp_sink::send_fin(vc.mem(), fd))).unwrap_or(-1);
+            if r != 0 || how == libc::SHUT_WR {
+                return r;
+            }
+            // SAFETY: forwarding the receive half of SHUT_RDWR.
+            return unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::shutdown(fd, how) }
+}
+
+/// getsockname/getpeername after a failover: what the program saw before (the physical
+/// link's addresses changed under it).
+unsafe fn name_of(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, peer: bool) -> Option<c_int> {
+    let vc = fdtable::vc(fd)?;
+    if vc.mem().conn().link_gen.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        return None;
+    }
+    if addr.is_null() || len.is_null() {
+        sys::set_errno(libc::EFAULT);
+        return Some(-1);
+    }
+    let v6 = sys::tcp_family(fd) == Some(libc::AF_INET6);
+    let (st, n) = sys::to_raw(if peer { &vc.peer } else { &vc.local }, v6);
+    // SAFETY: the program passed a buffer of *len bytes; we write at most that.
+    unsafe {
+        let room = (*len as usize).min(n as usize);
+        std::ptr::copy_nonoverlapping(&st as *const _ as *const u8, addr as *mut u8, room);
+        *len = n;
+    }
+    Some(0)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    if fdtable::is_managed(fd) {
+        // SAFETY: the program's arguments.
+        if let Some(r) = quietly(|| unsafe { name_of(fd, addr, len, false) }) {
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::getsockname(fd, addr, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    if fdtable::is_managed(fd) {
+        // SAFETY: the program's arguments.
+        if let Some(r) = quietly(|| unsafe { name_of(fd, addr, len, true) }) {
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::getpeername(fd, addr, len) }
 }
 
 #[no_mangle]

@@ -25,6 +25,7 @@ pub mod hooks;
 pub mod linger;
 pub mod log;
 pub mod real;
+pub mod relink;
 pub mod setup;
 pub mod shm;
 pub mod stats;

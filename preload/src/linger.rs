@@ -57,8 +57,11 @@ fn reset(fd: i32) -> i32 {
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
 /// of the program's close.
 pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
+    vc.mem().conn().tx_shut.store(1, std::sync::atomic::Ordering::Release);
     if unread_payload(vc.mem(), fd) {
-        // What the kernel itself does when a program closes with unread data.
+        // What the kernel itself does when a program closes with unread data; the Abort
+        // frame tells the peer's layer it is the program's reset, not a failed link.
+        crate::tcp_sink::send_abort(vc.mem(), fd);
         return reset(fd);
     }
     // SAFETY: duplicates the program's descriptor for our own use.

@@ -68,6 +68,9 @@ real! {
     fcntl64: fn(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int;
     ioctl: fn(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int;
     shutdown: fn(fd: c_int, how: c_int) -> c_int;
+    getsockname: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
+    getpeername: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
+    epoll_ctl: fn(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
     fork: fn() -> libc::pid_t;
     execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
     execv: fn(path: *const c_char, argv: *const *const c_char) -> c_int;

@@ -17,6 +17,7 @@ pub struct Pending {
     secret: u128,
     peer_window: u64,
     dst: SocketAddr,
+    peer_agents: Vec<SocketAddr>,
 }
 
 /// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
@@ -49,7 +50,9 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
     let secret = u128::from_le_bytes(sys::random16());
     let m = Msg::Connect { src: local, dst, gid, secret, window: config::window() };
     match agent::request(&m) {
-        Some(Msg::Virtual { window, .. }) => Some(Pending { gid, secret, peer_window: window, dst }),
+        Some(Msg::Virtual { window, addrs, .. }) => {
+            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs })
+        }
         Some(Msg::Plain) => {
             agent::remember_plain(dst);
             None
@@ -73,11 +76,13 @@ pub fn after_connect(fd: i32, p: Pending) {
         local,
         peer: p.dst,
         active: true,
+        peer_agents: p.peer_agents,
     };
     match Vc::new(&s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {:032x}: {local} -> {}", p.gid, p.dst));
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+            crate::relink::held(p.gid);
         }
         None => log::error(format_args!(
             "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
@@ -119,14 +124,25 @@ pub fn closed_listener(l: &Listener) {
 pub fn after_accept(listen_fd: i32, fd: i32) {
     let Some(Entry::Listener(_)) = fdtable::get(listen_fd) else { return };
     let (Some(local), Some(peer)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { return };
-    let Some(Msg::Virtual { gid, secret, window }) = agent::request(&Msg::Accept { local, peer }) else {
+    let Some(Msg::Virtual { gid, secret, window, addrs }) = agent::request(&Msg::Accept { local, peer })
+    else {
         return;
     };
-    let s = Setup { gid, secret, window: config::window(), peer_window: window, local, peer, active: false };
+    let s = Setup {
+        gid,
+        secret,
+        window: config::window(),
+        peer_window: window,
+        local,
+        peer,
+        active: false,
+        peer_agents: addrs,
+    };
     match Vc::new(&s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {gid:032x}: {local} <- {peer}"));
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+            crate::relink::held(gid);
         }
         None => {
             log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));

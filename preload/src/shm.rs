@@ -96,6 +96,28 @@ pub struct SharedConn {
     pub wire_hi: AtomicU64,
     /// 1 once the peer's FIN arrived: it sends no more acks.
     pub peer_eof: AtomicU32,
+    /// Bumped each time a new physical link is installed (waiters sleep on it).
+    pub link_gen: AtomicU32,
+    /// 1 while the physical link is broken and being rebuilt.
+    pub link_down: AtomicU32,
+    /// When the link broke (ms, monotonic), for the grace period.
+    pub down_since_ms: AtomicU64,
+    /// 1 once the program shut down its sending side (shutdown or close): a rebuilt link
+    /// carries the end of stream again after the replay.
+    pub tx_shut: AtomicU32,
+    /// 1 when a rebuilt link still owes the peer our Fin frame (after the replay).
+    pub fin_owed: AtomicU32,
+    /// Process that rebuilt the link last, and the descriptor it put it under (other
+    /// processes sharing the connection after a fork pick the new link up from there).
+    pub link_pid: AtomicI32,
+    /// See `link_pid`.
+    pub link_fd: AtomicI32,
+    /// 1 when this side connected (it dials new links; the other side answers).
+    pub active: u32,
+    /// How many of `peer_agents` are set.
+    pub n_peer_agents: u32,
+    /// Where the peer's node agent can be reached, one address per network (slot form).
+    pub peer_agents: [[u8; 20]; MAX_PEER_AGENTS],
     /// The connection's GID.
     pub gid: u128,
     /// Its secret.
@@ -107,6 +129,9 @@ pub struct SharedConn {
     /// Receive half (under `rx_lock`).
     pub rx: UnsafeCell<RxState>,
 }
+
+/// Most agent addresses kept for a peer node.
+pub const MAX_PEER_AGENTS: usize = 8;
 
 /// Bytes before the ring in a connection's mapping.
 pub const HEAD: usize = 4096;
@@ -138,7 +163,15 @@ impl std::ops::Deref for Mapping {
 
 impl Mapping {
     /// Maps a new connection with a ring of `ring` bytes and a soft window of `soft`.
-    pub fn new(ring: usize, soft: u64, gid: u128, secret: u128, peer_window: u64) -> Option<Mapping> {
+    pub fn new(
+        ring: usize,
+        soft: u64,
+        gid: u128,
+        secret: u128,
+        peer_window: u64,
+        active: bool,
+        peer_agents: &[std::net::SocketAddr],
+    ) -> Option<Mapping> {
         let len = HEAD + ring;
         // SAFETY: a fresh anonymous mapping; no existing memory is touched.
         let p = unsafe {
@@ -165,6 +198,22 @@ impl Mapping {
             unacked: AtomicU64::new(0),
             wire_hi: AtomicU64::new(0),
             peer_eof: AtomicU32::new(0),
+            link_gen: AtomicU32::new(0),
+            link_down: AtomicU32::new(0),
+            down_since_ms: AtomicU64::new(0),
+            tx_shut: AtomicU32::new(0),
+            fin_owed: AtomicU32::new(0),
+            link_pid: AtomicI32::new(0),
+            link_fd: AtomicI32::new(-1),
+            active: active as u32,
+            n_peer_agents: peer_agents.len().min(MAX_PEER_AGENTS) as u32,
+            peer_agents: {
+                let mut a = [[0u8; 20]; MAX_PEER_AGENTS];
+                for (d, s) in a.iter_mut().zip(peer_agents) {
+                    *d = substrate::stats::encode_addr(s);
+                }
+                a
+            },
             gid,
             secret,
             peer_window,
@@ -174,6 +223,16 @@ impl Mapping {
         // SAFETY: the mapping is fresh, page aligned and HEAD bytes fit a SharedConn.
         unsafe { std::ptr::write(p as *mut SharedConn, sc) };
         Some(Mapping(ConnMem { base: p as *mut u8, len }))
+    }
+}
+
+impl SharedConn {
+    /// The peer node's agent addresses.
+    pub fn peer_agents(&self) -> Vec<std::net::SocketAddr> {
+        self.peer_agents[..(self.n_peer_agents as usize).min(MAX_PEER_AGENTS)]
+            .iter()
+            .filter_map(|b| substrate::stats::decode_addr(b))
+            .collect()
     }
 }
 

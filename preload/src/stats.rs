@@ -156,6 +156,29 @@ impl Slot {
         unsafe { AtomicU32::from_ptr(self.0.add(off::ERROR) as *mut u32) }.store(e as u32, Relaxed);
     }
 
+    /// Records the physical link's addresses (at set-up and after each failover).
+    pub fn set_link(&self, local: &SocketAddr, peer: &SocketAddr) {
+        for (o, a) in [(off::LINK_LOCAL, local), (off::LINK_PEER, peer)] {
+            let b = encode_addr(a);
+            for (i, w) in b.chunks_exact(4).enumerate() {
+                // SAFETY: the address fields are 4-aligned and 20 bytes long inside the slot.
+                unsafe { AtomicU32::from_ptr(self.0.add(o + 4 * i) as *mut u32) }
+                    .store(u32::from_ne_bytes(w.try_into().expect("4")), Relaxed);
+            }
+        }
+    }
+
+    /// Records the link state: rebuilding (`true`) or up; counts a rebuild when it ends.
+    pub fn set_relinking(&self, on: bool, rebuilt: bool) {
+        // SAFETY: LINK_STATE and FAILOVERS are 4-aligned u32s inside the slot.
+        unsafe {
+            AtomicU32::from_ptr(self.0.add(off::LINK_STATE) as *mut u32).store(on as u32, Relaxed);
+            if rebuilt {
+                AtomicU32::from_ptr(self.0.add(off::FAILOVERS) as *mut u32).fetch_add(1, Relaxed);
+            }
+        }
+    }
+
     /// Frees the slot.
     pub fn free(&self) {
         // SAFETY: USED is a 4-aligned u32 inside the slot.

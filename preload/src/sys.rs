@@ -88,9 +88,9 @@ fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
     // SAFETY: valid pointers to owned storage.
     let r = unsafe {
         if peer {
-            libc::getpeername(fd, p, &mut len)
+            crate::real::getpeername(fd, p, &mut len)
         } else {
-            libc::getsockname(fd, p, &mut len)
+            crate::real::getsockname(fd, p, &mut len)
         }
     };
     if r != 0 {
@@ -170,6 +170,16 @@ pub fn unix_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Monotonic time in milliseconds.
+pub fn now_ms() -> u64 {
+    now_ns() / 1_000_000
+}
+
+/// A random 128-bit number.
+pub fn random_u128() -> u128 {
+    u128::from_le_bytes(random16())
 }
 
 /// Waits up to `ms` for `events` on `fd`.

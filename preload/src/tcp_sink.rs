@@ -12,7 +12,7 @@
 
 use crate::shm::ConnMem;
 use crate::stats::Slot;
-use crate::{log, real, sys};
+use crate::{log, real, relink, sys};
 use libc::{c_int, iovec};
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
@@ -64,6 +64,15 @@ fn errno_result(e: c_int) -> IrbError {
 /// program from now on, and a shutdown so the peer sees the end too.
 fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError {
     let c = mem.conn();
+    if e == ProtoError::PeerAborted {
+        // The peer's program reset the connection: the end of it, as native TCP shows it.
+        if c.broken.swap(libc::ECONNRESET, AcqRel) == 0 {
+            if let Some(s) = slot {
+                s.set_error(libc::ECONNRESET);
+            }
+        }
+        return IrbError::Os(libc::ECONNRESET);
+    }
     if c.broken.swap(libc::ECONNRESET, AcqRel) == 0 {
         let peer = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
         log::error(format_args!(
@@ -106,7 +115,9 @@ fn publish_rx(mem: ConnMem, rx: &RxState) -> Result<(), ProtoError> {
 
 /// The peer's FIN arrived.
 fn note_peer_eof(mem: ConnMem) {
-    mem.conn().peer_eof.store(1, Release);
+    if mem.conn().peer_eof.swap(1, AcqRel) == 0 {
+        log::debug(format_args!("virtual connection {:032x}: the peer closed the link", mem.conn().gid));
+    }
 }
 
 /// Writes what `plan` says, with one sendmsg. Returns the kernel's answer.
@@ -135,18 +146,165 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
             }
         }
     }
-    if flags == 0 {
-        // writev is the cheaper path through the kernel (no msghdr to copy in), and has the
-        // same meaning as sendmsg without flags (SIGPIPE included).
-        // SAFETY: the iovecs point at live buffers.
-        return unsafe { real::writev(fd, iov.as_ptr(), n as c_int) };
-    }
     // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = n;
+    // Never a SIGPIPE from the physical socket: a failed link is not the program's business
+    // (the layer raises SIGPIPE itself when the program's connection really ended).
     // SAFETY: msg is initialised and its buffers outlive the call.
-    unsafe { real::sendmsg(fd, &msg, flags) }
+    unsafe { real::sendmsg(fd, &msg, flags | libc::MSG_NOSIGNAL) }
+}
+
+/// An error from the physical socket: either the link failed (the connection waits for a
+/// new one) or the connection really ended (the peer's program closed or reset it, or ours
+/// shut its sending side): then the program sees `e`, with SIGPIPE for EPIPE unless it
+/// asked for MSG_NOSIGNAL.
+fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int) -> IrbError {
+    let c = mem.conn();
+    let ended = c.peer_eof.load(Acquire) != 0 || (sending && c.tx_shut.load(Acquire) != 0);
+    if !ended && (relink::is_link_error(e) || c.link_down.load(Acquire) != 0) {
+        relink::link_broken(mem, &errno_name(e));
+        return IrbError::Os(relink::LINK_DOWN);
+    }
+    if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
+        // SAFETY: raising a signal in the calling thread, as the kernel would have.
+        unsafe { libc::raise(libc::SIGPIPE) };
+    }
+    errno_result(e)
+}
+
+fn read_error(mem: ConnMem, e: c_int) -> IrbError {
+    if e == libc::EAGAIN || e == libc::EINTR {
+        return errno_result(e);
+    }
+    physical_error(mem, e, false, 0)
+}
+
+fn errno_name(e: c_int) -> String {
+    std::io::Error::from_raw_os_error(e).to_string()
+}
+
+/// After an ingest: if the peer's Fin frame just arrived, the socket must read as ended from
+/// now on (and poll as readable), as after a FIN, while acks can still arrive on it.
+#[inline]
+fn fin_check(fd: c_int, fin_before: u32, rx: &RxState) {
+    if fin_before == 0 && rx.fin != 0 {
+        // SAFETY: shutdown of the receive side of the connection's own socket.
+        unsafe { real::shutdown(fd, libc::SHUT_RD) };
+    }
+}
+
+/// Returns the link-down marker while the link is being rebuilt.
+#[inline]
+fn check_link(mem: ConnMem) -> Result<(), IrbError> {
+    if mem.conn().link_down.load(Acquire) != 0 {
+        return Err(IrbError::Os(relink::LINK_DOWN));
+    }
+    Ok(())
+}
+
+/// Pushes replayed bytes onto a rebuilt link without blocking. The caller holds the tx
+/// lock. True when nothing remains to replay.
+pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
+    let c = mem.conn();
+    // SAFETY: the caller holds tx_lock.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    loop {
+        let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
+            if c.fin_owed.load(Acquire) != 0 {
+                if let Some(p) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
+                    let r = write_plan(fd, &p, &[], ring, libc::MSG_DONTWAIT);
+                    tx.commit(&p, r.max(0) as usize, &[], ring);
+                    if r as usize == p.header_len {
+                        c.fin_owed.store(0, Release);
+                    } else if !tx.in_frame() {
+                        return false;
+                    }
+                }
+            }
+            return !tx.in_frame() && c.fin_owed.load(Acquire) == 0;
+        };
+        let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+        if r < 0 {
+            let e = sys::errno();
+            tx.commit(&plan, 0, &[], ring);
+            if e != libc::EAGAIN && e != libc::EINTR {
+                let _ = physical_error(mem, e, true, libc::MSG_NOSIGNAL);
+                return true;
+            }
+            return false;
+        }
+        tx.commit(&plan, r as usize, &[], ring);
+        publish_tx(mem, tx, slot);
+        if (r as usize) < plan.header_len + plan.payload {
+            return false;
+        }
+    }
+}
+
+/// The program shuts its sending side down: a Fin frame says so to the peer's layer (the
+/// physical socket stays open both ways, so the peer can still acknowledge what we sent).
+/// Returns the shutdown's result.
+pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
+    let c = mem.conn();
+    let _g = c.tx_lock.lock();
+    if c.tx_shut.swap(1, AcqRel) != 0 {
+        return 0;
+    }
+    if c.link_down.load(Acquire) != 0 {
+        c.fin_owed.store(1, Release);
+        return 0;
+    }
+    // SAFETY: we hold tx_lock.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    if tx.replaying() {
+        c.fin_owed.store(1, Release);
+        relink::poke();
+        return 0;
+    }
+    let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
+        // A frame is half on the wire (a write the kernel cut short): end it the plain way.
+        // SAFETY: shutdown on the connection's own socket.
+        return unsafe { real::shutdown(fd, libc::SHUT_WR) };
+    };
+    let mut done = 0;
+    while done < plan.header_len {
+        let part = Plan { header_len: plan.header_len - done, ..plan };
+        let r = write_plan(fd, &part, &[], ring, 0);
+        if r < 0 {
+            let e = sys::errno();
+            if e == libc::EAGAIN {
+                sys::wait_fd(fd, libc::POLLOUT, 100);
+                continue;
+            }
+            if e == libc::EINTR {
+                continue;
+            }
+            tx.commit(&part, 0, &[], ring);
+            if relink::is_link_error(e) {
+                c.fin_owed.store(1, Release);
+                relink::link_broken(mem, &errno_name(e));
+                return 0;
+            }
+            sys::set_errno(e);
+            return -1;
+        }
+        tx.commit(&part, r as usize, &[], ring);
+        done += r as usize;
+    }
+    0
+}
+
+/// Sends an Abort frame (the program resets the connection) if a frame can start now.
+pub fn send_abort(mem: ConnMem, fd: c_int) {
+    let c = mem.conn();
+    let Some(_g) = c.tx_lock.try_lock() else { return };
+    // SAFETY: we hold tx_lock.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    let Some(plan) = tx.plan_control(FrameKind::Abort, c.delivered.load(Acquire)) else { return };
+    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+    tx.commit(&plan, r.max(0) as usize, &[], ring);
 }
 
 /// The send path. The caller holds the tx lock.
@@ -165,6 +323,15 @@ pub fn send(
     if flags & libc::MSG_OOB != 0 {
         return Err(IrbError::Os(libc::EOPNOTSUPP));
     }
+    check_link(mem)?;
+    if c.tx_shut.load(Acquire) != 0 {
+        // Native TCP after shutdown(SHUT_WR): EPIPE, with SIGPIPE unless MSG_NOSIGNAL.
+        if flags & libc::MSG_NOSIGNAL == 0 {
+            // SAFETY: raising a signal in the calling thread, as the kernel would have.
+            unsafe { libc::raise(libc::SIGPIPE) };
+        }
+        return Err(IrbError::Os(libc::EPIPE));
+    }
     if data.is_empty() {
         return Ok(0);
     }
@@ -179,6 +346,9 @@ pub fn send(
         }
         if c.peer_eof.load(Acquire) != 0 {
             tx.peer_finished();
+        }
+        if let Err(e) = check_link(mem) {
+            return if total > 0 { Ok(total) } else { Err(e) };
         }
         let rest = &data[total..];
         let delivered = c.delivered.load(Acquire);
@@ -213,6 +383,31 @@ pub fn send(
                     }
                 }
             }
+            Err(Blocked::Replaying) => {
+                // A rebuilt link: what the peer did not deliver goes first.
+                if let Some(p) = tx.plan_replay(delivered) {
+                    let r = write_plan(fd, &p, &[], ring, kflags);
+                    if r < 0 {
+                        let e = sys::errno();
+                        tx.commit(&p, 0, &[], ring);
+                        if e == libc::EAGAIN {
+                            if total > 0 {
+                                return Ok(total);
+                            }
+                            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                                return Err(IrbError::WouldBlock);
+                            }
+                            sys::wait_fd(fd, libc::POLLOUT, 50);
+                            continue;
+                        }
+                        let err = physical_error(mem, e, true, flags);
+                        return if total > 0 { Ok(total) } else { Err(err) };
+                    }
+                    tx.commit(&p, r as usize, &[], ring);
+                    publish_tx(mem, tx, slot);
+                }
+                continue;
+            }
             Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
         };
         // Only the send half (under its lock) writes it; set before the bytes can reach the peer.
@@ -224,7 +419,11 @@ pub fn send(
         if r < 0 {
             let e = sys::errno();
             tx.commit(&plan, 0, rest, ring);
-            return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+            if e == libc::EAGAIN || e == libc::EINTR {
+                return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+            }
+            let err = physical_error(mem, e, true, flags);
+            return if total > 0 { Ok(total) } else { Err(err) };
         }
         total += tx.commit_with(&plan, r as usize, rest, ring, crate::copy::to_ring);
         publish_tx(mem, tx, slot);
@@ -262,6 +461,11 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
         if r == 0 {
+            check_link(mem)?;
+            if rx.fin != 0 {
+                // Our own SHUT_RD after the peer's Fin: nothing queued now.
+                break;
+            }
             // The peer half-closed: no ack will come again.
             note_peer_eof(mem);
             return Ok(Harvest::Opened);
@@ -269,11 +473,13 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         if r < 0 {
             break;
         }
+        let fin_before = rx.fin;
         if let Err(e) =
             rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
         {
             return Err(fail(mem, slot, fd, e));
         }
+        fin_check(fd, fin_before, rx);
     }
     Ok(if c.peer_ack.load(Acquire) > before {
         Harvest::Opened
@@ -290,9 +496,10 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
     if c.peer_eof.load(Acquire) != 0 {
         return;
     }
-    // SAFETY: frame_rem is read racily only to choose how to wait.
-    let mid_frame = unsafe { (*c.rx.get()).frame_rem } > 0;
-    if c.rx_lock.try_lock().is_some() && !mid_frame {
+    // SAFETY: frame_rem and fin are read racily only to choose how to wait.
+    let (mid_frame, fin) = unsafe { ((*c.rx.get()).frame_rem > 0, (*c.rx.get()).fin != 0) };
+    // (After the peer's Fin the socket always polls readable: sleep instead.)
+    if c.rx_lock.try_lock().is_some() && !mid_frame && !fin {
         sys::wait_fd(fd, libc::POLLIN, 10);
     } else {
         std::thread::sleep(std::time::Duration::from_micros(500));
@@ -387,6 +594,7 @@ pub fn recv(
     if flags & (libc::MSG_OOB | libc::MSG_TRUNC) != 0 {
         return Err(IrbError::Os(libc::EOPNOTSUPP));
     }
+    check_link(mem)?;
     if buf.is_empty() {
         return Ok(0);
     }
@@ -401,12 +609,25 @@ pub fn recv(
     loop {
         let space = &mut buf[total..];
         let plan = rx.plan_read(space.len());
+        let fin_before = rx.fin;
         let r = read_plan(fd, rx, plan, space, kflags);
         if r < 0 {
             let e = sys::errno();
-            return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+            if total > 0 {
+                return Ok(total);
+            }
+            if e == libc::EAGAIN || e == libc::EINTR {
+                return Err(errno_result(e));
+            }
+            return Err(physical_error(mem, e, false, 0));
         }
         if r == 0 {
+            if c.link_down.load(Acquire) != 0 {
+                return if total > 0 { Ok(total) } else { Err(IrbError::Os(relink::LINK_DOWN)) };
+            }
+            if rx.fin != 0 {
+                return Ok(total);
+            }
             note_peer_eof(mem);
             return Ok(total);
         }
@@ -419,6 +640,7 @@ pub fn recv(
                 }
             };
         total += got;
+        fin_check(fd, fin_before, rx);
         maybe_ack(mem, slot, fd, rx.delivered);
         if total > 0 && (!waitall || total == buf.len()) {
             return Ok(total);
@@ -442,7 +664,7 @@ fn peek(
             // SAFETY: peeks into our own buffer.
             let r = unsafe { real::recv(fd, raw.as_mut_ptr() as *mut _, raw.len(), libc::MSG_PEEK | kflags) };
             if r < 0 {
-                return Err(errno_result(sys::errno()));
+                return Err(read_error(mem, sys::errno()));
             }
             let mut copy = *rx;
             let n = match copy.parse_buffer(&mut raw[..r as usize]) {
@@ -460,17 +682,25 @@ fn peek(
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), kflags) };
         if r < 0 {
-            return Err(errno_result(sys::errno()));
+            return Err(read_error(mem, sys::errno()));
         }
         if r == 0 {
+            if mem.conn().link_down.load(Acquire) != 0 {
+                return Err(IrbError::Os(relink::LINK_DOWN));
+            }
+            if rx.fin != 0 {
+                return Ok(0);
+            }
             note_peer_eof(mem);
             return Ok(0);
         }
+        let fin_before = rx.fin;
         if let Err(e) =
             rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
         {
             return Err(fail(mem, slot, fd, e));
         }
+        fin_check(fd, fin_before, rx);
     }
 }
 

@@ -2,12 +2,13 @@
 //! statistics slot, and its send and receive chains. The kernel-TCP sink at the bottom of
 //! both chains is in [`crate::tcp_sink`].
 
+use crate::relink;
 use crate::shm::{ConnMem, Mapping};
 use crate::stats::{Slot, SlotInfo};
 use crate::tcp_sink::TcpSink;
 use std::cell::UnsafeCell;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::*;
+use std::sync::atomic::{AtomicU32, Ordering::*};
 use substrate::devices::CounterFilter;
 use substrate::irb::{Chain, Irb, IrbError, Outcome};
 use substrate::reliability::{RxState, TxState};
@@ -30,6 +31,9 @@ pub struct Vc {
     pub active: bool,
     send_chain: UnsafeCell<Chain>,
     recv_chain: UnsafeCell<Chain>,
+    /// The link generation this process's descriptors name (behind the shared one after
+    /// another process rebuilt the link).
+    my_gen: AtomicU32,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -54,6 +58,8 @@ pub struct Setup {
     pub peer: SocketAddr,
     /// True when this side connected.
     pub active: bool,
+    /// The peer node's agent addresses (the connecting side dials them after a failure).
+    pub peer_agents: Vec<SocketAddr>,
 }
 
 fn chain_for(mem: ConnMem, slot: Option<Slot>) -> Chain {
@@ -69,7 +75,7 @@ impl Vc {
     /// Sets up the layer's side of a virtual connection.
     pub fn new(s: &Setup) -> Option<Vc> {
         let ring = (s.window * crate::config::ring_factor()) as usize;
-        let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window)?;
+        let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window, s.active, &s.peer_agents)?;
         let slot = crate::stats::table().and_then(|t| {
             t.alloc(&SlotInfo {
                 gid: s.gid,
@@ -80,6 +86,9 @@ impl Vc {
             })
         });
         let m = *mem;
+        if let Some(sl) = slot {
+            sl.set_link(&s.local, &s.peer);
+        }
         Some(Vc {
             mem,
             slot,
@@ -88,7 +97,50 @@ impl Vc {
             active: s.active,
             send_chain: UnsafeCell::new(chain_for(m, slot)),
             recv_chain: UnsafeCell::new(chain_for(m, slot)),
+            my_gen: AtomicU32::new(0),
         })
+    }
+
+    /// The statistics slot.
+    pub fn slot(&self) -> Option<Slot> {
+        self.slot
+    }
+
+    /// This process's descriptors name link generation `gen`.
+    pub fn seen_gen(&self, gen: u32) {
+        self.my_gen.store(gen, Release);
+    }
+
+    /// Before a call: the control thread of this process runs (a forked child starts its
+    /// own), and this process's descriptors name the current link.
+    #[inline]
+    fn prepare(&self) {
+        relink::ensure_control();
+        if self.mem.conn().link_gen.load(Acquire) != self.my_gen.load(Relaxed) {
+            relink::adopt(self);
+        }
+    }
+
+    /// Runs a call, waiting for a rebuilt link when the current one is down (blocking
+    /// descriptors), or saying EAGAIN (non-blocking ones).
+    fn with_link(
+        &self,
+        fd: i32,
+        flags: i32,
+        mut call: impl FnMut() -> Result<usize, IrbError>,
+    ) -> Result<usize, IrbError> {
+        loop {
+            self.prepare();
+            match call() {
+                Err(IrbError::Os(relink::LINK_DOWN)) => {
+                    if flags & libc::MSG_DONTWAIT != 0 || crate::sys::nonblocking(fd) {
+                        return Err(IrbError::WouldBlock);
+                    }
+                    relink::wait_link(self).map_err(IrbError::Os)?;
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Rebuilds a connection handed over across `exec`: same identity, same stream
@@ -138,20 +190,27 @@ impl Vc {
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
-        let _g = c.tx_lock.lock();
-        // SAFETY: the send chain is only used under tx_lock, which we hold.
-        let chain = unsafe { &mut *self.send_chain.get() };
-        Self::run(chain, Irb::send(data, flags).with_handle(fd as i64))
+        self.with_link(fd, flags, || {
+            let _g = c.tx_lock.lock();
+            // SAFETY: the send chain is only used under tx_lock, which we hold.
+            let chain = unsafe { &mut *self.send_chain.get() };
+            Self::run(chain, Irb::send(data, flags).with_handle(fd as i64))
+        })
     }
 
     /// Receives application bytes through the receive chain.
     pub fn recv(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
-        let _g = c.rx_lock.lock();
-        // SAFETY: the receive chain is only used under rx_lock, which we hold.
-        let chain = unsafe { &mut *self.recv_chain.get() };
-        Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64))
+        let p = buf.as_mut_ptr();
+        let n = buf.len();
+        self.with_link(fd, flags, || {
+            let _g = c.rx_lock.lock();
+            // SAFETY: the receive chain is only used under rx_lock, which we hold; the
+            // buffer is the caller's, borrowed for this call only.
+            let (chain, b) = unsafe { (&mut *self.recv_chain.get(), std::slice::from_raw_parts_mut(p, n)) };
+            Self::run(chain, Irb::receive(b, flags).with_handle(fd as i64))
+        })
     }
 
     /// Payload bytes readable now (FIONREAD).
@@ -184,6 +243,8 @@ impl Vc {
 
 impl Drop for Vc {
     fn drop(&mut self) {
+        // This process no longer holds it: the agent must not hand it new links here.
+        relink::released(self.mem.conn().gid);
         // The last process to let go frees the statistics slot.
         if self.release() == 1 {
             if let Some(s) = self.slot {

@@ -19,6 +19,7 @@
 //! ```
 //!
 //! * [`wire`]: the frame header and the agent protocol.
+//! * [`auth`]: SHA-256, HMAC and the proofs that authenticate a resumed connection.
 //! * [`reliability`]: sequence numbers, acks, replay ring, window, resync.
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
 //! * [`devices`]: filters and test sinks.
@@ -27,6 +28,7 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod devices;
 pub mod gid;
 pub mod irb;

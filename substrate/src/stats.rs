@@ -42,6 +42,14 @@ pub mod off {
     pub const CREATED_MS: usize = 128;
     /// u32: errno the connection failed with (0 = healthy).
     pub const ERROR: usize = 136;
+    /// 20 bytes: local address of the physical link now (changes on failover).
+    pub const LINK_LOCAL: usize = 140;
+    /// 20 bytes: peer address of the physical link now.
+    pub const LINK_PEER: usize = 160;
+    /// u32: how many times the link was rebuilt.
+    pub const FAILOVERS: usize = 180;
+    /// u32: 0 = link up, 1 = rebuilding the link.
+    pub const LINK_STATE: usize = 184;
 }
 
 /// Encodes an address into the 20-byte slot form.
@@ -61,7 +69,8 @@ pub fn encode_addr(a: &SocketAddr) -> [u8; 20] {
     b
 }
 
-fn decode_addr(b: &[u8]) -> Option<SocketAddr> {
+/// Decodes the 20-byte slot form of an address.
+pub fn decode_addr(b: &[u8]) -> Option<SocketAddr> {
     let port = u16::from_le_bytes([b[2], b[3]]);
     let ip = match b[0] {
         4 => IpAddr::V4(Ipv4Addr::new(b[4], b[5], b[6], b[7])),
@@ -102,6 +111,14 @@ pub struct SlotView {
     pub created_ms: u64,
     /// errno the connection failed with, 0 when healthy.
     pub error: u32,
+    /// The physical link's local address now (the program's view is `local`).
+    pub link_local: Option<SocketAddr>,
+    /// The physical link's peer address now.
+    pub link_peer: Option<SocketAddr>,
+    /// Times the link was rebuilt.
+    pub failovers: u32,
+    /// True while the link is being rebuilt.
+    pub relinking: bool,
 }
 
 /// Substrate name for a code.
@@ -138,6 +155,10 @@ impl SlotView {
             unacked: u64at(off::UNACKED),
             created_ms: u64at(off::CREATED_MS),
             error: u32at(off::ERROR),
+            link_local: decode_addr(&s[off::LINK_LOCAL..off::LINK_LOCAL + 20]),
+            link_peer: decode_addr(&s[off::LINK_PEER..off::LINK_PEER + 20]),
+            failovers: u32at(off::FAILOVERS),
+            relinking: u32at(off::LINK_STATE) == 1,
         })
     }
 

@@ -2,9 +2,10 @@
 """Checksummed two-way byte stream, for checking that a connection loses, repeats or
 reorders nothing.
 
-    stream.py server --bind IP:PORT [--count K] [--hold S]
+    stream.py server --bind IP:PORT [--count K] [--hold S] [--rate BYTES_PER_S]
+                     [--check-names S]
     stream.py client --connect IP:PORT --bytes N --seed S [--server-bytes M]
-                     [--rate BYTES_PER_S] [--hold S] [--progress S]
+                     [--rate BYTES_PER_S] [--hold S] [--progress S] [--check-names S]
 
 The client opens one connection and sends a 24-byte header (magic, the number of bytes the
 server must send back, the seed for the server's data). Then both sides send at the same time,
@@ -18,9 +19,21 @@ At the end each side prints one JSON line on stdout:
 The header is not counted. The server serves connections concurrently and exits after K of
 them when --count is given (otherwise it runs until killed). Sockets are blocking: the test
 harness, not the program, bounds how long anything may take.
+
+When a call fails, the result also has "error" (what failed, with the exception) and
+"errnos": the symbolic errno of every failed call that had one (e.g. ["ETIMEDOUT"]), and the
+client exits with status 1.
+
+--rate limits each side's sending (the server's applies to every connection it serves), so a
+stream can be made to last long enough for something to happen in the middle of it.
+--check-names S calls getsockname and getpeername every S seconds while the exchange runs;
+the result then has "names_checked" (how many times) and "names_changed": every answer that
+differed from the names at the start, or the error the call raised (empty when the program
+saw the same names throughout).
 """
 
 import argparse
+import errno as errno_mod
 import hashlib
 import json
 import os
@@ -48,6 +61,14 @@ def fmt_addr(addr):
     return f"{addr[0]}:{addr[1]}"
 
 
+def errno_name(exc):
+    """Symbolic errno of an exception (None if it has none)."""
+    code = getattr(exc, "errno", None)
+    if not isinstance(code, int):
+        return None
+    return errno_mod.errorcode.get(code, str(code))
+
+
 def write_sizes(rng, total):
     """Yield write sizes 1..MAX_WRITE, log-uniform so that tiny and huge writes both occur."""
     left = total
@@ -69,6 +90,7 @@ class Sender:
         self.sent = 0
         self.hash = hashlib.sha256()
         self.error = None
+        self.errno = None
 
     def run(self):
         try:
@@ -92,6 +114,7 @@ class Sender:
             self.sock.shutdown(socket.SHUT_WR)
         except Exception as exc:  # reported in the JSON result
             self.error = f"send: {exc!r}"
+            self.errno = errno_name(exc)
 
 
 class Receiver:
@@ -100,6 +123,7 @@ class Receiver:
         self.received = 0
         self.hash = hashlib.sha256()
         self.error = None
+        self.errno = None
 
     def run(self):
         try:
@@ -111,9 +135,35 @@ class Receiver:
                 self.received += len(data)
         except Exception as exc:
             self.error = f"recv: {exc!r}"
+            self.errno = errno_name(exc)
 
 
-def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0):
+class NameChecker:
+    """Calls getsockname and getpeername every `interval` seconds until stopped, and keeps
+    every answer that differs from the names at the start (or the error the call raised)."""
+
+    def __init__(self, sock, local, peer, interval):
+        self.sock = sock
+        self.expected = {"local": local, "peer": peer}
+        self.interval = interval
+        self.checked = 0
+        self.changed = []
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.wait(self.interval):
+            try:
+                now = {"local": fmt_addr(self.sock.getsockname()),
+                       "peer": fmt_addr(self.sock.getpeername())}
+            except OSError as exc:
+                now = {"error": repr(exc)}
+            self.checked += 1
+            if now != self.expected and len(self.changed) < 20:
+                now["after_seconds"] = round(self.checked * self.interval, 3)
+                self.changed.append(now)
+
+
+def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0, check_names=0.0):
     """Send and receive at once; return the result dict."""
     start = time.monotonic()
     local, peer = fmt_addr(sock.getsockname()), fmt_addr(sock.getpeername())
@@ -121,10 +171,18 @@ def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0):
     receiver = Receiver(sock)
     threads = [threading.Thread(target=sender.run, daemon=True),
                threading.Thread(target=receiver.run, daemon=True)]
+    names = None
+    if check_names > 0:
+        names = NameChecker(sock, local, peer, check_names)
+        checker = threading.Thread(target=names.run, daemon=True)
+        checker.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if names is not None:
+        names.stop.set()
+        checker.join()
     errors = [e for e in (sender.error, receiver.error) if e]
     result = {
         "role": role,
@@ -137,8 +195,12 @@ def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0):
         "local": local,
         "peer": peer,
     }
+    if names is not None:
+        result["names_checked"] = names.checked
+        result["names_changed"] = names.changed
     if errors:
         result["error"] = "; ".join(errors)
+        result["errnos"] = [e for e in (sender.errno, receiver.errno) if e]
     return result
 
 
@@ -152,14 +214,17 @@ def recv_exact(sock, n):
     return buf
 
 
-def serve_one(conn, hold, out_lock):
+def serve_one(conn, hold, out_lock, rate=0.0, check_names=0.0):
     try:
         magic, back_bytes, seed = HEADER.unpack(recv_exact(conn, HEADER.size))
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
-        result = exchange(conn, "server", back_bytes, seed ^ SERVER_SEED_XOR)
+        result = exchange(conn, "server", back_bytes, seed ^ SERVER_SEED_XOR, rate,
+                          check_names=check_names)
     except Exception as exc:
         result = {"role": "server", "pid": os.getpid(), "error": f"header: {exc!r}"}
+        if errno_name(exc):
+            result["errnos"] = [errno_name(exc)]
     if hold > 0:
         time.sleep(hold)
     conn.close()
@@ -179,7 +244,8 @@ def server(args):
     while args.count == 0 or served < args.count:
         conn, _ = lsock.accept()
         served += 1
-        t = threading.Thread(target=serve_one, args=(conn, args.hold, out_lock), daemon=True)
+        t = threading.Thread(target=serve_one, args=(conn, args.hold, out_lock, args.rate,
+                                                     args.check_names), daemon=True)
         t.start()
         workers.append(t)
     for t in workers:
@@ -192,7 +258,8 @@ def client(args):
     sock = socket.create_connection(args.connect)
     back = args.bytes if args.server_bytes is None else args.server_bytes
     sock.sendall(HEADER.pack(MAGIC, back, args.seed))
-    result = exchange(sock, "client", args.bytes, args.seed, args.rate, args.progress)
+    result = exchange(sock, "client", args.bytes, args.seed, args.rate, args.progress,
+                      args.check_names)
     if hold := args.hold:
         time.sleep(hold)
     sock.close()
@@ -208,6 +275,10 @@ def main():
     s.add_argument("--count", type=int, default=0, help="exit after this many connections")
     s.add_argument("--hold", type=float, default=0.0, help="seconds to keep each finished "
                    "connection open before closing it")
+    s.add_argument("--rate", type=float, default=0.0,
+                   help="limit sending on each connection to bytes/second")
+    s.add_argument("--check-names", type=float, default=0.0, metavar="S",
+                   help="check getsockname/getpeername every S seconds during the exchange")
     c = sub.add_parser("client")
     c.add_argument("--connect", type=parse_addr, required=True)
     c.add_argument("--bytes", type=int, required=True, help="bytes the client sends")
@@ -219,6 +290,8 @@ def main():
                    "connection open before closing it")
     c.add_argument("--progress", type=float, default=0.0,
                    help="print sent-byte progress to stderr every this many seconds")
+    c.add_argument("--check-names", type=float, default=0.0, metavar="S",
+                   help="check getsockname/getpeername every S seconds during the exchange")
     args = p.parse_args()
     return server(args) if args.cmd == "server" else client(args)
 

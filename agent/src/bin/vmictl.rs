@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! vmictl [--socket NAME] status [--json]
+//! vmictl [--socket NAME] net down|up NET
 //! ```
 
 use agent::wire::{read_msg, write_msg};
@@ -13,11 +14,19 @@ use std::time::Duration;
 use substrate::wire::agent::Msg;
 
 const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
+       vmictl [--socket NAME] net down|up NET
 
-  status         the node's processes under the layer and every virtual connection
-  --json         the same as one JSON object: {node, processes[], listeners[], connections[]}
-                 each connection has gid, pid, local, peer, substrate, direction, bytes_sent,
-                 bytes_received, msgs_sent, msgs_received, unacked_bytes, window, age_ms, error
+  status         the node's processes under the layer, its networks, the health of every
+                 path to other nodes, and every virtual connection
+  --json         the same as one JSON object:
+                 {node, processes[], listeners[], networks[], paths[], connections[]}
+                 each connection has gid, pid, local, peer (what the program sees),
+                 substrate, direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
+                 unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
+                 physical link now), failovers, link (up, relinking or failed)
+  net down NET   take network NET (interface name or address) out of service: connections
+                 move off it without loss, new ones avoid it
+  net up NET     put it back in service
   --socket NAME  the agent's abstract socket (default vmi-agent, or VMI_AGENT_SOCKET)";
 
 fn fail(msg: &str) -> ! {
@@ -57,18 +66,47 @@ fn print_table(v: &Value) {
     for l in &ls {
         println!("  {}", l["addr"].as_str().unwrap_or(""));
     }
+    let ns = v["networks"].as_array().cloned().unwrap_or_default();
+    println!("\nnetworks: {}", ns.len());
+    for n in &ns {
+        println!(
+            "  {:<10} {:<24} {}",
+            n["name"].as_str().unwrap_or(""),
+            n["addr"].as_str().unwrap_or(""),
+            if n["admin"] == "down" { "OUT OF SERVICE" } else { "in service" }
+        );
+    }
+    let ps = v["paths"].as_array().cloned().unwrap_or_default();
+    println!("\npaths to other nodes: {}", ps.len());
+    for p in &ps {
+        let silent = p["silent_ms"].as_u64().map(|m| format!("heard {m} ms ago")).unwrap_or_default();
+        println!(
+            "  {:<16} {:<18} -> {:<18} {:<8} {:<7} {}",
+            p["node"].as_str().unwrap_or(""),
+            p["local"].as_str().unwrap_or(""),
+            p["peer"].as_str().unwrap_or(""),
+            p["network"].as_str().unwrap_or(""),
+            p["state"].as_str().unwrap_or(""),
+            silent
+        );
+    }
     let cs = v["connections"].as_array().cloned().unwrap_or_default();
     println!("\nvirtual connections: {}", cs.len());
     if !cs.is_empty() {
+        let h = ["GID", "PID", "LOCAL", "", "PEER", "SUBST", "SENT", "RECEIVED", "UNACKED", "NET", "LINK"];
         println!(
-            "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}",
-            "GID", "PID", "LOCAL", "", "PEER", "SUBST", "SENT", "RECEIVED", "UNACKED"
+            "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}  {:<6} {}",
+            h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], h[10]
         );
     }
     for c in &cs {
         let arrow = if c["direction"] == "out" { "->" } else { "<-" };
+        let link = match (c["link"].as_str().unwrap_or(""), c["failovers"].as_u64().unwrap_or(0)) {
+            (l, 0) => l.to_string(),
+            (l, n) => format!("{l}, {n} failovers"),
+        };
         println!(
-            "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}{}",
+            "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}  {:<6} {}{}",
             c["gid"].as_str().unwrap_or(""),
             c["pid"],
             c["local"].as_str().unwrap_or(""),
@@ -78,6 +116,8 @@ fn print_table(v: &Value) {
             human(c["bytes_sent"].as_u64().unwrap_or(0)),
             human(c["bytes_received"].as_u64().unwrap_or(0)),
             human(c["unacked_bytes"].as_u64().unwrap_or(0)),
+            c["network"].as_str().unwrap_or("?"),
+            link,
             if c["error"].as_u64().unwrap_or(0) != 0 { "  BROKEN" } else { "" },
         );
     }
@@ -86,7 +126,7 @@ fn print_table(v: &Value) {
 fn main() {
     let mut socket = std::env::var("VMI_AGENT_SOCKET").unwrap_or_else(|_| DEFAULT_SOCKET.into());
     let mut json = false;
-    let mut cmd = None;
+    let mut cmd: Option<Msg> = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -96,18 +136,37 @@ fn main() {
                 println!("{USAGE}");
                 return;
             }
-            "status" => cmd = Some(a),
+            "status" => cmd = Some(Msg::Status),
+            "net" => {
+                let up = match it.next().as_deref() {
+                    Some("down") => false,
+                    Some("up") => true,
+                    _ => fail(&format!("net needs down or up\n{USAGE}")),
+                };
+                let name = it.next().unwrap_or_else(|| fail(&format!("net needs a network name\n{USAGE}")));
+                cmd = Some(Msg::Net { name, up });
+            }
             other => fail(&format!("unknown argument {other}\n{USAGE}")),
         }
     }
-    if cmd.is_none() {
-        fail(USAGE);
-    }
+    let Some(cmd) = cmd else { fail(USAGE) };
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
     let mut s = UnixStream::connect_addr(&addr)
         .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    write_msg(&mut s, &Msg::Status).unwrap_or_else(|e| fail(&e.to_string()));
+    if let Msg::Net { name, up } = &cmd {
+        write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
+        match read_msg(&mut s) {
+            Ok(Msg::Ok) => {
+                println!("network {name} {}", if *up { "back in service" } else { "out of service" });
+                return;
+            }
+            Ok(Msg::Error { reason }) => fail(&reason),
+            Ok(other) => fail(&format!("unexpected answer {other:?}")),
+            Err(e) => fail(&e.to_string()),
+        }
+    }
+    write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
     let json_text = match read_msg(&mut s) {
         Ok(Msg::StatusReply { json }) => json,
         Ok(other) => fail(&format!("unexpected answer {other:?}")),

@@ -51,6 +51,10 @@ pub enum ProtoError {
     UnexpectedResync,
     /// A rebuilt link whose first frame was not a resync.
     MissingResync,
+    /// The peer's program reset the connection (not a malformed stream: the end of it).
+    PeerAborted,
+    /// Data after the peer's end of stream.
+    DataAfterFin,
     /// The peer's resync names an offset outside what can be replayed.
     ResyncOutOfRange {
         /// What the peer says it received.
@@ -83,6 +87,8 @@ impl std::fmt::Display for ProtoError {
             }
             ProtoError::UnexpectedResync => write!(f, "resync frame in the middle of a link"),
             ProtoError::MissingResync => write!(f, "rebuilt link did not start with a resync"),
+            ProtoError::PeerAborted => write!(f, "the peer reset the connection"),
+            ProtoError::DataAfterFin => write!(f, "data after the end of stream"),
             ProtoError::ResyncOutOfRange { received, acked, sent } => {
                 write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")
             }

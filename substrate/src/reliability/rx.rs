@@ -74,6 +74,8 @@ pub struct RxState {
     /// Bytes of `header` gathered so far.
     pub header_len: u32,
     header: [u8; HEADER_LEN],
+    /// 1 once the peer's end of stream (a Fin frame) arrived: no data may follow.
+    pub fin: u32,
 }
 
 impl Default for RxState {
@@ -94,6 +96,7 @@ impl RxState {
             expect_resync: 0,
             header_len: 0,
             header: [0; HEADER_LEN],
+            fin: 0,
         }
     }
 
@@ -237,7 +240,7 @@ impl RxState {
         if n >= 1 && h[0] != MAGIC {
             return Err(FrameError::BadMagic(h[0]).into());
         }
-        if n >= 2 && !(1..=3).contains(&h[1]) {
+        if n >= 2 && !(1..=5).contains(&h[1]) {
             return Err(FrameError::UnknownKind(h[1]).into());
         }
         if n >= 4 && (h[2] != 0 || h[3] != 0) {
@@ -260,10 +263,17 @@ impl RxState {
             }
             FrameKind::Resync => return Err(ProtoError::UnexpectedResync),
             _ if first => return Err(ProtoError::MissingResync),
-            FrameKind::Data | FrameKind::Ack => {}
+            FrameKind::Abort => return Err(ProtoError::PeerAborted),
+            FrameKind::Data | FrameKind::Ack | FrameKind::Fin => {}
         }
         if h.seq != self.delivered {
             return Err(ProtoError::OutOfOrder { got: h.seq, expected: self.delivered });
+        }
+        if h.kind == FrameKind::Data && self.fin != 0 {
+            return Err(ProtoError::DataAfterFin);
+        }
+        if h.kind == FrameKind::Fin {
+            self.fin = 1;
         }
         if h.ack < self.peer_ack {
             return Err(ProtoError::AckWentBack { ack: h.ack, before: self.peer_ack });
@@ -283,6 +293,17 @@ impl RxState {
         } else {
             None
         }
+    }
+
+    /// A new link replaced the old one after a handshake that already told the peer what was
+    /// delivered (and told us what the peer delivered, `peer_delivered`, which acknowledges
+    /// our stream up to there): partial frames are gone; the next frame starts a clean one.
+    pub fn relink(&mut self, peer_delivered: u64) {
+        self.frame_rem = 0;
+        self.header_len = 0;
+        self.expect_resync = 0;
+        self.has_resync = 0;
+        self.peer_ack = self.peer_ack.max(peer_delivered);
     }
 
     /// A new link replaced the old one: partial frames are gone; its first frame must be the

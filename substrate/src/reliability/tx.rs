@@ -271,6 +271,23 @@ impl TxState {
         self.awaiting_resync = 1;
     }
 
+    /// A new link replaced the old one and the handshake said the peer delivered `received`
+    /// bytes of our stream, and that we delivered `delivered` of the peer's: the frame in
+    /// progress is gone; replay from `received`.
+    pub fn relink(&mut self, received: u64, delivered: u64) -> Result<(), ProtoError> {
+        if received < self.acked || received > self.next_seq {
+            return Err(ProtoError::ResyncOutOfRange { received, acked: self.acked, sent: self.next_seq });
+        }
+        self.owed_header_off = HEADER_LEN as u32;
+        self.owed_payload = 0;
+        self.owed_is_replay = 0;
+        self.awaiting_resync = 0;
+        self.acked = received;
+        self.wire_seq = received;
+        self.ack_sent = self.ack_sent.max(delivered);
+        Ok(())
+    }
+
     /// The peer says it delivered `received` bytes of our stream: replay from there.
     pub fn resync(&mut self, received: u64) -> Result<(), ProtoError> {
         if received < self.acked || received > self.next_seq {

@@ -64,6 +64,9 @@ pub enum Msg {
         secret: u128,
         /// The other side's window.
         window: u64,
+        /// Where the other side's node agent can be reached, one address per network (the
+        /// connecting side dials them to rebuild the link after a failure).
+        addrs: Vec<SocketAddr>,
     },
     /// Answer: plain TCP.
     Plain,
@@ -80,6 +83,92 @@ pub enum Msg {
     StatusReply {
         /// JSON document.
         json: String,
+    },
+    /// Dialer → the holder's node agent, first message on a new link: rebuild the link of
+    /// virtual connection `gid` (the agent hands the socket to the process holding it).
+    Resume {
+        /// The connection.
+        gid: u128,
+        /// The dialer's fresh nonce.
+        nonce: u128,
+    },
+    /// Holder → dialer: the holder's fresh nonce.
+    Challenge {
+        /// Nonce.
+        nonce: u128,
+    },
+    /// Dialer → holder: bytes of the holder's stream the dialer delivered, with its proof of
+    /// the secret ([`crate::auth::resume_mac`]).
+    Proof {
+        /// Bytes delivered.
+        delivered: u64,
+        /// Proof.
+        mac: u128,
+    },
+    /// Holder → dialer: the proof was right; bytes of the dialer's stream the holder
+    /// delivered, with the holder's proof.
+    Ready {
+        /// Bytes delivered.
+        delivered: u64,
+        /// Proof.
+        mac: u128,
+    },
+    /// Layer → agent, first message on a process's event channel (agent → layer notices).
+    Events {
+        /// The process id.
+        pid: u32,
+    },
+    /// Layer → agent (event channel): this process holds virtual connection `gid`.
+    Hold {
+        /// The connection.
+        gid: u128,
+    },
+    /// Layer → agent (event channel): this process no longer holds `gid`.
+    Release {
+        /// The connection.
+        gid: u128,
+    },
+    /// Agent → layer (event channel): the network path from `local` to `peer` (IPs; ports
+    /// are 0) stopped working, or works again (`up`).
+    Path {
+        /// Local address of the path.
+        local: SocketAddr,
+        /// Peer node's address of the path.
+        peer: SocketAddr,
+        /// True when the path works again.
+        up: bool,
+    },
+    /// Agent → layer (event channel): a new link for `gid`, its socket passed beside this
+    /// message; the dialer's `Resume` nonce.
+    Handover {
+        /// The connection.
+        gid: u128,
+        /// The dialer's nonce.
+        nonce: u128,
+    },
+    /// Layer → agent: which paths to the node reachable at `peers` work now?
+    Paths {
+        /// The peer node's agent addresses.
+        peers: Vec<SocketAddr>,
+    },
+    /// Agent → layer: working paths, best first, as (local IP, peer agent address).
+    PathList {
+        /// The paths.
+        pairs: Vec<(SocketAddr, SocketAddr)>,
+    },
+    /// `vmictl` → agent: take a network out of service (`up` false) or put it back.
+    Net {
+        /// Interface name or one of the node's addresses.
+        name: String,
+        /// Back in service.
+        up: bool,
+    },
+    /// Agent → agent over UDP, on every network path: a heartbeat.
+    Probe {
+        /// The sender's node name.
+        node: String,
+        /// Heartbeat number.
+        seq: u64,
     },
 }
 
@@ -98,7 +187,12 @@ pub enum AgentWireError {
     BadString,
     /// Bytes left over after the last field.
     TrailingBytes(usize),
+    /// A flag byte other than 0 or 1.
+    BadBool,
 }
+
+/// Smallest encoded address (family, IPv4, port).
+const MIN_ADDR: usize = 7;
 
 impl std::fmt::Display for AgentWireError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -109,6 +203,7 @@ impl std::fmt::Display for AgentWireError {
             AgentWireError::BadFamily(x) => write!(f, "bad address family {x}"),
             AgentWireError::BadString => write!(f, "string is not UTF-8"),
             AgentWireError::TrailingBytes(n) => write!(f, "{n} bytes after the message"),
+            AgentWireError::BadBool => write!(f, "flag byte is not 0 or 1"),
         }
     }
 }
@@ -133,6 +228,12 @@ impl W {
     fn str(&mut self, s: &str) {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes())
+    }
+    fn addrs(&mut self, v: &[SocketAddr]) {
+        self.u32(v.len() as u32);
+        for a in v {
+            self.addr(a);
+        }
     }
     fn addr(&mut self, a: &SocketAddr) {
         match a.ip() {
@@ -180,6 +281,26 @@ impl<'a> R<'a> {
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| AgentWireError::BadString)
     }
+    fn bool(&mut self) -> Result<bool, AgentWireError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(AgentWireError::BadBool),
+        }
+    }
+    /// A count of items each at least `min` bytes long: refused if the body cannot hold
+    /// them (so a hostile count never makes a large allocation).
+    fn count(&mut self, min: usize) -> Result<usize, AgentWireError> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min) > self.0.len() {
+            return Err(AgentWireError::Truncated);
+        }
+        Ok(n)
+    }
+    fn addrs(&mut self) -> Result<Vec<SocketAddr>, AgentWireError> {
+        let n = self.count(MIN_ADDR)?;
+        (0..n).map(|_| self.addr()).collect()
+    }
     fn addr(&mut self) -> Result<SocketAddr, AgentWireError> {
         let ip = match self.u8()? {
             4 => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(self.take(4)?).expect("4"))),
@@ -222,11 +343,12 @@ impl Msg {
                 w.addr(local);
                 w.addr(peer);
             }
-            Msg::Virtual { gid, secret, window } => {
+            Msg::Virtual { gid, secret, window, addrs } => {
                 w.u8(6);
                 w.u128(*gid);
                 w.u128(*secret);
                 w.u64(*window);
+                w.addrs(addrs);
             }
             Msg::Plain => w.u8(7),
             Msg::Ok => w.u8(8),
@@ -238,6 +360,70 @@ impl Msg {
             Msg::StatusReply { json } => {
                 w.u8(11);
                 w.str(json);
+            }
+            Msg::Resume { gid, nonce } => {
+                w.u8(12);
+                w.u128(*gid);
+                w.u128(*nonce);
+            }
+            Msg::Challenge { nonce } => {
+                w.u8(13);
+                w.u128(*nonce);
+            }
+            Msg::Proof { delivered, mac } => {
+                w.u8(14);
+                w.u64(*delivered);
+                w.u128(*mac);
+            }
+            Msg::Ready { delivered, mac } => {
+                w.u8(15);
+                w.u64(*delivered);
+                w.u128(*mac);
+            }
+            Msg::Events { pid } => {
+                w.u8(16);
+                w.u32(*pid);
+            }
+            Msg::Hold { gid } => {
+                w.u8(17);
+                w.u128(*gid);
+            }
+            Msg::Release { gid } => {
+                w.u8(18);
+                w.u128(*gid);
+            }
+            Msg::Path { local, peer, up } => {
+                w.u8(19);
+                w.addr(local);
+                w.addr(peer);
+                w.u8(*up as u8);
+            }
+            Msg::Handover { gid, nonce } => {
+                w.u8(20);
+                w.u128(*gid);
+                w.u128(*nonce);
+            }
+            Msg::Paths { peers } => {
+                w.u8(21);
+                w.addrs(peers);
+            }
+            Msg::PathList { pairs } => {
+                w.u8(22);
+                w.u32(pairs.len() as u32);
+                for (a, b) in pairs {
+                    w.addr(a);
+                    w.addr(b);
+                }
+            }
+            Msg::Net { name, up } => {
+                w.u8(23);
+                w.str(name);
+                w.u8(*up as u8);
+            }
+            Msg::Probe { node, seq } => {
+                w.u8(24);
+                w.str(node);
+                w.u64(*seq);
             }
         }
         let body = (w.0.len() - 4) as u32;
@@ -269,12 +455,32 @@ impl Msg {
                 window: r.u64()?,
             },
             5 => Msg::Accept { local: r.addr()?, peer: r.addr()? },
-            6 => Msg::Virtual { gid: r.u128()?, secret: r.u128()?, window: r.u64()? },
+            6 => Msg::Virtual { gid: r.u128()?, secret: r.u128()?, window: r.u64()?, addrs: r.addrs()? },
             7 => Msg::Plain,
             8 => Msg::Ok,
             9 => Msg::Error { reason: r.str()? },
             10 => Msg::Status,
             11 => Msg::StatusReply { json: r.str()? },
+            12 => Msg::Resume { gid: r.u128()?, nonce: r.u128()? },
+            13 => Msg::Challenge { nonce: r.u128()? },
+            14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()? },
+            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()? },
+            16 => Msg::Events { pid: r.u32()? },
+            17 => Msg::Hold { gid: r.u128()? },
+            18 => Msg::Release { gid: r.u128()? },
+            19 => Msg::Path { local: r.addr()?, peer: r.addr()?, up: r.bool()? },
+            20 => Msg::Handover { gid: r.u128()?, nonce: r.u128()? },
+            21 => Msg::Paths { peers: r.addrs()? },
+            22 => {
+                let n = r.count(2 * MIN_ADDR)?;
+                let mut pairs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pairs.push((r.addr()?, r.addr()?));
+                }
+                Msg::PathList { pairs }
+            }
+            23 => Msg::Net { name: r.str()?, up: r.bool()? },
+            24 => Msg::Probe { node: r.str()?, seq: r.u64()? },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -311,7 +517,20 @@ mod tests {
             Msg::Unlisten { addr: b },
             Msg::Connect { src: a, dst: b, gid: u128::MAX, secret: 7, window: 1 << 22 },
             Msg::Accept { local: b, peer: a },
-            Msg::Virtual { gid: 1, secret: 2, window: 3 },
+            Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b] },
+            Msg::Resume { gid: 1, nonce: 2 },
+            Msg::Challenge { nonce: 3 },
+            Msg::Proof { delivered: 4, mac: 5 },
+            Msg::Ready { delivered: 6, mac: 7 },
+            Msg::Events { pid: 8 },
+            Msg::Hold { gid: 9 },
+            Msg::Release { gid: 10 },
+            Msg::Path { local: a, peer: b, up: true },
+            Msg::Handover { gid: 11, nonce: 12 },
+            Msg::Paths { peers: vec![a] },
+            Msg::PathList { pairs: vec![(a, b), (b, a)] },
+            Msg::Net { name: "eth0".into(), up: false },
+            Msg::Probe { node: "n".into(), seq: 13 },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },

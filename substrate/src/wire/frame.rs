@@ -37,6 +37,10 @@ pub enum FrameKind {
     Ack = 2,
     /// First frame on a rebuilt link: how much of the peer's stream was delivered.
     Resync = 3,
+    /// The peer's program reset the connection (closed it with unread data): final.
+    Abort = 4,
+    /// The peer's program shut its sending side down: end of stream (acks still flow).
+    Fin = 5,
 }
 
 /// A decoded frame header.
@@ -109,6 +113,8 @@ impl FrameHeader {
             1 => FrameKind::Data,
             2 => FrameKind::Ack,
             3 => FrameKind::Resync,
+            4 => FrameKind::Abort,
+            5 => FrameKind::Fin,
             k => return Err(FrameError::UnknownKind(k)),
         };
         let flags = u16::from_le_bytes([b[2], b[3]]);

@@ -1,0 +1,892 @@
+//! Failover: rebuilding a virtual connection's physical link over a network that works,
+//! under the same descriptor number, with nothing lost, repeated or reordered.
+//!
+//! Each process with virtual connections runs one control thread. It keeps an *event
+//! channel* open to the node agent (which connections this process holds; which network
+//! paths died), and does the slow work so the program's threads only ever wait:
+//!
+//! * **Detection.** The agent says a path died (its probes went silent), or a program's call
+//!   met an error on the physical socket (reset, timeout, unreachable) that the peer's layer
+//!   did not announce as the program's own reset. Either way the link is marked down; calls
+//!   on it then wait (blocking sockets) or return `EAGAIN` (non-blocking ones), for at most
+//!   the grace period (`VMI_GRACE`), after which they fail with `ETIMEDOUT`.
+//! * **Rebuild.** The side that connected dials the peer node's agent over a working path
+//!   (the agent lists them) and says `Resume{gid, nonce}`; that agent hands the socket to the
+//!   process holding the connection. Both sides prove they know the connection's secret
+//!   ([`substrate::auth`]) and state how many bytes of the other's stream they delivered.
+//! * **Install.** The old socket is disconnected (waking any thread blocked on it), the new
+//!   one is put under every descriptor number of the connection with `dup3`, with the old
+//!   one's file flags and socket options, and the program's epoll registrations are made
+//!   again. Each side then replays what the other did not deliver from its replay ring, and
+//!   the end of stream if the program had shut its side down.
+
+use crate::fdtable::{self, OWN_EVENTS, OWN_WAKE};
+use crate::shm::ConnMem;
+use crate::vc::Vc;
+use crate::{agent, config, log, real, sys};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
+use std::sync::{Arc, Mutex};
+use substrate::auth::{proofs_equal, resume_mac, Role};
+use substrate::wire::agent::Msg;
+
+/// Internal error code: the link is down, wait for a new one (never reaches the program).
+pub const LINK_DOWN: i32 = 0x7f00_0001;
+
+/// Pid of the process whose control thread runs (0: none yet; another pid: a fork parent's).
+static CONTROL_PID: AtomicI32 = AtomicI32::new(0);
+static START: Mutex<()> = Mutex::new(());
+
+/// Registrations the program made on epoll instances for descriptors of virtual
+/// connections: (epfd, fd) → event.
+static EPOLL: Mutex<Vec<(i32, i32, libc::epoll_event)>> = Mutex::new(Vec::new());
+static EPOLL_ANY: AtomicU32 = AtomicU32::new(0);
+/// 1 while some rebuilt link still has bytes to replay.
+static REPLAYING: AtomicU32 = AtomicU32::new(0);
+
+// ---------------------------------------------------------------------------------------------
+// Link state shared with the data path
+
+/// The physical socket failed with `e` (or the agent said its path died): mark the link
+/// down and tell the control thread. True if it was up until now.
+pub fn link_broken(mem: ConnMem, why: &str) -> bool {
+    let c = mem.conn();
+    if c.broken.load(Acquire) != 0 {
+        return false;
+    }
+    if c.link_down.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        c.down_since_ms.store(sys::now_ms(), Release);
+        log::info(format_args!("virtual connection {:032x}: link lost ({why}); rebuilding it", c.gid));
+        wake();
+        return true;
+    }
+    false
+}
+
+/// True if `e` from the physical socket means the link (not the peer's program) failed.
+pub fn is_link_error(e: i32) -> bool {
+    matches!(
+        e,
+        libc::ECONNRESET
+            | libc::EPIPE
+            | libc::ETIMEDOUT
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::ENETDOWN
+            | libc::ECONNABORTED
+            | libc::ENOTCONN
+            | libc::EHOSTDOWN
+    )
+}
+
+fn futex_wait(word: &AtomicU32, val: u32, ms: u64) {
+    let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) * 1_000_000) as _ };
+    // SAFETY: `word` is a valid u32 in shared memory (no FUTEX_PRIVATE_FLAG: other processes
+    // wake it too).
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, val, &ts, 0usize, 0u32) };
+}
+
+fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: as above.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32)
+    };
+}
+
+/// Waits (a blocking call) until the link is up again or the connection failed; the
+/// connection's errno in the second case.
+pub fn wait_link(vc: &Vc) -> Result<(), i32> {
+    let c = vc.mem().conn();
+    ensure_control();
+    loop {
+        let b = c.broken.load(Acquire);
+        if b != 0 {
+            return Err(b);
+        }
+        let gen = c.link_gen.load(Acquire);
+        if c.link_down.load(Acquire) == 0 {
+            return Ok(());
+        }
+        futex_wait(&c.link_gen, gen, 200);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// epoll registrations
+
+/// Records what the program did with `epoll_ctl` on a descriptor of a virtual connection
+/// (`ev`: the event it passed, for ADD and MOD).
+pub fn epoll_note(epfd: i32, op: i32, fd: i32, ev: Option<libc::epoll_event>) {
+    let mut regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
+    regs.retain(|r| !(r.0 == epfd && r.1 == fd));
+    if let (true, Some(ev)) = (op == libc::EPOLL_CTL_ADD || op == libc::EPOLL_CTL_MOD, ev) {
+        regs.push((epfd, fd, ev));
+    }
+    EPOLL_ANY.store(!regs.is_empty() as u32, Relaxed);
+}
+
+/// The program closed `fd` (an epoll instance or a connection's descriptor).
+pub fn epoll_closed(fd: i32) {
+    if EPOLL_ANY.load(Relaxed) == 0 {
+        return;
+    }
+    let mut regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
+    regs.retain(|r| r.0 != fd && r.1 != fd);
+    EPOLL_ANY.store(!regs.is_empty() as u32, Relaxed);
+}
+
+fn epoll_detach(fds: &[i32]) {
+    let regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
+    for r in regs.iter().filter(|r| fds.contains(&r.1)) {
+        // SAFETY: removes the old socket from the program's epoll instance.
+        unsafe { real::epoll_ctl(r.0, libc::EPOLL_CTL_DEL, r.1, std::ptr::null_mut()) };
+    }
+}
+
+fn epoll_attach(fds: &[i32]) {
+    let regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
+    for r in regs.iter().filter(|r| fds.contains(&r.1)) {
+        let mut ev = r.2;
+        // SAFETY: registers the new socket with the program's events and data.
+        if unsafe { real::epoll_ctl(r.0, libc::EPOLL_CTL_ADD, r.1, &mut ev) } != 0 {
+            log::warn(format_args!(
+                "cannot register fd {} again with epoll fd {}: errno {}",
+                r.1,
+                r.0,
+                sys::errno()
+            ));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The control thread
+
+fn wake() {
+    let fd = fdtable::own_fd(OWN_WAKE);
+    if fd >= 0 {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(fd, &one as *const u64 as *const _, 8) };
+    }
+}
+
+/// Starts this process's control thread if it does not run yet (first connection, or the
+/// first call in a forked child).
+pub fn ensure_control() {
+    let me = crate::pid();
+    if CONTROL_PID.load(Acquire) == me {
+        return;
+    }
+    let _g = START.lock().unwrap_or_else(|e| e.into_inner());
+    if CONTROL_PID.load(Acquire) == me {
+        return;
+    }
+    // A forked child inherited its parent's descriptors: close them, they are the parent's.
+    for role in [OWN_EVENTS, OWN_WAKE] {
+        let fd = fdtable::unprotect(role);
+        if fd >= 0 {
+            // SAFETY: our own descriptor (the child's copy).
+            unsafe { real::close(fd) };
+        }
+    }
+    // SAFETY: plain eventfd creation.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if efd >= 0 {
+        fdtable::protect(OWN_WAKE, fdtable::move_high(efd));
+    }
+    let ok = std::thread::Builder::new()
+        .name("vmi-control".into())
+        .stack_size(256 << 10)
+        .spawn(|| {
+            let _ = std::panic::catch_unwind(control_loop);
+        })
+        .is_ok();
+    if ok {
+        CONTROL_PID.store(me, Release);
+    } else {
+        log::error(format_args!("cannot start the control thread: connections cannot fail over"));
+    }
+}
+
+/// Asks the control thread to look at the connections now (a Fin waits for a replay).
+pub fn poke() {
+    REPLAYING.store(1, Relaxed);
+    wake();
+}
+
+/// A new connection in this process: tell the agent we hold it.
+pub fn held(gid: u128) {
+    ensure_control();
+    send_event(&Msg::Hold { gid });
+}
+
+/// This process let go of a connection.
+pub fn released(gid: u128) {
+    send_event(&Msg::Release { gid });
+}
+
+static EVT_WRITE: Mutex<()> = Mutex::new(());
+
+fn send_event(m: &Msg) {
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    let fd = fdtable::own_fd(OWN_EVENTS);
+    if fd >= 0 && !agent::write_all(fd, &m.encode(), None) {
+        log::debug(format_args!("event channel write failed"));
+    }
+}
+
+fn open_events() -> Option<i32> {
+    let fd = agent::open_socket(OWN_EVENTS)?;
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    if !agent::write_all(fd, &Msg::Events { pid: crate::pid() as u32 }.encode(), None) {
+        return None;
+    }
+    for v in fdtable::distinct_vcs() {
+        if !agent::write_all(fd, &Msg::Hold { gid: v.mem().conn().gid }.encode(), None) {
+            return None;
+        }
+    }
+    Some(fd)
+}
+
+fn close_events() {
+    let fd = fdtable::unprotect(OWN_EVENTS);
+    if fd >= 0 {
+        // SAFETY: our own socket.
+        unsafe { real::close(fd) };
+    }
+}
+
+/// Reads one message (and a descriptor riding with it) from the event channel.
+fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
+    let mut pre = [0u8; 4];
+    let mut iov = libc::iovec { iov_base: pre.as_mut_ptr() as *mut _, iov_len: 4 };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: zeroed msghdr is valid; pointers set to live locals.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: msg is valid; MSG_WAITALL gets the whole prefix.
+    let r = unsafe { real::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_WAITALL) };
+    if r != 4 {
+        return None;
+    }
+    let mut passed = None;
+    // SAFETY: walking the control messages the kernel wrote.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                passed = Some(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32));
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let close_passed = |p: Option<i32>| {
+        if let Some(p) = p {
+            // SAFETY: a descriptor we were passed and will not use.
+            unsafe { real::close(p) };
+        }
+    };
+    let Ok(n) = Msg::body_len(pre) else {
+        close_passed(passed);
+        return None;
+    };
+    let mut body = vec![0u8; n];
+    if !agent::read_exact(fd, &mut body) {
+        close_passed(passed);
+        return None;
+    }
+    match Msg::decode(&body) {
+        Ok(m) => Some((m, passed)),
+        Err(e) => {
+            log::warn(format_args!("agent sent a malformed event: {e}"));
+            close_passed(passed);
+            None
+        }
+    }
+}
+
+/// Connections whose link is down, with when this process last tried to dial.
+struct Pending {
+    next_try_ms: u64,
+}
+
+fn control_loop() {
+    let mut next_connect = 0u64;
+    let mut pending: HashMap<u128, Pending> = HashMap::new();
+    loop {
+        let now = sys::now_ms();
+        let mut evt = fdtable::own_fd(OWN_EVENTS);
+        if evt < 0 && now >= next_connect {
+            match open_events() {
+                Some(fd) => evt = fd,
+                None => {
+                    close_events();
+                    next_connect = now + 500;
+                }
+            }
+        }
+        let wake_fd = fdtable::own_fd(OWN_WAKE);
+        let mut pfds = [
+            libc::pollfd { fd: evt, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
+        ];
+        let timeout = if REPLAYING.load(Relaxed) != 0 {
+            2
+        } else if pending.is_empty() {
+            500
+        } else {
+            50
+        };
+        // SAFETY: two valid pollfds (negative fds are ignored by poll).
+        unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+        if pfds[1].revents != 0 {
+            let mut v = 0u64;
+            // SAFETY: drains our eventfd.
+            unsafe { libc::read(wake_fd, &mut v as *mut u64 as *mut _, 8) };
+        }
+        if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+            match read_event(evt) {
+                Some((m, passed)) => on_event(m, passed, &mut pending),
+                None => {
+                    log::info(format_args!("event channel to the node agent closed; reconnecting"));
+                    close_events();
+                    next_connect = sys::now_ms() + 200;
+                }
+            }
+        }
+        work(&mut pending);
+    }
+}
+
+fn find(gid: u128) -> Option<Arc<Vc>> {
+    fdtable::distinct_vcs().into_iter().find(|v| v.mem().conn().gid == gid)
+}
+
+fn on_event(m: Msg, passed: Option<i32>, pending: &mut HashMap<u128, Pending>) {
+    match (m, passed) {
+        (Msg::Path { local, peer, up: false }, _) => {
+            for v in fdtable::distinct_vcs() {
+                let c = v.mem().conn();
+                if c.active == 0 || c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+                    continue;
+                }
+                let Some(&fd) = fdtable::fds_of(&v).first() else { continue };
+                let (Some(l), Some(p)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { continue };
+                if same_ip(l, local) && same_ip(p, peer) {
+                    link_broken(v.mem(), &format!("path {} -> {} died", local.ip(), peer.ip()));
+                }
+            }
+        }
+        (Msg::Path { up: true, .. }, _) => {
+            // Try at once what waits for a network.
+            for p in pending.values_mut() {
+                p.next_try_ms = 0;
+            }
+        }
+        (Msg::Handover { gid, nonce }, Some(fd)) => answer(gid, nonce, fd),
+        (other, passed) => {
+            if let Some(p) = passed {
+                // SAFETY: a descriptor we did not ask for.
+                unsafe { real::close(p) };
+            }
+            log::debug(format_args!("event ignored: {other:?}"));
+        }
+    }
+}
+
+fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
+    let norm = |x: SocketAddr| match x.ip() {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(x.ip()),
+        ip => ip,
+    };
+    norm(a) == norm(b)
+}
+
+/// Dials, gives up after the grace period, for every connection whose link is down.
+fn work(pending: &mut HashMap<u128, Pending>) {
+    let now = sys::now_ms();
+    let mut seen = Vec::new();
+    REPLAYING.store(0, Relaxed);
+    for v in fdtable::distinct_vcs() {
+        let c = v.mem().conn();
+        if c.broken.load(Acquire) != 0 {
+            continue;
+        }
+        if c.link_down.load(Acquire) == 0 {
+            // A rebuilt link whose replay did not fit in the socket at once: keep pushing
+            // it (the program may be waiting for an answer to bytes only the replay carries).
+            // SAFETY: a racy read of a plain integer, only to choose whether to look.
+            if unsafe { (*c.tx.get()).replaying() } || c.fin_owed.load(Acquire) != 0 {
+                if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
+                    if !crate::tcp_sink::replay_now(v.mem(), v.slot(), fd) {
+                        REPLAYING.store(1, Relaxed);
+                    }
+                }
+            }
+            continue;
+        }
+        seen.push(c.gid);
+        let since = c.down_since_ms.load(Acquire);
+        if now.saturating_sub(since) > config::grace_ms() {
+            give_up(&v, libc::ETIMEDOUT, "no network reached the peer within the grace period");
+            continue;
+        }
+        if let Some(s) = v.slot() {
+            s.set_relinking(true, false);
+        }
+        let p = pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
+        if c.active != 0 && now >= p.next_try_ms {
+            if dial(&v) {
+                pending.remove(&c.gid);
+            } else if let Some(p) = pending.get_mut(&c.gid) {
+                p.next_try_ms = sys::now_ms() + 100;
+            }
+        }
+    }
+    pending.retain(|g, _| seen.contains(g));
+}
+
+/// The connection failed for good: every call reports `e` from now on.
+fn give_up(v: &Vc, e: i32, why: &str) {
+    let c = v.mem().conn();
+    if c.broken.compare_exchange(0, e, AcqRel, Acquire).is_ok() {
+        log::warn(format_args!("virtual connection {:032x}: {why}; the program sees errno {e}", c.gid));
+        if let Some(s) = v.slot() {
+            s.set_error(e);
+            s.set_relinking(false, false);
+        }
+    }
+    c.link_gen.fetch_add(1, AcqRel);
+    futex_wake_all(&c.link_gen);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handshake
+
+fn set_timeouts(fd: i32, ms: i64) {
+    let tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: valid pointer to a local timeval.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &tv as *const _ as *const _,
+                std::mem::size_of_val(&tv) as _,
+            )
+        };
+    }
+}
+
+fn send_msg(fd: i32, m: &Msg) -> bool {
+    agent::write_all(fd, &m.encode(), None)
+}
+
+fn recv_msg(fd: i32) -> Option<Msg> {
+    let mut pre = [0u8; 4];
+    if !agent::read_exact(fd, &mut pre) {
+        return None;
+    }
+    let n = Msg::body_len(pre).ok()?;
+    if n > 4096 {
+        return None;
+    }
+    let mut body = vec![0u8; n];
+    if !agent::read_exact(fd, &mut body) {
+        return None;
+    }
+    Msg::decode(&body).ok()
+}
+
+/// Connects a new socket from `local` (IP; unspecified: any) to `peer`, within `ms`.
+fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option<i32> {
+    let v6 = peer.is_ipv6();
+    let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let fail = |fd: i32| {
+        // SAFETY: our socket.
+        unsafe { real::close(fd) };
+        None
+    };
+    if !local.ip().is_unspecified() && local.is_ipv6() == v6 {
+        let (st, len) = sys::to_raw(&SocketAddr::new(local.ip(), 0), v6);
+        // SAFETY: binds our own socket.
+        if unsafe { libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) } != 0 {
+            return fail(fd);
+        }
+    }
+    let (st, len) = sys::to_raw(&peer, v6);
+    // SAFETY: connects our own socket.
+    let r = unsafe { real::connect(fd, &st as *const _ as *const libc::sockaddr, len) };
+    if r != 0 && sys::errno() != libc::EINPROGRESS {
+        return fail(fd);
+    }
+    if r != 0 {
+        if sys::wait_fd(fd, libc::POLLOUT, ms) & libc::POLLOUT == 0 {
+            return fail(fd);
+        }
+        let mut err: i32 = 0;
+        let mut l = 4 as libc::socklen_t;
+        // SAFETY: valid pointers to locals.
+        unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, &mut err as *mut _ as *mut _, &mut l)
+        };
+        if err != 0 {
+            return fail(fd);
+        }
+    }
+    // Back to blocking, with time-outs, for the handshake.
+    // SAFETY: F_SETFL with an integer argument.
+    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    set_timeouts(fd, 1000);
+    let one: i32 = 1;
+    // SAFETY: valid pointer to a local int.
+    unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, &one as *const _ as *const _, 4) };
+    Some(fd)
+}
+
+/// The side that connected: dials the peer node's agent over a working path and resumes.
+/// True when the link is up again (or the connection was given up).
+fn dial(v: &Vc) -> bool {
+    let c = v.mem().conn();
+    let peers = c.peer_agents();
+    if peers.is_empty() {
+        give_up(v, libc::ECONNRESET, "the peer's node agent is unknown, the link cannot be rebuilt");
+        return true;
+    }
+    let paths: Vec<(SocketAddr, SocketAddr)> = match agent::request(&Msg::Paths { peers: peers.clone() }) {
+        Some(Msg::PathList { pairs }) => pairs,
+        // No agent here: try every address of the peer's node.
+        _ => peers.iter().map(|p| (SocketAddr::new(unspecified(p), 0), *p)).collect(),
+    };
+    for (local, peer) in paths {
+        let Some(fd) = connect_to(local, peer, 500) else {
+            log::debug(format_args!("resume {:032x}: cannot reach {peer} from {}", c.gid, local.ip()));
+            continue;
+        };
+        match resume_as_dialer(v, fd) {
+            Ok(()) => {
+                log::info(format_args!(
+                    "virtual connection {:032x}: link rebuilt from {} to {peer} after {} ms",
+                    c.gid,
+                    local.ip(),
+                    sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
+                ));
+                return true;
+            }
+            Err(Final(e, why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                give_up(v, e, &why);
+                return true;
+            }
+            Err(Retry(why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                log::info(format_args!("resume {:032x} via {peer}: {why}", c.gid));
+            }
+        }
+    }
+    false
+}
+
+fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
+    if p.is_ipv6() {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    }
+}
+
+enum Failure {
+    Final(i32, String),
+    Retry(String),
+}
+use Failure::{Final, Retry};
+
+fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
+    let c = v.mem().conn();
+    let nonce_a = sys::random_u128();
+    if !send_msg(fd, &Msg::Resume { gid: c.gid, nonce: nonce_a }) {
+        return Err(Retry("cannot send".into()));
+    }
+    let nonce_b = match recv_msg(fd) {
+        Some(Msg::Challenge { nonce }) => nonce,
+        Some(Msg::Error { reason }) => {
+            return Err(Final(libc::ECONNRESET, format!("the peer's node no longer has it ({reason})")))
+        }
+        other => return Err(Retry(format!("no challenge ({other:?})"))),
+    };
+    // From here the old link is dead for good: freeze both halves.
+    kick(v);
+    let _tx = c.tx_lock.lock();
+    let _rx = c.rx_lock.lock();
+    // SAFETY: we hold both locks.
+    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
+    let delivered_a = rx.delivered;
+    let mac = resume_mac(c.secret, Role::Dialer, c.gid, nonce_a, nonce_b, delivered_a);
+    if !send_msg(fd, &Msg::Proof { delivered: delivered_a, mac }) {
+        return Err(Retry("cannot send the proof".into()));
+    }
+    let delivered_b = match recv_msg(fd) {
+        Some(Msg::Ready { delivered, mac }) => {
+            if !proofs_equal(mac, resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered)) {
+                log::warn(format_args!(
+                    "resume of virtual connection {:032x} refused: the answering side does not know the secret",
+                    c.gid
+                ));
+                return Err(Retry("bad proof from the holder".into()));
+            }
+            delivered
+        }
+        Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
+        other => return Err(Retry(format!("no answer to the proof ({other:?})"))),
+    };
+    if let Err(e) = tx.relink(delivered_b, delivered_a) {
+        return Err(Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}")));
+    }
+    rx.relink(delivered_b);
+    publish(v.mem(), tx, rx);
+    install(v, fd);
+    Ok(())
+}
+
+/// The side that was connected to: a dialer reached our agent, which passed its socket.
+fn answer(gid: u128, nonce_a: u128, fd: i32) {
+    let close = |fd: i32| {
+        // SAFETY: the socket we were passed.
+        unsafe { real::close(fd) };
+    };
+    let from = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+    let Some(v) = find(gid) else {
+        let _ = send_msg(fd, &Msg::Error { reason: "no such connection".into() });
+        close(fd);
+        return;
+    };
+    let c = v.mem().conn();
+    // SAFETY: F_SETFL with an integer argument.
+    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    set_timeouts(fd, 1000);
+    let nonce_b = sys::random_u128();
+    if !send_msg(fd, &Msg::Challenge { nonce: nonce_b }) {
+        close(fd);
+        return;
+    }
+    let (delivered_a, mac) = match recv_msg(fd) {
+        Some(Msg::Proof { delivered, mac }) => (delivered, mac),
+        other => {
+            log::warn(format_args!(
+                "resume of virtual connection {gid:032x} from {from} refused: no proof ({other:?})"
+            ));
+            close(fd);
+            return;
+        }
+    };
+    if !proofs_equal(mac, resume_mac(c.secret, Role::Dialer, gid, nonce_a, nonce_b, delivered_a)) {
+        log::warn(format_args!(
+            "resume of virtual connection {gid:032x} from {from} refused: wrong proof of the secret"
+        ));
+        let _ = send_msg(fd, &Msg::Error { reason: "refused".into() });
+        close(fd);
+        return;
+    }
+    link_broken(v.mem(), &format!("the peer rebuilds it from {from}"));
+    kick(&v);
+    let _tx = c.tx_lock.lock();
+    let _rx = c.rx_lock.lock();
+    // SAFETY: we hold both locks.
+    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
+    let delivered_b = rx.delivered;
+    if let Err(e) = tx.relink(delivered_a, delivered_b) {
+        let _ = send_msg(fd, &Msg::Error { reason: "impossible stream position".into() });
+        close(fd);
+        drop((_rx, _tx));
+        give_up(&v, libc::ECONNRESET, &format!("the peer's stream position is impossible: {e}"));
+        return;
+    }
+    let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b);
+    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b }) {
+        // The dialer tries again (the states stay consistent: it replays from what we said).
+        close(fd);
+        return;
+    }
+    rx.relink(delivered_a);
+    publish(v.mem(), tx, rx);
+    install(&v, fd);
+    log::info(format_args!(
+        "virtual connection {gid:032x}: link rebuilt by the peer from {from} after {} ms",
+        sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
+    ));
+}
+
+fn publish(mem: ConnMem, tx: &substrate::reliability::TxState, rx: &substrate::reliability::RxState) {
+    let c = mem.conn();
+    c.delivered.store(rx.delivered, Release);
+    if rx.peer_ack > c.peer_ack.load(Relaxed) {
+        c.peer_ack.store(rx.peer_ack, Release);
+    }
+    c.ack_sent.store(tx.ack_sent, Release);
+    c.unacked.store(tx.unacked(), Relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Swapping the socket under the program's descriptors
+
+/// Disconnects the old socket: threads blocked on it wake up (and wait for the new link);
+/// its epoll registrations are taken out so the program sees no error event from it.
+fn kick(v: &Vc) {
+    let fds = fdtable::fds_of(v);
+    epoll_detach(&fds);
+    if let Some(&fd) = fds.first() {
+        // SAFETY: zeroed sockaddr with AF_UNSPEC: "disconnect" for TCP.
+        let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+        sa.sa_family = libc::AF_UNSPEC as _;
+        // SAFETY: valid pointer and length.
+        unsafe { real::connect(fd, &sa, std::mem::size_of::<libc::sockaddr>() as _) };
+    }
+}
+
+/// Socket options a program commonly sets, carried from the old socket to the new one.
+const CARRIED: &[(i32, i32)] = &[
+    (libc::IPPROTO_TCP, libc::TCP_NODELAY),
+    (libc::SOL_SOCKET, libc::SO_KEEPALIVE),
+    (libc::SOL_SOCKET, libc::SO_RCVTIMEO),
+    (libc::SOL_SOCKET, libc::SO_SNDTIMEO),
+    (libc::SOL_SOCKET, libc::SO_LINGER),
+    (libc::SOL_SOCKET, libc::SO_PRIORITY),
+    (libc::SOL_SOCKET, libc::SO_RCVLOWAT),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+    (libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+];
+
+/// Puts the new socket `nfd` under every descriptor of `v` in this process. The caller
+/// holds both halves' locks.
+fn install(v: &Vc, nfd: i32) {
+    let c = v.mem().conn();
+    let fds = fdtable::fds_of(v);
+    if let Some(&old) = fds.first() {
+        for &(level, opt) in CARRIED {
+            let mut buf = [0u8; 32];
+            let mut len = buf.len() as libc::socklen_t;
+            // SAFETY: valid buffer and length.
+            if unsafe { libc::getsockopt(old, level, opt, buf.as_mut_ptr() as *mut _, &mut len) } == 0 {
+                // SAFETY: the same bytes back on the new socket.
+                unsafe { libc::setsockopt(nfd, level, opt, buf.as_ptr() as *const _, len) };
+            }
+        }
+        // SAFETY: F_GETFL/F_SETFL with integer arguments.
+        unsafe {
+            let fl = real::fcntl(old, libc::F_GETFL, 0);
+            if fl >= 0 {
+                real::fcntl(nfd, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
+            }
+        }
+    }
+    for &fd in &fds {
+        // SAFETY: F_GETFD has no argument.
+        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+        // SAFETY: replaces the program's descriptor with the new socket (same number).
+        if unsafe { real::dup3(nfd, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
+            log::warn(format_args!("cannot put the new link under fd {fd}: errno {}", sys::errno()));
+        }
+    }
+    // SAFETY: our copy; the program's descriptors keep the socket.
+    unsafe { real::close(nfd) };
+    epoll_attach(&fds);
+    if let Some(&fd) = fds.first() {
+        if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {
+            s.set_link(&l, &p);
+        }
+        c.link_pid.store(crate::pid(), Release);
+        c.link_fd.store(fd, Release);
+    }
+    finish(v);
+}
+
+/// The new link is in place: wake the waiters; replay what the peer did not deliver and the
+/// end of stream if the program shut its side down.
+fn finish(v: &Vc) {
+    let c = v.mem().conn();
+    c.link_down.store(0, Release);
+    let gen = c.link_gen.fetch_add(1, AcqRel) + 1;
+    v.seen_gen(gen);
+    if let Some(s) = v.slot() {
+        s.set_relinking(false, true);
+    }
+    futex_wake_all(&c.link_gen);
+    if let Some(&fd) = fdtable::fds_of(v).first() {
+        // The caller holds the tx lock: push the replay now (the program may be waiting
+        // for an answer to bytes only the replay carries).
+        // SAFETY: a racy read of a plain flag: after the peer's end of stream the new socket
+        // must read as ended too.
+        if unsafe { (*c.rx.get()).fin } != 0 {
+            // SAFETY: shutdown of the receive side of the new socket.
+            unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        }
+        if c.tx_shut.load(Acquire) != 0 {
+            // The program shut its side down: the new link says so too, after the replay.
+            c.fin_owed.store(1, Release);
+        }
+        if !crate::tcp_sink::replay_now(v.mem(), v.slot(), fd) {
+            REPLAYING.store(1, Relaxed);
+            wake();
+        }
+    }
+}
+
+/// In a process sharing the connection (after fork) whose descriptors still name the old
+/// socket: take the new link from the process that rebuilt it.
+pub fn adopt(v: &Vc) {
+    let c = v.mem().conn();
+    let gen = c.link_gen.load(Acquire);
+    let (pid, src) = (c.link_pid.load(Acquire), c.link_fd.load(Acquire));
+    if pid <= 0 || pid == crate::pid() || src < 0 || c.link_down.load(Acquire) != 0 {
+        v.seen_gen(gen);
+        return;
+    }
+    // SAFETY: pidfd_open and pidfd_getfd take integers; failures are checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    let got = if pidfd >= 0 {
+        // SAFETY: as above.
+        let n = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, src, 0) } as i32;
+        // SAFETY: our pidfd.
+        unsafe { real::close(pidfd) };
+        n
+    } else {
+        -1
+    };
+    if got < 0 {
+        log::warn(format_args!(
+            "virtual connection {:032x}: cannot take the rebuilt link from process {pid} (errno {}); this process loses it",
+            c.gid,
+            sys::errno()
+        ));
+        v.seen_gen(gen);
+        return;
+    }
+    let fds = fdtable::fds_of(v);
+    epoll_detach(&fds);
+    for &fd in &fds {
+        // SAFETY: F_GETFD has no argument.
+        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+        // SAFETY: the same socket under the program's number.
+        unsafe { real::dup3(got, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) };
+    }
+    // SAFETY: our copy.
+    unsafe { real::close(got) };
+    epoll_attach(&fds);
+    v.seen_gen(gen);
+}
