@@ -30,6 +30,9 @@ pub struct Expected {
     pub window: u64,
     /// When it was announced.
     pub at: Instant,
+    /// The destination the connecting program asked for (another address of this node
+    /// when its own network is down).
+    pub aim: SocketAddr,
 }
 
 /// Listeners and expected connections.
@@ -76,18 +79,11 @@ impl Directory {
 
     /// A connecting layer announces `src → dst`. Returns the listener's window if `dst` is a
     /// listener under the layer (the connection is then expected), `None` otherwise.
-    pub fn expect(
-        &mut self,
-        src: SocketAddr,
-        dst: SocketAddr,
-        gid: u128,
-        secret: u128,
-        window: u64,
-        now: Instant,
-    ) -> Option<u64> {
+    pub fn expect(&mut self, src: SocketAddr, dst: SocketAddr, e: Expected) -> Option<u64> {
         let w = self.listener_for(dst)?.window;
-        self.expected.retain(|_, e| now.duration_since(e.at) < PENDING_TTL);
-        self.expected.insert((src, dst), Expected { gid, secret, window, at: now });
+        let now = e.at;
+        self.expected.retain(|_, x| now.duration_since(x.at) < PENDING_TTL);
+        self.expected.insert((src, dst), e);
         Some(w)
     }
 
@@ -110,13 +106,20 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn ex(gid: u128, secret: u128, window: u64, aim: SocketAddr, at: Instant) -> Expected {
+        Expected { gid, secret, window, at, aim }
+    }
+
     #[test]
     fn expect_then_accept_once() {
         let mut d = Directory::default();
         let now = Instant::now();
-        assert_eq!(d.expect(a("10.0.0.2:4000"), a("10.0.0.1:80"), 1, 2, 3, now), None);
+        assert_eq!(d.expect(a("10.0.0.2:4000"), a("10.0.0.1:80"), ex(1, 2, 3, a("10.0.0.1:80"), now)), None);
         d.listen(a("0.0.0.0:80"), 77, 1);
-        assert_eq!(d.expect(a("10.0.0.2:4000"), a("10.0.0.1:80"), 1, 2, 3, now), Some(77));
+        assert_eq!(
+            d.expect(a("10.0.0.2:4000"), a("10.0.0.1:80"), ex(1, 2, 3, a("10.0.0.1:80"), now)),
+            Some(77)
+        );
         assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:4001")), None);
         let e = d.accept(a("10.0.0.1:80"), a("10.0.0.2:4000")).unwrap();
         assert_eq!((e.gid, e.secret, e.window), (1, 2, 3));
@@ -140,8 +143,12 @@ mod tests {
         let mut d = Directory::default();
         d.listen(a("0.0.0.0:80"), 1, 1);
         let t0 = Instant::now();
-        d.expect(a("10.0.0.2:1"), a("10.0.0.1:80"), 1, 1, 1, t0);
-        d.expect(a("10.0.0.2:2"), a("10.0.0.1:80"), 1, 1, 1, t0 + PENDING_TTL + Duration::from_secs(1));
+        d.expect(a("10.0.0.2:1"), a("10.0.0.1:80"), ex(1, 1, 1, a("10.0.0.1:80"), t0));
+        d.expect(
+            a("10.0.0.2:2"),
+            a("10.0.0.1:80"),
+            ex(1, 1, 1, a("10.0.0.1:80"), t0 + PENDING_TTL + Duration::from_secs(1)),
+        );
         assert_eq!(d.expected_count(), 1);
     }
 }

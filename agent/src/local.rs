@@ -15,7 +15,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use substrate::wire::agent::Msg;
+use substrate::wire::agent::{Msg, NO_ADDR};
 use tracing::{debug, info, warn};
 
 /// The agent's shared state.
@@ -60,38 +60,51 @@ impl Agent {
         gid: u128,
         secret: u128,
         window: u64,
+        aim: SocketAddr,
     ) -> Msg {
         let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
-        match d.expect(src, dst, gid, secret, window, Instant::now()) {
+        let e = crate::directory::Expected { gid, secret, window, at: Instant::now(), aim };
+        match d.expect(src, dst, e) {
             Some(w) => {
                 debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
-                Msg::Virtual { gid, secret, window: w, addrs: self.health.advertised() }
+                Msg::Virtual { gid, secret, window: w, addrs: self.health.advertised(), alias: NO_ADDR }
             }
             None => Msg::Plain,
         }
     }
 
-    /// A local layer is about to connect from `src` (IP maybe unspecified) to `dst`.
+    /// A local layer is about to connect from `src` (IP maybe unspecified) to `dst`. When the
+    /// network toward `dst` is dead and the destination node has another address on a
+    /// working one, the connection is made to that address instead (the answer's `alias`).
     fn connect(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
-        let src_ip = if src.ip().is_unspecified() { net::source_for(dst.ip()) } else { Some(src.ip()) };
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        let target = match self.health.alternative(dst.ip()) {
+            Some(ip) => {
+                info!("network toward {} is down: connecting to {ip} (same node) instead", dst.ip());
+                SocketAddr::new(ip, dst.port())
+            }
+            None => dst,
+        };
+        let src_ip = if src.ip().is_unspecified() { net::source_for(target.ip()) } else { Some(src.ip()) };
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
-        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
         if net::is_local(dst.ip()) {
-            return self.expect_local(src, dst, gid, secret, window);
+            return self.expect_local(src, dst, gid, secret, window, dst);
         }
-        match self.peers.ask(dst.ip(), self.port, &Msg::Connect { src, dst, gid, secret, window }) {
-            Ok(Msg::Virtual { gid, secret, window, addrs }) => {
+        let m = Msg::Connect { src, dst: target, gid, secret, window, aim: dst };
+        match self.peers.ask(target.ip(), self.port, &m) {
+            Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
                 self.health.learn(&addrs);
-                Msg::Virtual { gid, secret, window, addrs }
+                let alias = if target != dst { target } else { NO_ADDR };
+                Msg::Virtual { gid, secret, window, addrs, alias }
             }
             Ok(Msg::Plain) => Msg::Plain,
             Ok(other) => {
-                info!("agent of {} answered {other:?}; plain TCP", dst.ip());
+                info!("agent of {} answered {other:?}; plain TCP", target.ip());
                 Msg::Plain
             }
             Err(e) => {
-                debug!("no agent at {}: {e}; plain TCP", dst.ip());
+                debug!("no agent at {}: {e}; plain TCP", target.ip());
                 Msg::Plain
             }
         }
@@ -153,7 +166,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 agent.dir.lock().unwrap_or_else(|e| e.into_inner()).unlisten(addr, id);
                 Msg::Ok
             }
-            Msg::Connect { src, dst, gid, secret, window } => agent.connect(src, dst, gid, secret, window),
+            Msg::Connect { src, dst, gid, secret, window, .. } => {
+                agent.connect(src, dst, gid, secret, window)
+            }
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
@@ -163,6 +178,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                         secret: e.secret,
                         window: e.window,
                         addrs: agent.health.advertised(),
+                        alias: if e.aim != local { e.aim } else { NO_ADDR },
                     },
                     None => Msg::Plain,
                 }

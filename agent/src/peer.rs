@@ -96,8 +96,8 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
             Err(e) => return Err(e),
         };
         let answer = match m {
-            Msg::Connect { src, dst, gid, secret, window } if net::is_local(dst.ip()) => {
-                agent.expect_local(src, dst, gid, secret, window)
+            Msg::Connect { src, dst, gid, secret, window, aim } if net::is_local(dst.ip()) => {
+                agent.expect_local(src, dst, gid, secret, window, aim)
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
             Msg::Resume { gid, nonce } => {

@@ -98,6 +98,7 @@ fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
         peer: f[6].parse::<SocketAddr>().ok()?,
         active: f[7] == "1",
         peer_agents: f[10].split(' ').filter_map(|a| a.parse().ok()).collect(),
+        renamed: true,
     };
     Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
 }

@@ -103,8 +103,16 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
         Some(dst) => quietly(|| setup::before_connect(fd, dst)),
         None => None,
     };
-    // SAFETY: forwarding the program's arguments.
-    let r = unsafe { real::connect(fd, addr, len) };
+    let r = match pending.as_ref().and_then(|p| p.via) {
+        Some(via) => {
+            // The program's destination is on a dead network: the same node at another address.
+            let (st, n) = sys::to_raw(&via, sys::tcp_family(fd) == Some(libc::AF_INET6));
+            // SAFETY: a well-formed address of our own making.
+            unsafe { real::connect(fd, &st as *const _ as *const sockaddr, n) }
+        }
+        // SAFETY: forwarding the program's arguments.
+        None => unsafe { real::connect(fd, addr, len) },
+    };
     if let Some(p) = pending {
         let e = sys::errno();
         if r == 0 || e == libc::EINPROGRESS {
@@ -231,7 +239,11 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 /// link's addresses changed under it).
 unsafe fn name_of(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, peer: bool) -> Option<c_int> {
     let vc = fdtable::vc(fd)?;
-    if vc.mem().conn().link_gen.load(std::sync::atomic::Ordering::Acquire) == 0 {
+    let c = vc.mem().conn();
+    if !vc.renamed
+        && c.link_gen.load(std::sync::atomic::Ordering::Acquire) == 0
+        && c.link_down.load(std::sync::atomic::Ordering::Acquire) == 0
+    {
         return None;
     }
     if addr.is_null() || len.is_null() {

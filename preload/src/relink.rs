@@ -212,8 +212,10 @@ pub fn ensure_control() {
 
 /// Asks the control thread to look at the connections now (a Fin waits for a replay).
 pub fn poke() {
-    REPLAYING.store(1, Relaxed);
-    wake();
+    if REPLAYING.swap(1, Relaxed) == 0 {
+        ensure_control();
+        wake();
+    }
 }
 
 /// A new connection in this process: tell the agent we hold it.
@@ -316,9 +318,22 @@ struct Pending {
     next_try_ms: u64,
 }
 
+/// Connections this side answers for (it did not dial them) whose path the agent says is
+/// dead: when it last saw the peer's kernel acknowledge anything, and when it last asked.
+struct Suspect {
+    since_ms: u64,
+    poked_ms: u64,
+}
+
+#[derive(Default)]
+struct Work {
+    pending: HashMap<u128, Pending>,
+    suspects: HashMap<u128, Suspect>,
+}
+
 fn control_loop() {
     let mut next_connect = 0u64;
-    let mut pending: HashMap<u128, Pending> = HashMap::new();
+    let mut w = Work::default();
     loop {
         let now = sys::now_ms();
         let mut evt = fdtable::own_fd(OWN_EVENTS);
@@ -338,7 +353,7 @@ fn control_loop() {
         ];
         let timeout = if REPLAYING.load(Relaxed) != 0 {
             2
-        } else if pending.is_empty() {
+        } else if w.pending.is_empty() && w.suspects.is_empty() {
             500
         } else {
             50
@@ -352,7 +367,7 @@ fn control_loop() {
         }
         if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
             match read_event(evt) {
-                Some((m, passed)) => on_event(m, passed, &mut pending),
+                Some((m, passed)) => on_event(m, passed, &mut w),
                 None => {
                     log::info(format_args!("event channel to the node agent closed; reconnecting"));
                     close_events();
@@ -360,7 +375,7 @@ fn control_loop() {
                 }
             }
         }
-        work(&mut pending);
+        work(&mut w);
     }
 }
 
@@ -368,28 +383,41 @@ fn find(gid: u128) -> Option<Arc<Vc>> {
     fdtable::distinct_vcs().into_iter().find(|v| v.mem().conn().gid == gid)
 }
 
-fn on_event(m: Msg, passed: Option<i32>, pending: &mut HashMap<u128, Pending>) {
+fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
     match (m, passed) {
         (Msg::Path { local, peer, up: false }, _) => {
             for v in fdtable::distinct_vcs() {
                 let c = v.mem().conn();
-                if c.active == 0 || c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+                if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
                     continue;
                 }
                 let Some(&fd) = fdtable::fds_of(&v).first() else { continue };
                 let (Some(l), Some(p)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { continue };
-                if same_ip(l, local) && same_ip(p, peer) {
+                if !(same_ip(l, local) && same_ip(p, peer)) {
+                    continue;
+                }
+                if c.active != 0 {
                     link_broken(v.mem(), &format!("path {} -> {} died", local.ip(), peer.ip()));
+                } else {
+                    // The dialing side moves the link. If it cannot (its node lost every
+                    // network), this side gives up after the grace period, unless the peer's
+                    // kernel still acknowledges (the path is fine, only probes were lost).
+                    let now = sys::now_ms();
+                    w.suspects.entry(c.gid).or_insert(Suspect { since_ms: now, poked_ms: 0 });
                 }
             }
         }
         (Msg::Path { up: true, .. }, _) => {
             // Try at once what waits for a network.
-            for p in pending.values_mut() {
+            for p in w.pending.values_mut() {
                 p.next_try_ms = 0;
             }
+            w.suspects.clear();
         }
-        (Msg::Handover { gid, nonce }, Some(fd)) => answer(gid, nonce, fd),
+        (Msg::Handover { gid, nonce }, Some(fd)) => {
+            w.suspects.remove(&gid);
+            answer(gid, nonce, fd)
+        }
         (other, passed) => {
             if let Some(p) = passed {
                 // SAFETY: a descriptor we did not ask for.
@@ -398,6 +426,44 @@ fn on_event(m: Msg, passed: Option<i32>, pending: &mut HashMap<u128, Pending>) {
             log::debug(format_args!("event ignored: {other:?}"));
         }
     }
+}
+
+/// Milliseconds since the socket last received an acknowledgement.
+fn last_ack_ms(fd: i32) -> Option<u64> {
+    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+    };
+    (r == 0).then_some(ti.tcpi_last_ack_recv as u64)
+}
+
+/// A suspect connection's fate: alive again (the peer's kernel acknowledged something since
+/// the path was declared dead), failed (silent for the grace period), or still waiting (an
+/// ack frame is sent now and then so that a live peer has something to acknowledge).
+fn check_suspect(v: &Vc, s: &mut Suspect, now: u64) -> bool {
+    let c = v.mem().conn();
+    let Some(&fd) = fdtable::fds_of(v).first() else { return true };
+    if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+        return true;
+    }
+    let Some(quiet) = last_ack_ms(fd) else { return true };
+    let age = now.saturating_sub(s.since_ms);
+    if quiet < age.saturating_sub(50) {
+        return true;
+    }
+    if age > config::grace_ms() {
+        link_broken(v.mem(), "the peer's node stopped answering on every network");
+        give_up(v, libc::ETIMEDOUT, "no network reached the peer within the grace period");
+        return true;
+    }
+    if now.saturating_sub(s.poked_ms) >= 500 {
+        s.poked_ms = now;
+        crate::tcp_sink::send_ack(v.mem(), fd);
+    }
+    false
 }
 
 fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
@@ -409,7 +475,7 @@ fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
 }
 
 /// Dials, gives up after the grace period, for every connection whose link is down.
-fn work(pending: &mut HashMap<u128, Pending>) {
+fn work(w: &mut Work) {
     let now = sys::now_ms();
     let mut seen = Vec::new();
     REPLAYING.store(0, Relaxed);
@@ -417,6 +483,11 @@ fn work(pending: &mut HashMap<u128, Pending>) {
         let c = v.mem().conn();
         if c.broken.load(Acquire) != 0 {
             continue;
+        }
+        if let Some(s) = w.suspects.get_mut(&c.gid) {
+            if check_suspect(&v, s, now) {
+                w.suspects.remove(&c.gid);
+            }
         }
         if c.link_down.load(Acquire) == 0 {
             // A rebuilt link whose replay did not fit in the socket at once: keep pushing
@@ -440,16 +511,18 @@ fn work(pending: &mut HashMap<u128, Pending>) {
         if let Some(s) = v.slot() {
             s.set_relinking(true, false);
         }
-        let p = pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
+        let p = w.pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
         if c.active != 0 && now >= p.next_try_ms {
             if dial(&v) {
-                pending.remove(&c.gid);
-            } else if let Some(p) = pending.get_mut(&c.gid) {
+                w.pending.remove(&c.gid);
+            } else if let Some(p) = w.pending.get_mut(&c.gid) {
                 p.next_try_ms = sys::now_ms() + 100;
             }
         }
     }
-    pending.retain(|g, _| seen.contains(g));
+    w.pending.retain(|g, _| seen.contains(g));
+    let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
+    w.suspects.retain(|g, _| live.contains(g));
 }
 
 /// The connection failed for good: every call reports `e` from now on.
@@ -462,6 +535,12 @@ fn give_up(v: &Vc, e: i32, why: &str) {
             s.set_relinking(false, false);
         }
     }
+    // Threads blocked on the old socket wake up, pollers see the descriptor ready, and every
+    // call reports the failure.
+    kick(v);
+    unpark(v);
+    let fds = fdtable::fds_of(v);
+    epoll_attach(&fds);
     c.link_gen.fetch_add(1, AcqRel);
     futex_wake_all(&c.link_gen);
 }
@@ -743,17 +822,76 @@ fn publish(mem: ConnMem, tx: &substrate::reliability::TxState, rx: &substrate::r
 // ---------------------------------------------------------------------------------------------
 // Swapping the socket under the program's descriptors
 
-/// Disconnects the old socket: threads blocked on it wake up (and wait for the new link);
-/// its epoll registrations are taken out so the program sees no error event from it.
+/// Takes the old socket away from the program: its descriptors get a *placeholder* (a
+/// listening socket on loopback, which never polls readable or writable, so `select` and
+/// `poll` callers wait quietly instead of seeing the dead socket's error), its epoll
+/// registrations are taken out, and the old socket is disconnected, which wakes any thread
+/// blocked on it (that thread then waits for the new link, or says EAGAIN).
 fn kick(v: &Vc) {
+    if v.parked() >= 0 {
+        return;
+    }
     let fds = fdtable::fds_of(v);
     epoll_detach(&fds);
-    if let Some(&fd) = fds.first() {
-        // SAFETY: zeroed sockaddr with AF_UNSPEC: "disconnect" for TCP.
-        let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
-        sa.sa_family = libc::AF_UNSPEC as _;
-        // SAFETY: valid pointer and length.
-        unsafe { real::connect(fd, &sa, std::mem::size_of::<libc::sockaddr>() as _) };
+    let Some(&fd0) = fds.first() else { return };
+    // SAFETY: F_DUPFD_CLOEXEC with an integer argument: our own handle on the old socket.
+    let old = unsafe { real::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700) };
+    if let Some(ph) = placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
+        // The program's settings wait on the placeholder (and change there if it sets any).
+        carry_state(fd0, ph);
+        for &fd in &fds {
+            // SAFETY: F_GETFD has no argument.
+            let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+            // SAFETY: the placeholder under the program's descriptor number.
+            unsafe { real::dup3(ph, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) };
+        }
+        v.set_parked(ph);
+    }
+    let target = if old >= 0 { old } else { fd0 };
+    // SAFETY: zeroed sockaddr with AF_UNSPEC: "disconnect" for TCP.
+    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+    sa.sa_family = libc::AF_UNSPEC as _;
+    // SAFETY: valid pointer and length.
+    unsafe { real::connect(target, &sa, std::mem::size_of::<libc::sockaddr>() as _) };
+    if old >= 0 {
+        // SAFETY: our own handle.
+        unsafe { real::close(old) };
+    }
+}
+
+/// A socket that never polls readable or writable until it is shut down.
+fn placeholder(v6: bool) -> Option<i32> {
+    let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let lo: SocketAddr = if v6 { "[::1]:0".parse().ok()? } else { "127.0.0.1:0".parse().ok()? };
+    let (st, len) = sys::to_raw(&lo, v6);
+    // SAFETY: binds and listens on our own socket.
+    let ok = unsafe {
+        libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) == 0 && real::listen(fd, 0) == 0
+    };
+    if !ok {
+        // SAFETY: our socket.
+        unsafe { real::close(fd) };
+        return None;
+    }
+    Some(fdtable::move_high(fd))
+}
+
+/// Wakes whoever polls the placeholder (after the real socket took its place, or to show
+/// the program a failed connection) and drops it.
+fn unpark(v: &Vc) {
+    let ph = v.set_parked(-1);
+    if ph >= 0 {
+        // SAFETY: our placeholder: shutting it down wakes its pollers, who look again at
+        // the descriptor number (now the new socket).
+        unsafe {
+            real::shutdown(ph, libc::SHUT_RDWR);
+            real::close(ph);
+        }
     }
 }
 
@@ -772,28 +910,40 @@ const CARRIED: &[(i32, i32)] = &[
     (libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
 ];
 
+/// Copies what the program set on socket `from` (non-blocking mode, common options) to `to`.
+fn carry_state(from: i32, to: i32) {
+    for &(level, opt) in CARRIED {
+        let mut buf = [0u8; 32];
+        let mut len = buf.len() as libc::socklen_t;
+        // SAFETY: valid buffer and length.
+        if unsafe { libc::getsockopt(from, level, opt, buf.as_mut_ptr() as *mut _, &mut len) } == 0 {
+            // SAFETY: the same bytes on the other socket.
+            unsafe { libc::setsockopt(to, level, opt, buf.as_ptr() as *const _, len) };
+        }
+    }
+    // SAFETY: F_GETFL/F_SETFL with integer arguments.
+    unsafe {
+        let fl = real::fcntl(from, libc::F_GETFL, 0);
+        if fl >= 0 {
+            real::fcntl(to, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
+        }
+    }
+}
+
 /// Puts the new socket `nfd` under every descriptor of `v` in this process. The caller
 /// holds both halves' locks.
 fn install(v: &Vc, nfd: i32) {
     let c = v.mem().conn();
     let fds = fdtable::fds_of(v);
+    log::debug(format_args!(
+        "virtual connection {:032x}: new link {:?} -> {:?} under fds {fds:?}",
+        c.gid,
+        sys::local_addr(nfd),
+        sys::peer_addr(nfd)
+    ));
     if let Some(&old) = fds.first() {
-        for &(level, opt) in CARRIED {
-            let mut buf = [0u8; 32];
-            let mut len = buf.len() as libc::socklen_t;
-            // SAFETY: valid buffer and length.
-            if unsafe { libc::getsockopt(old, level, opt, buf.as_mut_ptr() as *mut _, &mut len) } == 0 {
-                // SAFETY: the same bytes back on the new socket.
-                unsafe { libc::setsockopt(nfd, level, opt, buf.as_ptr() as *const _, len) };
-            }
-        }
-        // SAFETY: F_GETFL/F_SETFL with integer arguments.
-        unsafe {
-            let fl = real::fcntl(old, libc::F_GETFL, 0);
-            if fl >= 0 {
-                real::fcntl(nfd, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
-            }
-        }
+        // From the old socket, or the placeholder that took its options while it waited.
+        carry_state(old, nfd);
     }
     for &fd in &fds {
         // SAFETY: F_GETFD has no argument.
@@ -805,6 +955,7 @@ fn install(v: &Vc, nfd: i32) {
     }
     // SAFETY: our copy; the program's descriptors keep the socket.
     unsafe { real::close(nfd) };
+    unpark(v);
     epoll_attach(&fds);
     if let Some(&fd) = fds.first() {
         if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {

@@ -18,6 +18,8 @@ pub struct Pending {
     peer_window: u64,
     dst: SocketAddr,
     peer_agents: Vec<SocketAddr>,
+    /// Where to connect instead of `dst` (its network is down), if anywhere.
+    pub via: Option<SocketAddr>,
 }
 
 /// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
@@ -48,10 +50,14 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
     }
     let gid = u128::from_le_bytes(sys::random16());
     let secret = u128::from_le_bytes(sys::random16());
-    let m = Msg::Connect { src: local, dst, gid, secret, window: config::window() };
+    let m = Msg::Connect { src: local, dst, gid, secret, window: config::window(), aim: dst };
     match agent::request(&m) {
-        Some(Msg::Virtual { window, addrs, .. }) => {
-            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs })
+        Some(Msg::Virtual { window, addrs, alias, .. }) => {
+            let via = (alias.port() != 0).then(|| {
+                log::info(format_args!("the network toward {dst} is down: connecting through {alias}"));
+                alias
+            });
+            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via })
         }
         Some(Msg::Plain) => {
             agent::remember_plain(dst);
@@ -77,10 +83,14 @@ pub fn after_connect(fd: i32, p: Pending) {
         peer: p.dst,
         active: true,
         peer_agents: p.peer_agents,
+        renamed: p.via.is_some(),
     };
     match Vc::new(&s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {:032x}: {local} -> {}", p.gid, p.dst));
+            if let (Some(via), Some(sl)) = (p.via, vc.slot()) {
+                sl.set_link(&local, &via);
+            }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held(p.gid);
         }
@@ -124,10 +134,15 @@ pub fn closed_listener(l: &Listener) {
 pub fn after_accept(listen_fd: i32, fd: i32) {
     let Some(Entry::Listener(_)) = fdtable::get(listen_fd) else { return };
     let (Some(local), Some(peer)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { return };
-    let Some(Msg::Virtual { gid, secret, window, addrs }) = agent::request(&Msg::Accept { local, peer })
+    let Some(Msg::Virtual { gid, secret, window, addrs, alias }) =
+        agent::request(&Msg::Accept { local, peer })
     else {
         return;
     };
+    // The connecting program asked for another address of this node (its network was down):
+    // that is the local address this program sees.
+    let renamed = alias.port() != 0;
+    let local = if renamed { alias } else { local };
     let s = Setup {
         gid,
         secret,
@@ -137,10 +152,14 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
         peer,
         active: false,
         peer_agents: addrs,
+        renamed,
     };
     match Vc::new(&s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {gid:032x}: {local} <- {peer}"));
+            if let (true, Some(sl), Some(l)) = (renamed, vc.slot(), sys::local_addr(fd)) {
+                sl.set_link(&l, &peer);
+            }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held(gid);
         }

@@ -296,6 +296,18 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
     0
 }
 
+/// Sends an ack frame now if a frame can start (gives a live peer's kernel something to
+/// acknowledge while the path is in doubt).
+pub fn send_ack(mem: ConnMem, fd: c_int) {
+    let c = mem.conn();
+    let Some(_g) = c.tx_lock.try_lock() else { return };
+    // SAFETY: we hold tx_lock.
+    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+    let Some(plan) = tx.plan_control(FrameKind::Ack, c.delivered.load(Acquire)) else { return };
+    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+    tx.commit(&plan, r.max(0) as usize, &[], ring);
+}
+
 /// Sends an Abort frame (the program resets the connection) if a frame can start now.
 pub fn send_abort(mem: ConnMem, fd: c_int) {
     let c = mem.conn();
@@ -350,6 +362,9 @@ pub fn send(
         if let Err(e) = check_link(mem) {
             return if total > 0 { Ok(total) } else { Err(e) };
         }
+        if total == data.len() && !tx.in_frame() {
+            return Ok(total);
+        }
         let rest = &data[total..];
         let delivered = c.delivered.load(Acquire);
         let plan = match tx.plan_send(rest.len(), delivered, false) {
@@ -391,11 +406,9 @@ pub fn send(
                         let e = sys::errno();
                         tx.commit(&p, 0, &[], ring);
                         if e == libc::EAGAIN {
-                            if total > 0 {
-                                return Ok(total);
-                            }
                             if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                                return Err(IrbError::WouldBlock);
+                                relink::poke();
+                                return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                             }
                             sys::wait_fd(fd, libc::POLLOUT, 50);
                             continue;
@@ -427,6 +440,16 @@ pub fn send(
         }
         total += tx.commit_with(&plan, r as usize, rest, ring, crate::copy::to_ring);
         publish_tx(mem, tx, slot);
+        if tx.in_frame() {
+            // The kernel took part of the frame; the rest is in the ring. A blocking sender
+            // pushes it out now (below); a non-blocking one returns, and the control thread
+            // pushes it if the program does not call again.
+            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                relink::poke();
+                return Ok(total);
+            }
+            continue;
+        }
         if total == data.len() {
             return Ok(total);
         }

@@ -8,7 +8,7 @@ use crate::stats::{Slot, SlotInfo};
 use crate::tcp_sink::TcpSink;
 use std::cell::UnsafeCell;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering::*};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
 use substrate::devices::CounterFilter;
 use substrate::irb::{Chain, Irb, IrbError, Outcome};
 use substrate::reliability::{RxState, TxState};
@@ -29,11 +29,16 @@ pub struct Vc {
     pub peer: SocketAddr,
     /// True when this side connected.
     pub active: bool,
+    /// True when the physical link's addresses differ from what the program sees from the
+    /// start (connected through another address of the peer's node).
+    pub renamed: bool,
     send_chain: UnsafeCell<Chain>,
     recv_chain: UnsafeCell<Chain>,
     /// The link generation this process's descriptors name (behind the shared one after
     /// another process rebuilt the link).
     my_gen: AtomicU32,
+    /// While the link is down: the placeholder socket under this process's descriptors.
+    parked: AtomicI32,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -60,6 +65,8 @@ pub struct Setup {
     pub active: bool,
     /// The peer node's agent addresses (the connecting side dials them after a failure).
     pub peer_agents: Vec<SocketAddr>,
+    /// The program sees other addresses than the physical socket's from the start.
+    pub renamed: bool,
 }
 
 fn chain_for(mem: ConnMem, slot: Option<Slot>) -> Chain {
@@ -95,10 +102,22 @@ impl Vc {
             local: s.local,
             peer: s.peer,
             active: s.active,
+            renamed: s.renamed,
             send_chain: UnsafeCell::new(chain_for(m, slot)),
             recv_chain: UnsafeCell::new(chain_for(m, slot)),
             my_gen: AtomicU32::new(0),
+            parked: AtomicI32::new(-1),
         })
+    }
+
+    /// The placeholder under this process's descriptors while the link is down (-1: none).
+    pub fn parked(&self) -> i32 {
+        self.parked.load(Acquire)
+    }
+
+    /// Sets the placeholder; returns the previous one.
+    pub fn set_parked(&self, fd: i32) -> i32 {
+        self.parked.swap(fd, AcqRel)
     }
 
     /// The statistics slot.

@@ -234,10 +234,17 @@ impl TxState {
         self.owed_payload -= pw as u64;
         match plan.source {
             Source::App => {
-                ring_write_with(ring, self.next_seq, &app[..pw], copy);
-                self.next_seq += pw as u64;
+                // Part of the frame is on the wire: its whole payload is accepted now (into
+                // the ring), and what the link did not take yet goes out from the ring. A
+                // frame is never left waiting for the application's next call (which may
+                // never come), so the peer never sits in the middle of a frame.
+                ring_write_with(ring, self.next_seq, &app[..plan.payload], copy);
+                self.next_seq += plan.payload as u64;
                 self.wire_seq += pw as u64;
-                pw
+                if self.in_frame() {
+                    self.owed_is_replay = 1;
+                }
+                plan.payload
             }
             Source::Ring(_) => {
                 self.wire_seq += pw as u64;
@@ -338,17 +345,20 @@ mod tests {
         let app = vec![7u8; 5000];
         let p = tx.plan_send(app.len(), 0, false).unwrap();
         assert_eq!(p.payload, 4096, "window bounds the frame");
-        // Only 10 header bytes go out.
-        assert_eq!(tx.commit(&p, 10, &app, &mut ring), 0);
+        // Only 10 header bytes go out: the whole frame is accepted, the rest is owed from
+        // the ring.
+        assert_eq!(tx.commit(&p, 10, &app, &mut ring), 4096);
         assert!(tx.in_frame());
-        let p = tx.plan_send(app.len(), 0, false).unwrap();
-        assert_eq!(p.header_len, 14);
-        assert_eq!(tx.commit(&p, 14 + 100, &app, &mut ring), 100);
-        assert_eq!(tx.next_seq, 100);
-        let p = tx.plan_send(3996, 0, false).unwrap();
-        assert_eq!((p.header_len, p.payload), (0, 3996));
-        assert_eq!(tx.commit(&p, 3996, &app, &mut ring), 3996);
+        assert_eq!(tx.next_seq, 4096);
+        assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::Replaying));
+        let p = tx.plan_replay(0).unwrap();
+        assert_eq!((p.header_len, p.payload, p.source), (14, 4096, Source::Ring(0)));
+        assert_eq!(tx.commit(&p, 14 + 100, &[], &mut ring), 0);
+        let p = tx.plan_replay(0).unwrap();
+        assert_eq!((p.header_len, p.payload, p.source), (0, 3996, Source::Ring(100)));
+        assert_eq!(tx.commit(&p, 3996, &[], &mut ring), 0);
         assert!(!tx.in_frame());
+        assert!(tx.plan_replay(0).is_none());
         assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::Window));
         tx.on_ack(4096).unwrap();
         assert!(tx.on_ack(4097).is_err());

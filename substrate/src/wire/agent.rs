@@ -48,6 +48,10 @@ pub enum Msg {
         secret: u128,
         /// The connecting side's window.
         window: u64,
+        /// The destination the program asked for, when the connection is made to another
+        /// address of the same node (its network is down): what the accepting program must
+        /// see as its local address. Equal to `dst` otherwise.
+        aim: SocketAddr,
     },
     /// Layer → agent: a listener accepted a connection from `peer`; is it virtual?
     Accept {
@@ -67,6 +71,10 @@ pub enum Msg {
         /// Where the other side's node agent can be reached, one address per network (the
         /// connecting side dials them to rebuild the link after a failure).
         addrs: Vec<SocketAddr>,
+        /// To a connecting layer: the address to connect to instead of the program's (its
+        /// network is down). To an accepting layer: the address the connecting program
+        /// asked for, to show as the local address. Port 0: none.
+        alias: SocketAddr,
     },
     /// Answer: plain TCP.
     Plain,
@@ -193,6 +201,9 @@ pub enum AgentWireError {
 
 /// Smallest encoded address (family, IPv4, port).
 const MIN_ADDR: usize = 7;
+
+/// "No address" where an address field is optional (0.0.0.0:0).
+pub const NO_ADDR: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
 
 impl std::fmt::Display for AgentWireError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -330,25 +341,27 @@ impl Msg {
                 w.u8(3);
                 w.addr(addr);
             }
-            Msg::Connect { src, dst, gid, secret, window } => {
+            Msg::Connect { src, dst, gid, secret, window, aim } => {
                 w.u8(4);
                 w.addr(src);
                 w.addr(dst);
                 w.u128(*gid);
                 w.u128(*secret);
                 w.u64(*window);
+                w.addr(aim);
             }
             Msg::Accept { local, peer } => {
                 w.u8(5);
                 w.addr(local);
                 w.addr(peer);
             }
-            Msg::Virtual { gid, secret, window, addrs } => {
+            Msg::Virtual { gid, secret, window, addrs, alias } => {
                 w.u8(6);
                 w.u128(*gid);
                 w.u128(*secret);
                 w.u64(*window);
                 w.addrs(addrs);
+                w.addr(alias);
             }
             Msg::Plain => w.u8(7),
             Msg::Ok => w.u8(8),
@@ -453,9 +466,16 @@ impl Msg {
                 gid: r.u128()?,
                 secret: r.u128()?,
                 window: r.u64()?,
+                aim: r.addr()?,
             },
             5 => Msg::Accept { local: r.addr()?, peer: r.addr()? },
-            6 => Msg::Virtual { gid: r.u128()?, secret: r.u128()?, window: r.u64()?, addrs: r.addrs()? },
+            6 => Msg::Virtual {
+                gid: r.u128()?,
+                secret: r.u128()?,
+                window: r.u64()?,
+                addrs: r.addrs()?,
+                alias: r.addr()?,
+            },
             7 => Msg::Plain,
             8 => Msg::Ok,
             9 => Msg::Error { reason: r.str()? },
@@ -515,9 +535,9 @@ mod tests {
             Msg::Hello { pid: 42, name: "iperf3".into() },
             Msg::Listen { addr: a, window: 9 },
             Msg::Unlisten { addr: b },
-            Msg::Connect { src: a, dst: b, gid: u128::MAX, secret: 7, window: 1 << 22 },
+            Msg::Connect { src: a, dst: b, gid: u128::MAX, secret: 7, window: 1 << 22, aim: b },
             Msg::Accept { local: b, peer: a },
-            Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b] },
+            Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b], alias: a },
             Msg::Resume { gid: 1, nonce: 2 },
             Msg::Challenge { nonce: 3 },
             Msg::Proof { delivered: 4, mac: 5 },
