@@ -546,7 +546,9 @@ def test_new_connection_avoids_dead_network(procs, faults, how):
     address, and both ends see a perfect stream."""
     port = PORTS[f"failover_new_conn_{how}"]
     addr = f"{SERVER_IP}:{port}"
-    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", 2,
+    # Listening on every address (as most servers do): a connection can then arrive on the
+    # server host's other network.
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", f"0.0.0.0:{port}", "--count", 2,
                                            "--hold", HOLD), port, layer=True,
                        name="stream-server")
 

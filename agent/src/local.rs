@@ -78,33 +78,46 @@ impl Agent {
     /// working one, the connection is made to that address instead (the answer's `alias`).
     fn connect(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
         let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
-        let target = match self.health.alternative(dst.ip()) {
-            Some(ip) => {
-                info!("network toward {} is down: connecting to {ip} (same node) instead", dst.ip());
-                SocketAddr::new(ip, dst.port())
+        if let Some(ip) = self.health.alternative(dst.ip()) {
+            // The network toward `dst` is down; the same node may take the connection on
+            // another network (a listener on a wildcard address does).
+            let via = SocketAddr::new(ip, dst.port());
+            if let Some(src_ip) = if src.ip().is_unspecified() { net::source_for(ip) } else { Some(src.ip()) }
+            {
+                let from = SocketAddr::new(normalize(src_ip), src.port());
+                let m = Msg::Connect { src: from, dst: via, gid, secret, window, aim: dst };
+                if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) = self.peers.ask(ip, self.port, &m)
+                {
+                    info!("network toward {} is down: connecting to {via} (same node) instead", dst.ip());
+                    self.health.learn(&addrs);
+                    return Msg::Virtual { gid, secret, window, addrs, alias: via };
+                }
             }
-            None => dst,
-        };
-        let src_ip = if src.ip().is_unspecified() { net::source_for(target.ip()) } else { Some(src.ip()) };
+        }
+        if self.health.is_dead(dst.ip()) {
+            // Asking over a dead path would only make the program wait.
+            debug!("path toward {} is dead and no other network reaches the listener: plain TCP", dst.ip());
+            return Msg::Plain;
+        }
+        let src_ip = if src.ip().is_unspecified() { net::source_for(dst.ip()) } else { Some(src.ip()) };
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
         if net::is_local(dst.ip()) {
             return self.expect_local(src, dst, gid, secret, window, dst);
         }
-        let m = Msg::Connect { src, dst: target, gid, secret, window, aim: dst };
-        match self.peers.ask(target.ip(), self.port, &m) {
+        let m = Msg::Connect { src, dst, gid, secret, window, aim: dst };
+        match self.peers.ask(dst.ip(), self.port, &m) {
             Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
                 self.health.learn(&addrs);
-                let alias = if target != dst { target } else { NO_ADDR };
-                Msg::Virtual { gid, secret, window, addrs, alias }
+                Msg::Virtual { gid, secret, window, addrs, alias: NO_ADDR }
             }
             Ok(Msg::Plain) => Msg::Plain,
             Ok(other) => {
-                info!("agent of {} answered {other:?}; plain TCP", target.ip());
+                info!("agent of {} answered {other:?}; plain TCP", dst.ip());
                 Msg::Plain
             }
             Err(e) => {
-                debug!("no agent at {}: {e}; plain TCP", target.ip());
+                debug!("no agent at {}: {e}; plain TCP", dst.ip());
                 Msg::Plain
             }
         }

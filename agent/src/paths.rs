@@ -157,6 +157,16 @@ impl Health {
         heard
     }
 
+    /// True when the path toward `ip` is known dead (or its network is out of service).
+    pub fn is_dead(&self, ip: IpAddr) -> bool {
+        let mut st = self.lock();
+        st.refresh(Instant::now());
+        match st.peers.get(&ip) {
+            Some(p) => p.dead || st.usable(ip).is_none(),
+            None => false,
+        }
+    }
+
     /// Another address of the node at `ip`, on a working path, when the path to `ip` itself
     /// is dead (or its network is out of service); `None` when `ip`'s path works or is not
     /// known to be dead.
