@@ -50,6 +50,7 @@ pub fn pid() -> i32 {
 }
 
 extern "C" fn before_fork() {
+    relink::before_fork();
     agent::before_fork();
     linger::before_fork();
     fdtable::before_fork();
@@ -59,6 +60,7 @@ extern "C" fn after_fork_parent() {
     fdtable::after_fork_parent();
     linger::after_fork_parent();
     agent::after_fork_parent();
+    relink::after_fork();
 }
 
 extern "C" fn after_fork_child() {
@@ -66,6 +68,7 @@ extern "C" fn after_fork_child() {
     fdtable::after_fork_child();
     linger::after_fork_child();
     agent::after_fork_child();
+    relink::after_fork();
 }
 
 extern "C" fn fini() {

@@ -231,6 +231,32 @@ pub fn released(gid: u128) {
 
 static EVT_WRITE: Mutex<()> = Mutex::new(());
 
+type Guards = (
+    std::sync::MutexGuard<'static, ()>,
+    std::sync::MutexGuard<'static, ()>,
+    std::sync::MutexGuard<'static, Vec<(i32, i32, libc::epoll_event)>>,
+);
+
+thread_local! {
+    static FORK_GUARD: std::cell::RefCell<Option<Guards>> = const { std::cell::RefCell::new(None) };
+}
+
+/// fork, prepare: no thread of ours may hold one of these locks across the fork (the child
+/// would find it locked forever).
+pub fn before_fork() {
+    let g = (
+        START.lock().unwrap_or_else(|e| e.into_inner()),
+        EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner()),
+        EPOLL.lock().unwrap_or_else(|e| e.into_inner()),
+    );
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
+}
+
+/// fork, parent and child: let go.
+pub fn after_fork() {
+    FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
 fn send_event(m: &Msg) {
     let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
     let fd = fdtable::own_fd(OWN_EVENTS);
