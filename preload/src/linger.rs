@@ -14,7 +14,7 @@
 //! At exit the same happens inline for every open virtual connection, for at most a second.
 
 use crate::fdtable::{self, Entry};
-use crate::tcp_sink::{drain_closed, unread_payload, Drained};
+use crate::tcp_sink::{drain_closed, peer_fin, unread_payload, Drained};
 use crate::vc::Vc;
 use crate::{real, sys};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -61,6 +61,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
     if unread_payload(vc.mem(), fd) {
         // What the kernel itself does when a program closes with unread data; the Abort
         // frame tells the peer's layer it is the program's reset, not a failed link.
+        crate::log::debug(format_args!("close with unread payload: reset"));
         crate::tcp_sink::send_abort(vc.mem(), fd);
         return reset(fd);
     }
@@ -97,6 +98,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
 fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
     match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {
         Drained::DataArrived => {
+            crate::log::debug(format_args!("data after close: reset"));
             reset(fd);
             true
         }
@@ -111,15 +113,24 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
 
 fn reaper() {
     loop {
-        let fds: Vec<i32> = lock().socks.iter().map(|s| s.0).collect();
-        let mut p: Vec<libc::pollfd> =
-            fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+        // A socket whose peer sent its Fin frame polls readable for good (our SHUT_RD): it
+        // is looked at on every round (at most 100 ms apart) instead of polled.
+        let fds: Vec<(i32, bool)> = lock().socks.iter().map(|s| (s.0, peer_fin(s.1.mem()))).collect();
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&(fd, fin)| libc::pollfd {
+                fd: if fin { -1 } else { fd },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
         let now = Instant::now();
         let mut l = lock();
         l.socks.retain(|(fd, vc, deadline)| {
-            let ready = p.iter().any(|q| q.fd == *fd && q.revents != 0);
+            let fin = fds.iter().any(|f| f.0 == *fd && f.1);
+            let ready = fin || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             !step(*fd, vc, ready, now > *deadline)
         });
     }
@@ -152,12 +163,18 @@ pub fn at_exit() {
     }
     let deadline = Instant::now() + EXIT_LINGER;
     while !socks.is_empty() && Instant::now() < deadline {
-        let mut p: Vec<libc::pollfd> =
-            socks.iter().map(|s| libc::pollfd { fd: s.0, events: libc::POLLIN, revents: 0 }).collect();
+        let mut p: Vec<libc::pollfd> = socks
+            .iter()
+            .map(|s| libc::pollfd {
+                fd: if peer_fin(s.1.mem()) { -1 } else { s.0 },
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
         socks.retain(|(fd, v)| {
-            let ready = p.iter().any(|q| q.fd == *fd && q.revents != 0);
+            let ready = peer_fin(v.mem()) || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             !(ready && drain_closed(v.mem(), *fd) != Drained::Open)
         });
     }

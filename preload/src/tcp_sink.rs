@@ -533,7 +533,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 /// the rx lock.
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
-    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_finished(fd) {
+    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
     let Some(_g) = c.tx_lock.try_lock() else { return };
@@ -545,10 +545,10 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     publish_tx(mem, tx, slot);
 }
 
-/// True once the peer closed its side (its FIN arrived): it sends nothing more, so it needs
-/// no acknowledgement, and one arriving after its close would make its kernel reset the
-/// connection.
-fn peer_finished(fd: c_int) -> bool {
+/// True once the peer's FIN arrived on the socket (whatever we shut down ourselves): the
+/// peer's program closed, so it needs no acknowledgement, and one arriving after its process
+/// ended would make its kernel reset the connection (and drop what we had not read yet).
+fn peer_closed(fd: c_int) -> bool {
     // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
     let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -556,8 +556,14 @@ fn peer_finished(fd: c_int) -> bool {
     let r = unsafe {
         libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
     };
-    const TCP_CLOSE_WAIT: u8 = 8;
-    r == 0 && ti.tcpi_state == TCP_CLOSE_WAIT
+    // TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING.
+    r != 0 || matches!(ti.tcpi_state, 6..=9 | 11)
+}
+
+/// True when the peer's Fin frame arrived (the socket polls readable from then on).
+pub fn peer_fin(mem: ConnMem) -> bool {
+    // SAFETY: a racy read of a plain flag, only to choose how to wait.
+    unsafe { (*mem.conn().rx.get()).fin != 0 }
 }
 
 /// Reads as `plan` says, with one recvmsg.
@@ -760,6 +766,11 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
         if r == 0 {
+            // After the peer's Fin frame our own SHUT_RD reads as an end too: only the TCP
+            // state tells whether the peer closed.
+            if rx.fin != 0 && !peer_closed(fd) {
+                return Drained::Open;
+            }
             return Drained::Finished;
         }
         if r < 0 {
