@@ -58,18 +58,25 @@ in_host "$H1" target/release/vmictl status
 wait "$client"
 tail -4 "$LOG/iperf3-client.log"
 
-say "a checksummed two-way stream (64 MiB each way), both ends under the layer"
-layered "$H2" python3 tests/programs/stream.py server --bind "$S:7000" --count 1 --hold 1 >"$LOG/stream-server.json" 2>"$LOG/stream-server.err" &
+say "a checksummed two-way stream (64 MiB each way, 20 MB/s), both ends under the layer; $H1's eth0 fails in the middle"
+layered "$H2" python3 tests/programs/stream.py server --bind "$S:7000" --count 1 --hold 1 --rate 20000000 >"$LOG/stream-server.json" 2>"$LOG/stream-server.err" &
 sleep 0.5
-layered "$H1" python3 tests/programs/stream.py client --connect "$S:7000" --bytes 67108864 --seed 7 --hold 1 >"$LOG/stream-client.json" 2>"$LOG/stream-client.err" &
+layered "$H1" python3 tests/programs/stream.py client --connect "$S:7000" --bytes 67108864 --seed 7 --hold 1 --rate 20000000 >"$LOG/stream-client.json" 2>"$LOG/stream-client.err" &
 client=$!
 sleep 1.2
-in_host "$H2" target/release/vmictl status --json | python3 -c '
+echo "  before: $(in_host "$H1" target/release/vmictl status --json | python3 -c '
 import json, sys
-r = json.load(sys.stdin)
-for c in r["connections"]:
-    print("  {gid}  {local} <- {peer}  {substrate}  sent {bytes_sent}  received {bytes_received}  unacked {unacked_bytes}".format(**c))'
+for c in json.load(sys.stdin)["connections"]:
+    print("{gid} on {network} ({link_local} -> {link_peer}), sent {bytes_sent}".format(**c))')"
+ip -n "$H1" link set dev eth0 down
+echo "  ip -n $H1 link set dev eth0 down"
+sleep 1
+echo "  after:  $(in_host "$H1" target/release/vmictl status --json | python3 -c '
+import json, sys
+for c in json.load(sys.stdin)["connections"]:
+    print("{gid} on {network} ({link_local} -> {link_peer}), sent {bytes_sent}, {failovers} failover(s); the program still sees {local} -> {peer}".format(**c))')"
 wait "$client"
+ip -n "$H1" link set dev eth0 up
 sleep 0.5
 python3 - "$LOG/stream-client.json" "$LOG/stream-server.json" <<'PY'
 import json, sys

@@ -169,7 +169,7 @@ LOG_TAIL_LINES = 150
 # Link failure: what the agents and the layer promise (agent flags --probe-interval and
 # --dead-after, layer variable VMI_GRACE), and how long the tests wait for it.
 PROBE_INTERVAL_MS = 30      # agent default
-DEAD_AFTER_MS = 75          # agent default: a path silent this long is dead
+DEAD_AFTER_MS = 50          # agent default: a path silent this long is dead
 GRACE_ENV = "VMI_GRACE"     # seconds a connection waits with no network working (default 60)
 DEFAULT_GRACE = 60.0
 FAILOVER_TIMEOUT = 5.0      # a fault until vmictl shows the connection on the other network

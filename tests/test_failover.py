@@ -240,7 +240,7 @@ def test_loud_link_down(procs, faults):
 def test_silent_blackhole(procs, faults):
     """The client host's eth0 veth is taken off its bridge mid-stream: the interface stays up
     and sends succeed, only silence tells. The agents declare the eth0 path dead (after
-    --dead-after, 75 ms by default) and the connection moves to eth1 without loss; when the
+    --dead-after, 50 ms by default) and the connection moves to eth1 without loss; when the
     veth is back on the bridge, the path is alive again."""
     st = Stream(procs, PORTS["failover_blackhole"], seconds=6)
     with Watcher(CLIENT, SERVER) as w:

@@ -25,9 +25,9 @@ const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR
   --bind ADDR    address to listen on for other agents (default 0.0.0.0)
   --node NAME    name shown in reports (default: first IPv4 address)
   --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on
-                 PORT (default 15)
+                 PORT (default 10)
   --dead-after MS  silence after which a path is dead and connections leave it
-                 (default 75)
+                 (default 50)
 Logging: VMI_LOG=error|warn|info|debug (default info).";
 
 struct Args {

@@ -138,18 +138,38 @@ fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     }
 }
 
-fn fail_link(ends: &mut [End; 2], link: &mut Link) {
+/// How a rebuilt link learns where each stream stands.
+#[derive(Clone, Copy, PartialEq)]
+enum Resume {
+    /// A resync frame first on the new link, in band.
+    InBand,
+    /// The layers' handshake states both delivered counts before the link carries frames
+    /// (what the preload library does).
+    Handshake,
+}
+
+fn fail_link(ends: &mut [End; 2], link: &mut Link, mode: Resume) {
     link.q[0].clear();
     link.q[1].clear();
     link.up = false;
-    for e in ends.iter_mut() {
-        e.tx.link_reset();
-        e.rx.link_reset();
+    if mode == Resume::InBand {
+        for e in ends.iter_mut() {
+            e.tx.link_reset();
+            e.rx.link_reset();
+        }
     }
 }
 
-fn restore_link(ends: &mut [End; 2], link: &mut Link) {
+fn restore_link(ends: &mut [End; 2], link: &mut Link, mode: Resume) {
     link.up = true;
+    if mode == Resume::Handshake {
+        let (d0, d1) = (ends[0].rx.delivered, ends[1].rx.delivered);
+        ends[0].tx.relink(d1, d0).expect("peer's count within the replayable range");
+        ends[1].tx.relink(d0, d1).expect("peer's count within the replayable range");
+        ends[0].rx.relink(d1);
+        ends[1].rx.relink(d0);
+        return;
+    }
     for e in ends.iter_mut() {
         let plan = e.tx.plan_control(FrameKind::Resync, e.rx.delivered).expect("no frame in progress");
         let n = e.push(&plan, &[], &mut link.q[e.side], usize::MAX);
@@ -170,6 +190,10 @@ fn check_invariants(ends: &[End; 2]) {
 }
 
 fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u32) {
+    run_with(seed, steps, window, fail_per_mille, Resume::InBand)
+}
+
+fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resume) -> (u64, u64, u32) {
     let mut rng = Rng(seed | 1);
     let mut ends = [End::new(0, window), End::new(1, window)];
     let mut link =
@@ -182,14 +206,14 @@ fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u3
         now += 1;
         let generating = now < steps;
         if link.up && generating && rng.below(1000) < fail_per_mille {
-            fail_link(&mut ends, &mut link);
+            fail_link(&mut ends, &mut link, mode);
             failures += 1;
             down_until = now + 1 + rng.below(50);
             continue;
         }
         if !link.up {
             if now >= down_until {
-                restore_link(&mut ends, &mut link);
+                restore_link(&mut ends, &mut link, mode);
             }
             continue;
         }
@@ -260,6 +284,16 @@ fn delivered_stream_equals_sent_stream_across_random_link_failures() {
     let mut failures = 0;
     for seed in 1..120 {
         let (_, _, f) = run(seed * 7919, 3000, 4096 * (1 + seed % 16), 5);
+        failures += f;
+    }
+    assert!(failures > 300, "the link really failed often: {failures}");
+}
+
+#[test]
+fn handshake_resume_keeps_the_streams_across_random_link_failures() {
+    let mut failures = 0;
+    for seed in 1..120 {
+        let (_, _, f) = run_with(seed * 104_729, 3000, 4096 * (1 + seed % 16), 5, Resume::Handshake);
         failures += f;
     }
     assert!(failures > 300, "the link really failed often: {failures}");
