@@ -11,7 +11,8 @@
 //!   does when data reaches a closed socket, so the writer gets `EPIPE`); the peer's FIN, or
 //!   30 s, end it.
 //!
-//! At exit the same happens inline for every open virtual connection, for at most a second.
+//! At exit the same happens inline for every open virtual connection, until the peer's kernel
+//! has everything up to our FIN (at most 5 s).
 
 use crate::fdtable::{self, Entry};
 use crate::tcp_sink::{drain_closed, peer_fin, unread_payload, Drained};
@@ -21,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const LINGER: Duration = Duration::from_secs(30);
-const EXIT_LINGER: Duration = Duration::from_secs(1);
+const EXIT_LINGER: Duration = Duration::from_secs(5);
 
 struct Lingering {
     socks: Vec<(i32, Arc<Vc>, Instant)>,
@@ -158,8 +159,24 @@ pub fn at_exit() {
             }
         }
     }
-    if let Ok(mut l) = LIST.try_lock() {
-        socks.extend(l.socks.drain(..).map(|(fd, v, _)| (fd, v)));
+    // The reaper holds the list only briefly; wait for it a little (never for ever: the
+    // process is exiting).
+    let until = Instant::now() + Duration::from_millis(300);
+    loop {
+        match LIST.try_lock() {
+            Ok(mut l) => {
+                socks.extend(l.socks.drain(..).map(|(fd, v, _)| (fd, v)));
+                break;
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                socks.extend(p.into_inner().socks.drain(..).map(|(fd, v, _)| (fd, v)));
+                break;
+            }
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => break,
+        }
     }
     let deadline = Instant::now() + EXIT_LINGER;
     while !socks.is_empty() && Instant::now() < deadline {
@@ -175,9 +192,29 @@ pub fn at_exit() {
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
         socks.retain(|(fd, v)| {
             let ready = peer_fin(v.mem()) || p.iter().any(|q| q.fd == *fd && q.revents != 0);
-            !(ready && drain_closed(v.mem(), *fd) != Drained::Open)
+            if ready && drain_closed(v.mem(), *fd) != Drained::Open {
+                return false;
+            }
+            // Once the peer's kernel has everything up to our FIN, its layer sends no more
+            // acks (it sees the FIN): the socket may outlive the process. Before that, an ack
+            // frame reaching the orphaned socket would make our kernel reset the connection
+            // and the peer would lose what it had not read yet.
+            !fin_delivered(*fd)
         });
     }
+}
+
+/// True when everything we sent, our FIN included, reached the peer's kernel.
+fn fin_delivered(fd: i32) -> bool {
+    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+    };
+    // FIN_WAIT2, TIME_WAIT, CLOSE (or no socket to ask about).
+    r != 0 || matches!(ti.tcpi_state, 5..=7)
 }
 
 /// fork, prepare.
