@@ -300,7 +300,15 @@ impl Health {
     }
 
     /// One round: probes every path and declares the silent ones dead.
-    fn tick(&self, sock: &UdpSocket, seq: u64, events: &Events) {
+    fn tick(&self, sock: &UdpSocket, seq: u64, late: bool, events: &Events) {
+        // Heartbeats that arrived while the receiver thread waited for the CPU count too:
+        // a busy machine must not look like a dead network.
+        let mut buf = [0u8; 512];
+        while let Some((n, from)) = recv_now(sock, &mut buf) {
+            if let Ok(Msg::Probe { node, .. }) = Msg::decode_framed(&buf[..n]) {
+                self.heard(from, node, events);
+            }
+        }
         let probe = Msg::Probe { node: self.node.clone(), seq }.encode();
         let mut st = self.lock();
         let now = Instant::now();
@@ -320,7 +328,9 @@ impl Health {
                 ),
             };
             let p = st.peers.get_mut(&ip).expect("listed above");
-            let silent = p.last_seen.is_some_and(|t| now.duration_since(t) >= self.dead_after);
+            // After a round that came late (this thread waited for the CPU), silence is not
+            // judged: the peer's heartbeats may be on their way.
+            let silent = !late && p.last_seen.is_some_and(|t| now.duration_since(t) >= self.dead_after);
             if refused && !p.dead {
                 p.dead = true;
                 died.push((i, ip, true));
@@ -348,6 +358,49 @@ impl Health {
             });
         }
     }
+}
+
+/// One datagram waiting on `sock`, without blocking.
+fn recv_now(sock: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: zeroed sockaddr_storage is valid; the kernel writes at most `len` bytes.
+    let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: valid buffer and address storage.
+    let n = unsafe {
+        libc::recvfrom(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr() as *mut _,
+            buf.len(),
+            libc::MSG_DONTWAIT,
+            &mut st as *mut _ as *mut libc::sockaddr,
+            &mut len,
+        )
+    };
+    if n < 0 {
+        return None;
+    }
+    let from = match st.ss_family as i32 {
+        libc::AF_INET => {
+            // SAFETY: the family says sockaddr_in.
+            let a = unsafe { &*(&st as *const _ as *const libc::sockaddr_in) };
+            SocketAddr::new(
+                IpAddr::V4(std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))),
+                u16::from_be(a.sin_port),
+            )
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says sockaddr_in6.
+            let a = unsafe { &*(&st as *const _ as *const libc::sockaddr_in6) };
+            let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+            SocketAddr::new(
+                ip.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(ip)),
+                u16::from_be(a.sin6_port),
+            )
+        }
+        _ => return None,
+    };
+    Some((n as usize, from))
 }
 
 /// Raises the calling thread's priority (when allowed): a heartbeat delayed by a busy CPU
@@ -395,8 +448,12 @@ pub fn run(health: Arc<Health>, events: Arc<Events>, sock: UdpSocket) {
         .spawn(move || {
             urgent();
             let mut seq = 0u64;
+            let mut last = Instant::now();
             loop {
-                health.tick(&sock, seq, &events);
+                let now = Instant::now();
+                let late = now.duration_since(last) > health.interval + health.dead_after / 2;
+                last = now;
+                health.tick(&sock, seq, late, &events);
                 seq += 1;
                 std::thread::sleep(health.interval);
             }

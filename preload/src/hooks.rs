@@ -195,7 +195,6 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
-    crate::relink::epoll_closed(fd);
     if fdtable::is_managed(fd) {
         if let Some(vc) = forget(fd) {
             return crate::linger::close_last(fd, vc);
@@ -203,19 +202,6 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     }
     // SAFETY: forwarding.
     unsafe { real::close(fd) }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
-    // SAFETY: forwarding.
-    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-    if r == 0 && fdtable::vc(fd).is_some() {
-        // Remembered so that a rebuilt link under the same number is registered again.
-        // SAFETY: the call succeeded, so `ev` (when not null) pointed at a valid event.
-        let e = (!ev.is_null()).then(|| unsafe { std::ptr::read_unaligned(ev) });
-        crate::relink::epoll_note(epfd, op, fd, e);
-    }
-    r
 }
 
 #[no_mangle]

@@ -26,7 +26,7 @@ use crate::vc::Vc;
 use crate::{agent, config, log, real, sys};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::Msg;
@@ -38,10 +38,6 @@ pub const LINK_DOWN: i32 = 0x7f00_0001;
 static CONTROL_PID: AtomicI32 = AtomicI32::new(0);
 static START: Mutex<()> = Mutex::new(());
 
-/// Registrations the program made on epoll instances for descriptors of virtual
-/// connections: (epfd, fd) → event.
-static EPOLL: Mutex<Vec<(i32, i32, libc::epoll_event)>> = Mutex::new(Vec::new());
-static EPOLL_ANY: AtomicU32 = AtomicU32::new(0);
 /// 1 while some rebuilt link still has bytes to replay.
 static REPLAYING: AtomicU32 = AtomicU32::new(0);
 
@@ -115,45 +111,77 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 // ---------------------------------------------------------------------------------------------
 // epoll registrations
 
-/// Records what the program did with `epoll_ctl` on a descriptor of a virtual connection
-/// (`ev`: the event it passed, for ADD and MOD).
-pub fn epoll_note(epfd: i32, op: i32, fd: i32, ev: Option<libc::epoll_event>) {
-    let mut regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
-    regs.retain(|r| !(r.0 == epfd && r.1 == fd));
-    if let (true, Some(ev)) = (op == libc::EPOLL_CTL_ADD || op == libc::EPOLL_CTL_MOD, ev) {
-        regs.push((epfd, fd, ev));
+/// A registration of one of the program's descriptors with one of its epoll instances:
+/// (epoll fd, fd, events, data).
+pub type EpollReg = (i32, i32, u32, u64);
+
+/// The epoll registrations of the sockets under `fds`, read from `/proc/self/fdinfo` (the
+/// kernel lists every epoll instance's targets with their events, data and inode), so the
+/// program's `epoll_ctl` calls cost nothing extra.
+fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
+    let mut inos = Vec::new();
+    for &fd in fds {
+        // SAFETY: zeroed stat filled by fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid pointer.
+        if unsafe { libc::fstat(fd, &mut st) } == 0 {
+            inos.push((fd, st.st_ino));
+        }
     }
-    EPOLL_ANY.store(!regs.is_empty() as u32, Relaxed);
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return out };
+    for e in dir.flatten() {
+        let Some(epfd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if !std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == "anon_inode:[eventpoll]") {
+            continue;
+        }
+        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };
+        for line in info.lines().filter(|l| l.starts_with("tfd:")) {
+            let mut it = line.split_whitespace();
+            let mut field = |name: &str| -> Option<String> {
+                while let Some(k) = it.next() {
+                    if k == name {
+                        return it.next().map(str::to_string);
+                    }
+                    if let Some(v) = k.strip_prefix(name) {
+                        return Some(v.to_string());
+                    }
+                }
+                None
+            };
+            let tfd = field("tfd:").and_then(|v| v.parse::<i32>().ok());
+            let events = field("events:").and_then(|v| u32::from_str_radix(&v, 16).ok());
+            let data = field("data:").and_then(|v| u64::from_str_radix(&v, 16).ok());
+            let ino = field("ino:").and_then(|v| u64::from_str_radix(&v, 16).ok());
+            if let (Some(tfd), Some(events), Some(data)) = (tfd, events, data) {
+                if inos.iter().any(|&(f, i)| f == tfd && ino.is_none_or(|x| x == i)) {
+                    out.push((epfd, tfd, events, data));
+                }
+            }
+        }
+    }
+    out
 }
 
-/// The program closed `fd` (an epoll instance or a connection's descriptor).
-pub fn epoll_closed(fd: i32) {
-    if EPOLL_ANY.load(Relaxed) == 0 {
-        return;
-    }
-    let mut regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
-    regs.retain(|r| r.0 != fd && r.1 != fd);
-    EPOLL_ANY.store(!regs.is_empty() as u32, Relaxed);
-}
-
-fn epoll_detach(fds: &[i32]) {
-    let regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
-    for r in regs.iter().filter(|r| fds.contains(&r.1)) {
+/// Takes the sockets under `fds` out of the program's epoll instances; returns what to
+/// register again later.
+fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
+    let regs = epoll_regs(fds);
+    for r in &regs {
         // SAFETY: removes the old socket from the program's epoll instance.
         unsafe { real::epoll_ctl(r.0, libc::EPOLL_CTL_DEL, r.1, std::ptr::null_mut()) };
     }
+    regs
 }
 
-fn epoll_attach(fds: &[i32]) {
-    let regs = EPOLL.lock().unwrap_or_else(|e| e.into_inner());
-    for r in regs.iter().filter(|r| fds.contains(&r.1)) {
-        let mut ev = r.2;
-        // SAFETY: registers the new socket with the program's events and data.
-        if unsafe { real::epoll_ctl(r.0, libc::EPOLL_CTL_ADD, r.1, &mut ev) } != 0 {
+/// Registers the descriptors again, with the program's events and data.
+fn epoll_attach(regs: &[EpollReg]) {
+    for &(epfd, fd, events, data) in regs {
+        let mut ev = libc::epoll_event { events, u64: data };
+        // SAFETY: registers the socket now under `fd` with the program's events and data.
+        if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
             log::warn(format_args!(
-                "cannot register fd {} again with epoll fd {}: errno {}",
-                r.1,
-                r.0,
+                "cannot register fd {fd} again with epoll fd {epfd}: errno {}",
                 sys::errno()
             ));
         }
@@ -210,6 +238,17 @@ pub fn ensure_control() {
     }
 }
 
+/// Partial writes by non-blocking senders so far (the rest of each frame waits in the ring).
+static OWED: AtomicU64 = AtomicU64::new(0);
+
+/// A non-blocking send left the rest of a frame in the ring. The program's next send usually
+/// finishes it; if none comes, the control thread does, a few milliseconds later. (No system
+/// call here: this happens on most writes of a sender that fills its socket.)
+#[inline]
+pub fn owed_later() {
+    OWED.fetch_add(1, Relaxed);
+}
+
 /// Asks the control thread to look at the connections now (a Fin waits for a replay).
 pub fn poke() {
     if REPLAYING.swap(1, Relaxed) == 0 {
@@ -231,11 +270,7 @@ pub fn released(gid: u128) {
 
 static EVT_WRITE: Mutex<()> = Mutex::new(());
 
-type Guards = (
-    std::sync::MutexGuard<'static, ()>,
-    std::sync::MutexGuard<'static, ()>,
-    std::sync::MutexGuard<'static, Vec<(i32, i32, libc::epoll_event)>>,
-);
+type Guards = (std::sync::MutexGuard<'static, ()>, std::sync::MutexGuard<'static, ()>);
 
 thread_local! {
     static FORK_GUARD: std::cell::RefCell<Option<Guards>> = const { std::cell::RefCell::new(None) };
@@ -247,7 +282,6 @@ pub fn before_fork() {
     let g = (
         START.lock().unwrap_or_else(|e| e.into_inner()),
         EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner()),
-        EPOLL.lock().unwrap_or_else(|e| e.into_inner()),
     );
     FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
 }
@@ -355,6 +389,8 @@ struct Suspect {
 struct Work {
     pending: HashMap<u128, Pending>,
     suspects: HashMap<u128, Suspect>,
+    owed_seen: u64,
+    last_wire: HashMap<u128, u64>,
 }
 
 fn control_loop() {
@@ -377,8 +413,13 @@ fn control_loop() {
             libc::pollfd { fd: evt, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
         ];
+        let owed = OWED.load(Relaxed);
         let timeout = if REPLAYING.load(Relaxed) != 0 {
             2
+        } else if owed != w.owed_seen {
+            w.owed_seen = owed;
+            REPLAYING.store(1, Relaxed);
+            5
         } else if w.pending.is_empty() && w.suspects.is_empty() {
             500
         } else {
@@ -518,13 +559,23 @@ fn work(w: &mut Work) {
         if c.link_down.load(Acquire) == 0 {
             // A rebuilt link whose replay did not fit in the socket at once: keep pushing
             // it (the program may be waiting for an answer to bytes only the replay carries).
-            // SAFETY: a racy read of a plain integer, only to choose whether to look.
-            if unsafe { (*c.tx.get()).replaying() } || c.fin_owed.load(Acquire) != 0 {
-                if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
+            // A program that keeps sending pushes it itself: only a connection whose send
+            // position did not move since the last look is helped.
+            // SAFETY: racy reads of plain integers, only to choose whether to look.
+            let (owed, wire) = unsafe { ((*c.tx.get()).replaying(), (*c.tx.get()).wire_seq) };
+            if owed || c.fin_owed.load(Acquire) != 0 {
+                let moved = w.last_wire.insert(c.gid, wire) != Some(wire);
+                if moved && c.fin_owed.load(Acquire) == 0 {
+                    REPLAYING.store(1, Relaxed);
+                } else if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
                     if !crate::tcp_sink::replay_now(v.mem(), v.slot(), fd) {
                         REPLAYING.store(1, Relaxed);
                     }
+                } else {
+                    REPLAYING.store(1, Relaxed);
                 }
+            } else {
+                w.last_wire.remove(&c.gid);
             }
             continue;
         }
@@ -549,6 +600,7 @@ fn work(w: &mut Work) {
     w.pending.retain(|g, _| seen.contains(g));
     let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
     w.suspects.retain(|g, _| live.contains(g));
+    w.last_wire.retain(|g, _| live.contains(g));
 }
 
 /// The connection failed for good: every call reports `e` from now on.
@@ -565,8 +617,7 @@ fn give_up(v: &Vc, e: i32, why: &str) {
     // call reports the failure.
     kick(v);
     unpark(v);
-    let fds = fdtable::fds_of(v);
-    epoll_attach(&fds);
+    epoll_attach(&v.take_epoll());
     c.link_gen.fetch_add(1, AcqRel);
     futex_wake_all(&c.link_gen);
 }
@@ -858,7 +909,7 @@ fn kick(v: &Vc) {
         return;
     }
     let fds = fdtable::fds_of(v);
-    epoll_detach(&fds);
+    v.keep_epoll(epoll_detach(&fds));
     let Some(&fd0) = fds.first() else { return };
     // SAFETY: F_DUPFD_CLOEXEC with an integer argument: our own handle on the old socket.
     let old = unsafe { real::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700) };
@@ -982,7 +1033,7 @@ fn install(v: &Vc, nfd: i32) {
     // SAFETY: our copy; the program's descriptors keep the socket.
     unsafe { real::close(nfd) };
     unpark(v);
-    epoll_attach(&fds);
+    epoll_attach(&v.take_epoll());
     if let Some(&fd) = fds.first() {
         if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {
             s.set_link(&l, &p);
@@ -1055,7 +1106,7 @@ pub fn adopt(v: &Vc) {
         return;
     }
     let fds = fdtable::fds_of(v);
-    epoll_detach(&fds);
+    let regs = epoll_detach(&fds);
     for &fd in &fds {
         // SAFETY: F_GETFD has no argument.
         let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
@@ -1064,6 +1115,6 @@ pub fn adopt(v: &Vc) {
     }
     // SAFETY: our copy.
     unsafe { real::close(got) };
-    epoll_attach(&fds);
+    epoll_attach(&regs);
     v.seen_gen(gen);
 }

@@ -407,7 +407,7 @@ pub fn send(
                         tx.commit(&p, 0, &[], ring);
                         if e == libc::EAGAIN {
                             if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                                relink::poke();
+                                relink::owed_later();
                                 return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                             }
                             sys::wait_fd(fd, libc::POLLOUT, 50);
@@ -445,7 +445,7 @@ pub fn send(
             // pushes it out now (below); a non-blocking one returns, and the control thread
             // pushes it if the program does not call again.
             if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                relink::poke();
+                relink::owed_later();
                 return Ok(total);
             }
             continue;

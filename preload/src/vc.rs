@@ -39,6 +39,8 @@ pub struct Vc {
     my_gen: AtomicU32,
     /// While the link is down: the placeholder socket under this process's descriptors.
     parked: AtomicI32,
+    /// While the link is down: the program's epoll registrations of the old socket.
+    parked_epoll: std::sync::Mutex<Vec<relink::EpollReg>>,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -107,6 +109,7 @@ impl Vc {
             recv_chain: UnsafeCell::new(chain_for(m, slot)),
             my_gen: AtomicU32::new(0),
             parked: AtomicI32::new(-1),
+            parked_epoll: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -118,6 +121,16 @@ impl Vc {
     /// Sets the placeholder; returns the previous one.
     pub fn set_parked(&self, fd: i32) -> i32 {
         self.parked.swap(fd, AcqRel)
+    }
+
+    /// Keeps the epoll registrations taken off the old socket.
+    pub fn keep_epoll(&self, regs: Vec<relink::EpollReg>) {
+        self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()).extend(regs);
+    }
+
+    /// The epoll registrations to make again.
+    pub fn take_epoll(&self) -> Vec<relink::EpollReg> {
+        std::mem::take(&mut *self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The statistics slot.
