@@ -3,14 +3,16 @@
 //! agent tells it when a network path dies or comes back, and hands it the sockets of links
 //! other nodes rebuilt for its connections.
 
-use crate::wire::read_msg;
+use crate::wire::read_msg_fd;
 use std::collections::{HashMap, HashSet};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::time::Duration;
 use substrate::wire::agent::Msg;
+use substrate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use tracing::{debug, info, warn};
 
 struct Chan {
@@ -55,6 +57,76 @@ fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()
     w.write_all(&body[r as usize..])
 }
 
+/// True once the peer's FIN arrived (TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING).
+fn peer_fin_received(fd: RawFd) -> bool {
+    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+    };
+    r != 0 || matches!(ti.tcpi_state, 6..=9 | 11)
+}
+
+/// How long a closed connection's socket is kept for its peer, at most.
+const LINGER: Duration = Duration::from_secs(30);
+
+/// Keeps the socket of a connection whose process exited until the peer closes too: reads
+/// and drops its ack frames; a data frame (the peer writes to a closed connection) resets it,
+/// as native TCP does.
+fn linger(gid: u128, fd: OwnedFd) {
+    let s = std::net::TcpStream::from(fd);
+    let spawned = std::thread::Builder::new().name("linger".into()).spawn(move || {
+        let deadline = std::time::Instant::now() + LINGER;
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut h = [0u8; HEADER_LEN];
+        let mut got = 0;
+        let reset = loop {
+            if std::time::Instant::now() > deadline {
+                break false;
+            }
+            match (&s).read(&mut h[got..]) {
+                // The end: the peer's FIN, or only our own SHUT_RD (after the peer's Fin
+                // frame), which the TCP state tells apart.
+                Ok(0) if peer_fin_received(s.as_raw_fd()) => break false,
+                Ok(0) => std::thread::sleep(Duration::from_millis(20)),
+                Ok(n) => {
+                    got += n;
+                    if got < HEADER_LEN {
+                        continue;
+                    }
+                    got = 0;
+                    match FrameHeader::decode(&h) {
+                        Ok(f) if f.kind == FrameKind::Data => break true,
+                        Ok(_) => {}
+                        Err(_) => break true,
+                    }
+                }
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+                Err(_) => break false,
+            }
+        };
+        if reset {
+            debug!("virtual connection {gid:032x}: data after its process closed it; reset");
+            let l = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: sets an option on the socket we own, which is closed right after.
+            unsafe {
+                libc::setsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    &l as *const _ as *const _,
+                    std::mem::size_of_val(&l) as _,
+                )
+            };
+        }
+    });
+    if let Err(e) = spawned {
+        warn!("cannot keep the socket of {gid:032x} after its process exited: {e}");
+    }
+}
+
 impl Events {
     /// Serves the event channel `id` of process `pid` until it closes.
     pub fn serve(&self, id: u64, pid: u32, s: UnixStream) {
@@ -69,20 +141,20 @@ impl Events {
         let _ = out.set_write_timeout(Some(Duration::from_millis(200)));
         self.lock().insert(id, Chan { pid, out, holds: HashSet::new() });
         debug!("event channel {id} of process {pid}");
-        let mut r = &s;
         loop {
-            match read_msg(&mut r) {
-                Ok(Msg::Hold { gid }) => {
+            match read_msg_fd(s.as_raw_fd()) {
+                Ok((Msg::Linger { gid }, Some(fd))) => linger(gid, fd),
+                Ok((Msg::Hold { gid }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.insert(gid);
                     }
                 }
-                Ok(Msg::Release { gid }) => {
+                Ok((Msg::Release { gid }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.remove(&gid);
                     }
                 }
-                Ok(other) => {
+                Ok((other, _)) => {
                     warn!("process {pid} sent {other:?} on its event channel; closing it");
                     break;
                 }

@@ -58,7 +58,13 @@ fn reset(fd: i32) -> i32 {
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
 /// of the program's close.
 pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
-    vc.mem().conn().tx_shut.store(1, std::sync::atomic::Ordering::Release);
+    // After the peer's Fin frame the socket's receive side is shut: a FIN from us now would
+    // put it where the kernel resets the connection on the peer's next ack. The end of stream
+    // goes as a Fin frame instead, and the socket closes once the peer acknowledged all.
+    let fin_mode = peer_fin(vc.mem());
+    if !fin_mode {
+        vc.mem().conn().tx_shut.store(1, std::sync::atomic::Ordering::Release);
+    }
     if unread_payload(vc.mem(), fd) {
         // What the kernel itself does when a program closes with unread data; the Abort
         // frame tells the peer's layer it is the program's reset, not a failed link.
@@ -72,8 +78,12 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
     let r = unsafe { real::close(fd) };
     let e = sys::errno();
     if keep >= 0 {
-        // SAFETY: our duplicate.
-        unsafe { real::shutdown(keep, libc::SHUT_WR) };
+        if fin_mode {
+            crate::tcp_sink::send_fin(vc.mem(), keep);
+        } else {
+            // SAFETY: our duplicate.
+            unsafe { real::shutdown(keep, libc::SHUT_WR) };
+        }
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
         if !l.thread {
@@ -97,6 +107,15 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
 
 /// One look at a lingering socket: true when it is finished (and closed).
 fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
+    // What the program wrote last may still wait in the ring (the rest of a frame, or the
+    // Fin frame behind it): it goes out first.
+    let c = vc.mem().conn();
+    // SAFETY: a racy read of a plain integer, only to choose whether to look.
+    if c.fin_owed.load(std::sync::atomic::Ordering::Acquire) != 0 || unsafe { (*c.tx.get()).replaying() } {
+        if let Some(_g) = c.tx_lock.try_lock() {
+            crate::tcp_sink::replay_now(vc.mem(), vc.slot(), fd);
+        }
+    }
     match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {
         Drained::DataArrived => {
             crate::log::debug(format_args!("data after close: reset"));
@@ -104,7 +123,8 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
             true
         }
         Drained::Open if !expired => false,
-        Drained::Finished | Drained::Open => {
+        d @ (Drained::Finished | Drained::Open) => {
+            crate::log::debug(format_args!("linger of fd {fd} ends: {d:?}"));
             // SAFETY: our duplicate.
             unsafe { real::close(fd) };
             true
@@ -153,8 +173,12 @@ pub fn at_exit() {
             if v.release() != 1 {
                 v.hand_back_slot();
             } else if !unread_payload(v.mem(), fd) {
-                // SAFETY: the process is exiting; its sockets close anyway.
-                unsafe { real::shutdown(fd, libc::SHUT_WR) };
+                if peer_fin(v.mem()) {
+                    crate::tcp_sink::send_fin(v.mem(), fd);
+                } else {
+                    // SAFETY: the process is exiting; its sockets close anyway.
+                    unsafe { real::shutdown(fd, libc::SHUT_WR) };
+                }
                 socks.push((fd, v));
             }
         }
@@ -178,6 +202,34 @@ pub fn at_exit() {
             Err(std::sync::TryLockError::WouldBlock) => break,
         }
     }
+    // The agent keeps what is still open (so that the peer's last acks never reach an
+    // orphaned socket); only what it cannot take is waited for here.
+    socks.retain(|(fd, v)| {
+        let c = v.mem().conn();
+        match drain_closed(v.mem(), *fd) {
+            Drained::DataArrived => {
+                reset(*fd);
+                return false;
+            }
+            Drained::Finished => {
+                crate::log::debug(format_args!("exit: fd {fd} finished"));
+                // SAFETY: our descriptor; the peer closed too.
+                unsafe { real::close(*fd) };
+                return false;
+            }
+            Drained::Open => {}
+        }
+        // SAFETY: racy reads of plain integers: the program is exiting and the reaper is idle.
+        let boundary = unsafe { (*c.rx.get()).frame_rem == 0 && (*c.rx.get()).header_len == 0 };
+        let handed = boundary && crate::relink::hand_over_linger(c.gid, *fd);
+        crate::log::debug(format_args!("exit: fd {fd} handed to the agent: {handed}"));
+        if handed {
+            // SAFETY: the agent has its own copy now.
+            unsafe { real::close(*fd) };
+            return false;
+        }
+        true
+    });
     let deadline = Instant::now() + EXIT_LINGER;
     while !socks.is_empty() && Instant::now() < deadline {
         let mut p: Vec<libc::pollfd> = socks

@@ -299,6 +299,14 @@ fn send_event(m: &Msg) {
     }
 }
 
+/// At exit: gives the socket of a closed connection to the agent, which keeps it until the
+/// peer closes too. True if the agent took it.
+pub fn hand_over_linger(gid: u128, fd: i32) -> bool {
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    let evt = fdtable::own_fd(OWN_EVENTS);
+    evt >= 0 && agent::write_all(evt, &Msg::Linger { gid }.encode(), Some(fd))
+}
+
 fn open_events() -> Option<i32> {
     let fd = agent::open_socket(OWN_EVENTS)?;
     let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());

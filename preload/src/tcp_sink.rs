@@ -188,10 +188,21 @@ fn errno_name(e: c_int) -> String {
 /// After an ingest: if the peer's Fin frame just arrived, the socket must read as ended from
 /// now on (and poll as readable), as after a FIN, while acks can still arrive on it.
 #[inline]
-fn fin_check(fd: c_int, fin_before: u32, rx: &RxState) {
+fn fin_check(mem: ConnMem, fd: c_int, fin_before: u32, rx: &RxState) {
     if fin_before == 0 && rx.fin != 0 {
         // SAFETY: shutdown of the receive side of the connection's own socket.
         unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        // Acknowledge everything now: the peer, done sending, may be waiting for nothing
+        // else before it lets go of the connection.
+        let c = mem.conn();
+        if let Some(_g) = c.tx_lock.try_lock() {
+            // SAFETY: we hold tx_lock.
+            let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+            if let Some(plan) = tx.plan_control(FrameKind::Ack, rx.delivered) {
+                let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+                tx.commit(&plan, r.max(0) as usize, &[], ring);
+            }
+        }
     }
 }
 
@@ -502,7 +513,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
         {
             return Err(fail(mem, slot, fd, e));
         }
-        fin_check(fd, fin_before, rx);
+        fin_check(mem, fd, fin_before, rx);
     }
     Ok(if c.peer_ack.load(Acquire) > before {
         Harvest::Opened
@@ -669,7 +680,7 @@ pub fn recv(
                 }
             };
         total += got;
-        fin_check(fd, fin_before, rx);
+        fin_check(mem, fd, fin_before, rx);
         maybe_ack(mem, slot, fd, rx.delivered);
         if total > 0 && (!waitall || total == buf.len()) {
             return Ok(total);
@@ -729,7 +740,7 @@ fn peek(
         {
             return Err(fail(mem, slot, fd, e));
         }
-        fin_check(fd, fin_before, rx);
+        fin_check(mem, fd, fin_before, rx);
     }
 }
 
@@ -766,10 +777,13 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
         // SAFETY: reads into the header slot only.
         let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
         if r == 0 {
-            // After the peer's Fin frame our own SHUT_RD reads as an end too: only the TCP
-            // state tells whether the peer closed.
+            // After the peer's Fin frame our own SHUT_RD reads as an end too: the peer is
+            // done when its FIN arrived, or when it acknowledged everything we sent (it has
+            // nothing more to send: no frame will follow).
             if rx.fin != 0 && !peer_closed(fd) {
-                return Drained::Open;
+                // SAFETY: a racy read of a plain integer; the program closed the connection.
+                let sent = unsafe { (*c.tx.get()).next_seq };
+                return if rx.peer_ack >= sent { Drained::Finished } else { Drained::Open };
             }
             return Drained::Finished;
         }

@@ -171,6 +171,13 @@ pub enum Msg {
         /// Back in service.
         up: bool,
     },
+    /// Layer → agent (event channel), at the exit of a process: a closed connection's socket
+    /// rides along; the agent keeps it until the peer closes too, so the peer's last acks do
+    /// not reach an orphaned socket (whose kernel would reset the connection).
+    Linger {
+        /// The connection.
+        gid: u128,
+    },
     /// Agent → agent over UDP, on every network path: a heartbeat.
     Probe {
         /// The sender's node name.
@@ -438,6 +445,10 @@ impl Msg {
                 w.str(node);
                 w.u64(*seq);
             }
+            Msg::Linger { gid } => {
+                w.u8(25);
+                w.u128(*gid);
+            }
         }
         let body = (w.0.len() - 4) as u32;
         w.0[..4].copy_from_slice(&body.to_le_bytes());
@@ -501,6 +512,7 @@ impl Msg {
             }
             23 => Msg::Net { name: r.str()?, up: r.bool()? },
             24 => Msg::Probe { node: r.str()?, seq: r.u64()? },
+            25 => Msg::Linger { gid: r.u128()? },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -551,6 +563,7 @@ mod tests {
             Msg::PathList { pairs: vec![(a, b), (b, a)] },
             Msg::Net { name: "eth0".into(), up: false },
             Msg::Probe { node: "n".into(), seq: 13 },
+            Msg::Linger { gid: 14 },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
