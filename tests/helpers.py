@@ -128,6 +128,7 @@ PORTS = {
     "failover_resume_attack": 17808,
     "failover_new_conn_admin": 17809,
     "failover_new_conn_link": 17810,
+    "failover_fork_shared": 17811,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
 }

@@ -237,6 +237,30 @@ def test_loud_link_down(procs, faults):
     assert end.get("network") == ETH1 and end.get("failovers", 0) >= 1, end
 
 
+def test_fork_shared_connection(procs, faults):
+    """A forking server's child streams over an accepted connection while the parent keeps
+    its copy open; the client host's eth0 goes down mid-stream. Whichever of the two server
+    processes gets the rebuilt link, the child keeps streaming over it: the client receives
+    exactly what the child sent."""
+    port = PORTS["failover_fork_shared"]
+    addr = f"{SERVER_IP}:{port}"
+    srv = procs.server(SERVER, python_prog("fork_stream.py", "server", "--bind", addr, "--seconds", 5),
+                       port, layer=True, name="fork-stream-server")
+    with Watcher(CLIENT, SERVER):
+        cli = procs.start(CLIENT, python_prog("fork_stream.py", "client", "--connect", addr),
+                          layer=True, name="fork-stream-client")
+        wait_conn(CLIENT, addr, lambda c: c.get("bytes_received", 0) > 0, FLOWING_TIMEOUT,
+                  "the forked child's stream")
+        time.sleep(FAULT_AFTER)
+        faults.link_down(CLIENT, ETH0)
+        cli.wait(timeout=40, check=False)
+        srv.wait(timeout=20, check=False)
+    c, child = cli.last_json(), srv.last_json()
+    assert "error" not in c and "error" not in child, (c, child)
+    assert c["recv_bytes"] == child["sent_bytes"] > 0, (c, child)
+    assert c["recv_sha256"] == child["sent_sha256"], (c, child)
+
+
 def test_silent_blackhole(procs, faults):
     """The client host's eth0 veth is taken off its bridge mid-stream: the interface stays up
     and sends succeed, only silence tells. The agents declare the eth0 path dead (after
