@@ -69,7 +69,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
         // What the kernel itself does when a program closes with unread data; the Abort
         // frame tells the peer's layer it is the program's reset, not a failed link.
         crate::log::debug(format_args!("close with unread payload: reset"));
-        crate::tcp_sink::send_abort(vc.mem(), fd);
+        crate::tcp_sink::send_control(vc.mem(), vc.slot(), fd, substrate::wire::frame::FrameKind::Abort);
         return reset(fd);
     }
     // SAFETY: duplicates the program's descriptor for our own use.
@@ -258,15 +258,8 @@ pub fn at_exit() {
 
 /// True when everything we sent, our FIN included, reached the peer's kernel.
 fn fin_delivered(fd: i32) -> bool {
-    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
-    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: valid pointers to locals.
-    let r = unsafe {
-        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
-    };
     // FIN_WAIT2, TIME_WAIT, CLOSE (or no socket to ask about).
-    r != 0 || matches!(ti.tcpi_state, 5..=7)
+    sys::tcp_info(fd).is_none_or(|ti| matches!(ti.tcpi_state, 5..=7))
 }
 
 /// fork, prepare.

@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::Msg;
+use substrate::wire::frame::FrameKind;
 
 /// Internal error code: the link is down, wait for a new one (never reaches the program).
 pub const LINK_DOWN: i32 = 0x7f00_0001;
@@ -505,14 +506,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
 
 /// Milliseconds since the socket last received an acknowledgement.
 fn last_ack_ms(fd: i32) -> Option<u64> {
-    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
-    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: valid pointers to locals.
-    let r = unsafe {
-        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
-    };
-    (r == 0).then_some(ti.tcpi_last_ack_recv as u64)
+    sys::tcp_info(fd).map(|ti| ti.tcpi_last_ack_recv as u64)
 }
 
 /// A suspect connection's fate: alive again (the peer's kernel acknowledged something since
@@ -536,7 +530,7 @@ fn check_suspect(v: &Vc, s: &mut Suspect, now: u64) -> bool {
     }
     if now.saturating_sub(s.poked_ms) >= 500 {
         s.poked_ms = now;
-        crate::tcp_sink::send_ack(v.mem(), fd);
+        crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
     }
     false
 }
@@ -924,12 +918,7 @@ fn kick(v: &Vc) {
     if let Some(ph) = placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
         // The program's settings wait on the placeholder (and change there if it sets any).
         carry_state(fd0, ph);
-        for &fd in &fds {
-            // SAFETY: F_GETFD has no argument.
-            let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
-            // SAFETY: the placeholder under the program's descriptor number.
-            unsafe { real::dup3(ph, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) };
-        }
+        put_under(ph, &fds);
         v.set_parked(ph);
     }
     let target = if old >= 0 { old } else { fd0 };
@@ -941,6 +930,19 @@ fn kick(v: &Vc) {
     if old >= 0 {
         // SAFETY: our own handle.
         unsafe { real::close(old) };
+    }
+}
+
+/// Puts socket `sock` under each of the program's descriptor numbers `fds`, keeping each
+/// number's close-on-exec flag.
+fn put_under(sock: i32, fds: &[i32]) {
+    for &fd in fds {
+        // SAFETY: F_GETFD has no argument.
+        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+        // SAFETY: replaces the program's descriptor with `sock` (same number).
+        if unsafe { real::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
+            log::warn(format_args!("cannot put a socket under fd {fd}: errno {}", sys::errno()));
+        }
     }
 }
 
@@ -1030,14 +1032,7 @@ fn install(v: &Vc, nfd: i32) {
         // From the old socket, or the placeholder that took its options while it waited.
         carry_state(old, nfd);
     }
-    for &fd in &fds {
-        // SAFETY: F_GETFD has no argument.
-        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
-        // SAFETY: replaces the program's descriptor with the new socket (same number).
-        if unsafe { real::dup3(nfd, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
-            log::warn(format_args!("cannot put the new link under fd {fd}: errno {}", sys::errno()));
-        }
-    }
+    put_under(nfd, &fds);
     // SAFETY: our copy; the program's descriptors keep the socket.
     unsafe { real::close(nfd) };
     unpark(v);
@@ -1066,9 +1061,8 @@ fn finish(v: &Vc) {
     if let Some(&fd) = fdtable::fds_of(v).first() {
         // The caller holds the tx lock: push the replay now (the program may be waiting
         // for an answer to bytes only the replay carries).
-        // SAFETY: a racy read of a plain flag: after the peer's end of stream the new socket
-        // must read as ended too.
-        if unsafe { (*c.rx.get()).fin } != 0 {
+        // After the peer's end of stream the new socket must read as ended too.
+        if crate::tcp_sink::peer_fin(v.mem()) {
             // SAFETY: shutdown of the receive side of the new socket.
             unsafe { real::shutdown(fd, libc::SHUT_RD) };
         }
@@ -1115,12 +1109,7 @@ pub fn adopt(v: &Vc) {
     }
     let fds = fdtable::fds_of(v);
     let regs = epoll_detach(&fds);
-    for &fd in &fds {
-        // SAFETY: F_GETFD has no argument.
-        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
-        // SAFETY: the same socket under the program's number.
-        unsafe { real::dup3(got, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) };
-    }
+    put_under(got, &fds);
     // SAFETY: our copy.
     unsafe { real::close(got) };
     epoll_attach(&regs);

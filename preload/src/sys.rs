@@ -172,6 +172,18 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The kernel's TCP_INFO for a socket.
+pub fn tcp_info(fd: c_int) -> Option<libc::tcp_info> {
+    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
+    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+    };
+    (r == 0).then_some(ti)
+}
+
 /// Monotonic time in milliseconds.
 pub fn now_ms() -> u64 {
     now_ns() / 1_000_000

@@ -194,15 +194,7 @@ fn fin_check(mem: ConnMem, fd: c_int, fin_before: u32, rx: &RxState) {
         unsafe { real::shutdown(fd, libc::SHUT_RD) };
         // Acknowledge everything now: the peer, done sending, may be waiting for nothing
         // else before it lets go of the connection.
-        let c = mem.conn();
-        if let Some(_g) = c.tx_lock.try_lock() {
-            // SAFETY: we hold tx_lock.
-            let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-            if let Some(plan) = tx.plan_control(FrameKind::Ack, rx.delivered) {
-                let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
-                tx.commit(&plan, r.max(0) as usize, &[], ring);
-            }
-        }
+        send_control(mem, None, fd, FrameKind::Ack);
     }
 }
 
@@ -307,27 +299,17 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
     0
 }
 
-/// Sends an ack frame now if a frame can start (gives a live peer's kernel something to
-/// acknowledge while the path is in doubt).
-pub fn send_ack(mem: ConnMem, fd: c_int) {
+/// Sends a control frame (ack, abort) acknowledging what was delivered, if a frame can start
+/// now and no other thread is sending (never waits).
+pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
     let c = mem.conn();
     let Some(_g) = c.tx_lock.try_lock() else { return };
     // SAFETY: we hold tx_lock.
     let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    let Some(plan) = tx.plan_control(FrameKind::Ack, c.delivered.load(Acquire)) else { return };
+    let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
     let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
     tx.commit(&plan, r.max(0) as usize, &[], ring);
-}
-
-/// Sends an Abort frame (the program resets the connection) if a frame can start now.
-pub fn send_abort(mem: ConnMem, fd: c_int) {
-    let c = mem.conn();
-    let Some(_g) = c.tx_lock.try_lock() else { return };
-    // SAFETY: we hold tx_lock.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    let Some(plan) = tx.plan_control(FrameKind::Abort, c.delivered.load(Acquire)) else { return };
-    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
-    tx.commit(&plan, r.max(0) as usize, &[], ring);
+    publish_tx(mem, tx, slot);
 }
 
 /// The send path. The caller holds the tx lock.
@@ -547,28 +529,15 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
-    let Some(_g) = c.tx_lock.try_lock() else { return };
-    // SAFETY: we hold tx_lock.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    let Some(plan) = tx.plan_control(FrameKind::Ack, delivered) else { return };
-    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
-    tx.commit(&plan, r.max(0) as usize, &[], ring);
-    publish_tx(mem, tx, slot);
+    send_control(mem, slot, fd, FrameKind::Ack);
 }
 
 /// True once the peer's FIN arrived on the socket (whatever we shut down ourselves): the
 /// peer's program closed, so it needs no acknowledgement, and one arriving after its process
 /// ended would make its kernel reset the connection (and drop what we had not read yet).
 fn peer_closed(fd: c_int) -> bool {
-    // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
-    let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: valid pointers to locals.
-    let r = unsafe {
-        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
-    };
-    // TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING.
-    r != 0 || matches!(ti.tcpi_state, 6..=9 | 11)
+    // TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING (or no socket to ask about).
+    sys::tcp_info(fd).is_none_or(|ti| matches!(ti.tcpi_state, 6..=9 | 11))
 }
 
 /// True when the peer's Fin frame arrived (the socket polls readable from then on).
