@@ -62,4 +62,7 @@ else
     echo "setup.sh: pytest and matplotlib already available"
 fi
 
+# CRIU 4.2, privately (migration tests and benchmarks).
+"$(dirname "$0")/install-criu.sh"
+
 echo "setup.sh: done"

@@ -33,6 +33,17 @@ pub struct Expected {
     /// The destination the connecting program asked for (another address of this node
     /// when its own network is down).
     pub aim: SocketAddr,
+    /// The connecting node's agent addresses.
+    pub agents: Vec<SocketAddr>,
+}
+
+/// A listener whose process moved to another node: connections to it go there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Forward {
+    /// The address it listened on here.
+    pub addr: SocketAddr,
+    /// The agent addresses of the node it moved to.
+    pub to: Vec<SocketAddr>,
 }
 
 /// Listeners and expected connections.
@@ -40,14 +51,55 @@ pub struct Expected {
 pub struct Directory {
     listeners: Vec<ListenerRec>,
     expected: HashMap<(SocketAddr, SocketAddr), Expected>,
+    forwards: Vec<Forward>,
 }
 
 impl Directory {
-    /// Records a listener (idempotent per owner and address).
+    /// Records a listener (idempotent per owner and address). A listener that comes back
+    /// here ends the forward of its address.
     pub fn listen(&mut self, addr: SocketAddr, window: u64, owner: u64) {
+        self.forwards.retain(|f| f.addr != addr);
         if !self.listeners.iter().any(|l| l.addr == addr && l.owner == owner) {
             self.listeners.push(ListenerRec { addr, window, owner });
         }
+    }
+
+    /// Listening addresses registered by any of `owners`.
+    pub fn listeners_of(&self, owners: &[u64]) -> Vec<SocketAddr> {
+        let mut v: Vec<SocketAddr> =
+            self.listeners.iter().filter(|l| owners.contains(&l.owner)).map(|l| l.addr).collect();
+        v.dedup();
+        v
+    }
+
+    /// The listener at `addr` moved to the node whose agents are at `to` (replaces an older
+    /// forward for the same address).
+    pub fn forward(&mut self, addr: SocketAddr, to: Vec<SocketAddr>) {
+        self.forwards.retain(|f| f.addr != addr);
+        if !to.is_empty() {
+            self.forwards.push(Forward { addr, to });
+        }
+    }
+
+    /// Where a connection to `dst` must go instead, when no listener here takes it and the
+    /// listener that did moved away.
+    pub fn forward_for(&self, dst: SocketAddr) -> Option<&Forward> {
+        if self.listener_for(dst).is_some() {
+            return None;
+        }
+        let exact = self.forwards.iter().find(|f| f.addr == dst);
+        exact.or_else(|| {
+            self.forwards.iter().find(|f| {
+                f.addr.port() == dst.port()
+                    && f.addr.ip().is_unspecified()
+                    && (matches!(f.addr.ip(), IpAddr::V6(_)) || dst.is_ipv4())
+            })
+        })
+    }
+
+    /// Forwards, for reports.
+    pub fn forwards(&self) -> &[Forward] {
+        &self.forwards
     }
 
     /// Forgets a listener.
@@ -107,7 +159,7 @@ mod tests {
     }
 
     fn ex(gid: u128, secret: u128, window: u64, aim: SocketAddr, at: Instant) -> Expected {
-        Expected { gid, secret, window, at, aim }
+        Expected { gid, secret, window, at, aim, agents: Vec::new() }
     }
 
     #[test]
@@ -136,6 +188,26 @@ mod tests {
         assert!(d.listener_for(a("10.0.0.1:22")).is_some(), "dual-stack wildcard");
         d.drop_owner(5);
         assert!(d.listener_for(a("127.0.0.1:6379")).is_none());
+    }
+
+    #[test]
+    fn forwards_only_where_no_listener_takes_it() {
+        let mut d = Directory::default();
+        let to = vec![a("10.0.0.3:7946")];
+        d.forward(a("0.0.0.0:80"), to.clone());
+        assert_eq!(d.forward_for(a("10.0.0.1:80")).map(|f| f.to.clone()), Some(to.clone()));
+        assert!(d.forward_for(a("10.0.0.1:81")).is_none());
+        d.forward(a("10.0.0.1:6379"), to.clone());
+        assert!(d.forward_for(a("10.0.0.1:6379")).is_some());
+        assert!(d.forward_for(a("10.0.1.1:6379")).is_none(), "a specific address forwards only itself");
+        // The listener came back: no forward any more.
+        d.listen(a("0.0.0.0:80"), 1, 1);
+        assert!(d.forward_for(a("10.0.0.1:80")).is_none());
+        assert_eq!(d.forwards().len(), 1);
+        d.listen(a("0.0.0.0:443"), 1, 7);
+        d.listen(a("10.0.0.1:8080"), 1, 7);
+        d.listen(a("10.0.0.1:9090"), 1, 8);
+        assert_eq!(d.listeners_of(&[7]), vec![a("0.0.0.0:443"), a("10.0.0.1:8080")]);
     }
 
     #[test]

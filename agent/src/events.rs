@@ -21,10 +21,19 @@ struct Chan {
     holds: HashSet<u128>,
 }
 
+/// How long a connection of a process that was frozen for a checkpoint is answered
+/// "moved" (its process comes back, here or elsewhere, well within this).
+const MOVING_TTL: Duration = Duration::from_secs(600);
+
 /// The node's event channels.
 #[derive(Default)]
 pub struct Events {
     chans: Mutex<HashMap<u64, Chan>>,
+    /// Connections whose process was frozen for a checkpoint: (process, since when).
+    moving: Mutex<HashMap<u128, (u32, std::time::Instant)>>,
+    /// Processes that said they are ready for their checkpoint.
+    frozen: Mutex<HashSet<u32>>,
+    frozen_cv: std::sync::Condvar,
 }
 
 fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
@@ -148,6 +157,14 @@ impl Events {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.insert(gid);
                     }
+                    // A process holding it here again (back after a failed checkpoint, or
+                    // restored on this node).
+                    self.moving().remove(&gid);
+                }
+                Ok((Msg::Ok, _)) => {
+                    // The answer to a Freeze: the process closes this channel next.
+                    self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+                    self.frozen_cv.notify_all();
                 }
                 Ok((Msg::Release { gid }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {
@@ -206,6 +223,64 @@ impl Events {
             }
         }
         false
+    }
+
+    fn moving(&self) -> std::sync::MutexGuard<'_, HashMap<u128, (u32, std::time::Instant)>> {
+        self.moving.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Asks process `pid` to get ready for a checkpoint (close its agent sockets) and waits
+    /// until it says it is, at most `timeout`. From then on its connections are answered
+    /// "moved" ([`Events::is_moving`]). `Ok(false)`: the process has no event channel here.
+    pub fn freeze(&self, pid: u32, timeout: Duration) -> Result<bool, String> {
+        let body = Msg::Freeze { pid }.encode();
+        self.frozen.lock().unwrap_or_else(|e| e.into_inner()).remove(&pid);
+        {
+            let chans = self.lock();
+            let mine: Vec<&Chan> = chans.values().filter(|c| c.pid == pid).collect();
+            if mine.is_empty() {
+                return Ok(false);
+            }
+            let now = std::time::Instant::now();
+            let mut moving = self.moving();
+            for c in &mine {
+                for g in &c.holds {
+                    moving.insert(*g, (pid, now));
+                }
+            }
+            drop(moving);
+            for c in mine {
+                send_with_fd(&c.out, &body, None).map_err(|e| format!("cannot tell process {pid}: {e}"))?;
+            }
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        let mut done = self.frozen.lock().unwrap_or_else(|e| e.into_inner());
+        while !done.contains(&pid) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                drop(done);
+                self.unfreeze(pid);
+                return Err(format!("process {pid} did not get ready for the checkpoint within {timeout:?}"));
+            }
+            done = self.frozen_cv.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        done.remove(&pid);
+        info!("process {pid} is ready for its checkpoint");
+        Ok(true)
+    }
+
+    /// Process `pid` stays here after all (its checkpoint failed): its connections are its
+    /// own again.
+    pub fn unfreeze(&self, pid: u32) {
+        self.moving().retain(|_, (p, _)| *p != pid);
+    }
+
+    /// True when `gid` belongs to a process that was frozen for a checkpoint (its new link
+    /// will be dialed from wherever it is restored).
+    pub fn is_moving(&self, gid: u128) -> bool {
+        let mut m = self.moving();
+        m.retain(|_, (_, t)| t.elapsed() < MOVING_TTL);
+        m.contains_key(&gid)
     }
 
     /// Number of GIDs held by processes of this node (for reports).

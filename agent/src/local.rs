@@ -61,15 +61,54 @@ impl Agent {
         secret: u128,
         window: u64,
         aim: SocketAddr,
+        agents: Vec<SocketAddr>,
     ) -> Msg {
         let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
-        let e = crate::directory::Expected { gid, secret, window, at: Instant::now(), aim };
+        let e = crate::directory::Expected { gid, secret, window, at: Instant::now(), aim, agents };
         match d.expect(src, dst, e) {
             Some(w) => {
                 debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
                 Msg::Virtual { gid, secret, window: w, addrs: self.health.advertised(), alias: NO_ADDR }
             }
             None => Msg::Plain,
+        }
+    }
+
+    /// A connection to `dst` (an address of this node) is announced: expected here when a
+    /// listener here takes it; passed on to the node a moved listener went to otherwise (the
+    /// answer's `alias` then names the address to connect to instead).
+    pub fn expect_here(
+        &self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        gid: u128,
+        secret: u128,
+        window: u64,
+        aim: SocketAddr,
+        agents: Vec<SocketAddr>,
+    ) -> Msg {
+        let fwd = self.dir.lock().unwrap_or_else(|e| e.into_inner()).forward_for(dst).cloned();
+        let Some(f) = fwd else { return self.expect_local(src, dst, gid, secret, window, aim, agents) };
+        // The agent address of the new node on the network `dst` is on, if it has one.
+        let ifaces = net::interfaces();
+        let home = ifaces.iter().find(|i| i.addr == dst.ip());
+        let target = f.to.iter().find(|t| home.is_some_and(|h| h.contains(t.ip()))).or(f.to.first());
+        let Some(target) = target.copied() else { return Msg::Plain };
+        let via = SocketAddr::new(target.ip(), dst.port());
+        let m = Msg::Connect { src, dst: via, gid, secret, window, aim, agents };
+        match self.peers.ask(target.ip(), target.port(), &m) {
+            Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
+                info!("listener {dst} moved: connection from {src} goes to {via}");
+                Msg::Virtual { gid, secret, window, addrs, alias: via }
+            }
+            Ok(other) => {
+                info!("listener {dst} moved to {target}, whose agent answered {other:?}; plain TCP");
+                Msg::Plain
+            }
+            Err(e) => {
+                info!("listener {dst} moved to {target}, whose agent is unreachable ({e}); plain TCP");
+                Msg::Plain
+            }
         }
     }
 
@@ -85,7 +124,15 @@ impl Agent {
             if let Some(src_ip) = if src.ip().is_unspecified() { net::source_for(ip) } else { Some(src.ip()) }
             {
                 let from = SocketAddr::new(normalize(src_ip), src.port());
-                let m = Msg::Connect { src: from, dst: via, gid, secret, window, aim: dst };
+                let m = Msg::Connect {
+                    src: from,
+                    dst: via,
+                    gid,
+                    secret,
+                    window,
+                    aim: dst,
+                    agents: self.health.advertised(),
+                };
                 if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) = self.peers.ask(ip, self.port, &m)
                 {
                     info!("network toward {} is down: connecting to {via} (same node) instead", dst.ip());
@@ -103,13 +150,14 @@ impl Agent {
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
         if net::is_local(dst.ip()) {
-            return self.expect_local(src, dst, gid, secret, window, dst);
+            return self.expect_here(src, dst, gid, secret, window, dst, self.health.advertised());
         }
-        let m = Msg::Connect { src, dst, gid, secret, window, aim: dst };
+        let m = Msg::Connect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
         match self.peers.ask(dst.ip(), self.port, &m) {
-            Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
+            Ok(Msg::Virtual { gid, secret, window, addrs, alias }) => {
+                // (`alias`: the listener moved to another node, connect there.)
                 self.health.learn(&addrs);
-                Msg::Virtual { gid, secret, window, addrs, alias: NO_ADDR }
+                Msg::Virtual { gid, secret, window, addrs, alias }
             }
             Ok(Msg::Plain) => Msg::Plain,
             Ok(other) => {
@@ -129,6 +177,37 @@ fn normalize(ip: IpAddr) -> IpAddr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
     }
+}
+
+/// Error reason for a `Freeze` of a process that never talked to this agent.
+pub const NOT_HERE: &str = "not under the layer here";
+
+/// How long a process may take to get ready for a checkpoint.
+const FREEZE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// True if the client on `s` may checkpoint process `pid`: root, or the process's owner.
+fn may_manage(s: &UnixStream, pid: u32) -> bool {
+    // SAFETY: zeroed ucred is valid; the kernel fills at most `len` bytes.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut _,
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return false;
+    }
+    if cred.uid == 0 {
+        return true;
+    }
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}")).is_ok_and(|m| m.uid() == cred.uid)
 }
 
 /// Serves the node's layers and `vmictl` on `listener`.
@@ -190,7 +269,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                         gid: e.gid,
                         secret: e.secret,
                         window: e.window,
-                        addrs: agent.health.advertised(),
+                        // Where the connecting side's node is (the link may have to be
+                        // rebuilt from this side, after a migration).
+                        addrs: if e.agents.is_empty() { agent.health.advertised() } else { e.agents },
                         alias: if e.aim != local { e.aim } else { NO_ADDR },
                     },
                     None => Msg::Plain,
@@ -202,7 +283,42 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 agent.events.serve(id, pid, s);
                 return Ok(());
             }
-            Msg::Paths { peers } => Msg::PathList { pairs: agent.health.paths_to(&peers) },
+            Msg::Paths { peers } => {
+                // (A process restored here may ask about nodes this agent never heard of.)
+                agent.health.learn(&peers);
+                Msg::PathList { pairs: agent.health.paths_to(&peers) }
+            }
+            Msg::WhereAmI => Msg::Here { addrs: agent.health.advertised() },
+            Msg::Freeze { pid } if !may_manage(&s, pid) => {
+                Msg::Error { reason: format!("not allowed to checkpoint process {pid}") }
+            }
+            Msg::Freeze { pid } => {
+                let owners = agent.procs.lock().unwrap_or_else(|e| e.into_inner()).clients_of(pid);
+                let listeners = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).listeners_of(&owners);
+                match agent.events.freeze(pid, FREEZE_TIMEOUT) {
+                    Ok(true) => Msg::Frozen { listeners },
+                    // Known here but its event channel is not open yet (it starts with the
+                    // process's first contact): the caller tries again.
+                    Ok(false) if !owners.is_empty() => {
+                        Msg::Error { reason: format!("process {pid} is not ready yet (no event channel)") }
+                    }
+                    // Never talked to this agent: it holds no agent socket, nothing to do.
+                    Ok(false) => Msg::Error { reason: format!("{NOT_HERE}: process {pid}") },
+                    Err(reason) => Msg::Error { reason },
+                }
+            }
+            Msg::Unfreeze { pid } if may_manage(&s, pid) => {
+                agent.events.unfreeze(pid);
+                Msg::Ok
+            }
+            Msg::Moved { pid, listeners, to } if may_manage(&s, pid) => {
+                let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
+                for l in listeners {
+                    info!("listener {l} of process {pid} moved to the node at {to:?}");
+                    d.forward(l, to.clone());
+                }
+                Msg::Ok
+            }
             Msg::Net { name, up } => match agent.health.set_admin(&name, up, &agent.events) {
                 Ok(_) => Msg::Ok,
                 Err(reason) => Msg::Error { reason },

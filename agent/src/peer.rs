@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use substrate::wire::agent::Msg;
 use tracing::{debug, info, warn};
 
+/// Error reason for a connection whose process is being moved away (the layer knows it).
+pub const MOVED: &str = "moved";
+
 /// Time allowed for reaching another node's agent.
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -96,10 +99,15 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
             Err(e) => return Err(e),
         };
         let answer = match m {
-            Msg::Connect { src, dst, gid, secret, window, aim } if net::is_local(dst.ip()) => {
-                agent.expect_local(src, dst, gid, secret, window, aim)
+            Msg::Connect { src, dst, gid, secret, window, aim, agents } if net::is_local(dst.ip()) => {
+                agent.expect_here(src, dst, gid, secret, window, aim, agents)
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
+            Msg::Resume { gid, .. } if agent.events.is_moving(gid) => {
+                // Its process is being moved to another node; it dials from there.
+                debug!("resume of {gid:032x}: its process is moving; the dialer waits");
+                Msg::Error { reason: MOVED.into() }
+            }
             Msg::Resume { gid, nonce } => {
                 // A new link for a connection of this node: the process holding it takes the
                 // socket and authenticates the dialer itself.

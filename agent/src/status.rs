@@ -124,6 +124,11 @@ impl Procs {
         self.live.insert(client, Proc { pid, name, table });
     }
 
+    /// The local clients of process `pid`.
+    pub fn clients_of(&self, pid: u32) -> Vec<u64> {
+        self.live.iter().filter(|(_, p)| p.pid == pid).map(|(c, _)| *c).collect()
+    }
+
     /// A local client went away.
     pub fn gone(&mut self, client: u64) {
         if let Some(p) = self.live.remove(&client) {

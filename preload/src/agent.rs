@@ -8,6 +8,7 @@ use crate::{log, real, sys};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use substrate::wire::agent::Msg;
 
@@ -27,6 +28,11 @@ static SOCKET_NAME: OnceLock<String> = OnceLock::new();
 
 thread_local! {
     static FORK_GUARD: RefCell<Option<MutexGuard<'static, State>>> = const { RefCell::new(None) };
+}
+
+/// The agent's abstract socket name.
+pub fn socket_name() -> &'static str {
+    SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET)
 }
 
 /// Sets the agent socket name (from the environment, at start).
@@ -232,19 +238,67 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
 
 /// Introduces this process to the agent now (a new image that inherited connections).
 pub fn hello() {
-    let mut st = lock();
+    let mut st = lock_awake();
     let _ = ensure(&mut st, sys::now_ns());
+}
+
+/// True while the process gets ready for (or goes through) a checkpoint: it holds no agent
+/// socket then, and requests wait.
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Closes the agent socket for a checkpoint (waiting for a request in flight); requests
+/// wait until [`wake_up`].
+pub fn quiesce() {
+    QUIET.store(true, SeqCst);
+    let mut st = lock();
+    let fd = fdtable::unprotect(OWN_AGENT);
+    if fd >= 0 {
+        // SAFETY: our own socket.
+        unsafe { real::close(fd) };
+    }
+    st.said_hello = false;
+}
+
+/// After a checkpoint (here or restored elsewhere): talk to the node agent again, which
+/// learns this process and its listeners anew.
+pub fn wake_up() {
+    QUIET.store(false, SeqCst);
+    let mut st = lock();
+    st.down_until = 0;
+    st.plain.clear();
+    let _ = ensure(&mut st, sys::now_ns());
+}
+
+/// The lock, once no checkpoint is under way (at most a few minutes: a thaw that never
+/// comes is given up by the control thread).
+fn lock_awake() -> MutexGuard<'static, State> {
+    loop {
+        while QUIET.load(SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let g = lock();
+        if !QUIET.load(SeqCst) {
+            return g;
+        }
+    }
 }
 
 /// Sends `m` to the node agent and returns its answer; `None` if there is no agent.
 pub fn request(m: &Msg) -> Option<Msg> {
-    let mut st = lock();
-    let now = sys::now_ns();
-    let fd = ensure(&mut st, now)?;
-    match exchange(fd, m, None) {
-        Some(a) => Some(a),
-        None => fail(&mut st, now),
-    }
+    let answer = {
+        let mut st = lock_awake();
+        let now = sys::now_ns();
+        let fd = ensure(&mut st, now)?;
+        match exchange(fd, m, None) {
+            Some(a) => Some(a),
+            None => fail(&mut st, now),
+        }
+    };
+    // Every process the agent knows keeps an event channel (the agent reaches it there,
+    // e.g. before a checkpoint). Started outside the lock: fork takes the control thread's
+    // lock first.
+    crate::relink::ensure_control();
+    answer
 }
 
 fn fail<T>(st: &mut State, now: u64) -> Option<T> {

@@ -29,7 +29,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
-use substrate::wire::agent::Msg;
+use substrate::wire::agent::{addrs_bytes, Msg};
 use substrate::wire::frame::FrameKind;
 
 /// Internal error code: the link is down, wait for a new one (never reaches the program).
@@ -400,6 +400,252 @@ struct Work {
     suspects: HashMap<u128, Suspect>,
     owed_seen: u64,
     last_wire: HashMap<u128, u64>,
+    /// Connections this side must dial whatever its role: the process was restored on
+    /// another node, and only it knows where it is now.
+    must_dial: std::collections::HashSet<u128>,
+    /// A thaw whose report to `vmi-migrate` waits for the links to be rebuilt.
+    thawing: Option<Thawing>,
+}
+
+/// The report owed to `vmi-migrate` after a thaw.
+struct Thawing {
+    fd: i32,
+    since_ms: u64,
+    moved: bool,
+    conns: u32,
+    to_rebuild: Vec<u128>,
+    replayed_before: u64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoints (migration)
+
+/// 1 from a `Freeze` until the thaw has looked at every link (a restored process's program
+/// threads may run before that and must take a dead socket for a lost link, not an end).
+pub static FROZEN: AtomicU32 = AtomicU32::new(0);
+
+/// How long a frozen process waits for its thaw before it goes on by itself (a
+/// `vmi-migrate` that died): 600 waits of 200 ms. Counted in waits, not by the clock, which
+/// may jump when the process is restored on another machine.
+const THAW_WAITS: u32 = 600;
+
+/// The network namespace this process is in (its inode), to tell a restore elsewhere.
+fn netns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/net").map(|m| m.ino()).unwrap_or(0)
+}
+
+/// The abstract Unix name a frozen process waits for its thaw on (scoped by network
+/// namespace, like the agent's): `<agent socket>-thaw-<pid>`.
+pub fn thaw_name(agent_socket: &str, pid: i32) -> String {
+    format!("{agent_socket}-thaw-{pid}")
+}
+
+fn abstract_addr(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: zeroed sockaddr_un is valid.
+    let mut sun: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sun.sun_family = libc::AF_UNIX as _;
+    let nb = name.as_bytes();
+    let n = nb.len().min(sun.sun_path.len() - 1);
+    for (i, b) in nb[..n].iter().enumerate() {
+        sun.sun_path[i + 1] = *b as libc::c_char;
+    }
+    (sun, (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t)
+}
+
+/// A socket that is gone: restored closed by the checkpoint tool, or reset.
+fn socket_dead(fd: i32) -> bool {
+    sys::tcp_info(fd).is_none_or(|ti| ti.tcpi_state == 7) || sys::peer_addr(fd).is_none()
+}
+
+/// The agent asks this process to get ready for a checkpoint: no Unix socket to the agent
+/// may stay open (the checkpoint could not restore its other end), and a process killed
+/// after its checkpoint must not end its connections (a reset, not a FIN, so that the
+/// peers take it for a lost link and wait for the process to come back). Then wait for the
+/// thaw: `vmi-migrate` connects to this process's thaw socket, here if the checkpoint
+/// failed, on the new node if it was restored there.
+fn freeze(w: &mut Work) {
+    let pid = crate::pid();
+    log::info(format_args!("getting ready for a checkpoint"));
+    FROZEN.store(1, SeqCst);
+    agent::quiesce();
+    let ns_before = netns();
+    // The program's own linger settings, given back if the process stays.
+    let mut lingers: Vec<(i32, libc::linger)> = Vec::new();
+    for v in fdtable::distinct_vcs() {
+        if v.parked() >= 0 {
+            continue;
+        }
+        for fd in fdtable::fds_of(&v).into_iter().take(1) {
+            // SAFETY: zeroed linger is valid; valid pointers to locals.
+            let mut l: libc::linger = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+            // SAFETY: as above.
+            if unsafe {
+                libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, &mut l as *mut _ as *mut _, &mut len)
+            } == 0
+            {
+                lingers.push((fd, l));
+            }
+            set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
+        }
+    }
+    // The thaw socket first (so it exists before anyone is told we are ready).
+    let name = thaw_name(agent::socket_name(), pid);
+    // SAFETY: plain socket creation.
+    let lfd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let (sun, len) = abstract_addr(&name);
+    // SAFETY: binds and listens on our own socket.
+    let listening = lfd >= 0
+        && unsafe {
+            libc::bind(lfd, &sun as *const _ as *const libc::sockaddr, len) == 0 && real::listen(lfd, 4) == 0
+        };
+    if !listening {
+        log::warn(format_args!("cannot open the thaw socket ({}); not ready for a checkpoint", sys::errno()));
+        if lfd >= 0 {
+            // SAFETY: our socket.
+            unsafe { real::close(lfd) };
+        }
+        restore_lingers(&lingers);
+        FROZEN.store(0, SeqCst);
+        agent::wake_up();
+        return;
+    }
+    let lfd = fdtable::move_high(lfd);
+    send_event(&Msg::Ok);
+    close_events();
+    // Wait for the thaw.
+    let mut conn = -1;
+    for _ in 0..THAW_WAITS {
+        if sys::wait_fd(lfd, libc::POLLIN, 200) & libc::POLLIN != 0 {
+            // SAFETY: accept on our listening socket.
+            let c =
+                unsafe { libc::accept4(lfd, std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+            if c < 0 {
+                continue;
+            }
+            set_timeouts(c, 1000);
+            match recv_msg(c) {
+                Some(Msg::Thaw { pid: p }) if p as i32 == pid => {
+                    conn = c;
+                    break;
+                }
+                other => {
+                    log::warn(format_args!("thaw socket: unexpected {other:?}"));
+                    // SAFETY: our socket.
+                    unsafe { real::close(c) };
+                }
+            }
+        }
+    }
+    // SAFETY: our listening socket.
+    unsafe { real::close(lfd) };
+    if conn < 0 {
+        log::warn(format_args!("no thaw after the checkpoint; going on"));
+    }
+    thaw(w, conn, &lingers, ns_before);
+}
+
+fn set_linger(fd: i32, l: libc::linger) {
+    // SAFETY: valid pointer to a local linger.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const _ as *const _,
+            std::mem::size_of_val(&l) as _,
+        )
+    };
+}
+
+fn restore_lingers(lingers: &[(i32, libc::linger)]) {
+    for &(fd, l) in lingers {
+        set_linger(fd, l);
+    }
+}
+
+/// After the checkpoint: connections whose socket died (the process was restored, here or
+/// elsewhere) are rebuilt, dialed from this side whatever its role; the others go on as
+/// they were. Then the agent (the new node's, maybe) learns this process again.
+fn thaw(w: &mut Work, conn: i32, lingers: &[(i32, libc::linger)], ns_before: u64) {
+    let mut moved = netns() != ns_before;
+    let vcs = fdtable::distinct_vcs();
+    for v in &vcs {
+        let c = v.mem().conn();
+        if c.broken.load(Acquire) != 0 {
+            continue;
+        }
+        let Some(&fd) = fdtable::fds_of(v).first() else { continue };
+        if c.link_down.load(Acquire) != 0 || socket_dead(fd) {
+            moved |= c.link_down.load(Acquire) == 0;
+        }
+    }
+    for v in &vcs {
+        let c = v.mem().conn();
+        if c.broken.load(Acquire) != 0 {
+            continue;
+        }
+        let Some(&fd) = fdtable::fds_of(v).first() else { continue };
+        if c.link_down.load(Acquire) == 0 && (moved || socket_dead(fd)) {
+            link_broken(v.mem(), "the process was restored from a checkpoint");
+        }
+        if moved && c.link_down.load(Acquire) != 0 {
+            w.must_dial.insert(c.gid);
+            if let Some(p) = w.pending.get_mut(&c.gid) {
+                p.next_try_ms = 0;
+            }
+        }
+    }
+    if !moved {
+        restore_lingers(lingers);
+    }
+    FROZEN.store(0, SeqCst);
+    agent::wake_up();
+    log::info(format_args!(
+        "thawed {}: {} connections to rebuild",
+        if moved { "after a restore" } else { "in place (no restore)" },
+        w.must_dial.len()
+    ));
+    if conn >= 0 {
+        w.thawing = Some(Thawing {
+            fd: conn,
+            since_ms: sys::now_ms(),
+            moved,
+            conns: vcs.len() as u32,
+            to_rebuild: w.must_dial.iter().copied().collect(),
+            replayed_before: REPLAYED.load(Relaxed),
+        });
+    }
+}
+
+/// Reports to `vmi-migrate` once every link that had to be rebuilt is (or after 20 s).
+fn report_thaw(w: &mut Work) {
+    let Some(t) = &w.thawing else { return };
+    let now = sys::now_ms();
+    let elapsed = now.saturating_sub(t.since_ms);
+    if !w.must_dial.is_empty() && elapsed < 20_000 {
+        return;
+    }
+    let rebuilt = fdtable::distinct_vcs()
+        .iter()
+        .map(|v| v.mem().conn())
+        .filter(|c| {
+            t.to_rebuild.contains(&c.gid) && c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0
+        })
+        .count();
+    let m = Msg::Thawed {
+        moved: t.moved,
+        conns: t.conns,
+        rebuilt: rebuilt as u32,
+        waiting: w.must_dial.len() as u32,
+        replayed: REPLAYED.load(Relaxed).saturating_sub(t.replayed_before),
+        ms: elapsed as u32,
+    };
+    let _ = send_msg(t.fd, &m);
+    // SAFETY: our socket.
+    unsafe { real::close(t.fd) };
+    w.thawing = None;
 }
 
 fn control_loop() {
@@ -490,6 +736,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
             }
             w.suspects.clear();
         }
+        (Msg::Freeze { .. }, _) => freeze(w),
         (Msg::Handover { gid, nonce }, Some(fd)) => {
             w.suspects.remove(&gid);
             answer(gid, nonce, fd)
@@ -591,15 +838,23 @@ fn work(w: &mut Work) {
             s.set_relinking(true, false);
         }
         let p = w.pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
-        if c.active != 0 && now >= p.next_try_ms {
-            if dial(&v) {
-                w.pending.remove(&c.gid);
-            } else if let Some(p) = w.pending.get_mut(&c.gid) {
-                p.next_try_ms = sys::now_ms() + 100;
+        if (c.active != 0 || w.must_dial.contains(&c.gid)) && now >= p.next_try_ms {
+            match dial(&v) {
+                None => {
+                    w.pending.remove(&c.gid);
+                    w.must_dial.remove(&c.gid);
+                }
+                Some(ms) => {
+                    if let Some(p) = w.pending.get_mut(&c.gid) {
+                        p.next_try_ms = sys::now_ms() + ms;
+                    }
+                }
             }
         }
     }
     w.pending.retain(|g, _| seen.contains(g));
+    w.must_dial.retain(|g| seen.contains(g));
+    report_thaw(w);
     let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
     w.suspects.retain(|g, _| live.contains(g));
     w.last_wire.retain(|g, _| live.contains(g));
@@ -714,14 +969,14 @@ fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option<i32> {
     Some(fd)
 }
 
-/// The side that connected: dials the peer node's agent over a working path and resumes.
-/// True when the link is up again (or the connection was given up).
-fn dial(v: &Vc) -> bool {
+/// Dials the peer node's agent over a working path and resumes. `None` when the link is up
+/// again (or the connection was given up), else how long to wait before the next try.
+fn dial(v: &Vc) -> Option<u64> {
     let c = v.mem().conn();
     let peers = c.peer_agents();
     if peers.is_empty() {
         give_up(v, libc::ECONNRESET, "the peer's node agent is unknown, the link cannot be rebuilt");
-        return true;
+        return None;
     }
     let paths: Vec<(SocketAddr, SocketAddr)> = match agent::request(&Msg::Paths { peers: peers.clone() }) {
         Some(Msg::PathList { pairs }) => pairs,
@@ -741,22 +996,35 @@ fn dial(v: &Vc) -> bool {
                     local.ip(),
                     sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
                 ));
-                return true;
+                return None;
             }
             Err(Final(e, why)) => {
                 // SAFETY: our socket.
                 unsafe { real::close(fd) };
                 give_up(v, e, &why);
-                return true;
+                return None;
             }
             Err(Retry(why)) => {
                 // SAFETY: our socket.
                 unsafe { real::close(fd) };
                 log::info(format_args!("resume {:032x} via {peer}: {why}", c.gid));
             }
+            Err(Wait(why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                log::debug(format_args!("resume {:032x} via {peer}: {why}", c.gid));
+                return Some(250);
+            }
         }
     }
-    false
+    Some(100)
+}
+
+/// Bytes replayed on rebuilt links, for the report after a migration.
+static REPLAYED: AtomicU64 = AtomicU64::new(0);
+
+fn note_replay(tx: &substrate::reliability::TxState, peer_delivered: u64) {
+    REPLAYED.fetch_add(tx.next_seq.saturating_sub(peer_delivered), Relaxed);
 }
 
 fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
@@ -768,19 +1036,39 @@ fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
 }
 
 enum Failure {
+    /// The connection cannot be rebuilt: give it up with this errno.
     Final(i32, String),
+    /// Try another path, or again soon.
     Retry(String),
+    /// The peer is being moved to another node: it dials once it is there.
+    Wait(String),
 }
-use Failure::{Final, Retry};
+use Failure::{Final, Retry, Wait};
+
+/// Error reason an agent gives for a connection whose process is being moved away.
+pub const MOVED: &str = "moved";
+
+/// Where this node's agent can be reached (what the other side of a rebuilt link must dial
+/// next time); empty without an agent.
+fn my_agents() -> Vec<SocketAddr> {
+    match agent::request(&Msg::WhereAmI) {
+        Some(Msg::Here { addrs }) => addrs,
+        _ => Vec::new(),
+    }
+}
 
 fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     let c = v.mem().conn();
     let nonce_a = sys::random_u128();
+    let mine = my_agents();
     if !send_msg(fd, &Msg::Resume { gid: c.gid, nonce: nonce_a }) {
         return Err(Retry("cannot send".into()));
     }
     let nonce_b = match recv_msg(fd) {
         Some(Msg::Challenge { nonce }) => nonce,
+        Some(Msg::Error { reason }) if reason == MOVED => {
+            return Err(Wait("the peer is moving to another node; it will dial".into()))
+        }
         Some(Msg::Error { reason }) => {
             return Err(Final(libc::ECONNRESET, format!("the peer's node no longer has it ({reason})")))
         }
@@ -793,20 +1081,22 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     // SAFETY: we hold both locks.
     let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
     let delivered_a = rx.delivered;
-    let mac = resume_mac(c.secret, Role::Dialer, c.gid, nonce_a, nonce_b, delivered_a);
-    if !send_msg(fd, &Msg::Proof { delivered: delivered_a, mac }) {
+    let mac = resume_mac(c.secret, Role::Dialer, c.gid, nonce_a, nonce_b, delivered_a, &addrs_bytes(&mine));
+    if !send_msg(fd, &Msg::Proof { delivered: delivered_a, mac, agents: mine }) {
         return Err(Retry("cannot send the proof".into()));
     }
-    let delivered_b = match recv_msg(fd) {
-        Some(Msg::Ready { delivered, mac }) => {
-            if !proofs_equal(mac, resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered)) {
+    let (delivered_b, theirs) = match recv_msg(fd) {
+        Some(Msg::Ready { delivered, mac, agents }) => {
+            let want =
+                resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered, &addrs_bytes(&agents));
+            if !proofs_equal(mac, want) {
                 log::warn(format_args!(
                     "resume of virtual connection {:032x} refused: the answering side does not know the secret",
                     c.gid
                 ));
                 return Err(Retry("bad proof from the holder".into()));
             }
-            delivered
+            (delivered, agents)
         }
         Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
         other => return Err(Retry(format!("no answer to the proof ({other:?})"))),
@@ -814,7 +1104,9 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     if let Err(e) = tx.relink(delivered_b, delivered_a) {
         return Err(Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}")));
     }
+    note_replay(tx, delivered_b);
     rx.relink(delivered_b);
+    c.set_peer_agents(&theirs);
     publish(v.mem(), tx, rx);
     install(v, fd);
     Ok(())
@@ -841,8 +1133,8 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
         close(fd);
         return;
     }
-    let (delivered_a, mac) = match recv_msg(fd) {
-        Some(Msg::Proof { delivered, mac }) => (delivered, mac),
+    let (delivered_a, mac, theirs) = match recv_msg(fd) {
+        Some(Msg::Proof { delivered, mac, agents }) => (delivered, mac, agents),
         other => {
             log::warn(format_args!(
                 "resume of virtual connection {gid:032x} from {from} refused: no proof ({other:?})"
@@ -851,7 +1143,8 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
             return;
         }
     };
-    if !proofs_equal(mac, resume_mac(c.secret, Role::Dialer, gid, nonce_a, nonce_b, delivered_a)) {
+    let want = resume_mac(c.secret, Role::Dialer, gid, nonce_a, nonce_b, delivered_a, &addrs_bytes(&theirs));
+    if !proofs_equal(mac, want) {
         log::warn(format_args!(
             "resume of virtual connection {gid:032x} from {from} refused: wrong proof of the secret"
         ));
@@ -873,13 +1166,16 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
         give_up(&v, libc::ECONNRESET, &format!("the peer's stream position is impossible: {e}"));
         return;
     }
-    let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b);
-    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b }) {
+    let mine = my_agents();
+    let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b, &addrs_bytes(&mine));
+    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine }) {
         // The dialer tries again (the states stay consistent: it replays from what we said).
         close(fd);
         return;
     }
+    note_replay(tx, delivered_a);
     rx.relink(delivered_a);
+    c.set_peer_agents(&theirs);
     publish(v.mem(), tx, rx);
     install(&v, fd);
     log::info(format_args!(

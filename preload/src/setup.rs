@@ -50,7 +50,8 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
     }
     let gid = u128::from_le_bytes(sys::random16());
     let secret = u128::from_le_bytes(sys::random16());
-    let m = Msg::Connect { src: local, dst, gid, secret, window: config::window(), aim: dst };
+    let m =
+        Msg::Connect { src: local, dst, gid, secret, window: config::window(), aim: dst, agents: Vec::new() };
     match agent::request(&m) {
         Some(Msg::Virtual { window, addrs, alias, .. }) => {
             let via = (alias.port() != 0).then(|| {

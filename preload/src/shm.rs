@@ -115,9 +115,11 @@ pub struct SharedConn {
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
-    pub n_peer_agents: u32,
+    pub n_peer_agents: AtomicU32,
     /// Where the peer's node agent can be reached, one address per network (slot form).
-    pub peer_agents: [[u8; 20]; MAX_PEER_AGENTS],
+    /// Changed only by the process rebuilding the link, holding both halves' locks, when the
+    /// peer moved to another node.
+    peer_agents: UnsafeCell<[[u8; 20]; MAX_PEER_AGENTS]>,
     /// The connection's GID.
     pub gid: u128,
     /// Its secret.
@@ -206,14 +208,14 @@ impl Mapping {
             link_pid: AtomicI32::new(0),
             link_fd: AtomicI32::new(-1),
             active: active as u32,
-            n_peer_agents: peer_agents.len().min(MAX_PEER_AGENTS) as u32,
-            peer_agents: {
+            n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
+            peer_agents: UnsafeCell::new({
                 let mut a = [[0u8; 20]; MAX_PEER_AGENTS];
                 for (d, s) in a.iter_mut().zip(peer_agents) {
                     *d = substrate::stats::encode_addr(s);
                 }
                 a
-            },
+            }),
             gid,
             secret,
             peer_window,
@@ -229,10 +231,26 @@ impl Mapping {
 impl SharedConn {
     /// The peer node's agent addresses.
     pub fn peer_agents(&self) -> Vec<std::net::SocketAddr> {
-        self.peer_agents[..(self.n_peer_agents as usize).min(MAX_PEER_AGENTS)]
-            .iter()
-            .filter_map(|b| substrate::stats::decode_addr(b))
-            .collect()
+        let n = (self.n_peer_agents.load(Acquire) as usize).min(MAX_PEER_AGENTS);
+        // SAFETY: a copy of plain bytes; they change only while a link is rebuilt, by the
+        // thread that also reads them to dial (see `set_peer_agents`).
+        let all = unsafe { *self.peer_agents.get() };
+        all[..n].iter().filter_map(|b| substrate::stats::decode_addr(b)).collect()
+    }
+
+    /// The peer now lives at another node: where its agent can be reached. The caller holds
+    /// both halves' locks.
+    pub fn set_peer_agents(&self, addrs: &[std::net::SocketAddr]) {
+        if addrs.is_empty() || addrs == self.peer_agents().as_slice() {
+            return;
+        }
+        let mut a = [[0u8; 20]; MAX_PEER_AGENTS];
+        for (d, s) in a.iter_mut().zip(addrs) {
+            *d = substrate::stats::encode_addr(s);
+        }
+        // SAFETY: see above; the caller holds both locks.
+        unsafe { *self.peer_agents.get() = a };
+        self.n_peer_agents.store(addrs.len().min(MAX_PEER_AGENTS) as u32, Release);
     }
 }
 

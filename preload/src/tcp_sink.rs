@@ -482,6 +482,9 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
                 // Our own SHUT_RD after the peer's Fin: nothing queued now.
                 break;
             }
+            if socket_gone(fd) {
+                return Err(physical_error(mem, libc::ENOTCONN, false, 0));
+            }
             // The peer half-closed: no ack will come again.
             note_peer_eof(mem);
             return Ok(Harvest::Opened);
@@ -538,6 +541,14 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
 fn peer_closed(fd: c_int) -> bool {
     // TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING (or no socket to ask about).
     sys::tcp_info(fd).is_none_or(|ti| matches!(ti.tcpi_state, 6..=9 | 11))
+}
+
+/// An end of stream that no FIN explains: the socket is closed without the peer having
+/// closed (a reset, or a socket restored closed after a checkpoint): the link is lost, the
+/// stream did not end.
+#[cold]
+fn socket_gone(fd: c_int) -> bool {
+    sys::tcp_info(fd).is_some_and(|ti| ti.tcpi_state == 7)
 }
 
 /// True when the peer's Fin frame arrived (the socket polls readable from then on).
@@ -636,6 +647,10 @@ pub fn recv(
             }
             if rx.fin != 0 {
                 return Ok(total);
+            }
+            if socket_gone(fd) {
+                let err = physical_error(mem, libc::ENOTCONN, false, 0);
+                return if total > 0 { Ok(total) } else { Err(err) };
             }
             note_peer_eof(mem);
             return Ok(total);

@@ -154,8 +154,17 @@ pub enum Role {
 }
 
 /// The proof one side sends: HMAC-SHA256 keyed with the connection's secret over a label
-/// for the side, the GID, both nonces and the byte count the side states, cut to 128 bits.
-pub fn resume_mac(secret: u128, role: Role, gid: u128, nonce_a: u128, nonce_b: u128, delivered: u64) -> u128 {
+/// for the side, the GID, both nonces, the byte count the side states and its whereabouts
+/// (its node agent's addresses, encoded by the caller), cut to 128 bits.
+pub fn resume_mac(
+    secret: u128,
+    role: Role,
+    gid: u128,
+    nonce_a: u128,
+    nonce_b: u128,
+    delivered: u64,
+    whereabouts: &[u8],
+) -> u128 {
     let label: &[u8] = match role {
         Role::Dialer => b"vmi-resume-a",
         Role::Holder => b"vmi-resume-b",
@@ -168,6 +177,7 @@ pub fn resume_mac(secret: u128, role: Role, gid: u128, nonce_a: u128, nonce_b: u
             &nonce_a.to_le_bytes(),
             &nonce_b.to_le_bytes(),
             &delivered.to_le_bytes(),
+            whereabouts,
         ],
     );
     u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))
@@ -224,15 +234,16 @@ mod tests {
 
     #[test]
     fn proofs_bind_every_input() {
-        let base = resume_mac(1, Role::Dialer, 2, 3, 4, 5);
-        assert!(proofs_equal(base, resume_mac(1, Role::Dialer, 2, 3, 4, 5)));
+        let base = resume_mac(1, Role::Dialer, 2, 3, 4, 5, b"");
+        assert!(proofs_equal(base, resume_mac(1, Role::Dialer, 2, 3, 4, 5, b"")));
         for other in [
-            resume_mac(9, Role::Dialer, 2, 3, 4, 5),
-            resume_mac(1, Role::Holder, 2, 3, 4, 5),
-            resume_mac(1, Role::Dialer, 9, 3, 4, 5),
-            resume_mac(1, Role::Dialer, 2, 9, 4, 5),
-            resume_mac(1, Role::Dialer, 2, 3, 9, 5),
-            resume_mac(1, Role::Dialer, 2, 3, 4, 9),
+            resume_mac(9, Role::Dialer, 2, 3, 4, 5, b""),
+            resume_mac(1, Role::Holder, 2, 3, 4, 5, b""),
+            resume_mac(1, Role::Dialer, 9, 3, 4, 5, b""),
+            resume_mac(1, Role::Dialer, 2, 9, 4, 5, b""),
+            resume_mac(1, Role::Dialer, 2, 3, 9, 5, b""),
+            resume_mac(1, Role::Dialer, 2, 3, 4, 9, b""),
+            resume_mac(1, Role::Dialer, 2, 3, 4, 5, b"x"),
         ] {
             assert!(!proofs_equal(base, other));
         }

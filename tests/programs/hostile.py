@@ -223,7 +223,8 @@ def attack(args):
     out["gid"] = f"{gid:032x}"
     body = (enc_addr("0.0.0.0", port) + enc_addr(dst_ip, dst_port) + enc_u128(gid)
             + enc_u128(secret) + struct.pack("<Q", WINDOW)
-            + enc_addr(dst_ip, dst_port))  # aim: the destination the program asked for
+            + enc_addr(dst_ip, dst_port)  # aim: the destination the program asked for
+            + struct.pack("<I", 0))  # agents: none (a layer sends none)
     tag, rest = agent_call(agent, CONNECT, body)
     out["connect_answer"] = TAG_NAMES.get(tag, tag)
     if tag != VIRTUAL:

@@ -18,12 +18,14 @@ Agent protocol (substrate/src/wire/agent.rs): a little-endian u32 body length, t
 a tag byte and the fields, integers little-endian:
 
     9  Error{reason: u32 length + UTF-8}        12 Resume{gid: u128, nonce: u128}
-    13 Challenge{nonce: u128}                   14 Proof{delivered: u64, mac: u128}
-    15 Ready{delivered: u64, mac: u128}
+    13 Challenge{nonce: u128}                   14 Proof{delivered: u64, mac: u128, agents}
+    15 Ready{delivered: u64, mac: u128, agents}
+
+(agents: a u32 count of addresses, then each address; the attacker sends none).
 
 mac = the first 16 bytes, read as a little-endian u128, of HMAC-SHA256 keyed with the 16-byte
 little-endian connection secret over b"vmi-resume-a" + gid + nonce_a + nonce_b (16 bytes
-little-endian each) + delivered (8 bytes little-endian).
+little-endian each) + delivered (8 bytes little-endian) + the agents field as sent.
 
 Prints one JSON line per attempt:
 
@@ -60,6 +62,9 @@ def u128(v):
     return v.to_bytes(16, "little")
 
 
+NO_AGENTS = struct.pack("<I", 0)
+
+
 def msg(tag, body=b""):
     payload = bytes([tag]) + body
     return struct.pack("<I", len(payload)) + payload
@@ -67,7 +72,7 @@ def msg(tag, body=b""):
 
 def resume_mac(secret, gid, nonce_a, nonce_b, delivered):
     d = hmac.new(u128(secret), b"vmi-resume-a" + u128(gid) + u128(nonce_a) + u128(nonce_b)
-                 + struct.pack("<Q", delivered), hashlib.sha256).digest()
+                 + struct.pack("<Q", delivered) + NO_AGENTS, hashlib.sha256).digest()
     return int.from_bytes(d[:16], "little")
 
 
@@ -106,7 +111,7 @@ def read_reply(sock):
     if tag == ERROR and len(rest) >= 4:
         (k,) = struct.unpack("<I", rest[:4])
         return name, rest[4:4 + k].decode(errors="replace")
-    if tag == READY and len(rest) == 24:
+    if tag == READY and len(rest) >= 28:
         return name, {"delivered": struct.unpack("<Q", rest[:8])[0]}
     return name, rest.hex()[:200]
 
@@ -159,7 +164,7 @@ def attempt(target, case, gid, rng, timeout):
         else:
             # An unknown GID must not get as far as a Challenge.
             delivered, mac = 0, rng.getrandbits(128)
-        if not send(sock, msg(PROOF, struct.pack("<Q", delivered) + u128(mac))):
+        if not send(sock, msg(PROOF, struct.pack("<Q", delivered) + u128(mac) + NO_AGENTS)):
             out.update(proof_reply="closed", outcome="refused",
                        reason="closed before the Proof was sent")
             return out

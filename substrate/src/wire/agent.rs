@@ -52,6 +52,10 @@ pub enum Msg {
         /// address of the same node (its network is down): what the accepting program must
         /// see as its local address. Equal to `dst` otherwise.
         aim: SocketAddr,
+        /// Agent → agent: where the connecting node's agent can be reached, one address per
+        /// network (the accepting side dials them if it has to rebuild the link). Empty
+        /// from a layer.
+        agents: Vec<SocketAddr>,
     },
     /// Layer → agent: a listener accepted a connection from `peer`; is it virtual?
     Accept {
@@ -110,16 +114,21 @@ pub enum Msg {
     Proof {
         /// Bytes delivered.
         delivered: u64,
-        /// Proof.
+        /// Proof (it covers `agents` too).
         mac: u128,
+        /// Where the dialer's node agent can be reached now, one address per network (the
+        /// dialer may have moved to another node).
+        agents: Vec<SocketAddr>,
     },
     /// Holder → dialer: the proof was right; bytes of the dialer's stream the holder
     /// delivered, with the holder's proof.
     Ready {
         /// Bytes delivered.
         delivered: u64,
-        /// Proof.
+        /// Proof (it covers `agents` too).
         mac: u128,
+        /// Where the holder's node agent can be reached now.
+        agents: Vec<SocketAddr>,
     },
     /// Layer → agent, first message on a process's event channel (agent → layer notices).
     Events {
@@ -177,6 +186,63 @@ pub enum Msg {
     Linger {
         /// The connection.
         gid: u128,
+    },
+    /// `vmi-migrate` → agent: get process `pid` ready for a checkpoint. The agent tells the
+    /// process (event channel, same message), which closes its agent sockets and answers
+    /// `Ok`; connections it holds are then answered "moved" to dialers until it comes back.
+    Freeze {
+        /// The process.
+        pid: u32,
+    },
+    /// Answer to `Freeze` (agent → `vmi-migrate`): the process is ready; its listeners.
+    Frozen {
+        /// Listening addresses the process had registered here.
+        listeners: Vec<SocketAddr>,
+    },
+    /// `vmi-migrate` → the process itself (its thaw socket), after the checkpoint: go on.
+    Thaw {
+        /// The process (a check).
+        pid: u32,
+    },
+    /// Process → `vmi-migrate`: back in service (answered once every connection that had to
+    /// be rebuilt is, or after a time-out).
+    Thawed {
+        /// True when the process found itself restored (its old sockets were gone).
+        moved: bool,
+        /// Virtual connections held.
+        conns: u32,
+        /// Links rebuilt.
+        rebuilt: u32,
+        /// Connections that could not be rebuilt (yet).
+        waiting: u32,
+        /// Bytes replayed on the rebuilt links (both directions as this side sent them).
+        replayed: u64,
+        /// Milliseconds from the thaw to the last link rebuilt.
+        ms: u32,
+    },
+    /// `vmi-migrate` → the agent of the node a process left: its listeners now live at the
+    /// node whose agents are at `to`; forward new connections there. Its connections are
+    /// no longer here (dialers are told "moved").
+    Moved {
+        /// The process.
+        pid: u32,
+        /// Listening addresses it had here.
+        listeners: Vec<SocketAddr>,
+        /// The new node's agent addresses.
+        to: Vec<SocketAddr>,
+    },
+    /// `vmi-migrate` → agent: the process `pid` comes back here (its checkpoint failed):
+    /// forget that it was frozen.
+    Unfreeze {
+        /// The process.
+        pid: u32,
+    },
+    /// Layer or `vmi-migrate` → agent: where can this node's agent be reached?
+    WhereAmI,
+    /// Answer to `WhereAmI`: one address per network in service.
+    Here {
+        /// Agent addresses.
+        addrs: Vec<SocketAddr>,
     },
     /// Agent → agent over UDP, on every network path: a heartbeat.
     Probe {
@@ -329,6 +395,13 @@ impl<'a> R<'a> {
     }
 }
 
+/// A list of addresses as messages carry it (for proofs that cover one).
+pub fn addrs_bytes(v: &[SocketAddr]) -> Vec<u8> {
+    let mut w = W(Vec::new());
+    w.addrs(v);
+    w.0
+}
+
 impl Msg {
     /// Encodes the message with its length prefix.
     pub fn encode(&self) -> Vec<u8> {
@@ -348,7 +421,7 @@ impl Msg {
                 w.u8(3);
                 w.addr(addr);
             }
-            Msg::Connect { src, dst, gid, secret, window, aim } => {
+            Msg::Connect { src, dst, gid, secret, window, aim, agents } => {
                 w.u8(4);
                 w.addr(src);
                 w.addr(dst);
@@ -356,6 +429,7 @@ impl Msg {
                 w.u128(*secret);
                 w.u64(*window);
                 w.addr(aim);
+                w.addrs(agents);
             }
             Msg::Accept { local, peer } => {
                 w.u8(5);
@@ -390,15 +464,17 @@ impl Msg {
                 w.u8(13);
                 w.u128(*nonce);
             }
-            Msg::Proof { delivered, mac } => {
+            Msg::Proof { delivered, mac, agents } => {
                 w.u8(14);
                 w.u64(*delivered);
                 w.u128(*mac);
+                w.addrs(agents);
             }
-            Msg::Ready { delivered, mac } => {
+            Msg::Ready { delivered, mac, agents } => {
                 w.u8(15);
                 w.u64(*delivered);
                 w.u128(*mac);
+                w.addrs(agents);
             }
             Msg::Events { pid } => {
                 w.u8(16);
@@ -449,6 +525,42 @@ impl Msg {
                 w.u8(25);
                 w.u128(*gid);
             }
+            Msg::Freeze { pid } => {
+                w.u8(26);
+                w.u32(*pid);
+            }
+            Msg::Frozen { listeners } => {
+                w.u8(27);
+                w.addrs(listeners);
+            }
+            Msg::Thaw { pid } => {
+                w.u8(28);
+                w.u32(*pid);
+            }
+            Msg::Thawed { moved, conns, rebuilt, waiting, replayed, ms } => {
+                w.u8(29);
+                w.u8(*moved as u8);
+                w.u32(*conns);
+                w.u32(*rebuilt);
+                w.u32(*waiting);
+                w.u64(*replayed);
+                w.u32(*ms);
+            }
+            Msg::Moved { pid, listeners, to } => {
+                w.u8(30);
+                w.u32(*pid);
+                w.addrs(listeners);
+                w.addrs(to);
+            }
+            Msg::Unfreeze { pid } => {
+                w.u8(31);
+                w.u32(*pid);
+            }
+            Msg::WhereAmI => w.u8(32),
+            Msg::Here { addrs } => {
+                w.u8(33);
+                w.addrs(addrs);
+            }
         }
         let body = (w.0.len() - 4) as u32;
         w.0[..4].copy_from_slice(&body.to_le_bytes());
@@ -478,6 +590,7 @@ impl Msg {
                 secret: r.u128()?,
                 window: r.u64()?,
                 aim: r.addr()?,
+                agents: r.addrs()?,
             },
             5 => Msg::Accept { local: r.addr()?, peer: r.addr()? },
             6 => Msg::Virtual {
@@ -494,8 +607,8 @@ impl Msg {
             11 => Msg::StatusReply { json: r.str()? },
             12 => Msg::Resume { gid: r.u128()?, nonce: r.u128()? },
             13 => Msg::Challenge { nonce: r.u128()? },
-            14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()? },
-            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()? },
+            14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()? },
+            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()? },
             16 => Msg::Events { pid: r.u32()? },
             17 => Msg::Hold { gid: r.u128()? },
             18 => Msg::Release { gid: r.u128()? },
@@ -513,6 +626,21 @@ impl Msg {
             23 => Msg::Net { name: r.str()?, up: r.bool()? },
             24 => Msg::Probe { node: r.str()?, seq: r.u64()? },
             25 => Msg::Linger { gid: r.u128()? },
+            26 => Msg::Freeze { pid: r.u32()? },
+            27 => Msg::Frozen { listeners: r.addrs()? },
+            28 => Msg::Thaw { pid: r.u32()? },
+            29 => Msg::Thawed {
+                moved: r.bool()?,
+                conns: r.u32()?,
+                rebuilt: r.u32()?,
+                waiting: r.u32()?,
+                replayed: r.u64()?,
+                ms: r.u32()?,
+            },
+            30 => Msg::Moved { pid: r.u32()?, listeners: r.addrs()?, to: r.addrs()? },
+            31 => Msg::Unfreeze { pid: r.u32()? },
+            32 => Msg::WhereAmI,
+            33 => Msg::Here { addrs: r.addrs()? },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -547,13 +675,21 @@ mod tests {
             Msg::Hello { pid: 42, name: "iperf3".into() },
             Msg::Listen { addr: a, window: 9 },
             Msg::Unlisten { addr: b },
-            Msg::Connect { src: a, dst: b, gid: u128::MAX, secret: 7, window: 1 << 22, aim: b },
+            Msg::Connect {
+                src: a,
+                dst: b,
+                gid: u128::MAX,
+                secret: 7,
+                window: 1 << 22,
+                aim: b,
+                agents: vec![a],
+            },
             Msg::Accept { local: b, peer: a },
             Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b], alias: a },
             Msg::Resume { gid: 1, nonce: 2 },
             Msg::Challenge { nonce: 3 },
-            Msg::Proof { delivered: 4, mac: 5 },
-            Msg::Ready { delivered: 6, mac: 7 },
+            Msg::Proof { delivered: 4, mac: 5, agents: vec![a, b] },
+            Msg::Ready { delivered: 6, mac: 7, agents: vec![] },
             Msg::Events { pid: 8 },
             Msg::Hold { gid: 9 },
             Msg::Release { gid: 10 },
@@ -564,6 +700,14 @@ mod tests {
             Msg::Net { name: "eth0".into(), up: false },
             Msg::Probe { node: "n".into(), seq: 13 },
             Msg::Linger { gid: 14 },
+            Msg::Freeze { pid: 15 },
+            Msg::Frozen { listeners: vec![a] },
+            Msg::Thaw { pid: 16 },
+            Msg::Thawed { moved: true, conns: 17, rebuilt: 18, waiting: 19, replayed: 20, ms: 21 },
+            Msg::Moved { pid: 22, listeners: vec![a], to: vec![b, a] },
+            Msg::Unfreeze { pid: 23 },
+            Msg::WhereAmI,
+            Msg::Here { addrs: vec![b] },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
