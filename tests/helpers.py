@@ -28,6 +28,7 @@ RELEASE = REPO / "target" / "release"
 PRELOAD_LIB = RELEASE / "libvmi_preload.so"
 AGENT_BIN = RELEASE / "vmi-agent"
 VMICTL_BIN = RELEASE / "vmictl"
+MIGRATE_BIN = RELEASE / "vmi-migrate"
 PROGRAMS = REPO / "tests" / "programs"
 TOPO_SCRIPT = REPO / "scripts" / "topo.sh"
 # The interpreter running pytest (a real binary, not a shell shim), for the Python programs.
@@ -61,6 +62,7 @@ def host_ip(host, net=0):
 
 H1_IP, H2_IP, H3_IP = host_ip(H1), host_ip(H2), host_ip(H3)
 H1_IP1 = host_ip(H1, 1)
+H3_IP1 = host_ip(H3, 1)
 H2_IP1 = host_ip(H2, 1)
 LOOPBACK = "127.0.0.1"
 
@@ -131,6 +133,15 @@ PORTS = {
     "failover_fork_shared": 17811,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
+    "migrate_client": 17901,
+    "migrate_server": 17902,
+    "migrate_both": 17903,
+    "migrate_loop": 17904,
+    "migrate_net_down": 17905,
+    "migrate_listener": 17906,
+    "migrate_dump_fails": 17907,
+    "migrate_restore_fails": 17908,
+    "migrate_redis": 16402,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()

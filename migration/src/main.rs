@@ -272,6 +272,72 @@ fn criu(o: &Opts, host: &str, args: &[String], log: &str, images: &Path) -> Resu
     ))
 }
 
+/// `criu restore` in `host`. On success criu execs `vmi-migrate --reap READY`, which
+/// becomes the restored tree's parent: it reaps the process when it exits, so that its pid
+/// is free again for a later restore (a parent that never reaps leaves a zombie holding
+/// the pid), and it says the restore is done by creating the file READY.
+fn criu_restore(o: &Opts, host: &str, shell_job: bool, log: &str, images: &Path) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let ready = images.join(format!("{log}.ready"));
+    let _ = std::fs::remove_file(&ready);
+    let me = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let mut cmd = Command::new("nsenter");
+    cmd.arg(format!("--net={}", netns_path(host).display()))
+        .arg(&o.criu)
+        .args(["restore", "--tcp-close", "-o", log, "-v2", "-D"])
+        .arg(images)
+        .env_remove("LD_PRELOAD")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    if shell_job {
+        cmd.arg("--shell-job");
+    }
+    cmd.arg("--exec-cmd").arg("--").arg(&me).arg("--reap").arg(&ready);
+    // SAFETY: only an async-signal-safe call between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|e| format!("cannot run {}: {e}", o.criu))?;
+    loop {
+        if ready.exists() {
+            // Restored; the reaper is not ours to wait for.
+            std::mem::forget(child);
+            return Ok(());
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
+                let errs: Vec<&str> =
+                    text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
+                return Err(format!(
+                    "criu restore in {host} failed ({status}):\n    {}",
+                    errs.iter().rev().take(4).rev().copied().collect::<Vec<_>>().join("\n    ")
+                ));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) => return Err(format!("waiting for criu: {e}")),
+        }
+    }
+}
+
+/// `vmi-migrate --reap READY`: what criu execs after a restore (the restored process's
+/// parent from then on). Says the restore is done, then reaps children until none is left.
+fn reap(ready: &str) -> ! {
+    let _ = std::fs::write(ready, b"");
+    loop {
+        let mut st = 0;
+        // SAFETY: waits for any child.
+        let r = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            std::process::exit(0);
+        }
+    }
+}
+
 fn dir_bytes(p: &Path) -> u64 {
     std::fs::read_dir(p)
         .map(|rd| {
@@ -320,6 +386,10 @@ impl Report {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() == 3 && args[1] == "--reap" {
+        reap(&args[2]);
+    }
     let o = parse();
     let pids = tree(o.pid);
     if !Path::new(&format!("/proc/{}", o.pid)).exists() {
@@ -417,15 +487,10 @@ fn run(o: &Opts, from: &str, pids: &[i32], images: &Path, r: &mut Report) -> i32
     let t = r.phase("transfer", t);
 
     // 4. Restore, on the target, else back on the source.
-    let mut restore: Vec<String> =
-        ["restore", "--tcp-close", "--restore-detached"].iter().map(|s| s.to_string()).collect();
-    if shell_job {
-        restore.push("--shell-job".into());
-    }
     let mut host = o.to.clone();
-    if let Err(e) = criu(o, &o.to, &restore, "restore.log", images) {
+    if let Err(e) = criu_restore(o, &o.to, shell_job, "restore.log", images) {
         eprintln!("vmi-migrate: restore on {} failed; restoring on {from}:\n  {e}", o.to);
-        if let Err(e2) = criu(o, from, &restore, "restore-back.log", images) {
+        if let Err(e2) = criu_restore(o, from, shell_job, "restore-back.log", images) {
             r.outcome = format!(
                 "LOST: the restore failed on {} and on {from}; the image is kept in {}:\n  {e}\n  {e2}",
                 o.to,

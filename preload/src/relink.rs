@@ -1086,7 +1086,7 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
         return Err(Retry("cannot send the proof".into()));
     }
     let (delivered_b, theirs) = match recv_msg(fd) {
-        Some(Msg::Ready { delivered, mac, agents }) => {
+        Some(Msg::Ready { delivered, mac, agents, sent }) => {
             let want =
                 resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered, &addrs_bytes(&agents));
             if !proofs_equal(mac, want) {
@@ -1096,6 +1096,8 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
                 ));
                 return Err(Retry("bad proof from the holder".into()));
             }
+            // What the holder replays (for reports).
+            REPLAYED.fetch_add(sent.saturating_sub(delivered_a), Relaxed);
             (delivered, agents)
         }
         Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
@@ -1168,7 +1170,7 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
     }
     let mine = my_agents();
     let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b, &addrs_bytes(&mine));
-    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine }) {
+    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent: tx.next_seq }) {
         // The dialer tries again (the states stay consistent: it replays from what we said).
         close(fd);
         return;

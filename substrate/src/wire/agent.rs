@@ -129,6 +129,9 @@ pub enum Msg {
         mac: u128,
         /// Where the holder's node agent can be reached now.
         agents: Vec<SocketAddr>,
+        /// Bytes of its stream the holder has sent so far (with `delivered` of the proof,
+        /// how much it replays: for reports).
+        sent: u64,
     },
     /// Layer → agent, first message on a process's event channel (agent → layer notices).
     Events {
@@ -470,11 +473,12 @@ impl Msg {
                 w.u128(*mac);
                 w.addrs(agents);
             }
-            Msg::Ready { delivered, mac, agents } => {
+            Msg::Ready { delivered, mac, agents, sent } => {
                 w.u8(15);
                 w.u64(*delivered);
                 w.u128(*mac);
                 w.addrs(agents);
+                w.u64(*sent);
             }
             Msg::Events { pid } => {
                 w.u8(16);
@@ -608,7 +612,7 @@ impl Msg {
             12 => Msg::Resume { gid: r.u128()?, nonce: r.u128()? },
             13 => Msg::Challenge { nonce: r.u128()? },
             14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()? },
-            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()? },
+            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()?, sent: r.u64()? },
             16 => Msg::Events { pid: r.u32()? },
             17 => Msg::Hold { gid: r.u128()? },
             18 => Msg::Release { gid: r.u128()? },
@@ -689,7 +693,7 @@ mod tests {
             Msg::Resume { gid: 1, nonce: 2 },
             Msg::Challenge { nonce: 3 },
             Msg::Proof { delivered: 4, mac: 5, agents: vec![a, b] },
-            Msg::Ready { delivered: 6, mac: 7, agents: vec![] },
+            Msg::Ready { delivered: 6, mac: 7, agents: vec![], sent: 8 },
             Msg::Events { pid: 8 },
             Msg::Hold { gid: 9 },
             Msg::Release { gid: 10 },
