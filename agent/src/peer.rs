@@ -103,19 +103,21 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                 agent.expect_here(src, dst, gid, secret, window, aim, agents)
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
-            Msg::Resume { gid, .. } if agent.events.is_moving(gid) => {
-                // Its process is being moved to another node; it dials from there.
-                debug!("resume of {gid:032x}: its process is moving; the dialer waits");
-                Msg::Error { reason: MOVED.into() }
-            }
             Msg::Resume { gid, nonce } => {
                 // A new link for a connection of this node: the process holding it takes the
-                // socket and authenticates the dialer itself.
+                // socket and authenticates the dialer itself. (Both ends may live on this
+                // node: the one being moved away no longer takes links.)
                 if agent.events.handover(gid, nonce, s.as_raw_fd()) {
                     return Ok(());
                 }
-                info!("resume of {gid:032x} from {:?} refused: no process here holds it", s.peer_addr().ok());
-                Msg::Error { reason: "no such connection".into() }
+                if agent.events.is_moving(gid) {
+                    // Its process is being moved to another node; it dials from there.
+                    debug!("resume of {gid:032x}: its process is moving; the dialer waits");
+                    Msg::Error { reason: MOVED.into() }
+                } else {
+                    info!("resume of {gid:032x} from {:?} refused: no process here holds it", s.peer_addr().ok());
+                    Msg::Error { reason: "no such connection".into() }
+                }
             }
             other => Msg::Error { reason: format!("unexpected message from an agent: {other:?}") },
         };

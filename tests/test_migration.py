@@ -1,0 +1,296 @@
+"""Processes move to another host with CRIU (vmi-migrate) and keep their connections.
+
+A third agent runs in host 3 for this module (the session has agents in hosts 1 and 2 only;
+host 3 stays agent-less for the other modules). Streams are tests/programs/stream.py: exact
+byte counts and equal SHA-256 digests both ways, every call succeeding, across migrations of
+the client, of the server, of both in turn, ten in a row, and one while a network is down.
+redis-server moves while redis-benchmark runs against it. A server's listener keeps
+accepting at its old address after it moved. A failed dump or a failed restore leaves the
+program running where it was, with nothing lost.
+
+A migrated process is no longer the test's child (CRIU kills the original and restores a
+copy), so its result is read from its output file, not from its exit status; stream.py
+reports every failed call in that result.
+"""
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
+                     PORTS, Agent, assert_same_stream, link_down, link_up, python_prog,
+                     vmictl_status, wait_status)
+
+pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
+
+MiB = 1 << 20
+RATE = 2 * MiB
+MIGRATE_TIMEOUT = 60.0
+CRIU = os.environ.get("VMI_CRIU", "/opt/vmi/criu/bin/criu")
+
+
+@pytest.fixture(scope="module")
+def third_agent(topology, tmp_path_factory):
+    """An agent in host 3 for this module's tests (stopped at the end of the module)."""
+    if not Path(CRIU).exists():
+        pytest.fail(f"{CRIU} is missing: run scripts/setup.sh (it installs CRIU 4.2)",
+                    pytrace=False)
+    agent = Agent(H3, tmp_path_factory.mktemp("agent3"), name="agent-vmit3")
+    try:
+        agent.wait_ready()
+        yield agent
+    finally:
+        agent.stop()
+
+
+def migrate(proc, to, *extra, expect_ok=True):
+    """Runs vmi-migrate on proc's process; returns its JSON report. While it runs, the
+    original's exit is reaped (it is the test's child) so that its pid is free for the
+    restore."""
+    stop = threading.Event()
+
+    def reap():
+        while not stop.is_set():
+            proc.popen.poll()
+            time.sleep(0.005)
+    t = threading.Thread(target=reap, daemon=True)
+    t.start()
+    try:
+        r = subprocess.run([str(MIGRATE_BIN), str(proc.pid), "--to", to, "--json", *extra],
+                           capture_output=True, text=True, timeout=MIGRATE_TIMEOUT)
+    finally:
+        stop.set()
+        t.join()
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"vmi-migrate printed no report (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    report = json.loads(lines[-1])
+    if expect_ok:
+        assert r.returncode == 0 and report.get("ok") is True, \
+            f"migration of {proc.name} to {to} failed (exit {r.returncode}): {report}\n{r.stderr}"
+        assert report["host"] == to and report["waiting"] == 0, report
+    return report, r
+
+
+def result(proc, timeout):
+    """The JSON result a (possibly migrated) stream.py printed, once its process is gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [l for l in proc.stdout().splitlines() if l.startswith("{")]
+        gone = not Path(f"/proc/{proc.pid}").exists() or \
+            Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[-1].startswith("Z")
+        if lines and gone:
+            return json.loads(lines[-1])
+        proc.popen.poll()
+        time.sleep(0.1)
+    raise proc.failure(f"no result within {timeout} s")
+
+
+def netns_of(pid):
+    """The namespace host a process runs in."""
+    ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+    for name in os.listdir("/run/netns"):
+        if os.stat(f"/run/netns/{name}").st_ino == ino:
+            return name
+    return None
+
+
+class Pair:
+    """A stream.py server (wildcard address, so it can move) in SERVER_HOST and a client in
+    CLIENT_HOST connected to the server's eth0 address; both under the layer."""
+
+    def __init__(self, procs, port, seconds, *, server_host=H2, client_host=H1, rate=RATE):
+        self.port = port
+        self.addr = f"{H2_IP if server_host == H2 else H1_IP}:{port}"
+        self.nbytes = int(seconds * rate)
+        self.seconds = seconds
+        self.srv = procs.server(server_host, python_prog(
+            "stream.py", "server", "--bind", f"0.0.0.0:{port}", "--count", 1, "--rate", rate,
+            "--hold", 0.5), port, layer=True, name="stream-server")
+        self.cli = procs.start(client_host, python_prog(
+            "stream.py", "client", "--connect", self.addr, "--bytes", self.nbytes,
+            "--server-bytes", self.nbytes, "--seed", port, "--rate", rate, "--hold", 0.5),
+            layer=True, name="stream-client")
+
+    def wait_flowing(self, host=H1):
+        def flowing(status):
+            for c in status.get("connections") or []:
+                if c.get("peer") == self.addr and c.get("bytes_received", 0) > 0 \
+                        and c.get("bytes_sent", 0) > 0:
+                    return c
+            return None
+        return wait_status(host, flowing, 10, "the stream moving bytes both ways")
+
+    def check(self, extra=40):
+        c = result(self.cli, self.seconds + extra)
+        s = result(self.srv, 15)
+        assert_same_stream(c, s)
+        assert c["sent_bytes"] == self.nbytes and c["recv_bytes"] == self.nbytes, c
+        assert c["peer"] == self.addr, c
+        return c, s
+
+
+def conn_in(host, gid):
+    return wait_status(host, lambda st: next((c for c in st.get("connections") or []
+                                              if c.get("gid") == gid), None), 5,
+                       f"connection {gid} listed")
+
+
+def test_client_migrates_mid_stream(procs, third_agent):
+    p = Pair(procs, PORTS["migrate_client"], 6)
+    before = p.wait_flowing()
+    report, _ = migrate(p.cli, H3)
+    assert report["connections"] == 1 and report["rebuilt"] == 1, report
+    assert netns_of(p.cli.pid) == H3
+    # The connection is the same virtual connection, now listed by host 3's agent.
+    after = conn_in(H3, before["gid"])
+    assert after["peer"] == p.addr and after["local"] == before["local"], (before, after)
+    p.check()
+
+
+def test_server_migrates_mid_stream(procs, third_agent):
+    p = Pair(procs, PORTS["migrate_server"], 6)
+    before = p.wait_flowing()
+    report, _ = migrate(p.srv, H3)
+    assert report["rebuilt"] == 1, report
+    assert netns_of(p.srv.pid) == H3
+    conn_in(H3, before["gid"])
+    p.check()
+
+
+def test_both_migrate_in_turn(procs, third_agent):
+    p = Pair(procs, PORTS["migrate_both"], 8)
+    p.wait_flowing()
+    migrate(p.cli, H3)
+    time.sleep(0.5)
+    migrate(p.srv, H1)
+    time.sleep(0.5)
+    migrate(p.cli, H2)
+    assert (netns_of(p.cli.pid), netns_of(p.srv.pid)) == (H2, H1)
+    p.check()
+
+
+def test_ten_migrations_back_and_forth(procs, third_agent):
+    """Ten migrations in a row, alternating the client (hosts 1 and 3) and the server (hosts
+    2 and 3), while both directions stream."""
+    p = Pair(procs, PORTS["migrate_loop"], 14)
+    p.wait_flowing()
+    cli_at, srv_at = H1, H2
+    total_replayed = 0
+    for i in range(10):
+        if i % 2 == 0:
+            cli_at = H3 if cli_at == H1 else H1
+            report, _ = migrate(p.cli, cli_at)
+        else:
+            srv_at = H3 if srv_at == H2 else H2
+            report, _ = migrate(p.srv, srv_at)
+        total_replayed += report["bytes_replayed"]
+        time.sleep(0.3)
+    c, _ = p.check()
+    print(f"10 migrations: {total_replayed} bytes replayed in all")
+
+
+def test_migration_while_a_network_is_down(procs, third_agent):
+    """Host 3's eth0 is down: the client restored there rebuilds its link over eth1."""
+    p = Pair(procs, PORTS["migrate_net_down"], 6)
+    before = p.wait_flowing()
+    link_down(H3, ETH0)
+    try:
+        time.sleep(0.2)
+        migrate(p.cli, H3)
+        after = wait_status(H3, lambda st: next(
+            (c for c in st.get("connections") or [] if c.get("gid") == before["gid"]
+             and c.get("network") == ETH1), None), 5, "the moved connection on eth1")
+        assert str(after.get("link_local", "")).startswith(f"{H3_IP1}:"), after
+        p.check()
+    finally:
+        link_up(H3, ETH0)
+
+
+def test_listener_keeps_accepting_at_its_old_address(procs, third_agent):
+    """A server moved from host 2 to host 3 still takes new connections made to its old
+    address (host 2's), virtual, with the program seeing that address."""
+    port = PORTS["migrate_listener"]
+    srv = procs.server(H2, python_prog("stream.py", "server", "--bind", f"0.0.0.0:{port}",
+                                       "--count", 2, "--hold", 0.5), port, layer=True,
+                       name="stream-server")
+    # A first connection registers the process with the agent (and is moved along).
+    first = procs.run(H1, python_prog("stream.py", "client", "--connect", f"{H2_IP}:{port}",
+                                      "--bytes", 100000, "--server-bytes", 100000, "--seed",
+                                      1), layer=True, name="first-client", timeout=30)
+    assert first.returncode == 0
+    report, _ = migrate(srv, H3)
+    assert netns_of(srv.pid) == H3
+    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", f"{H2_IP}:{port}",
+                                      "--bytes", 3 * MiB, "--server-bytes", 3 * MiB, "--seed",
+                                      2, "--hold", 1.0), layer=True, name="late-client")
+
+    def late(status):
+        return next((c for c in status.get("connections") or []
+                     if c.get("peer") == f"{H2_IP}:{port}"
+                     and str(c.get("link_peer", "")).startswith("10.78.0.3:")), None)
+    c_status = wait_status(H1, late, 10, "the late client's connection, physically to host 3")
+    assert c_status["substrate"] == "tcp"
+    c = result(cli, 30)
+    s = result(srv, 15)
+    assert "error" not in c and c["recv_bytes"] == 3 * MiB and c["peer"] == f"{H2_IP}:{port}", c
+    assert "error" not in s, s
+
+
+def test_dump_failure_keeps_the_program_running(procs, third_agent, tmp_path):
+    """criu's dump fails: vmi-migrate says so, and the program goes on where it was."""
+    fake = tmp_path / "criu-fails-dump"
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = dump ] && {{ echo 'Error (fake): dump refused' "
+                    f">&2; exit 1; }}\nexec {CRIU} \"$@\"\n")
+    fake.chmod(0o755)
+    p = Pair(procs, PORTS["migrate_dump_fails"], 5)
+    p.wait_flowing()
+    report, r = migrate(p.cli, H3, "--criu", str(fake), expect_ok=False)
+    assert r.returncode == 1 and report["ok"] is False, report
+    assert "still running on" in report["outcome"], report
+    assert netns_of(p.cli.pid) == H1
+    p.check()
+    # Its connections are its own again: a later migration works.
+
+
+def test_restore_failure_restores_on_the_source(procs, third_agent, tmp_path):
+    """criu's restore fails on the target: the program is restored where it was, and its
+    stream loses nothing."""
+    marker = tmp_path / "failed-once"
+    fake = tmp_path / "criu-fails-restore-once"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = restore ] && [ ! -e {marker} ]; then\n"
+                    f"  touch {marker}; echo 'Error (fake): restore refused' >&2; exit 1\n"
+                    f"fi\nexec {CRIU} \"$@\"\n")
+    fake.chmod(0o755)
+    p = Pair(procs, PORTS["migrate_restore_fails"], 6)
+    p.wait_flowing()
+    report, r = migrate(p.cli, H3, "--criu", str(fake), expect_ok=False)
+    assert r.returncode == 1 and report["host"] == H1, report
+    assert "running again on" in report["outcome"], report
+    assert netns_of(p.cli.pid) == H1
+    p.check()
+
+
+def test_redis_migrates_under_redis_benchmark(procs, third_agent, workdir):
+    port = PORTS["migrate_redis"]
+    srv = procs.server(H2, ["redis-server", "--port", port, "--bind", "0.0.0.0",
+                            "--protected-mode", "no", "--save", "", "--appendonly", "no",
+                            "--dir", workdir], port, layer=True, name="redis-server")
+    bench = procs.start(H1, ["redis-benchmark", "-h", H2_IP, "-p", port, "-c", 20, "-n",
+                             400000, "-t", "set,get", "-q"], layer=True, name="redis-benchmark")
+    time.sleep(1.5)
+    assert bench.alive(), bench.failure("redis-benchmark ended before the migration")
+    report, _ = migrate(srv, H3)
+    assert report["connections"] >= 20 and report["rebuilt"] == report["connections"], report
+    bench.wait(timeout=120)
+    out = bench.stdout() + bench.stderr()
+    assert "error" not in out.lower(), out
+    assert "SET:" in out and "GET:" in out, out
+    # The server answers at its new place.
+    r = procs.run(H1, ["redis-cli", "-h", H2_IP, "-p", port, "ping"], layer=True,
+                  name="redis-cli", timeout=20)
+    assert "PONG" in r.stdout(), r.stdout()
