@@ -3,7 +3,7 @@
 
     failover_stream.py recv --bind IP --port PORT [--mptcp] [--gap-ms MS] [--mark-ms MS]
     failover_stream.py send --connect IP --port PORT --seconds S [--mptcp] [--chunk BYTES]
-                            [--info-every S]
+                            [--info-every S] [--ballast-mb MB]
 
 The receiver listens (backlog 1), prints {"event": "listening", ...} on stdout, accepts one
 connection and reads it until end of stream with recv_into into a 256 KiB buffer, taking
@@ -36,6 +36,9 @@ Content: the byte at stream offset i is P[i mod len(P)], P a fixed pseudo-random
 prime length, so lost, repeated or reordered data shows up at once (mismatch_at is the first
 offset where the receiver saw a wrong byte) besides in the SHA-256 of the whole stream.
 
+--ballast-mb makes the sender hold MB MiB of touched memory (its resident size grows by that
+much), for measuring what a process's size costs when it is checkpointed and moved.
+
 SIGTERM or SIGINT ends either side early: it still prints its "done" line, with "error" set.
 Sockets are blocking; the caller bounds how long anything may take.
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import signal
 import socket
@@ -177,6 +181,8 @@ def recv_main(a: argparse.Namespace) -> int:
 
 
 def send_main(a: argparse.Namespace) -> int:
+    # Resident ballast: every page written (random bytes, so nothing compresses it away).
+    ballast = bytearray(os.urandom(1 << 20)) * a.ballast_mb if a.ballast_mb > 0 else None
     chunk = a.chunk
     pat = pattern(chunk)
     view = memoryview(pat)
@@ -246,6 +252,7 @@ def main(argv: list[str]) -> int:
     s.add_argument("--mptcp", action="store_true")
     s.add_argument("--chunk", type=int, default=64 * 1024)
     s.add_argument("--info-every", type=float, default=0.25)
+    s.add_argument("--ballast-mb", type=int, default=0)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
