@@ -53,6 +53,8 @@ impl Agent {
     }
 
     /// A connection to `dst` (on this node) is announced.
+    // (The fields of a `Connect` message, one by one.)
+    #[allow(clippy::too_many_arguments)]
     pub fn expect_local(
         &self,
         src: SocketAddr,
@@ -77,6 +79,7 @@ impl Agent {
     /// A connection to `dst` (an address of this node) is announced: expected here when a
     /// listener here takes it; passed on to the node a moved listener went to otherwise (the
     /// answer's `alias` then names the address to connect to instead).
+    #[allow(clippy::too_many_arguments)]
     pub fn expect_here(
         &self,
         src: SocketAddr,

@@ -115,7 +115,10 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                     debug!("resume of {gid:032x}: its process is moving; the dialer waits");
                     Msg::Error { reason: MOVED.into() }
                 } else {
-                    info!("resume of {gid:032x} from {:?} refused: no process here holds it", s.peer_addr().ok());
+                    info!(
+                        "resume of {gid:032x} from {:?} refused: no process here holds it",
+                        s.peer_addr().ok()
+                    );
                     Msg::Error { reason: "no such connection".into() }
                 }
             }
