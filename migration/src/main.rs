@@ -259,11 +259,7 @@ fn criu(o: &Opts, host: &str, args: &[String], log: &str, images: &Path) -> Resu
     if out.status.success() {
         return Ok(());
     }
-    // CRIU's own error lines (the RLIMIT_NOFILE one is harmless and on every run).
-    let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
-    let errs: Vec<&str> =
-        text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
-    let tail = errs.iter().rev().take(4).rev().copied().collect::<Vec<_>>().join("\n    ");
+    let tail = criu_errors(images, log);
     Err(format!(
         "criu {} in {host} failed ({}):\n    {}",
         args.first().map(String::as_str).unwrap_or(""),
@@ -310,12 +306,9 @@ fn criu_restore(o: &Opts, host: &str, shell_job: bool, log: &str, images: &Path)
         }
         match child.try_wait() {
             Ok(Some(status)) => {
-                let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
-                let errs: Vec<&str> =
-                    text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
                 return Err(format!(
                     "criu restore in {host} failed ({status}):\n    {}",
-                    errs.iter().rev().take(4).rev().copied().collect::<Vec<_>>().join("\n    ")
+                    criu_errors(images, log)
                 ));
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(2)),
@@ -336,6 +329,15 @@ fn reap(ready: &str) -> ! {
             std::process::exit(0);
         }
     }
+}
+
+/// The last few error lines of a CRIU log in the image folder (the RLIMIT_NOFILE one is
+/// harmless and on every run).
+fn criu_errors(images: &Path, log: &str) -> String {
+    let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
+    let errs: Vec<&str> =
+        text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
+    errs[errs.len().saturating_sub(4)..].join("\n    ")
 }
 
 fn dir_bytes(p: &Path) -> u64 {

@@ -78,14 +78,8 @@ pub fn lost_socket() {
     }
 }
 
-/// Opens a new connection to the node agent, kept as the layer's own descriptor `role`.
-pub(crate) fn open_socket(role: usize) -> Option<i32> {
-    let name = SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET);
-    // SAFETY: plain socket creation.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return None;
-    }
+/// The address of the abstract Unix socket `name` (scoped by network namespace).
+pub(crate) fn abstract_addr(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: zeroed sockaddr_un is valid.
     let mut sun: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     sun.sun_family = libc::AF_UNIX as _;
@@ -94,7 +88,18 @@ pub(crate) fn open_socket(role: usize) -> Option<i32> {
     for (i, b) in nb[..n].iter().enumerate() {
         sun.sun_path[i + 1] = *b as libc::c_char;
     }
-    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t;
+    (sun, (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t)
+}
+
+/// Opens a new connection to the node agent, kept as the layer's own descriptor `role`.
+pub(crate) fn open_socket(role: usize) -> Option<i32> {
+    let name = SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET);
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let (sun, len) = abstract_addr(name);
     let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
     // SAFETY: valid pointers to local structures.
     let ok = unsafe {

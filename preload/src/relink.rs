@@ -441,21 +441,9 @@ pub fn thaw_name(agent_socket: &str, pid: i32) -> String {
     format!("{agent_socket}-thaw-{pid}")
 }
 
-fn abstract_addr(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
-    // SAFETY: zeroed sockaddr_un is valid.
-    let mut sun: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    sun.sun_family = libc::AF_UNIX as _;
-    let nb = name.as_bytes();
-    let n = nb.len().min(sun.sun_path.len() - 1);
-    for (i, b) in nb[..n].iter().enumerate() {
-        sun.sun_path[i + 1] = *b as libc::c_char;
-    }
-    (sun, (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t)
-}
-
 /// A socket that is gone: restored closed by the checkpoint tool, or reset.
 fn socket_dead(fd: i32) -> bool {
-    sys::tcp_info(fd).is_none_or(|ti| ti.tcpi_state == 7) || sys::peer_addr(fd).is_none()
+    sys::tcp_info(fd).is_none() || crate::tcp_sink::socket_gone(fd) || sys::peer_addr(fd).is_none()
 }
 
 /// The agent asks this process to get ready for a checkpoint: no Unix socket to the agent
@@ -494,7 +482,7 @@ fn freeze(w: &mut Work) {
     let name = thaw_name(agent::socket_name(), pid);
     // SAFETY: plain socket creation.
     let lfd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    let (sun, len) = abstract_addr(&name);
+    let (sun, len) = agent::abstract_addr(&name);
     // SAFETY: binds and listens on our own socket.
     let listening = lfd >= 0
         && unsafe {

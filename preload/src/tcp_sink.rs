@@ -547,7 +547,7 @@ fn peer_closed(fd: c_int) -> bool {
 /// closed (a reset, or a socket restored closed after a checkpoint): the link is lost, the
 /// stream did not end.
 #[cold]
-fn socket_gone(fd: c_int) -> bool {
+pub fn socket_gone(fd: c_int) -> bool {
     sys::tcp_info(fd).is_some_and(|ti| ti.tcpi_state == 7)
 }
 
