@@ -141,6 +141,8 @@ PORTS = {
     "migrate_listener": 17906,
     "migrate_dump_fails": 17907,
     "migrate_restore_fails": 17908,
+    "migrate_ssh": 17909,
+    "migrate_ssh_fails": 17910,
     "migrate_redis": 16402,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"

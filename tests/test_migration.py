@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
-                     PORTS, Agent, assert_same_stream, link_down, link_up, python_prog,
+                     PORTS, PROGRAMS, Agent, assert_same_stream, link_down, link_up, python_prog,
                      vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
@@ -271,6 +271,45 @@ def test_restore_failure_restores_on_the_source(procs, third_agent, tmp_path):
     report, r = migrate(p.cli, H3, "--criu", str(fake), expect_ok=False)
     assert r.returncode == 1 and report["host"] == H1, report
     assert "running again on" in report["outcome"], report
+    assert netns_of(p.cli.pid) == H1
+    p.check()
+
+
+NETNS_SSH = PROGRAMS / "netns-ssh"
+
+
+def test_client_moves_to_another_machine_through_a_remote_shell(procs, third_agent, tmp_path):
+    """`--to ssh:HOST`: the image travels as a tar stream through the remote shell into a
+    folder of its own there, and that side's vmi-migrate restores and thaws it. The remote
+    shell here is netns-ssh, which runs the command in the namespace host named (as ssh
+    would on that machine)."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    p = Pair(procs, PORTS["migrate_ssh"], 6)
+    before = p.wait_flowing()
+    report, _ = migrate(p.cli, f"ssh:{H3}", "--ssh", str(NETNS_SSH), "--images", str(here),
+                        "--remote-images", str(there), "--keep-images")
+    assert report["rebuilt"] == 1 and report["transfer_ms"] > 0, report
+    assert report["transferred_bytes"] >= report["image_bytes"] > 0, report
+    assert netns_of(p.cli.pid) == H3
+    sent = sorted(f.name for f in here.iterdir() if f.suffix == ".img")
+    got = sorted(f.name for f in there.iterdir() if f.suffix == ".img")
+    assert sent and sent == got, (sent, got)
+    assert (there / "restore.log").exists() and not (here / "restore.log").exists()
+    conn_in(H3, before["gid"])
+    p.check()
+
+
+def test_remote_restore_failure_restores_on_the_source(procs, third_agent, tmp_path):
+    """The other machine cannot restore (here: its vmi-migrate is missing): the program is
+    restored where it was and loses nothing."""
+    p = Pair(procs, PORTS["migrate_ssh_fails"], 5)
+    p.wait_flowing()
+    report, r = migrate(p.cli, f"ssh:{H3}", "--ssh", str(NETNS_SSH), "--remote-migrate",
+                        "/nonexistent/vmi-migrate", "--images", str(tmp_path / "img"),
+                        expect_ok=False)
+    assert r.returncode == 1 and report["host"] == H1, (report["outcome"], r.stderr)
+    assert "running again on" in report["outcome"], report
+    assert "vmi-migrate" in report["outcome"], report
     assert netns_of(p.cli.pid) == H1
     p.check()
 

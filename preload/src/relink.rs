@@ -414,6 +414,9 @@ struct Thawing {
     moved: bool,
     conns: u32,
     to_rebuild: Vec<u128>,
+    /// Links of `to_rebuild` that came back, counted when they did (the program may close
+    /// some of them before the report goes out).
+    rebuilt: std::collections::HashSet<u128>,
     replayed_before: u64,
 }
 
@@ -602,6 +605,7 @@ fn thaw(w: &mut Work, conn: i32, lingers: &[(i32, libc::linger)], ns_before: u64
             moved,
             conns: vcs.len() as u32,
             to_rebuild: w.must_dial.iter().copied().collect(),
+            rebuilt: Default::default(),
             replayed_before: REPLAYED.load(Relaxed),
         });
     }
@@ -609,23 +613,21 @@ fn thaw(w: &mut Work, conn: i32, lingers: &[(i32, libc::linger)], ns_before: u64
 
 /// Reports to `vmi-migrate` once every link that had to be rebuilt is (or after 20 s).
 fn report_thaw(w: &mut Work) {
-    let Some(t) = &w.thawing else { return };
+    let Some(t) = &mut w.thawing else { return };
     let now = sys::now_ms();
     let elapsed = now.saturating_sub(t.since_ms);
     if !w.must_dial.is_empty() && elapsed < 20_000 {
         return;
     }
-    let rebuilt = fdtable::distinct_vcs()
-        .iter()
-        .map(|v| v.mem().conn())
-        .filter(|c| {
-            t.to_rebuild.contains(&c.gid) && c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0
-        })
-        .count();
+    for c in fdtable::distinct_vcs().iter().map(|v| v.mem().conn()) {
+        if t.to_rebuild.contains(&c.gid) && c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0 {
+            t.rebuilt.insert(c.gid);
+        }
+    }
     let m = Msg::Thawed {
         moved: t.moved,
         conns: t.conns,
-        rebuilt: rebuilt as u32,
+        rebuilt: t.rebuilt.len() as u32,
         waiting: w.must_dial.len() as u32,
         replayed: REPLAYED.load(Relaxed).saturating_sub(t.replayed_before),
         ms: elapsed as u32,
@@ -831,6 +833,12 @@ fn work(w: &mut Work) {
                 None => {
                     w.pending.remove(&c.gid);
                     w.must_dial.remove(&c.gid);
+                    if let Some(t) = w.thawing.as_mut() {
+                        let back = c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0;
+                        if back && t.to_rebuild.contains(&c.gid) {
+                            t.rebuilt.insert(c.gid);
+                        }
+                    }
                 }
                 Some(ms) => {
                     if let Some(p) = w.pending.get_mut(&c.gid) {
