@@ -23,6 +23,7 @@
 //! * [`reliability`]: sequence numbers, acks, replay ring, window, resync.
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
 //! * [`devices`]: filters and test sinks.
+//! * [`shmring`]: a shared-memory byte ring and its doorbell protocol (the shared-memory sink's core).
 //! * [`gid`]: global connection identities.
 //! * [`stats`]: the statistics table shared between a process and its agent.
 
@@ -33,6 +34,7 @@ pub mod devices;
 pub mod gid;
 pub mod irb;
 pub mod reliability;
+pub mod shmring;
 pub mod stats;
 pub mod wire;
 
