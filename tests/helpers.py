@@ -143,6 +143,7 @@ PORTS = {
     "migrate_restore_fails": 17908,
     "migrate_ssh": 17909,
     "migrate_ssh_fails": 17910,
+    "migrate_specific": 17911,
     "migrate_redis": 16402,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"

@@ -241,6 +241,37 @@ def test_listener_keeps_accepting_at_its_old_address(procs, third_agent):
     assert "error" not in s, s
 
 
+def test_listener_bound_to_its_hosts_address_moves(procs, third_agent):
+    """A server listening on host 2's own address (not a wildcard) moves to host 3, which
+    lacks that address: its connection goes on, and a client connecting to the old address
+    afterwards reaches it at host 3."""
+    port = PORTS["migrate_specific"]
+    srv = procs.server(H2, python_prog("stream.py", "server", "--bind", f"{H2_IP}:{port}",
+                                       "--count", 2, "--rate", RATE, "--hold", 0.5), port,
+                       layer=True, name="stream-server")
+    nbytes = 6 * RATE
+    first = procs.start(H1, python_prog("stream.py", "client", "--connect", f"{H2_IP}:{port}",
+                                        "--bytes", nbytes, "--server-bytes", nbytes, "--seed",
+                                        1, "--rate", RATE, "--hold", 0.5), layer=True,
+                        name="first-client")
+    wait_status(H1, lambda st: next((c for c in st.get("connections") or []
+                                     if c.get("peer") == f"{H2_IP}:{port}"
+                                     and c.get("bytes_received", 0) > 0), None), 10,
+                "the first stream moving")
+    report, _ = migrate(srv, H3)
+    assert report["rebuilt"] == 1, report
+    assert netns_of(srv.pid) == H3
+    late = procs.start(H1, python_prog("stream.py", "client", "--connect", f"{H2_IP}:{port}",
+                                       "--bytes", MiB, "--server-bytes", MiB, "--seed", 2,
+                                       "--hold", 0.5), layer=True, name="late-client")
+    c2 = result(late, 30)
+    assert "error" not in c2 and c2["recv_bytes"] == MiB and c2["peer"] == f"{H2_IP}:{port}", c2
+    c1 = result(first, 40)
+    assert "error" not in c1 and c1["recv_bytes"] == nbytes and c1["sent_bytes"] == nbytes, c1
+    s = result(srv, 15)
+    assert "error" not in s, s
+
+
 def test_dump_failure_keeps_the_program_running(procs, third_agent, tmp_path):
     """criu's dump fails: vmi-migrate says so, and the program goes on where it was."""
     fake = tmp_path / "criu-fails-dump"

@@ -385,6 +385,9 @@ fn run(o: &Opts, from: &Host, remote: Option<&Remote>, pids: &[i32], images: &Pa
     let mut host = o.to.clone();
     if let Some(e) = &failed_there {
         eprintln!("vmi-migrate: restore on {} failed; restoring on {fname}:\n  {e}", o.to.name());
+        // A restore that failed half-way may have made the processes already: their pids
+        // must be free again before the image can be restored here.
+        wait_pids_free(pids, Duration::from_secs(10));
         if let Err(e2) = criu::restore(&o.criu, from, shell_job, "restore-back.log", images) {
             r.outcome = format!(
                 "LOST: the restore failed on {} and on {fname}; the image is kept in {}:\n  {e}\n  {e2}",
@@ -469,6 +472,14 @@ fn run(o: &Opts, from: &Host, remote: Option<&Remote>, pids: &[i32], images: &Pa
     r.ok = true;
     r.outcome = format!("migrated from {fname} to {}", host.name());
     0
+}
+
+/// Waits until no process has any of `pids` (or the time is up).
+fn wait_pids_free(pids: &[i32], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while pids.iter().any(|p| Path::new(&format!("/proc/{p}")).exists()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The checkpoint did not happen: the processes go on where they are.

@@ -156,13 +156,29 @@ fn accepted(listen_fd: c_int, fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
     // SAFETY: forwarding.
-    accepted(fd, unsafe { real::accept(fd, addr, len) })
+    accepted(fd, relisten_retry(fd, || unsafe { real::accept(fd, addr, len) }))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
     // SAFETY: forwarding.
-    accepted(fd, unsafe { real::accept4(fd, addr, len, flags) })
+    accepted(fd, relisten_retry(fd, || unsafe { real::accept4(fd, addr, len, flags) }))
+}
+
+/// Runs an accept again when it failed because the layer put another listener under the
+/// descriptor meanwhile (after a migration: see `relisten.rs`).
+fn relisten_retry(fd: c_int, mut call: impl FnMut() -> c_int) -> c_int {
+    loop {
+        let gen = crate::relisten::GEN.load(std::sync::atomic::Ordering::SeqCst);
+        let r = call();
+        if r >= 0
+            || sys::errno() != libc::EINVAL
+            || gen == crate::relisten::GEN.load(std::sync::atomic::Ordering::SeqCst)
+            || !matches!(fdtable::get(fd), Some(Entry::Listener(_)))
+        {
+            return r;
+        }
+    }
 }
 
 /// Forgets `fd`. Returns the virtual connection when `fd` was the last hold on it anywhere
@@ -223,21 +239,33 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 
 /// getsockname/getpeername after a failover: what the program saw before (the physical
 /// link's addresses changed under it).
+/// A listener's name is the address it was bound to (after a migration to a node without
+/// that address the socket under it listens on every address: see `relisten.rs`).
 unsafe fn name_of(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, peer: bool) -> Option<c_int> {
-    let vc = fdtable::vc(fd)?;
-    let c = vc.mem().conn();
-    if !vc.renamed
-        && c.link_gen.load(std::sync::atomic::Ordering::Acquire) == 0
-        && c.link_down.load(std::sync::atomic::Ordering::Acquire) == 0
-    {
-        return None;
-    }
+    let name = match fdtable::get(fd)? {
+        Entry::Listener(l) if !peer => l.addr,
+        Entry::Vc(vc) => {
+            let c = vc.mem().conn();
+            if !vc.renamed
+                && c.link_gen.load(std::sync::atomic::Ordering::Acquire) == 0
+                && c.link_down.load(std::sync::atomic::Ordering::Acquire) == 0
+            {
+                return None;
+            }
+            if peer {
+                vc.peer
+            } else {
+                vc.local
+            }
+        }
+        _ => return None,
+    };
     if addr.is_null() || len.is_null() {
         sys::set_errno(libc::EFAULT);
         return Some(-1);
     }
     let v6 = sys::tcp_family(fd) == Some(libc::AF_INET6);
-    let (st, n) = sys::to_raw(if peer { &vc.peer } else { &vc.local }, v6);
+    let (st, n) = sys::to_raw(&name, v6);
     // SAFETY: the program passed a buffer of *len bytes; we write at most that.
     unsafe {
         let room = (*len as usize).min(n as usize);

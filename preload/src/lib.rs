@@ -26,6 +26,7 @@ pub mod linger;
 pub mod log;
 pub mod real;
 pub mod relink;
+pub mod relisten;
 pub mod setup;
 pub mod shm;
 pub mod stats;

@@ -481,6 +481,7 @@ fn freeze(w: &mut Work) {
             set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
         }
     }
+    let placeheld = crate::relisten::before_checkpoint();
     // The thaw socket first (so it exists before anyone is told we are ready).
     let name = thaw_name(agent::socket_name(), pid);
     // SAFETY: plain socket creation.
@@ -498,6 +499,7 @@ fn freeze(w: &mut Work) {
             unsafe { real::close(lfd) };
         }
         restore_lingers(&lingers);
+        let _ = crate::relisten::after_thaw(&placeheld);
         FROZEN.store(0, SeqCst);
         agent::wake_up();
         return;
@@ -534,7 +536,7 @@ fn freeze(w: &mut Work) {
     if conn < 0 {
         log::warn(format_args!("no thaw after the checkpoint; going on"));
     }
-    thaw(w, conn, &lingers, ns_before);
+    thaw(w, conn, &lingers, &placeheld, ns_before);
 }
 
 fn set_linger(fd: i32, l: libc::linger) {
@@ -559,7 +561,13 @@ fn restore_lingers(lingers: &[(i32, libc::linger)]) {
 /// After the checkpoint: connections whose socket died (the process was restored, here or
 /// elsewhere) are rebuilt, dialed from this side whatever its role; the others go on as
 /// they were. Then the agent (the new node's, maybe) learns this process again.
-fn thaw(w: &mut Work, conn: i32, lingers: &[(i32, libc::linger)], ns_before: u64) {
+fn thaw(
+    w: &mut Work,
+    conn: i32,
+    lingers: &[(i32, libc::linger)],
+    placeheld: &[(i32, SocketAddr)],
+    ns_before: u64,
+) {
     let mut moved = netns() != ns_before;
     let vcs = fdtable::distinct_vcs();
     for v in &vcs {
@@ -591,8 +599,12 @@ fn thaw(w: &mut Work, conn: i32, lingers: &[(i32, libc::linger)], ns_before: u64
     if !moved {
         restore_lingers(lingers);
     }
+    let everywhere = crate::relisten::after_thaw(placeheld);
     FROZEN.store(0, SeqCst);
     agent::wake_up();
+    for addr in everywhere {
+        crate::setup::register_listener(addr);
+    }
     log::info(format_args!(
         "thawed {}: {} connections to rebuild",
         if moved { "after a restore" } else { "in place (no restore)" },
@@ -1229,6 +1241,16 @@ fn kick(v: &Vc) {
 
 /// Puts socket `sock` under each of the program's descriptor numbers `fds`, keeping each
 /// number's close-on-exec flag.
+/// Puts the new socket `sock` under the program's descriptor `fd` (same number, its epoll
+/// registrations made again) and closes our copy.
+pub fn swap_socket(sock: i32, fd: i32) {
+    let regs = epoll_detach(&[fd]);
+    put_under(sock, &[fd]);
+    // SAFETY: our copy; `fd` now names the socket too.
+    unsafe { real::close(sock) };
+    epoll_attach(&regs);
+}
+
 fn put_under(sock: i32, fds: &[i32]) {
     for &fd in fds {
         // SAFETY: F_GETFD has no argument.

@@ -1,0 +1,167 @@
+//! Listeners bound to a specific address, across a migration.
+//!
+//! CRIU restores a listening socket by binding it to its old address again, which fails on a
+//! node that does not have that address, and the whole restore with it (it restores
+//! `IP_FREEBIND` only after the bind, for IPv4). So the freeze puts a *placeholder* under
+//! such a listener's descriptor (a listener on a loopback port that nobody connects to,
+//! with the program's file flags and epoll registrations), and the thaw puts a real
+//! listener back under it: on its old address when this node has it (a thaw in place), else
+//! on the same port of every address of the new node. The program still sees its old
+//! address (`getsockname` answers from the layer's table), the old node's agent forwards new
+//! connections for that address here (`Moved`), and a thread that was blocked in `accept`
+//! on the placeholder is woken and accepts on the new listener (the hook retries).
+
+use crate::fdtable::{self, Entry};
+use crate::{log, real, sys};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+
+fn get_int(fd: i32, level: i32, opt: i32) -> Option<i32> {
+    let mut v: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: valid pointers to locals of the right size.
+    let r = unsafe { libc::getsockopt(fd, level, opt, &mut v as *mut i32 as *mut _, &mut len) };
+    (r == 0).then_some(v)
+}
+
+fn set_int(fd: i32, level: i32, opt: i32, v: i32) -> bool {
+    // SAFETY: a valid pointer to a local int.
+    unsafe {
+        libc::setsockopt(fd, level, opt, &v as *const i32 as *const _, std::mem::size_of::<i32>() as _) == 0
+    }
+}
+
+/// Listeners that only exist on this node's addresses: neither wildcard nor loopback.
+fn specific_listeners() -> Vec<(i32, SocketAddr)> {
+    fdtable::snapshot()
+        .into_iter()
+        .filter_map(|(fd, e)| match e {
+            Entry::Listener(l) if !l.addr.ip().is_unspecified() && !l.addr.ip().is_loopback() => {
+                Some((fd, l.addr))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Bumped each time a listener is put back under a descriptor: an `accept` that failed with
+/// `EINVAL` meanwhile (its placeholder was shut down) is retried.
+pub static GEN: AtomicU32 = AtomicU32::new(0);
+
+/// A listening socket of `addr`'s family on `at`, with the file status flags of `like`.
+fn listener_on(at: SocketAddr, backlog: i32, like: i32) -> Result<i32, i32> {
+    let v6 = at.is_ipv6();
+    let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let s = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return Err(sys::errno());
+    }
+    set_int(s, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1);
+    if v6 {
+        let only = get_int(like, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY).unwrap_or(0);
+        set_int(s, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, only);
+    }
+    let (st, len) = sys::to_raw(&at, v6);
+    // SAFETY: binds and listens on our own socket; copies the file status flags (O_NONBLOCK
+    // above all) of the program's descriptor.
+    let ok = unsafe {
+        libc::bind(s, &st as *const _ as *const libc::sockaddr, len) == 0
+            && real::listen(s, backlog) == 0
+            && libc::fcntl(s, libc::F_SETFL, real::fcntl(like, libc::F_GETFL, 0)) == 0
+    };
+    if !ok {
+        let e = sys::errno();
+        // SAFETY: our socket.
+        unsafe { real::close(s) };
+        return Err(e);
+    }
+    Ok(s)
+}
+
+/// Before a checkpoint: a placeholder under every listener bound to a specific address;
+/// returns those listeners.
+pub fn before_checkpoint() -> Vec<(i32, SocketAddr)> {
+    let mut swapped = Vec::new();
+    for (fd, addr) in specific_listeners() {
+        let lo = if addr.is_ipv6() {
+            SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST), 0)
+        } else {
+            SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0)
+        };
+        match listener_on(lo, 0, fd) {
+            Ok(ph) => {
+                crate::relink::swap_socket(ph, fd);
+                swapped.push((fd, addr));
+            }
+            Err(e) => log::warn(format_args!(
+                "listener {addr}: no placeholder (errno {e}); a restore on a node without that address will fail"
+            )),
+        }
+    }
+    swapped
+}
+
+/// True when this node has `ip` (a socket can be bound to it).
+fn is_local(ip: IpAddr) -> bool {
+    let fam = if ip.is_ipv6() { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let s = unsafe { libc::socket(fam, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return true;
+    }
+    let (st, len) = sys::to_raw(&SocketAddr::new(ip, 0), ip.is_ipv6());
+    // SAFETY: binds our own socket to a well-formed address, then closes it.
+    unsafe {
+        let ok = libc::bind(s, &st as *const _ as *const libc::sockaddr, len) == 0;
+        real::close(s);
+        ok
+    }
+}
+
+/// After the thaw: a real listener back under each placeholder, on the old address if this
+/// node has it, else on the same port of every address. Returns the listeners of the second
+/// kind, for the node's agent to learn (once the process talks to it again).
+pub fn after_thaw(swapped: &[(i32, SocketAddr)]) -> Vec<SocketAddr> {
+    let mut everywhere = Vec::new();
+    for &(fd, addr) in swapped {
+        let here = is_local(addr.ip());
+        let at = if here {
+            addr
+        } else if addr.is_ipv6() {
+            SocketAddr::new(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED), addr.port())
+        } else {
+            SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), addr.port())
+        };
+        let s = match listener_on(at, libc::SOMAXCONN, fd) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn(format_args!(
+                    "listener {addr}: cannot listen on {at} here (errno {e}); it accepts nothing until \
+                     the process moves again"
+                ));
+                continue;
+            }
+        };
+        // SAFETY: a copy of the placeholder, to wake threads blocked on it once it is replaced.
+        let ph = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        crate::relink::swap_socket(s, fd);
+        GEN.fetch_add(1, SeqCst);
+        if ph >= 0 {
+            // SAFETY: our copy of the placeholder: shutting it down ends any accept on it.
+            unsafe {
+                real::shutdown(ph, libc::SHUT_RDWR);
+                real::close(ph);
+            }
+        }
+        if !here {
+            everywhere.push(at);
+            log::info(format_args!(
+                "listener {addr}: this node lacks that address; listening on port {} of every address \
+                 (the program still sees {addr})",
+                addr.port()
+            ));
+        }
+    }
+    everywhere
+}
