@@ -109,6 +109,11 @@ PORTS = {
     "stream_local": 17203,
     "stream_loopback": 17204,
     "stream_tiny": 17205,
+    "shm_stream_local": 17651,
+    "shm_stream_loopback": 17652,
+    "shm_refused": 17653,
+    "shm_not_offered": 17654,
+    "shm_other_host": 17655,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,
@@ -644,7 +649,7 @@ def _check_bytes(what, counted, expected, exact, watcher, hosts):
 
 def assert_virtual(watcher, server_host, server_addr, client_host, *, min_conns=1,
                    c2s_bytes=None, s2c_bytes=None, exact=False, client_pid=None,
-                   server_pids_not=None):
+                   server_pids_not=None, substrate=None):
     """The connections to server_addr were virtual at both ends.
 
     Both hosts must list at least min_conns connections to/from server_addr, both ends of a
@@ -674,6 +679,9 @@ def assert_virtual(watcher, server_host, server_addr, client_host, *, min_conns=
         assert pids == {client_pid}, \
             f"client ends of connections to {server_addr} list pids {sorted(pids)}, " \
             f"expected only the client's pid {client_pid}\n{seen}"
+    if substrate is not None:
+        other = [(c["gid"], c["substrate"]) for c in srv + cli if c["substrate"] != substrate]
+        assert not other, f"connections to {server_addr} not on {substrate}: {other[:5]}\n{seen}"
     if server_pids_not is not None:
         bad = [c for c in srv if c["pid"] in server_pids_not]
         assert not bad, f"server ends still attributed to pid(s) {server_pids_not} in " \

@@ -318,6 +318,26 @@ fn fail<T>(st: &mut State, now: u64) -> Option<T> {
     None
 }
 
+/// This node's agent addresses (asked once, kept for 10 s: a migrated process learns its
+/// new node's soon after).
+pub fn own_addrs() -> Vec<SocketAddr> {
+    static CACHE: std::sync::Mutex<(u64, Vec<SocketAddr>)> = std::sync::Mutex::new((0, Vec::new()));
+    let now = sys::now_ns();
+    {
+        let c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        if c.0 > now {
+            return c.1.clone();
+        }
+    }
+    let addrs = match request(&Msg::WhereAmI) {
+        Some(Msg::Here { addrs }) => addrs,
+        _ => Vec::new(),
+    };
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    *c = (now + 10_000_000_000, addrs.clone());
+    addrs
+}
+
 /// True if `dst` was recently found not to be a listener under the layer.
 pub fn known_plain(dst: &SocketAddr) -> bool {
     let st = lock();

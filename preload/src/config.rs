@@ -7,6 +7,8 @@
 //! | `VMI_WINDOW` | soft window per connection, bytes (`K`/`M` suffixes) | `2M` |
 //! | `VMI_RING_FACTOR` | replay ring size as a multiple of the window (1-16) | `4` |
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
+//! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory | `0` |
+//! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -15,6 +17,8 @@ static DISABLED: AtomicBool = AtomicBool::new(false);
 static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
 static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
+static SHM: AtomicBool = AtomicBool::new(false);
+static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -68,7 +72,32 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(v) = std::env::var("VMI_SHM") {
+        match v.trim() {
+            "1" => SHM.store(true, Relaxed),
+            "0" | "" => SHM.store(false, Relaxed),
+            _ => crate::log::warn(format_args!("VMI_SHM={v} is neither 0 nor 1; using 0")),
+        }
+    }
+    if let Ok(v) = std::env::var("VMI_SHM_SPIN_US") {
+        match v.trim().parse::<u64>() {
+            Ok(x) if x <= 1_000_000 => SHM_SPIN_US.store(x, Relaxed),
+            _ => crate::log::warn(format_args!(
+                "VMI_SHM_SPIN_US={v} is not a number of microseconds up to 1000000; using 50"
+            )),
+        }
+    }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// True when same-node connections may use shared memory.
+pub fn shm() -> bool {
+    SHM.load(Relaxed)
+}
+
+/// How long a shared-memory receiver spins before it sleeps.
+pub fn shm_spin_us() -> u64 {
+    SHM_SPIN_US.load(Relaxed)
 }
 
 /// How long a connection waits for a working network, in milliseconds.

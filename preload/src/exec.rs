@@ -99,6 +99,7 @@ fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
         active: f[7] == "1",
         peer_agents: f[10].split(' ').filter_map(|a| a.parse().ok()).collect(),
         renamed: true,
+        shm: None,
     };
     Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
 }
@@ -111,19 +112,20 @@ pub fn adopt() {
     let mut adopted = false;
     for r in v.split(';') {
         match parse_rec(r) {
-            Some((fd, s, tx, rx)) if crate::sys::tcp_family(fd).is_some() => match Vc::restore(&s, tx, rx) {
-                Some(vc) => {
-                    log::info(format_args!(
-                        "virtual connection {:032x} on fd {fd} carried across exec",
-                        s.gid
-                    ));
-                    fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
-                    adopted = true;
+            Some((fd, s, tx, rx)) if crate::sys::tcp_family(fd).is_some() => {
+                match (s.gid, Vc::restore(s, tx, rx)) {
+                    (gid, Some(vc)) => {
+                        log::info(format_args!(
+                            "virtual connection {gid:032x} on fd {fd} carried across exec"
+                        ));
+                        fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+                        adopted = true;
+                    }
+                    (gid, None) => {
+                        log::error(format_args!("cannot rebuild virtual connection {gid:032x} after exec"))
+                    }
                 }
-                None => {
-                    log::error(format_args!("cannot rebuild virtual connection {:032x} after exec", s.gid))
-                }
-            },
+            }
             _ => log::error(format_args!("unusable {VAR} record; that descriptor stays as it is")),
         }
     }

@@ -213,6 +213,15 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     }
     if fdtable::is_managed(fd) {
         if let Some(vc) = forget(fd) {
+            if let Some(l) = vc.shm_now() {
+                // The peer reads what the ring holds, then the end; nothing lingers here.
+                quietly(|| {
+                    l.close(fd);
+                    Some(())
+                });
+                // SAFETY: forwarding.
+                return unsafe { real::close(fd) };
+            }
             return crate::linger::close_last(fd, vc);
         }
     }
@@ -223,6 +232,24 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     if let Some(vc) = fdtable::vc(fd) {
+        if let (Some(l), true) = (vc.shm_now(), how == libc::SHUT_WR || how == libc::SHUT_RDWR) {
+            quietly(|| {
+                let nonblock = sys::nonblocking(fd);
+                let _ = l.settle(fd, !nonblock);
+                Some(())
+            });
+            if vc.shm_now().is_some() {
+                quietly(|| {
+                    l.shut_send(fd);
+                    Some(())
+                });
+                if how == libc::SHUT_WR {
+                    return 0;
+                }
+                // SAFETY: forwarding the receive half of SHUT_RDWR.
+                return unsafe { real::shutdown(fd, libc::SHUT_RD) };
+            }
+        }
         if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
             // The end of stream travels as a Fin frame (the peer keeps acknowledging).
             let r = quietly(|| Some(crate::tcp_sink::send_fin(vc.mem(), fd))).unwrap_or(-1);

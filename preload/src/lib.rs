@@ -29,6 +29,7 @@ pub mod relink;
 pub mod relisten;
 pub mod setup;
 pub mod shm;
+pub mod shm_sink;
 pub mod stats;
 pub mod sys;
 pub mod tcp_sink;

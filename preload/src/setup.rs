@@ -20,6 +20,8 @@ pub struct Pending {
     peer_agents: Vec<SocketAddr>,
     /// Where to connect instead of `dst` (its network is down), if anywhere.
     pub via: Option<SocketAddr>,
+    /// Shared memory offered to the accepting layer (both ends on this node).
+    shm: Option<crate::shm_sink::ShmLink>,
 }
 
 /// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
@@ -58,7 +60,11 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
                 log::info(format_args!("the network toward {dst} is down: connecting through {alias}"));
                 alias
             });
-            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via })
+            // Offered before the SYN leaves, so the accepting layer finds it at accept.
+            let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
+                .then(|| crate::shm_sink::ShmLink::offer(gid, secret))
+                .flatten();
+            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm })
         }
         Some(Msg::Plain) => {
             agent::remember_plain(dst);
@@ -85,8 +91,9 @@ pub fn after_connect(fd: i32, p: Pending) {
         active: true,
         peer_agents: p.peer_agents,
         renamed: p.via.is_some(),
+        shm: p.shm,
     };
-    match Vc::new(&s) {
+    match Vc::new(s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {:032x}: {local} -> {}", p.gid, p.dst));
             if let (Some(via), Some(sl)) = (p.via, vc.slot()) {
@@ -144,6 +151,12 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     // that is the local address this program sees.
     let renamed = alias.port() != 0;
     let local = if renamed { alias } else { local };
+    // The connecting layer may have offered shared memory (both ends on this node).
+    let shm = if crate::shm_sink::same_node(&addrs) {
+        crate::shm_sink::ShmLink::accept(gid, secret, fd, config::shm())
+    } else {
+        None
+    };
     let s = Setup {
         gid,
         secret,
@@ -154,8 +167,9 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
         active: false,
         peer_agents: addrs,
         renamed,
+        shm,
     };
-    match Vc::new(&s) {
+    match Vc::new(s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {gid:032x}: {local} <- {peer}"));
             if let (true, Some(sl), Some(l)) = (renamed, vc.slot(), sys::local_addr(fd)) {

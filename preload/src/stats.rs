@@ -179,6 +179,12 @@ impl Slot {
         }
     }
 
+    /// Records the substrate carrying the bytes (1 tcp, 2 shm).
+    pub fn set_substrate(&self, code: u32) {
+        // SAFETY: SUBSTRATE is a 4-aligned u32 inside the slot.
+        unsafe { AtomicU32::from_ptr(self.0.add(off::SUBSTRATE) as *mut u32) }.store(code, Relaxed);
+    }
+
     /// Frees the slot.
     pub fn free(&self) {
         // SAFETY: USED is a 4-aligned u32 inside the slot.

@@ -189,6 +189,11 @@ pub fn now_ms() -> u64 {
     now_ns() / 1_000_000
 }
 
+/// Monotonic microseconds.
+pub fn now_us() -> u64 {
+    now_ns() / 1_000
+}
+
 /// A random 128-bit number.
 pub fn random_u128() -> u128 {
     u128::from_le_bytes(random16())

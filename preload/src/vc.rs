@@ -4,11 +4,13 @@
 
 use crate::relink;
 use crate::shm::{ConnMem, Mapping};
+use crate::shm_sink::{self, ShmLink, ShmSink};
 use crate::stats::{Slot, SlotInfo};
 use crate::tcp_sink::TcpSink;
 use std::cell::UnsafeCell;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
+use std::sync::Arc;
 use substrate::devices::CounterFilter;
 use substrate::irb::{Chain, Irb, IrbError, Outcome};
 use substrate::reliability::{RxState, TxState};
@@ -41,6 +43,8 @@ pub struct Vc {
     parked: AtomicI32,
     /// While the link is down: the program's epoll registrations of the old socket.
     parked_epoll: std::sync::Mutex<Vec<relink::EpollReg>>,
+    /// Shared memory with a peer on this node, when the two layers set it up.
+    pub shm: Option<Arc<ShmLink>>,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -69,20 +73,29 @@ pub struct Setup {
     pub peer_agents: Vec<SocketAddr>,
     /// The program sees other addresses than the physical socket's from the start.
     pub renamed: bool,
+    /// Shared memory offered (connecting side) or taken (accepting side).
+    pub shm: Option<ShmLink>,
 }
 
-fn chain_for(mem: ConnMem, slot: Option<Slot>) -> Chain {
+fn chain_for(mem: ConnMem, slot: Option<Slot>, shm: &Option<Arc<ShmLink>>) -> Chain {
     let mut c = Chain::new();
     if let Some(s) = slot {
         let _ = c.attach(0, Box::new(CounterFilter::new(s.counters())));
     }
-    let _ = c.attach(usize::MAX, Box::new(TcpSink::new(mem, slot)));
+    match shm {
+        Some(l) => {
+            let _ = c.attach(usize::MAX, Box::new(ShmSink::new(l.clone(), TcpSink::new(mem, slot), slot)));
+        }
+        None => {
+            let _ = c.attach(usize::MAX, Box::new(TcpSink::new(mem, slot)));
+        }
+    }
     c
 }
 
 impl Vc {
     /// Sets up the layer's side of a virtual connection.
-    pub fn new(s: &Setup) -> Option<Vc> {
+    pub fn new(s: Setup) -> Option<Vc> {
         let ring = (s.window * crate::config::ring_factor()) as usize;
         let mem = Mapping::new(ring, s.window, s.gid, s.secret, s.peer_window, s.active, &s.peer_agents)?;
         let slot = crate::stats::table().and_then(|t| {
@@ -95,8 +108,10 @@ impl Vc {
             })
         });
         let m = *mem;
+        let shm = s.shm.map(Arc::new);
         if let Some(sl) = slot {
             sl.set_link(&s.local, &s.peer);
+            sl.set_substrate(shm.as_ref().map_or(1, |l| l.code()));
         }
         Some(Vc {
             mem,
@@ -105,11 +120,12 @@ impl Vc {
             peer: s.peer,
             active: s.active,
             renamed: s.renamed,
-            send_chain: UnsafeCell::new(chain_for(m, slot)),
-            recv_chain: UnsafeCell::new(chain_for(m, slot)),
+            send_chain: UnsafeCell::new(chain_for(m, slot, &shm)),
+            recv_chain: UnsafeCell::new(chain_for(m, slot, &shm)),
             my_gen: AtomicU32::new(0),
             parked: AtomicI32::new(-1),
             parked_epoll: std::sync::Mutex::new(Vec::new()),
+            shm,
         })
     }
 
@@ -178,10 +194,11 @@ impl Vc {
     /// Rebuilds a connection handed over across `exec`: same identity, same stream
     /// positions. The old image's replay ring is gone with it, so the bytes it held count as
     /// acknowledged.
-    pub fn restore(s: &Setup, mut tx: TxState, rx: RxState) -> Option<Vc> {
+    pub fn restore(s: Setup, mut tx: TxState, rx: RxState) -> Option<Vc> {
+        let window = s.window;
         let vc = Vc::new(s)?;
         let c = vc.mem.conn();
-        let fresh = TxState::with_soft_window(vc.mem.ring_len() as u64, s.window);
+        let fresh = TxState::with_soft_window(vc.mem.ring_len() as u64, window);
         tx.window = fresh.window;
         tx.soft_window = fresh.soft_window;
         tx.acked = tx.next_seq;
@@ -245,8 +262,17 @@ impl Vc {
         })
     }
 
+    /// The shared memory carrying the bytes, when it does (not while the connecting side
+    /// waits for the answer, nor after a refusal).
+    pub fn shm_now(&self) -> Option<&ShmLink> {
+        self.shm.as_deref().filter(|l| l.mode() != shm_sink::Mode::Tcp)
+    }
+
     /// Payload bytes readable now (FIONREAD).
     pub fn readable_bytes(&self, fd: i32) -> Result<i32, i32> {
+        if let Some(l) = self.shm_now() {
+            return Ok(l.readable().min(i32::MAX as usize) as i32);
+        }
         let c = self.mem.conn();
         let _g = c.rx_lock.lock();
         crate::tcp_sink::readable_bytes(self.mem(), fd)

@@ -53,9 +53,11 @@ pub struct RingHeader {
     closed: AtomicU32,
     /// 1 while the producer waits for room: the consumer rings it after freeing some.
     writer_waiting: AtomicU32,
-    /// 1 while a space bell is (or is about to be) in the producer's socket.
+    /// 1 while a space bell is pending for the producer (the word it sleeps on).
     space_bell: AtomicU32,
-    _pad1: [u32; 13],
+    /// 1 once the consumer is gone (closed): writing is pointless (`EPIPE`).
+    reader_gone: AtomicU32,
+    _pad1: [u32; 12],
     /// Bytes consumed so far (consumer): what the consumer's program has.
     head: AtomicU64,
     /// 1 while the consumer may sleep in the kernel: new bytes need a bell.
@@ -266,6 +268,32 @@ impl Ring {
             return Ok(Sleep::Ready);
         }
         Ok(Sleep::Ok)
+    }
+
+    /// The word a producer waiting for room sleeps on (a futex: 0 until rung).
+    pub fn space_word(&self) -> &AtomicU32 {
+        &self.h().space_bell
+    }
+
+    /// True once the consumer closed its end.
+    pub fn reader_gone(&self) -> bool {
+        self.h().reader_gone.load(Acquire) == 1
+    }
+
+    /// The consumer closes its end; returns whether a waiting producer must be woken.
+    pub fn reader_leaves(&self) -> Bell {
+        self.h().reader_gone.store(1, Release);
+        self.after_read_force()
+    }
+
+    fn after_read_force(&self) -> Bell {
+        fence(SeqCst);
+        let h = self.h();
+        if h.writer_waiting.load(Relaxed) == 1 && h.space_bell.swap(1, AcqRel) == 0 {
+            Bell::Ring
+        } else {
+            Bell::Quiet
+        }
     }
 
     /// The producer took a space bell from its socket.

@@ -28,7 +28,7 @@ pub mod off {
     pub const LOCAL: usize = 32;
     /// 20 bytes: peer address.
     pub const PEER: usize = 52;
-    /// u32: substrate code (1 = tcp).
+    /// u32: substrate code (1 = tcp, 2 = shm).
     pub const SUBSTRATE: usize = 72;
     /// u32: 1 = this side connected, 0 = accepted.
     pub const ACTIVE: usize = 76;
@@ -125,6 +125,7 @@ pub struct SlotView {
 pub fn substrate_name(code: u32) -> &'static str {
     match code {
         1 => "tcp",
+        2 => "shm",
         _ => "unknown",
     }
 }
