@@ -154,6 +154,17 @@ PORTS = {
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()
 
+# Where a real-program test runs its client: on another host (the layers talk over kernel
+# TCP), or on the server's host (shared memory). Shared-memory runs use their ports + 10000.
+PLACES = {"hosts": (H2, {}, "tcp", 0), "shm": (H1, {"VMI_SHM": "1"}, "shm", 10000)}
+
+
+def place(where, port_name):
+    """(client host, layer environment, expected substrate, port) for a place."""
+    host, env, substrate, offset = PLACES[where]
+    return host, env, substrate, PORTS[port_name] + offset
+
+
 # Blocks of ports for tests parametrized over many cases: case i uses base + i.
 PORT_BLOCK_SIZE = 50
 PORT_BLOCKS = {

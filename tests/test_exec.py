@@ -8,7 +8,7 @@ environment) echoes everything; the client checks every echo byte for byte.
 
 import pytest
 
-from helpers import H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog
+from helpers import H1, H1_IP, PLACES, Watcher, assert_virtual, place, python_prog
 
 # fork_exec: os.fork + os.execv (the fork hook sees the child); subprocess: Popen(pass_fds=...)
 # spawns with vfork, which only the execve hook sees: it counts the new image as a holder, so
@@ -16,18 +16,19 @@ from helpers import H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog
 HOWS = ["fork_exec", "subprocess"]
 
 
+@pytest.mark.parametrize("where", list(PLACES))
 @pytest.mark.parametrize("how", HOWS)
-def test_exec_handover(procs, how):
-    port = PORTS[f"exec_{how}"]
+def test_exec_handover(procs, how, where):
+    host, env, substrate, port = place(where, f"exec_{how}")
     addr = f"{H1_IP}:{port}"
     srv = procs.server(H1, python_prog("exec_handover.py", "server", "--bind", addr,
                                        "--how", how),
-                       port, layer=True, name="exec-server")
+                       port, layer=True, name="exec-server", env=env)
     srv.assert_layer_loaded()
-    with Watcher(H1, H2) as w:
-        cli = procs.run(H2, python_prog("exec_handover.py", "client", "--connect", addr,
+    with Watcher(H1, host) as w:
+        cli = procs.run(host, python_prog("exec_handover.py", "client", "--connect", addr,
                                         "--hold", "0.5"),
-                        layer=True, name="exec-client", timeout=40, check=False)
+                        layer=True, name="exec-client", timeout=40, check=False, env=env)
         srv.wait(timeout=10, check=False)
     lines = srv.json_lines()
     helper = next((r for r in lines if r.get("role") == "helper"), None)
@@ -39,4 +40,4 @@ def test_exec_handover(procs, how):
     assert helper["received"] == helper["sent"] == sum(c["echoed"]), (helper, c)
     assert server is not None and server["helper_status"] == 0, server
     assert srv.returncode == 0 and cli.returncode == 0
-    assert_virtual(w, H1, addr, H2, client_pid=cli.pid)
+    assert_virtual(w, H1, addr, host, client_pid=cli.pid, substrate=substrate)

@@ -3,22 +3,25 @@
 import os
 import re
 
-from helpers import H1, H1_IP, H2, PORTS, Watcher, assert_virtual
+import pytest
+
+from helpers import H1, H1_IP, H2, PLACES, PORTS, Watcher, assert_virtual, place
 
 
-def redis_server(procs, port):
+def redis_server(procs, port, env=None):
     return procs.server(H1, ["redis-server", "--port", port, "--bind", H1_IP, "--save", "",
                              "--appendonly", "no", "--protected-mode", "no"],
-                        port, layer=True, name="redis-server")
+                        port, layer=True, name="redis-server", env=env)
 
 
-def test_redis_benchmark(procs):
-    port = PORTS["redis_benchmark"]
-    redis_server(procs, port)
-    with Watcher(H1, H2) as w:
-        bench = procs.run(H2, ["redis-benchmark", "-h", H1_IP, "-p", port, "-n", "20000",
-                               "-q", "-t", "set,get,lpush"],
-                          layer=True, name="redis-benchmark", timeout=50)
+@pytest.mark.parametrize("where", list(PLACES))
+def test_redis_benchmark(procs, where):
+    host, env, substrate, port = place(where, "redis_benchmark")
+    redis_server(procs, port, env)
+    with Watcher(H1, host) as w:
+        bench = procs.run(host, ["redis-benchmark", "-h", H1_IP, "-p", port, "-n", "20000",
+                                 "-q", "-t", "set,get,lpush"],
+                          layer=True, name="redis-benchmark", timeout=50, env=env)
     # With -q the progress lines end in \r; the final figures are "SET: 68493.15 requests per
     # second, p50=0.367 msec".
     out = bench.stdout().replace("\r", "\n")
@@ -27,7 +30,7 @@ def test_redis_benchmark(procs):
         assert m, f"redis-benchmark printed no result for {test}:\n{out[-2000:]}"
         assert float(m.group(1)) > 0, m.group(0)
     # redis-benchmark runs 50 clients at once.
-    assert_virtual(w, H1, f"{H1_IP}:{port}", H2, min_conns=50)
+    assert_virtual(w, H1, f"{H1_IP}:{port}", host, min_conns=50, substrate=substrate)
 
 
 def test_redis_big_value(procs, workdir):

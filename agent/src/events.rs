@@ -32,7 +32,8 @@ pub struct Events {
     /// Connections whose process was frozen for a checkpoint: (process, since when).
     moving: Mutex<HashMap<u128, (u32, std::time::Instant)>>,
     /// Processes that said they are ready for their checkpoint.
-    frozen: Mutex<HashSet<u32>>,
+    /// Answers to a Freeze: `None` ready, `Some(why)` refused.
+    frozen: Mutex<HashMap<u32, Option<String>>>,
     frozen_cv: std::sync::Condvar,
 }
 
@@ -163,7 +164,12 @@ impl Events {
                 }
                 Ok((Msg::Ok, _)) => {
                     // The answer to a Freeze: the process closes this channel next.
-                    self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+                    self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, None);
+                    self.frozen_cv.notify_all();
+                }
+                Ok((Msg::Error { reason }, _)) => {
+                    // The process cannot be checkpointed now; it goes on as it was.
+                    self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, Some(reason));
                     self.frozen_cv.notify_all();
                 }
                 Ok((Msg::Release { gid }, _)) => {
@@ -255,7 +261,7 @@ impl Events {
         }
         let deadline = std::time::Instant::now() + timeout;
         let mut done = self.frozen.lock().unwrap_or_else(|e| e.into_inner());
-        while !done.contains(&pid) {
+        while !done.contains_key(&pid) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 drop(done);
@@ -264,7 +270,12 @@ impl Events {
             }
             done = self.frozen_cv.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        done.remove(&pid);
+        if let Some(Some(why)) = done.remove(&pid) {
+            drop(done);
+            self.unfreeze(pid);
+            info!("process {pid} cannot be checkpointed: {why}");
+            return Err(why);
+        }
         info!("process {pid} is ready for its checkpoint");
         Ok(true)
     }

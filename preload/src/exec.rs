@@ -67,8 +67,9 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
         if !done.iter().any(|d| Arc::ptr_eq(d, &v)) {
             done.push(v.clone());
         }
+        let shm = v.shm.as_ref().and_then(|l| l.handover(fd)).unwrap_or_default();
         recs.push(format!(
-            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{}",
+            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{},{shm}",
             c.gid,
             c.secret,
             c.peer_window,
@@ -86,7 +87,7 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
 
 fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
     let f: Vec<&str> = r.split(',').collect();
-    if f.len() != 11 {
+    if f.len() != 12 {
         return None;
     }
     let s = Setup {
@@ -99,7 +100,7 @@ fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
         active: f[7] == "1",
         peer_agents: f[10].split(' ').filter_map(|a| a.parse().ok()).collect(),
         renamed: true,
-        shm: None,
+        shm: if f[11].is_empty() { None } else { Some(crate::shm_sink::ShmLink::adopt(f[11])?) },
     };
     Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
 }
@@ -166,6 +167,9 @@ impl Handover {
         let e = crate::sys::errno();
         for v in &self.vcs {
             v.release();
+            if let Some(l) = &v.shm {
+                l.handover_undone();
+            }
         }
         crate::sys::set_errno(e);
         r

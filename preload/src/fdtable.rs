@@ -169,15 +169,51 @@ pub fn unprotect(role: usize) -> i32 {
     PROTECTED[role].swap(-1, AcqRel)
 }
 
+/// Per-connection descriptors of the layer's own (shared memory: region file, the peer's
+/// socket, the rendezvous socket), each with the place that names it, so that a program
+/// closing everything or `dup2`-ing onto one of them does not take it.
+static EXTRA: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+static EXTRA_N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn extra() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    EXTRA.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Protects the descriptor `slot` names (and whatever it names later) until
+/// [`unprotect_slot`]. `slot` must stay where it is until then.
+pub fn protect_slot(slot: &AtomicI32) {
+    let mut x = extra();
+    x.push(slot as *const AtomicI32 as usize);
+    EXTRA_N.store(x.len(), Release);
+}
+
+/// Stops protecting `slot`'s descriptor.
+pub fn unprotect_slot(slot: &AtomicI32) {
+    let mut x = extra();
+    x.retain(|&p| p != slot as *const AtomicI32 as usize);
+    EXTRA_N.store(x.len(), Release);
+}
+
+fn extra_fds() -> Vec<(i32, usize)> {
+    // SAFETY: every registered address is a live AtomicI32 (see `protect_slot`).
+    extra().iter().map(|&p| (unsafe { &*(p as *const AtomicI32) }.load(Acquire), p)).collect()
+}
+
 /// True if `fd` is one of the layer's own.
 #[inline]
 pub fn is_protected(fd: i32) -> bool {
-    fd >= 0 && PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
+    fd >= 0
+        && (PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
+            || (EXTRA_N.load(Relaxed) > 0 && extra_fds().iter().any(|&(f, _)| f == fd)))
 }
 
 /// The protected descriptors.
 pub fn protected() -> Vec<i32> {
-    PROTECTED.iter().map(|p| p.load(Relaxed)).filter(|&f| f >= 0).collect()
+    let mut v: Vec<i32> = PROTECTED.iter().map(|p| p.load(Relaxed)).filter(|&f| f >= 0).collect();
+    if EXTRA_N.load(Relaxed) > 0 {
+        v.extend(extra_fds().into_iter().map(|(f, _)| f).filter(|&f| f >= 0));
+    }
+    v
 }
 
 /// The program wants descriptor number `fd` (dup2 onto it): move ours out of the way.
@@ -188,6 +224,12 @@ pub fn evict(fd: i32) -> Option<(i32, i32)> {
     let n = move_high(fd);
     for p in &PROTECTED {
         let _ = p.compare_exchange(fd, n, AcqRel, Relaxed);
+    }
+    for (f, p) in extra_fds() {
+        if f == fd {
+            // SAFETY: a registered, live AtomicI32 (see `protect_slot`).
+            let _ = unsafe { &*(p as *const AtomicI32) }.compare_exchange(fd, n, AcqRel, Relaxed);
+        }
     }
     Some((fd, n))
 }

@@ -457,6 +457,15 @@ fn socket_dead(fd: i32) -> bool {
 /// failed, on the new node if it was restored there.
 fn freeze(w: &mut Work) {
     let pid = crate::pid();
+    let on_shm = fdtable::distinct_vcs().iter().filter(|v| v.shm_now().is_some()).count();
+    if on_shm > 0 {
+        // Their peers map the same memory on this node; moving them to TCP is not done yet.
+        let reason =
+            format!("{on_shm} connection(s) over shared memory with processes on this node cannot move yet");
+        log::warn(format_args!("not ready for a checkpoint: {reason}"));
+        send_event(&Msg::Error { reason });
+        return;
+    }
     log::info(format_args!("getting ready for a checkpoint"));
     FROZEN.store(1, SeqCst);
     agent::quiesce();

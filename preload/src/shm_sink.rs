@@ -63,11 +63,17 @@ pub enum Mode {
 struct Head {
     magic: u64,
     state: AtomicU32,
+    /// 1 once a process of the connecting side took the answer (after a fork, the others
+    /// adopt it).
+    settled: AtomicU32,
 }
 
 /// One side's view of a shared-memory connection.
 pub struct ShmLink {
     base: *mut u8,
+    /// The region's file (unlinked once taken), kept open to hand the region over across
+    /// `exec`.
+    region: AtomicI32,
     tx: Ring,
     rx: Ring,
     active: bool,
@@ -223,13 +229,15 @@ impl ShmLink {
         // SAFETY: our file.
         let sized = unsafe { libc::ftruncate(fd, REGION as libc::off_t) } == 0;
         let base = if sized { map(fd) } else { None };
-        // SAFETY: our file; the mapping keeps the memory.
-        unsafe { real::close(fd) };
         let Some(base) = base else {
-            // SAFETY: removes the file we made.
-            unsafe { libc::unlink(path.as_ptr()) };
+            // SAFETY: removes the file we made; our descriptor.
+            unsafe {
+                libc::unlink(path.as_ptr());
+                real::close(fd);
+            }
             return None;
         };
+        let fd = crate::fdtable::move_high(fd);
         let one = Ring::size(RING).next_multiple_of(PAGE);
         // SAFETY: fresh mapping; the rings lie inside it, page aligned.
         let ok = unsafe {
@@ -242,15 +250,20 @@ impl ShmLink {
             unsafe {
                 libc::munmap(base as *mut _, REGION);
                 libc::unlink(path.as_ptr());
+                real::close(fd);
             }
             return None;
         };
         // SAFETY: the first page is ours to initialise.
         unsafe {
-            std::ptr::write(base as *mut Head, Head { magic: MAGIC, state: AtomicU32::new(OFFERED) });
+            std::ptr::write(
+                base as *mut Head,
+                Head { magic: MAGIC, state: AtomicU32::new(OFFERED), settled: AtomicU32::new(0) },
+            );
         }
         Some(ShmLink {
             base,
+            region: AtomicI32::new(fd),
             tx,
             rx,
             active: true,
@@ -280,9 +293,10 @@ impl ShmLink {
         // SAFETY: our descriptor, valid pointer.
         let size_ok = unsafe { libc::fstat(f, &mut st) } == 0 && st.st_size as usize == REGION;
         let base = if size_ok { map(f) } else { None };
-        // SAFETY: our descriptor.
-        unsafe { real::close(f) };
+        let f = crate::fdtable::move_high(f);
         let refuse = |why: &str, base: Option<*mut u8>| {
+            // SAFETY: our descriptor.
+            unsafe { real::close(f) };
             log::warn(format_args!(
                 "virtual connection {gid:032x}: shared memory refused ({why}); using TCP"
             ));
@@ -317,6 +331,7 @@ impl ShmLink {
         let _ = bell(fd);
         Some(ShmLink {
             base,
+            region: AtomicI32::new(f),
             tx,
             rx,
             active: false,
@@ -338,6 +353,10 @@ impl ShmLink {
                 m => return Ok(m),
             }
             match self.head().state.load(Acquire) {
+                ACCEPTED if self.head().settled.swap(1, AcqRel) == 1 => {
+                    // Another process sharing the connection (a fork) took the answer.
+                    self.mode.store(1, Release);
+                }
                 ACCEPTED => {
                     self.take_bells(fd);
                     let d = self.dgram.swap(-1, AcqRel);
@@ -377,19 +396,30 @@ impl ShmLink {
         }
     }
 
-    /// Reads every bell waiting in our socket; notes the peer's end.
+    /// Reads every bell waiting in our socket (a bell announced but still on its way is
+    /// waited for, briefly: left behind, it would make the descriptor look readable with an
+    /// empty ring); notes the peer's end.
     fn take_bells(&self, fd: i32) {
         let mut b = [0u8; 64];
-        loop {
-            // SAFETY: reads into a local buffer.
-            let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), libc::MSG_DONTWAIT) };
-            if r == 0 {
-                self.eof.store(true, Release);
+        let mut got = 0;
+        for round in 0..2 {
+            loop {
+                // SAFETY: reads into a local buffer.
+                let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), libc::MSG_DONTWAIT) };
+                if r == 0 {
+                    self.eof.store(true, Release);
+                    break;
+                }
+                if r < 0 {
+                    break;
+                }
+                got += r;
+            }
+            if got > 0 || round == 1 || !self.rx.bell_pending() || self.eof.load(Acquire) {
                 break;
             }
-            if r < 0 {
-                break;
-            }
+            // The producer announced a bell and is writing it right now.
+            sys::wait_fd(fd, libc::POLLIN, 2);
         }
         self.rx.bell_taken();
     }
@@ -422,10 +452,16 @@ impl ShmLink {
         self.peer_sock.load(Acquire)
     }
 
-    /// The program may wait on the descriptor now: bytes left in the ring must make it
-    /// readable (a bell through the peer's socket).
+    /// The program may wait on the descriptor now: it must look readable exactly when the
+    /// ring holds bytes (or the end). Bytes left behind need a bell (rung through the peer's
+    /// socket); an empty ring must leave no bell behind.
     fn leave(&self, fd: i32) {
-        if self.rx.before_sleep() == Ok(Sleep::Ready) && self.rx.ensure_bell() == Bell::Ring {
+        let mut ready = self.rx.before_sleep() == Ok(Sleep::Ready);
+        if !ready && self.rx.bell_pending() {
+            self.take_bells(fd);
+            ready = self.rx.before_sleep() == Ok(Sleep::Ready);
+        }
+        if ready && self.rx.ensure_bell() == Bell::Ring {
             let p = self.peer_socket(fd);
             if p < 0 || !bell(p) {
                 // No way to ring ourselves: take the bell back; the next call finds the bytes.
@@ -547,6 +583,86 @@ impl ShmLink {
         }
     }
 
+    /// Before an `exec` that hands the connection over: the record of this link (`region
+    /// descriptor:peer socket descriptor:side`), with those descriptors left open across the
+    /// exec. The connecting side takes the answer first.
+    pub fn handover(&self, fd: i32) -> Option<String> {
+        if self.mode() == Mode::Tcp || self.settle(fd, true).ok()? != Mode::Shm {
+            return None;
+        }
+        let p = self.peer_socket(fd);
+        for d in [self.region.load(Acquire), p] {
+            if d >= 0 {
+                // SAFETY: clears close-on-exec on our own descriptor.
+                unsafe { real::fcntl(d, libc::F_SETFD, 0) };
+            }
+        }
+        Some(format!("{}:{}:{}", self.region.load(Acquire), p, u8::from(self.active)))
+    }
+
+    /// The exec did not happen: the descriptors close on the next one again.
+    pub fn handover_undone(&self) {
+        for d in [self.region.load(Acquire), self.peer_sock.load(Acquire)] {
+            if d >= 0 {
+                // SAFETY: sets close-on-exec on our own descriptor.
+                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+            }
+        }
+    }
+
+    /// In the new image: the link a handover record describes.
+    pub fn adopt(rec: &str) -> Option<ShmLink> {
+        let mut it = rec.split(':');
+        let region: i32 = it.next()?.parse().ok()?;
+        let peer: i32 = it.next()?.parse().ok()?;
+        let active = it.next()? == "1";
+        let base = map(region)?;
+        // SAFETY: the first page of the mapping.
+        if unsafe { (*(base as *const Head)).magic } != MAGIC {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(base as *mut _, REGION) };
+            return None;
+        }
+        let Ok((tx, rx)) = rings(base, active) else {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(base as *mut _, REGION) };
+            return None;
+        };
+        for d in [region, peer] {
+            if d >= 0 {
+                // SAFETY: our descriptors again, close-on-exec as before.
+                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+            }
+        }
+        Some(ShmLink {
+            base,
+            region: AtomicI32::new(region),
+            tx,
+            rx,
+            active,
+            tag: String::new(),
+            path: None,
+            dgram: AtomicI32::new(-1),
+            peer_sock: AtomicI32::new(peer),
+            mode: AtomicU32::new(1),
+            eof: AtomicBool::new(false),
+        })
+    }
+
+    /// From now on (the link is where it stays, inside its `Arc`), the program cannot close
+    /// or replace the link's descriptors.
+    pub fn protect(&self) {
+        for slot in [&self.region, &self.peer_sock, &self.dgram] {
+            crate::fdtable::protect_slot(slot);
+        }
+    }
+
+    fn unprotect(&self) {
+        for slot in [&self.region, &self.peer_sock, &self.dgram] {
+            crate::fdtable::unprotect_slot(slot);
+        }
+    }
+
     /// Substrate code for statistics.
     pub fn code(&self) -> u32 {
         if self.mode() == Mode::Tcp {
@@ -564,7 +680,9 @@ impl ShmLink {
 
 impl Drop for ShmLink {
     fn drop(&mut self) {
-        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel)] {
+        self.unprotect();
+        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
+        {
             if fd >= 0 {
                 // SAFETY: our descriptors.
                 unsafe { real::close(fd) };

@@ -109,6 +109,9 @@ impl Vc {
         });
         let m = *mem;
         let shm = s.shm.map(Arc::new);
+        if let Some(l) = &shm {
+            l.protect();
+        }
         if let Some(sl) = slot {
             sl.set_link(&s.local, &s.peer);
             sl.set_substrate(shm.as_ref().map_or(1, |l| l.code()));

@@ -144,6 +144,9 @@ impl Ring {
         unsafe {
             std::ptr::write_bytes(mem, 0, HEADER);
             (*h).cap.store(cap, Relaxed);
+            // A consumer is "sleeping" unless it is inside a receive: a program's first wait
+            // on the descriptor (select before any read) must be rung.
+            (*h).sleeping.store(1, Relaxed);
             (*h).magic.store(MAGIC, Release);
         }
         Ok(Ring { h, data: mem.wrapping_add(HEADER), cap })
@@ -499,6 +502,13 @@ mod tests {
         r.space_bell_taken();
         r.room_wait_over();
         assert_eq!(r.before_wait_room().unwrap(), Sleep::Ready);
+    }
+
+    #[test]
+    fn a_new_consumer_is_rung_before_its_first_read() {
+        let (_m, r) = aligned(16);
+        r.write(b"x").unwrap();
+        assert_eq!(r.after_write(), Bell::Ring);
     }
 
     #[test]
