@@ -271,9 +271,10 @@ pub fn fds_of(vc: &Vc) -> Vec<i32> {
 pub fn distinct_vcs() -> Vec<Arc<Vc>> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
     let mut out: Vec<Arc<Vc>> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for e in t.iter().flatten() {
         if let Entry::Vc(v) = e {
-            if !out.iter().any(|o| Arc::ptr_eq(o, v)) {
+            if seen.insert(Arc::as_ptr(v) as usize) {
                 out.push(v.clone());
             }
         }
