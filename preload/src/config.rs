@@ -7,7 +7,7 @@
 //! | `VMI_WINDOW` | soft window per connection, bytes (`K`/`M` suffixes) | `2M` |
 //! | `VMI_RING_FACTOR` | replay ring size as a multiple of the window (1-16) | `4` |
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
-//! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `0` |
+//! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
@@ -17,7 +17,7 @@ static DISABLED: AtomicBool = AtomicBool::new(false);
 static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
 static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
-static SHM: AtomicBool = AtomicBool::new(false);
+static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 
 /// Parses a size such as `512K` or `4M`.
@@ -76,7 +76,7 @@ pub fn init() {
         match v.trim() {
             "1" => SHM.store(true, Relaxed),
             "0" | "" => SHM.store(false, Relaxed),
-            _ => crate::log::warn(format_args!("VMI_SHM={v} is neither 0 nor 1; using 0")),
+            _ => crate::log::warn(format_args!("VMI_SHM={v} is neither 0 nor 1; using 1")),
         }
     }
     if let Ok(v) = std::env::var("VMI_SHM_SPIN_US") {

@@ -733,13 +733,15 @@ impl Device for ShmSink {
         if !matches!(irb.kind(), IrbKind::Send | IrbKind::Receive) {
             return self.tcp.dispatch(irb, cx);
         }
-        // (Asking the kernel for the blocking mode on every call, as here, also changes the
-        // timing: without it, sockperf ping-pong over shared memory reported a sequence error;
-        // see the known limits in ARCHITECTURE.md.)
-        let nonblock = flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
-        let mode = match self.link.settle(fd, !nonblock) {
-            Ok(m) => m,
-            Err(e) => return irb.complete(Err(e)),
+        let mode = match self.link.mode() {
+            Mode::Pending => {
+                let nonblock = flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
+                match self.link.settle(fd, !nonblock) {
+                    Ok(m) => m,
+                    Err(e) => return irb.complete(Err(e)),
+                }
+            }
+            m => m,
         };
         if mode == Mode::Tcp {
             if let Some(s) = self.slot {
