@@ -137,19 +137,9 @@ pub(crate) fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
-        let mut cbuf = [0u64; 4];
+        let mut cbuf: sys::FdCmsg = [0; 4];
         if let (true, Some(pfd)) = (first, pass_fd) {
-            msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-            // SAFETY: CMSG_SPACE is a pure computation.
-            msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as _;
-            // SAFETY: the control buffer is large enough for one int.
-            unsafe {
-                let c = libc::CMSG_FIRSTHDR(&msg);
-                (*c).cmsg_level = libc::SOL_SOCKET;
-                (*c).cmsg_type = libc::SCM_RIGHTS;
-                (*c).cmsg_len = libc::CMSG_LEN(4) as _;
-                std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, pfd);
-            }
+            sys::attach_fd(&mut msg, &mut cbuf, pfd);
         }
         // SAFETY: msg is fully initialised.
         let r = unsafe { real::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };

@@ -41,18 +41,9 @@ fn lock() -> MutexGuard<'static, Lingering> {
 
 /// Closes `fd` with a reset (SO_LINGER 0); returns the close's result.
 fn reset(fd: i32) -> i32 {
-    let l = libc::linger { l_onoff: 1, l_linger: 0 };
-    // SAFETY: sets an option on a socket being closed, then closes it.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const _ as *const _,
-            std::mem::size_of_val(&l) as _,
-        );
-        real::close(fd)
-    }
+    crate::sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
+    // SAFETY: closes the socket being reset.
+    unsafe { real::close(fd) }
 }
 
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result

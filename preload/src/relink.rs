@@ -77,20 +77,6 @@ pub fn is_link_error(e: i32) -> bool {
     )
 }
 
-fn futex_wait(word: &AtomicU32, val: u32, ms: u64) {
-    let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) * 1_000_000) as _ };
-    // SAFETY: `word` is a valid u32 in shared memory (no FUTEX_PRIVATE_FLAG: other processes
-    // wake it too).
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, val, &ts, 0usize, 0u32) };
-}
-
-fn futex_wake_all(word: &AtomicU32) {
-    // SAFETY: as above.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32)
-    };
-}
-
 /// Waits (a blocking call) until the link is up again or the connection failed; the
 /// connection's errno in the second case.
 pub fn wait_link(vc: &Vc) -> Result<(), i32> {
@@ -105,7 +91,7 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
         if c.link_down.load(Acquire) == 0 {
             return Ok(());
         }
-        futex_wait(&c.link_gen, gen, 200);
+        sys::futex_wait(&c.link_gen, gen, 200);
     }
 }
 
@@ -334,29 +320,18 @@ fn close_events() {
 fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
     let mut pre = [0u8; 4];
     let mut iov = libc::iovec { iov_base: pre.as_mut_ptr() as *mut _, iov_len: 4 };
-    let mut cbuf = [0u64; 8];
+    let mut cbuf: sys::FdCmsg = [0; 4];
     // SAFETY: zeroed msghdr is valid; pointers set to live locals.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    sys::expect_fd(&mut msg, &mut cbuf);
     // SAFETY: msg is valid; MSG_WAITALL gets the whole prefix.
     let r = unsafe { real::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_WAITALL) };
     if r != 4 {
         return None;
     }
-    let mut passed = None;
-    // SAFETY: walking the control messages the kernel wrote.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                passed = Some(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32));
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
-        }
-    }
+    let passed = sys::passed_fd(&msg);
     let close_passed = |p: Option<i32>| {
         if let Some(p) = p {
             // SAFETY: a descriptor we were passed and will not use.
@@ -487,7 +462,7 @@ fn freeze(w: &mut Work) {
             {
                 lingers.push((fd, l));
             }
-            set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
+            sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
         }
     }
     let placeheld = crate::relisten::before_checkpoint();
@@ -548,22 +523,9 @@ fn freeze(w: &mut Work) {
     thaw(w, conn, &lingers, &placeheld, ns_before);
 }
 
-fn set_linger(fd: i32, l: libc::linger) {
-    // SAFETY: valid pointer to a local linger.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const _ as *const _,
-            std::mem::size_of_val(&l) as _,
-        )
-    };
-}
-
 fn restore_lingers(lingers: &[(i32, libc::linger)]) {
     for &(fd, l) in lingers {
-        set_linger(fd, l);
+        sys::set_linger(fd, l);
     }
 }
 
@@ -893,7 +855,7 @@ fn give_up(v: &Vc, e: i32, why: &str) {
     unpark(v);
     epoll_attach(&v.take_epoll());
     c.link_gen.fetch_add(1, AcqRel);
-    futex_wake_all(&c.link_gen);
+    sys::futex_wake(&c.link_gen, i32::MAX);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1382,7 +1344,7 @@ fn finish(v: &Vc) {
     if let Some(s) = v.slot() {
         s.set_relinking(false, true);
     }
-    futex_wake_all(&c.link_gen);
+    sys::futex_wake(&c.link_gen, i32::MAX);
     if let Some(&fd) = fdtable::fds_of(v).first() {
         // The caller holds the tx lock: push the replay now (the program may be waiting
         // for an answer to bytes only the replay carries).

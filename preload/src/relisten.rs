@@ -16,21 +16,6 @@ use crate::{log, real, sys};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
-fn get_int(fd: i32, level: i32, opt: i32) -> Option<i32> {
-    let mut v: i32 = 0;
-    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
-    // SAFETY: valid pointers to locals of the right size.
-    let r = unsafe { libc::getsockopt(fd, level, opt, &mut v as *mut i32 as *mut _, &mut len) };
-    (r == 0).then_some(v)
-}
-
-fn set_int(fd: i32, level: i32, opt: i32, v: i32) -> bool {
-    // SAFETY: a valid pointer to a local int.
-    unsafe {
-        libc::setsockopt(fd, level, opt, &v as *const i32 as *const _, std::mem::size_of::<i32>() as _) == 0
-    }
-}
-
 /// Listeners that only exist on this node's addresses: neither wildcard nor loopback.
 fn specific_listeners() -> Vec<(i32, SocketAddr)> {
     fdtable::snapshot()
@@ -57,10 +42,10 @@ fn listener_on(at: SocketAddr, backlog: i32, like: i32) -> Result<i32, i32> {
     if s < 0 {
         return Err(sys::errno());
     }
-    set_int(s, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1);
+    sys::set_sockopt_int(s, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1);
     if v6 {
-        let only = get_int(like, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY).unwrap_or(0);
-        set_int(s, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, only);
+        let only = sys::sockopt_int(like, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY).unwrap_or(0);
+        sys::set_sockopt_int(s, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, only);
     }
     let (st, len) = sys::to_raw(&at, v6);
     // SAFETY: binds and listens on our own socket; copies the file status flags (O_NONBLOCK

@@ -17,13 +17,6 @@ pub struct FutexLock {
 /// Holds a [`FutexLock`]; unlocks on drop.
 pub struct FutexGuard<'a>(&'a FutexLock);
 
-fn futex(word: &AtomicU32, op: i32, val: u32, timeout_ms: i64) -> i64 {
-    let ts = libc::timespec { tv_sec: timeout_ms / 1000, tv_nsec: (timeout_ms % 1000) * 1_000_000 };
-    let tsp = if timeout_ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };
-    // SAFETY: `word` is a valid, aligned u32 for the duration of the call.
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), op, val, tsp, 0usize, 0u32) }
-}
-
 impl FutexLock {
     /// Takes the lock, waiting as long as needed.
     pub fn lock(&self) -> FutexGuard<'_> {
@@ -38,7 +31,7 @@ impl FutexLock {
                 self.owner.store(crate::pid(), Relaxed);
                 return FutexGuard(self);
             }
-            futex(&self.state, libc::FUTEX_WAIT, 2, 200);
+            crate::sys::futex_wait(&self.state, 2, 200);
             self.reap_dead_owner();
         }
     }
@@ -67,7 +60,7 @@ impl FutexLock {
 impl Drop for FutexGuard<'_> {
     fn drop(&mut self) {
         if self.0.state.swap(0, Release) == 2 {
-            futex(&self.0.state, libc::FUTEX_WAKE, 1, -1);
+            crate::sys::futex_wake(&self.0.state, 1);
         }
     }
 }

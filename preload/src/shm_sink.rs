@@ -127,23 +127,14 @@ fn send_fd(s: i32, to: &str, fd: i32) -> bool {
     let (sun, len) = crate::agent::abstract_addr(to);
     let mut byte = [b's'];
     let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut _, iov_len: 1 };
-    let mut cbuf = [0u64; 4];
+    let mut cbuf: sys::FdCmsg = [0; 4];
     // SAFETY: zeroed msghdr is valid; fields point at live locals.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_name = &sun as *const _ as *mut _;
     msg.msg_namelen = len;
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-    // SAFETY: CMSG_SPACE is a pure computation; the buffer holds one int's message.
-    unsafe {
-        msg.msg_controllen = libc::CMSG_SPACE(4) as _;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(4) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, fd);
-    }
+    sys::attach_fd(&mut msg, &mut cbuf, fd);
     // SAFETY: msg is fully initialised.
     unsafe { real::sendmsg(s, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
 }
@@ -152,25 +143,17 @@ fn send_fd(s: i32, to: &str, fd: i32) -> bool {
 fn recv_fd(s: i32) -> Option<i32> {
     let mut byte = [0u8; 1];
     let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut _, iov_len: 1 };
-    let mut cbuf = [0u64; 4];
+    let mut cbuf: sys::FdCmsg = [0; 4];
     // SAFETY: zeroed msghdr is valid; fields point at live locals.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    sys::expect_fd(&mut msg, &mut cbuf);
     // SAFETY: msg is valid.
     if unsafe { real::recvmsg(s, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) } < 0 {
         return None;
     }
-    // SAFETY: walking the control messages the kernel wrote.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-            return Some(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32));
-        }
-    }
-    None
+    sys::passed_fd(&msg)
 }
 
 /// True when `theirs` is the other end of our socket `ours` (same addresses, swapped).
@@ -507,7 +490,7 @@ impl ShmLink {
             if self.tx.writable().map_err(|_| corrupt())? == 0
                 && self.tx.before_wait_room().map_err(|_| corrupt())? == Sleep::Ok
             {
-                futex_wait(self.tx.space_word(), 0, 200);
+                sys::futex_wait(self.tx.space_word(), 0, 200);
             }
             self.tx.space_bell_taken();
             self.tx.room_wait_over();
@@ -524,7 +507,9 @@ impl ShmLink {
         let waitall = flags & libc::MSG_WAITALL != 0 && !peek;
         let mut got = 0;
         self.rx.awake();
-        let mut spin_until = sys::now_us() + crate::config::shm_spin_us();
+        // The spin's deadline, set when the ring is first found empty (no clock read when
+        // bytes are already there).
+        let mut spin_until = 0;
         let r = loop {
             let n = match self.rx.read(&mut buf[got..], peek) {
                 Ok(n) => n,
@@ -533,12 +518,12 @@ impl ShmLink {
             if n > 0 {
                 got += n;
                 if !peek && self.rx.after_read() == Bell::Ring {
-                    futex_wake(self.rx.space_word());
+                    sys::futex_wake(self.rx.space_word(), i32::MAX);
                 }
                 if !waitall || got == buf.len() {
                     break Ok(got);
                 }
-                spin_until = sys::now_us() + crate::config::shm_spin_us();
+                spin_until = 0;
                 continue;
             }
             if buf.is_empty() || self.rx.at_end().unwrap_or(true) || self.eof.load(Acquire) {
@@ -557,7 +542,11 @@ impl ShmLink {
                 }
                 break if got > 0 { Ok(got) } else { Err(IrbError::WouldBlock) };
             }
-            if sys::now_us() < spin_until {
+            let now = sys::now_us();
+            if spin_until == 0 {
+                spin_until = now + crate::config::shm_spin_us();
+            }
+            if now < spin_until {
                 std::hint::spin_loop();
                 continue;
             }
@@ -566,7 +555,7 @@ impl ShmLink {
             }
             self.take_bells(fd);
             self.rx.awake();
-            spin_until = sys::now_us() + crate::config::shm_spin_us();
+            spin_until = 0;
         };
         self.leave(fd);
         r
@@ -589,7 +578,7 @@ impl ShmLink {
     pub fn close(&self, fd: i32) {
         self.shut_send(fd);
         if self.rx.reader_leaves() == Bell::Ring {
-            futex_wake(self.rx.space_word());
+            sys::futex_wake(self.rx.space_word(), i32::MAX);
         }
     }
 
@@ -769,22 +758,6 @@ fn corrupt() -> IrbError {
 fn bell(s: i32) -> bool {
     // SAFETY: writes one byte from a local.
     unsafe { real::send(s, b"b".as_ptr() as *const _, 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
-}
-
-fn futex_wait(word: &AtomicU32, val: u32, ms: i64) {
-    let ts = libc::timespec { tv_sec: ms / 1000, tv_nsec: (ms % 1000) * 1_000_000 };
-    // SAFETY: a valid aligned u32 in shared memory (no FUTEX_PRIVATE_FLAG: other processes
-    // wake it).
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, val, &ts as *const _, 0usize, 0u32)
-    };
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as above.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32)
-    };
 }
 
 /// Whether this node is where the peer's agent is (its addresses are this node's agent's).

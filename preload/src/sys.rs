@@ -110,12 +110,89 @@ pub fn peer_addr(fd: c_int) -> Option<SocketAddr> {
     name_of(fd, true)
 }
 
-fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
+/// An int socket option.
+pub fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
     let mut v: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: valid pointers to a local int.
     let r = unsafe { libc::getsockopt(fd, level, opt, &mut v as *mut _ as *mut _, &mut len) };
     (r == 0).then_some(v)
+}
+
+/// Sets an int socket option; true on success.
+pub fn set_sockopt_int(fd: c_int, level: c_int, opt: c_int, v: c_int) -> bool {
+    // SAFETY: a valid pointer to a local int of the option's size.
+    unsafe {
+        libc::setsockopt(fd, level, opt, &v as *const c_int as *const _, std::mem::size_of::<c_int>() as _)
+            == 0
+    }
+}
+
+/// Sets SO_LINGER.
+pub fn set_linger(fd: c_int, l: libc::linger) {
+    // SAFETY: a valid pointer to a local linger.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const _ as *const _,
+            std::mem::size_of_val(&l) as _,
+        )
+    };
+}
+
+/// Sleeps while `word` (in memory other processes may share: no FUTEX_PRIVATE_FLAG) holds
+/// `val`, at most `ms` milliseconds (forever if negative). Returns the system call's result.
+pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64 {
+    let ts = libc::timespec { tv_sec: ms / 1000, tv_nsec: (ms % 1000) * 1_000_000 };
+    let tsp = if ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };
+    // SAFETY: `word` is a valid, aligned u32 for the duration of the call.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, val, tsp, 0usize, 0u32) }
+}
+
+/// Wakes up to `n` waiters on `word`.
+pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
+    // SAFETY: as above; FUTEX_WAKE takes no timeout.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n, 0usize, 0usize, 0u32) };
+}
+
+/// Room for one passed descriptor in a message's control data.
+pub type FdCmsg = [u64; 4];
+
+/// Makes `msg` carry descriptor `fd` (SCM_RIGHTS) in `cbuf`, which must outlive the send.
+pub fn attach_fd(msg: &mut libc::msghdr, cbuf: &mut FdCmsg, fd: c_int) {
+    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+    // SAFETY: CMSG_SPACE is a pure computation; the buffer holds one int's message.
+    unsafe {
+        msg.msg_controllen = libc::CMSG_SPACE(4) as _;
+        let c = libc::CMSG_FIRSTHDR(msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut c_int, fd);
+    }
+}
+
+/// Gives `msg` room in `cbuf` for a passed descriptor before a receive.
+pub fn expect_fd(msg: &mut libc::msghdr, cbuf: &mut FdCmsg) {
+    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+    msg.msg_controllen = std::mem::size_of_val(cbuf);
+}
+
+/// The descriptor a received `msg` carried, if any.
+pub fn passed_fd(msg: &libc::msghdr) -> Option<c_int> {
+    // SAFETY: walking the control messages the kernel wrote into the buffer `msg` names.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                return Some(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const c_int));
+            }
+            c = libc::CMSG_NXTHDR(msg, c);
+        }
+    }
+    None
 }
 
 /// Family of a TCP socket (AF_INET or AF_INET6), or `None` if `fd` is anything else.
