@@ -114,6 +114,7 @@ PORTS = {
     "shm_refused": 17653,
     "shm_not_offered": 17654,
     "shm_other_host": 17655,
+    "shm_move": 17656,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,
@@ -149,6 +150,7 @@ PORTS = {
     "migrate_ssh": 17909,
     "migrate_ssh_fails": 17910,
     "migrate_specific": 17911,
+    "migrate_shm": 17912,
     "migrate_redis": 16402,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
@@ -764,9 +766,9 @@ def topo_down():
 class Agent:
     """vmi-agent running in the foreground inside one host."""
 
-    def __init__(self, host, logdir, name=None):
+    def __init__(self, host, logdir, name=None, args=()):
         self.host = host
-        self.proc = Proc(name or f"agent-{host}", host, [AGENT_BIN], layer=False,
+        self.proc = Proc(name or f"agent-{host}", host, [AGENT_BIN, *map(str, args)], layer=False,
                          env={"VMI_LOG": AGENT_LOG}, logdir=logdir)
 
     def wait_ready(self, timeout=AGENT_READY_TIMEOUT):

@@ -6,7 +6,9 @@ byte counts and equal SHA-256 digests both ways, every call succeeding, across m
 the client, of the server, of both in turn, ten in a row, and one while a network is down.
 redis-server moves while redis-benchmark runs against it. A server's listener keeps
 accepting at its old address after it moved. A failed dump or a failed restore leaves the
-program running where it was, with nothing lost.
+program running where it was, with nothing lost. Two programs talking through shared memory
+on one host: one moves away (the connection moves to TCP) and comes back (shared memory
+again).
 
 A migrated process is no longer the test's child (CRIU kills the original and restores a
 copy), so its result is read from its output file, not from its exit status; stream.py
@@ -149,6 +151,38 @@ def test_client_migrates_mid_stream(procs, third_agent):
     # The connection is the same virtual connection, now listed by host 3's agent.
     after = conn_in(H3, before["gid"])
     assert after["peer"] == p.addr and after["local"] == before["local"], (before, after)
+    p.check()
+
+
+def substrate_of(host, gid, want):
+    return wait_status(host, lambda st: next((c for c in st.get("connections") or []
+                                              if c.get("gid") == gid
+                                              and c.get("substrate") == want), None), 10,
+                       f"connection {gid} listed on {want}")
+
+
+def test_shared_memory_pair_parts_and_meets_again(procs, third_agent):
+    """Client and server on host 1 stream through shared memory. The client moves to host 3:
+    the connection leaves the memory for TCP before the checkpoint and is rebuilt over TCP
+    from host 3. It moves back to host 1: the rebuilt link is shared memory again."""
+    p = Pair(procs, PORTS["migrate_shm"], 8, server_host=H1, client_host=H1)
+    before = p.wait_flowing()
+    gid = before["gid"]
+    substrate_of(H1, gid, "shm")
+    report, _ = migrate(p.cli, H3)
+    assert report["connections"] == 1 and report["rebuilt"] == 1, report
+    substrate_of(H3, gid, "tcp")
+    time.sleep(1.0)
+    report, _ = migrate(p.cli, H1)
+    assert report["rebuilt"] == 1, report
+    assert netns_of(p.cli.pid) == H1
+
+    def both_on_shm(status):
+        ends = [c for c in status.get("connections") or [] if c.get("gid") == gid
+                and c.get("substrate") == "shm" and c.get("link") == "up"]
+        return ends if len(ends) == 2 else None
+    st = wait_status(H1, both_on_shm, 10, "both ends back on shared memory")
+    assert len(st) == 2, st
     p.check()
 
 

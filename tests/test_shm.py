@@ -4,13 +4,25 @@ in memory both processes map, the descriptor stays the TCP socket and carries on
 Checked with the checksummed stream program: equal SHA-256 both ways, exact byte counts, the
 connection listed as "shm" at both ends by `vmictl status --json`. A layer that does not
 take shared memory answers the offer with a refusal, and a layer that does not offer it is
-not asked: both connections then carry TCP frames. Programs on two hosts never use it.
+not asked: both connections then carry TCP frames. Programs on two hosts never use it. An
+offer left behind by a process killed before its peer took it is removed by the agent.
+
+A live connection moves off shared memory onto TCP and back (`vmictl move GID tcp|shm`)
+while both programs stream, and neither sees anything but its perfect stream.
 """
+
+import os
+import struct
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
-from helpers import (BASELINE, H1, H1_IP, H2, LOOPBACK, PORTS, Watcher, assert_same_stream,
-                     assert_virtual, python_prog)
+from helpers import (BASELINE, H1, H1_IP, H2, H3, LOOPBACK, PORTS, Agent, Watcher,
+                     assert_same_stream,
+                     assert_virtual, client_conns, python_prog, server_conns, vmictl,
+                     wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="shared memory is the layer's work")
 
@@ -65,3 +77,102 @@ def test_two_hosts_use_tcp(procs):
     w, addr, _ = stream(procs, "shm_other_host", H1_IP, up=4 * MiB, down=4 * MiB,
                         srv_env=ON, cli_env=ON, client_host=H2)
     assert_virtual(w, H1, addr, H2, substrate="tcp")
+
+
+MOVE_RATE = 4 * MiB          # bytes/second each way
+MOVE_SECONDS = 8             # nominal length of the stream
+MOVE_TIMEOUT = 10.0          # a move is seen at both ends within this
+
+
+def both_ends_on(addr, substrate, moved_past=0):
+    """A check for wait_status: both ends of the connection to addr listed on substrate,
+    each having moved more than moved_past bytes each way; returns (client, server)."""
+    def check(status):
+        cli, srv = client_conns(status, addr), server_conns(status, addr)
+        if len(cli) != 1 or len(srv) != 1:
+            return None
+        ends = (cli[0], srv[0])
+        if all(e.get("substrate") == substrate and e.get("bytes_sent", 0) > moved_past
+               and e.get("bytes_received", 0) > moved_past for e in ends):
+            return ends
+        return None
+    return check
+
+
+def test_live_connection_moves_to_tcp_and_back(procs):
+    """The checksummed stream runs both ways over shared memory; mid-stream the operator moves
+    the connection to TCP, then back to shared memory. Each move is seen at both ends while
+    bytes keep flowing; both programs get the exact, checksummed stream."""
+    port = PORTS["shm_move"]
+    addr = f"{H1_IP}:{port}"
+    nbytes = MOVE_RATE * MOVE_SECONDS
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--rate", MOVE_RATE), port, layer=True,
+                       name="stream-server", env=ON)
+    with Watcher(H1, H1) as w:
+        cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                          nbytes, "--server-bytes", nbytes, "--seed", port,
+                                          "--rate", MOVE_RATE, "--hold", "1"),
+                          layer=True, name="stream-client", env=ON)
+        c0, _ = wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
+                            "the stream flowing over shared memory at both ends")
+        gid = c0["gid"]
+        r = vmictl(H1, "move", gid, "tcp")
+        assert r.returncode == 0, f"vmictl move {gid} tcp: {r.stderr}{r.stdout}"
+        c1, _ = wait_status(H1, both_ends_on(addr, "tcp", c0["bytes_sent"]), MOVE_TIMEOUT,
+                            "both ends moved to TCP, bytes still flowing")
+        time.sleep(1.0)
+        r = vmictl(H1, "move", gid, "shm")
+        assert r.returncode == 0, f"vmictl move {gid} shm: {r.stderr}{r.stdout}"
+        c2, _ = wait_status(H1, both_ends_on(addr, "shm", c1["bytes_sent"]), MOVE_TIMEOUT,
+                            "both ends back on shared memory, bytes still flowing")
+        assert c2["gid"] == gid and c2.get("failovers", 0) >= 2, c2
+        cli.wait(timeout=MOVE_SECONDS + 30)
+        srv.wait(timeout=15)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == nbytes and c["recv_bytes"] == nbytes, c
+    assert_same_stream(c, s)
+    assert_virtual(w, H1, addr, H1, c2s_bytes=nbytes + 24, s2c_bytes=nbytes, exact=True,
+                   client_pid=cli.pid)
+    assert c["seconds"] <= MOVE_SECONDS + 5, \
+        f"the stream took {c['seconds']} s for a nominal {MOVE_SECONDS} s: it stood still"
+
+
+REGION_MAGIC = 0x766d692d73686d72     # substrate::shmring::REGION_MAGIC
+OFFERED, ACCEPTED = 0, 1
+
+
+def fake_offer(path, state, creator):
+    """A region header as a connecting layer writes it (magic, state, settled, moving,
+    creator), aged a minute."""
+    path.write_bytes(struct.pack("<QIIIi", REGION_MAGIC, state, 0, 0, creator) + bytes(4072))
+    old = time.time() - 60
+    os.utime(path, (old, old))
+
+
+def test_abandoned_offer_is_removed(topology, tmp_path):
+    """An offer whose maker died unanswered is removed by the agent; an offer whose maker
+    lives, and an answered one, stay."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tag = os.urandom(6).hex()
+    dead = Path(f"/dev/shm/vmi-test-{tag}-dead")
+    live = Path(f"/dev/shm/vmi-test-{tag}-live")
+    taken = Path(f"/dev/shm/vmi-test-{tag}-taken")
+    agent = None
+    try:
+        fake_offer(dead, OFFERED, gone.pid)
+        fake_offer(live, OFFERED, os.getpid())
+        fake_offer(taken, ACCEPTED, gone.pid)
+        agent = Agent(H3, tmp_path, name="agent-sweep", args=["--sweep-every", 200])
+        agent.wait_ready()
+        deadline = time.monotonic() + 10
+        while dead.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not dead.exists(), "the agent left an offer whose process died"
+        assert live.exists() and taken.exists(), "the agent removed an offer still in use"
+    finally:
+        if agent:
+            agent.stop()
+        for p in (dead, live, taken):
+            p.unlink(missing_ok=True)

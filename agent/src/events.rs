@@ -4,7 +4,7 @@
 //! other nodes rebuilt for its connections.
 
 use crate::wire::read_msg_fd;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::fd::{AsRawFd, RawFd};
@@ -18,7 +18,8 @@ use tracing::{debug, info, warn};
 struct Chan {
     pid: u32,
     out: UnixStream,
-    holds: HashSet<u128>,
+    /// Connections this process holds, with its side (true: it connected).
+    holds: HashMap<u128, bool>,
 }
 
 /// How long a connection of a process that was frozen for a checkpoint is answered
@@ -149,14 +150,14 @@ impl Events {
         };
         // A process that stops reading must not stall the agent.
         let _ = out.set_write_timeout(Some(Duration::from_millis(200)));
-        self.lock().insert(id, Chan { pid, out, holds: HashSet::new() });
+        self.lock().insert(id, Chan { pid, out, holds: HashMap::new() });
         debug!("event channel {id} of process {pid}");
         loop {
             match read_msg_fd(s.as_raw_fd()) {
                 Ok((Msg::Linger { gid }, Some(fd))) => linger(gid, fd),
-                Ok((Msg::Hold { gid }, _)) => {
+                Ok((Msg::Hold { gid, active }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {
-                        c.holds.insert(gid);
+                        c.holds.insert(gid, active);
                     }
                     // A process holding it here again (back after a failed checkpoint, or
                     // restored on this node).
@@ -214,12 +215,12 @@ impl Events {
         }
     }
 
-    /// Hands the new link `fd` of connection `gid` to a process holding it. False if no
-    /// process here holds it.
-    pub fn handover(&self, gid: u128, nonce: u128, fd: RawFd) -> bool {
+    /// Hands the new link `fd` of connection `gid` to a process holding the side other than
+    /// the dialer's (`from_active`: the dialer connected). False if no process here does.
+    pub fn handover(&self, gid: u128, nonce: u128, from_active: bool, fd: RawFd) -> bool {
         let body = Msg::Handover { gid, nonce }.encode();
         let chans = self.lock();
-        for c in chans.values().filter(|c| c.holds.contains(&gid)) {
+        for c in chans.values().filter(|c| c.holds.get(&gid) == Some(&!from_active)) {
             match send_with_fd(&c.out, &body, Some(fd)) {
                 Ok(()) => {
                     debug!("link for {gid:032x} handed to process {}", c.pid);
@@ -250,7 +251,7 @@ impl Events {
             let now = std::time::Instant::now();
             let mut moving = self.moving();
             for c in &mine {
-                for g in &c.holds {
+                for g in c.holds.keys() {
                     moving.insert(*g, (pid, now));
                 }
             }
@@ -292,6 +293,26 @@ impl Events {
         let mut m = self.moving();
         m.retain(|_, (_, t)| t.elapsed() < MOVING_TTL);
         m.contains_key(&gid)
+    }
+
+    /// Processes here holding `gid`.
+    pub fn holders(&self, gid: u128) -> Vec<u32> {
+        self.lock().values().filter(|c| c.holds.contains_key(&gid)).map(|c| c.pid).collect()
+    }
+
+    /// Tells every process holding `gid` to move it to shared memory or to TCP. False if
+    /// none here does.
+    pub fn move_conn(&self, gid: u128, shm: bool) -> bool {
+        let body = Msg::Move { gid, shm }.encode();
+        let chans = self.lock();
+        let mut told = false;
+        for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
+            match send_with_fd(&c.out, &body, None) {
+                Ok(()) => told = true,
+                Err(e) => info!("telling process {} to move {gid:032x}: {e}", c.pid),
+            }
+        }
+        told
     }
 
     /// Number of GIDs held by processes of this node (for reports).

@@ -12,6 +12,7 @@
 //! * [`paths`]: the node's networks and the health of every path to other nodes.
 //! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
 //! * [`status`]: the processes' statistics tables and the JSON report.
+//! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
 //! * [`wire`]: reading and writing agent messages on a stream.
 
 pub mod directory;
@@ -21,6 +22,7 @@ pub mod net;
 pub mod paths;
 pub mod peer;
 pub mod status;
+pub mod sweep;
 pub mod wire;
 
 /// Default abstract Unix socket name (the layer's `VMI_AGENT_SOCKET` default too).

@@ -322,6 +322,19 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 }
                 Msg::Ok
             }
+            Msg::Move { gid, shm } => {
+                let pids = agent.events.holders(gid);
+                if pids.is_empty() {
+                    Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
+                } else if !pids.iter().all(|p| may_manage(&s, *p)) {
+                    Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
+                } else if agent.events.move_conn(gid, shm) {
+                    info!("connection {gid:032x}: moving to {}", if shm { "shared memory" } else { "TCP" });
+                    Msg::Ok
+                } else {
+                    Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
+                }
+            }
             Msg::Net { name, up } => match agent.health.set_admin(&name, up, &agent.events) {
                 Ok(_) => Msg::Ok,
                 Err(reason) => Msg::Error { reason },

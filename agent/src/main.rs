@@ -16,7 +16,7 @@ use std::time::Duration;
 use tracing::{error, info};
 
 const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
-                 [--probe-interval MS] [--dead-after MS]
+                 [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
 
   --socket NAME  abstract Unix socket the node's layers use (default vmi-agent; the layer
                  reads VMI_AGENT_SOCKET). Abstract sockets belong to the network namespace,
@@ -28,6 +28,8 @@ const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR
                  PORT (default 10)
   --dead-after MS  silence after which a path is dead and connections leave it
                  (default 50)
+  --sweep-every MS  how often /dev/shm is searched for shared-memory offers whose process
+                 died before the peer took them; they are removed (default 30000)
 Logging: VMI_LOG=error|warn|info|debug (default info).";
 
 struct Args {
@@ -37,6 +39,7 @@ struct Args {
     node: Option<String>,
     probe_interval: u64,
     dead_after: u64,
+    sweep_every: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -47,6 +50,7 @@ fn parse_args() -> Result<Args, String> {
         node: None,
         probe_interval: paths::DEFAULT_INTERVAL.as_millis() as u64,
         dead_after: paths::DEFAULT_DEAD_AFTER.as_millis() as u64,
+        sweep_every: 30_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -63,12 +67,18 @@ fn parse_args() -> Result<Args, String> {
             "--dead-after" => {
                 a.dead_after = val("--dead-after")?.parse().map_err(|e| format!("--dead-after: {e}"))?
             }
+            "--sweep-every" => {
+                a.sweep_every = val("--sweep-every")?.parse().map_err(|e| format!("--sweep-every: {e}"))?
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if a.sweep_every == 0 {
+        return Err("--sweep-every must be > 0".into());
     }
     if a.probe_interval == 0 || a.dead_after <= a.probe_interval {
         return Err("--probe-interval must be > 0 and below --dead-after".into());
@@ -127,6 +137,7 @@ fn main() {
         Duration::from_millis(args.dead_after),
     ));
     paths::run(agent.health.clone(), agent.events.clone(), udp);
+    agent::sweep::run("/dev/shm".into(), Duration::from_millis(args.sweep_every));
     let a2 = agent.clone();
     std::thread::spawn(move || peer::serve(a2, tcp));
     local::serve(agent, unix);

@@ -103,11 +103,11 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                 agent.expect_here(src, dst, gid, secret, window, aim, agents)
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
-            Msg::Resume { gid, nonce } => {
+            Msg::Resume { gid, nonce, from_active } => {
                 // A new link for a connection of this node: the process holding it takes the
                 // socket and authenticates the dialer itself. (Both ends may live on this
                 // node: the one being moved away no longer takes links.)
-                if agent.events.handover(gid, nonce, s.as_raw_fd()) {
+                if agent.events.handover(gid, nonce, from_active, s.as_raw_fd()) {
                     return Ok(());
                 }
                 if agent.events.is_moving(gid) {

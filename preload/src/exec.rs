@@ -67,7 +67,7 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
         if !done.iter().any(|d| Arc::ptr_eq(d, &v)) {
             done.push(v.clone());
         }
-        let shm = v.shm.as_ref().and_then(|l| l.handover(fd)).unwrap_or_default();
+        let shm = v.shm_now().and_then(|l| l.handover(fd)).unwrap_or_default();
         recs.push(format!(
             "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{},{shm}",
             c.gid,
@@ -167,7 +167,7 @@ impl Handover {
         let e = crate::sys::errno();
         for v in &self.vcs {
             v.release();
-            if let Some(l) = &v.shm {
+            if let Some(l) = v.shm() {
                 l.handover_undone();
             }
         }

@@ -240,7 +240,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
             });
             if vc.shm_now().is_some() {
                 quietly(|| {
-                    l.shut_send(fd);
+                    vc.shm_shut_send(l, fd);
                     Some(())
                 });
                 if how == libc::SHUT_WR {

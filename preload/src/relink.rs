@@ -22,6 +22,7 @@
 
 use crate::fdtable::{self, OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
+use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
 use crate::{agent, config, log, real, sys};
 use std::collections::HashMap;
@@ -245,9 +246,9 @@ pub fn poke() {
 }
 
 /// A new connection in this process: tell the agent we hold it.
-pub fn held(gid: u128) {
+pub fn held(gid: u128, active: bool) {
     ensure_control();
-    send_event(&Msg::Hold { gid });
+    send_event(&Msg::Hold { gid, active });
 }
 
 /// This process let go of a connection.
@@ -301,7 +302,8 @@ fn open_events() -> Option<i32> {
         return None;
     }
     for v in fdtable::distinct_vcs() {
-        if !agent::write_all(fd, &Msg::Hold { gid: v.mem().conn().gid }.encode(), None) {
+        let c = v.mem().conn();
+        if !agent::write_all(fd, &Msg::Hold { gid: c.gid, active: c.active != 0 }.encode(), None) {
             return None;
         }
     }
@@ -432,14 +434,13 @@ fn socket_dead(fd: i32) -> bool {
 /// failed, on the new node if it was restored there.
 fn freeze(w: &mut Work) {
     let pid = crate::pid();
-    let on_shm = fdtable::distinct_vcs().iter().filter(|v| v.shm_now().is_some()).count();
-    if on_shm > 0 {
-        // Their peers map the same memory on this node; moving them to TCP is not done yet.
-        let reason =
-            format!("{on_shm} connection(s) over shared memory with processes on this node cannot move yet");
-        log::warn(format_args!("not ready for a checkpoint: {reason}"));
-        send_event(&Msg::Error { reason });
-        return;
+    // Memory mapped with a peer on this node cannot travel in the checkpoint: those
+    // connections move to TCP first (their links are rebuilt after the thaw, wherever the
+    // process is then, and come back to shared memory if the peer is on that node).
+    for v in fdtable::distinct_vcs() {
+        if v.shm_now().is_some() {
+            move_off_shm(&v, "the process is being checkpointed; leaving shared memory");
+        }
     }
     log::info(format_args!("getting ready for a checkpoint"));
     FROZEN.store(1, SeqCst);
@@ -710,6 +711,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
             w.suspects.clear();
         }
         (Msg::Freeze { .. }, _) => freeze(w),
+        (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
         (Msg::Handover { gid, nonce }, Some(fd)) => {
             w.suspects.remove(&gid);
             answer(gid, nonce, fd)
@@ -722,6 +724,30 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
             log::debug(format_args!("event ignored: {other:?}"));
         }
     }
+}
+
+/// The operator moves connection `gid` to shared memory or to TCP (`vmictl move`).
+fn move_conn(gid: u128, shm: bool) {
+    let Some(v) = find(gid) else { return };
+    let c = v.mem().conn();
+    c.pin_tcp.store(u32::from(!shm), Release);
+    if !shm {
+        move_off_shm(&v, "moving to TCP, as the operator asked");
+        return;
+    }
+    if v.shm_now().is_some() || c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+        return;
+    }
+    if !shm_wanted(&v) || !crate::shm_sink::same_node(&c.peer_agents()) {
+        log::warn(format_args!(
+            "virtual connection {gid:032x} stays on TCP: shared memory needs both ends on this node, \
+             VMI_SHM=1 and the connection held by one process"
+        ));
+        return;
+    }
+    // A new link, negotiated again: shared memory, since both ends are here.
+    link_broken(v.mem(), "moving to shared memory, as the operator asked");
+    kick(&v);
 }
 
 /// Milliseconds since the socket last received an acknowledgement.
@@ -790,7 +816,7 @@ fn work(w: &mut Work) {
                 if moved && c.fin_owed.load(Acquire) == 0 {
                     REPLAYING.store(1, Relaxed);
                 } else if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
-                    if !crate::tcp_sink::replay_now(v.mem(), v.slot(), fd) {
+                    if !v.replay_now(fd) {
                         REPLAYING.store(1, Relaxed);
                     }
                 } else {
@@ -802,6 +828,11 @@ fn work(w: &mut Work) {
             continue;
         }
         seen.push(c.gid);
+        if v.parked() < 0 && v.shm().is_some_and(|l| l.moving()) {
+            // Leaving shared memory: the program's polls wait quietly on a placeholder
+            // (the old socket, reset by the peer, would poll ready forever).
+            kick(&v);
+        }
         let since = c.down_since_ms.load(Acquire);
         if now.saturating_sub(since) > config::grace_ms() {
             give_up(&v, libc::ETIMEDOUT, "no network reached the peer within the grace period");
@@ -1040,7 +1071,7 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     let c = v.mem().conn();
     let nonce_a = sys::random_u128();
     let mine = my_agents();
-    if !send_msg(fd, &Msg::Resume { gid: c.gid, nonce: nonce_a }) {
+    if !send_msg(fd, &Msg::Resume { gid: c.gid, nonce: nonce_a, from_active: c.active != 0 }) {
         return Err(Retry("cannot send".into()));
     }
     let nonce_b = match recv_msg(fd) {
@@ -1057,15 +1088,26 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     kick(v);
     let _tx = c.tx_lock.lock();
     let _rx = c.rx_lock.lock();
+    if let Err(e) = v.leave_shm() {
+        return Err(Final(libc::ECONNRESET, format!("cannot leave shared memory: {e}")));
+    }
     // SAFETY: we hold both locks.
     let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
     let delivered_a = rx.delivered;
+    // Both ends on this node: offer shared memory for the new link.
+    let mut offer = (shm_wanted(v) && mine.iter().any(|a| c.peer_agents().contains(a)))
+        .then(|| ShmLink::offer(c.gid, c.secret, nonce_a, (0, 0)))
+        .flatten();
     let mac = resume_mac(c.secret, Role::Dialer, c.gid, nonce_a, nonce_b, delivered_a, &addrs_bytes(&mine));
-    if !send_msg(fd, &Msg::Proof { delivered: delivered_a, mac, agents: mine }) {
+    let proof = Msg::Proof { delivered: delivered_a, mac, agents: mine, shm: offer.is_some() };
+    if !send_msg(fd, &proof) {
         return Err(Retry("cannot send the proof".into()));
     }
     let (delivered_b, theirs) = match recv_msg(fd) {
-        Some(Msg::Ready { delivered, mac, agents, sent }) => {
+        Some(Msg::Ready { delivered, mac, agents, sent, shm }) => {
+            if !shm {
+                offer = None;
+            }
             let want =
                 resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered, &addrs_bytes(&agents));
             if !proofs_equal(mac, want) {
@@ -1089,8 +1131,41 @@ fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     rx.relink(delivered_b);
     c.set_peer_agents(&theirs);
     publish(v.mem(), tx, rx);
+    if let Some(mut l) = offer {
+        // The holder answers in the offer's header (and a bell) right after its Ready.
+        l.set_bases((delivered_b, delivered_a));
+        v.join_shm(l);
+    }
     install(v, fd);
     Ok(())
+}
+
+/// Whether this side may put the connection on shared memory (the peer must be on this
+/// node too): enabled, not pinned to TCP by the operator, and held by this process alone
+/// (the memory is mapped by the process that sets it up).
+fn shm_wanted(v: &Vc) -> bool {
+    let c = v.mem().conn();
+    config::shm() && c.pin_tcp.load(Acquire) == 0 && c.procs.load(Acquire) == 1
+}
+
+/// Moves a connection off shared memory now (a checkpoint, or the operator): the peer is
+/// told, both sides' stream positions go to their TCP halves, and the link is rebuilt over
+/// TCP (by the dialing side, as after any failure).
+fn move_off_shm(v: &Vc, why: &str) {
+    let Some(l) = v.shm_now() else { return };
+    if let Some(&fd) = fdtable::fds_of(v).first() {
+        l.set_moving(fd);
+    }
+    link_broken(v.mem(), why);
+    kick(v);
+    let c = v.mem().conn();
+    let tx = c.tx_lock.lock();
+    let rx = c.rx_lock.lock();
+    let r = v.leave_shm();
+    drop((rx, tx));
+    if let Err(e) = r {
+        give_up(v, libc::ECONNRESET, &format!("cannot leave shared memory: {e}"));
+    }
 }
 
 /// The side that was connected to: a dialer reached our agent, which passed its socket.
@@ -1114,8 +1189,8 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
         close(fd);
         return;
     }
-    let (delivered_a, mac, theirs) = match recv_msg(fd) {
-        Some(Msg::Proof { delivered, mac, agents }) => (delivered, mac, agents),
+    let (delivered_a, mac, theirs, offered) = match recv_msg(fd) {
+        Some(Msg::Proof { delivered, mac, agents, shm }) => (delivered, mac, agents, shm),
         other => {
             log::warn(format_args!(
                 "resume of virtual connection {gid:032x} from {from} refused: no proof ({other:?})"
@@ -1137,6 +1212,13 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
     kick(&v);
     let _tx = c.tx_lock.lock();
     let _rx = c.rx_lock.lock();
+    if let Err(e) = v.leave_shm() {
+        let _ = send_msg(fd, &Msg::Error { reason: "cannot leave shared memory".into() });
+        close(fd);
+        drop((_rx, _tx));
+        give_up(&v, libc::ECONNRESET, &format!("cannot leave shared memory: {e}"));
+        return;
+    }
     // SAFETY: we hold both locks.
     let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
     let delivered_b = rx.delivered;
@@ -1148,8 +1230,10 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
         return;
     }
     let mine = my_agents();
+    let take = offered && shm_wanted(&v) && mine.iter().any(|a| theirs.contains(a));
     let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b, &addrs_bytes(&mine));
-    if !send_msg(fd, &Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent: tx.next_seq }) {
+    let ready = Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent: tx.next_seq, shm: take };
+    if !send_msg(fd, &ready) {
         // The dialer tries again (the states stay consistent: it replays from what we said).
         close(fd);
         return;
@@ -1158,6 +1242,12 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
     rx.relink(delivered_a);
     c.set_peer_agents(&theirs);
     publish(v.mem(), tx, rx);
+    if take {
+        // (A refusal is said in the offer's header and by one bell, before any frame.)
+        if let Some(l) = ShmLink::accept(gid, c.secret, nonce_a, fd, true, (delivered_a, delivered_b)) {
+            v.join_shm(l);
+        }
+    }
     install(&v, fd);
     log::info(format_args!(
         "virtual connection {gid:032x}: link rebuilt by the peer from {from} after {} ms",
@@ -1357,7 +1447,7 @@ fn finish(v: &Vc) {
             // The program shut its side down: the new link says so too, after the replay.
             c.fin_owed.store(1, Release);
         }
-        if !crate::tcp_sink::replay_now(v.mem(), v.slot(), fd) {
+        if !v.replay_now(fd) {
             REPLAYING.store(1, Relaxed);
             wake();
         }

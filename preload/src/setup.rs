@@ -62,7 +62,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
             let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
-                .then(|| crate::shm_sink::ShmLink::offer(gid, secret))
+                .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
                 .flatten();
             Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm })
         }
@@ -100,7 +100,7 @@ pub fn after_connect(fd: i32, p: Pending) {
                 sl.set_link(&local, &via);
             }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
-            crate::relink::held(p.gid);
+            crate::relink::held(p.gid, true);
         }
         None => log::error(format_args!(
             "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
@@ -153,7 +153,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     let local = if renamed { alias } else { local };
     // The connecting layer may have offered shared memory (both ends on this node).
     let shm = if crate::shm_sink::same_node(&addrs) {
-        crate::shm_sink::ShmLink::accept(gid, secret, fd, config::shm())
+        crate::shm_sink::ShmLink::accept(gid, secret, 0, fd, config::shm(), (0, 0))
     } else {
         None
     };
@@ -176,7 +176,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
                 sl.set_link(&l, &peer);
             }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
-            crate::relink::held(gid);
+            crate::relink::held(gid, false);
         }
         None => {
             log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));

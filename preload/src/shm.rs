@@ -100,6 +100,12 @@ pub struct SharedConn {
     pub tx_shut: AtomicU32,
     /// 1 when a rebuilt link still owes the peer our Fin frame (after the replay).
     pub fin_owed: AtomicU32,
+    /// 1 when the operator pinned the connection to TCP (`vmictl move GID tcp`): rebuilt
+    /// links neither offer nor take shared memory.
+    pub pin_tcp: AtomicU32,
+    /// Bumped each time the connection leaves or joins shared memory: a process whose
+    /// shared-memory link names an older one (a fork sharing the connection) drops it.
+    pub shm_epoch: AtomicU32,
     /// Process that rebuilt the link last, and the descriptor it put it under (other
     /// processes sharing the connection after a fork pick the new link up from there).
     pub link_pid: AtomicI32,
@@ -198,6 +204,8 @@ impl Mapping {
             down_since_ms: AtomicU64::new(0),
             tx_shut: AtomicU32::new(0),
             fin_owed: AtomicU32::new(0),
+            pin_tcp: AtomicU32::new(0),
+            shm_epoch: AtomicU32::new(0),
             link_pid: AtomicI32::new(0),
             link_fd: AtomicI32::new(-1),
             active: active as u32,

@@ -30,23 +30,19 @@
 
 use crate::stats::Slot;
 use crate::tcp_sink::TcpSink;
-use crate::{log, real, sys};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering::*};
-use std::sync::Arc;
+use crate::{log, real, relink, sys};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering::*};
+use std::sync::{Arc, Mutex};
 use substrate::irb::IrbError;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbKind};
 use substrate::shmring::{Bell, Ring, RingError, Sleep};
+use substrate::shmring::{RegionHead as Head, ACCEPTED, OFFERED, REFUSED, REGION_MAGIC as MAGIC};
 
 /// Bytes of each ring.
 const RING: usize = 1 << 20;
 /// The region: a page of header, then the ring toward the accepting side, then the other.
 const PAGE: usize = 4096;
 const REGION: usize = PAGE + 2 * Ring::size(RING).next_multiple_of(PAGE);
-const MAGIC: u64 = 0x766d_692d_7368_6d72; // "vmi-shmr"
-
-const OFFERED: u32 = 0;
-const ACCEPTED: u32 = 1;
-const REFUSED: u32 = 2;
 
 /// What carries the bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,15 +53,8 @@ pub enum Mode {
     Shm,
     /// TCP frames (the other side refused).
     Tcp,
-}
-
-#[repr(C)]
-struct Head {
-    magic: u64,
-    state: AtomicU32,
-    /// 1 once a process of the connecting side took the answer (after a fork, the others
-    /// adopt it).
-    settled: AtomicU32,
+    /// The connection left this memory (moved to TCP); the rings are not touched again.
+    Moved,
 }
 
 /// One side's view of a shared-memory connection.
@@ -87,6 +76,12 @@ pub struct ShmLink {
     mode: AtomicU32,
     /// The peer's socket ended (FIN): no bell will come any more.
     eof: AtomicBool,
+    /// Stream offsets of the rings' first bytes: our stream (`tx`) and the peer's (`rx`).
+    /// Zero for memory set up with the connection; a link moved onto shared memory later
+    /// starts where the two sides' streams stood.
+    bases: (u64, u64),
+    /// The connection's `shm_epoch` this link belongs to (set when it is installed).
+    epoch: AtomicU32,
 }
 
 // SAFETY: the mapping is shared memory used through atomics and the rings' protocol; the
@@ -95,11 +90,14 @@ unsafe impl Send for ShmLink {}
 // SAFETY: as above.
 unsafe impl Sync for ShmLink {}
 
-fn tag_of(gid: u128, secret: u128) -> String {
-    let mut b = Vec::with_capacity(40);
+/// The name of an offer: connection `gid`, and `nonce` (0 at set-up; a rebuilt link's
+/// dialer nonce later), hashed with the secret so that nobody else can name it.
+fn tag_of(gid: u128, secret: u128, nonce: u128) -> String {
+    let mut b = Vec::with_capacity(56);
     b.extend_from_slice(b"vmi-shm");
     b.extend_from_slice(&secret.to_le_bytes());
     b.extend_from_slice(&gid.to_le_bytes());
+    b.extend_from_slice(&nonce.to_le_bytes());
     let h = substrate::auth::sha256(&b);
     h[..12].iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -190,13 +188,20 @@ impl ShmLink {
         match self.mode.load(Acquire) {
             1 => Mode::Shm,
             2 => Mode::Tcp,
+            3 => Mode::Moved,
             _ => Mode::Pending,
         }
     }
 
-    /// The connecting side offers shared memory (before its SYN): `None` when it cannot.
-    pub fn offer(gid: u128, secret: u128) -> Option<ShmLink> {
-        let tag = tag_of(gid, secret);
+    /// True once either side is moving the connection off this memory.
+    pub fn moving(&self) -> bool {
+        self.head().moving.load(Acquire) != 0
+    }
+
+    /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
+    /// before its proof): `None` when it cannot. `bases`: see [`ShmLink::bases`].
+    pub fn offer(gid: u128, secret: u128, nonce: u128, bases: (u64, u64)) -> Option<ShmLink> {
+        let tag = tag_of(gid, secret, nonce);
         let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
         // SAFETY: creating a new file of our own.
         let fd = unsafe {
@@ -241,7 +246,13 @@ impl ShmLink {
         unsafe {
             std::ptr::write(
                 base as *mut Head,
-                Head { magic: MAGIC, state: AtomicU32::new(OFFERED), settled: AtomicU32::new(0) },
+                Head {
+                    magic: MAGIC,
+                    state: AtomicU32::new(OFFERED),
+                    settled: AtomicU32::new(0),
+                    moving: AtomicU32::new(0),
+                    creator: AtomicI32::new(crate::pid()),
+                },
             );
         }
         Some(ShmLink {
@@ -256,13 +267,22 @@ impl ShmLink {
             peer_sock: AtomicI32::new(-1),
             mode: AtomicU32::new(0),
             eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
         })
     }
 
     /// The accepting side takes the offer, if there is one and `enabled` (`None`: TCP; an
-    /// offer not taken is answered REFUSED).
-    pub fn accept(gid: u128, secret: u128, fd: i32, enabled: bool) -> Option<ShmLink> {
-        let tag = tag_of(gid, secret);
+    /// offer not taken is answered REFUSED). `fd` is its socket of the link.
+    pub fn accept(
+        gid: u128,
+        secret: u128,
+        nonce: u128,
+        fd: i32,
+        enabled: bool,
+        bases: (u64, u64),
+    ) -> Option<ShmLink> {
+        let tag = tag_of(gid, secret, nonce);
         let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
         // SAFETY: opening a path.
         let f = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW) };
@@ -324,6 +344,8 @@ impl ShmLink {
             peer_sock: AtomicI32::new(-1),
             mode: AtomicU32::new(1),
             eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
         })
     }
 
@@ -362,7 +384,17 @@ impl ShmLink {
                     self.mode.store(1, Release);
                 }
                 REFUSED => {
-                    self.take_bells(fd);
+                    // Exactly the one bell: TCP frames may follow it at once.
+                    // (The state is stored before the bell is sent: wait for it.)
+                    let mut b = [0u8; 1];
+                    for _ in 0..50 {
+                        // SAFETY: reads one byte into a local.
+                        let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, 1, libc::MSG_DONTWAIT) };
+                        if r >= 0 || sys::errno() != libc::EAGAIN {
+                            break;
+                        }
+                        sys::wait_fd(fd, libc::POLLIN, 20);
+                    }
                     let d = self.dgram.swap(-1, AcqRel);
                     if d >= 0 {
                         // SAFETY: our socket.
@@ -371,6 +403,7 @@ impl ShmLink {
                     log::info(format_args!("shared memory refused by the accepting side: TCP"));
                     self.mode.store(2, Release);
                 }
+                _ if self.moving() => return Err(IrbError::Os(relink::LINK_DOWN)),
                 _ if !wait => return Err(IrbError::WouldBlock),
                 _ => {
                     sys::wait_fd(fd, libc::POLLIN, 200);
@@ -482,19 +515,31 @@ impl ShmLink {
             if nonblock() {
                 return Err(IrbError::WouldBlock);
             }
-            // Full: spin a little, then sleep until the consumer makes room.
-            let until = sys::now_us() + crate::config::shm_spin_us();
-            while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
-                std::hint::spin_loop();
+            if let Err(e) = self.wait_room() {
+                return if sent > 0 { Ok(sent) } else { Err(e) };
             }
-            if self.tx.writable().map_err(|_| corrupt())? == 0
-                && self.tx.before_wait_room().map_err(|_| corrupt())? == Sleep::Ok
-            {
-                sys::futex_wait(self.tx.space_word(), 0, 200);
-            }
-            self.tx.space_bell_taken();
-            self.tx.room_wait_over();
         }
+    }
+
+    /// A full ring: spin a little, then sleep until the consumer makes room (or the
+    /// connection leaves the memory: `LINK_DOWN`).
+    fn wait_room(&self) -> Result<(), IrbError> {
+        let until = sys::now_us() + crate::config::shm_spin_us();
+        while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
+            std::hint::spin_loop();
+        }
+        if self.tx.writable().map_err(|_| corrupt())? == 0
+            && self.tx.before_wait_room().map_err(|_| corrupt())? == Sleep::Ok
+            && !self.moving()
+        {
+            sys::futex_wait(self.tx.space_word(), 0, 200);
+        }
+        self.tx.space_bell_taken();
+        self.tx.room_wait_over();
+        if self.moving() {
+            return Err(IrbError::Os(crate::relink::LINK_DOWN));
+        }
+        Ok(())
     }
 
     /// Receives into `buf`; the caller holds the rx lock.
@@ -550,6 +595,9 @@ impl ShmLink {
                 std::hint::spin_loop();
                 continue;
             }
+            if self.moving() {
+                break if got > 0 { Ok(got) } else { Err(IrbError::Os(crate::relink::LINK_DOWN)) };
+            }
             if self.rx.before_sleep() == Ok(Sleep::Ok) {
                 sys::wait_fd(fd, libc::POLLIN, 200);
             }
@@ -586,7 +634,7 @@ impl ShmLink {
     /// descriptor:peer socket descriptor:side`), with those descriptors left open across the
     /// exec. The connecting side takes the answer first.
     pub fn handover(&self, fd: i32) -> Option<String> {
-        if self.mode() == Mode::Tcp || self.settle(fd, true).ok()? != Mode::Shm {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) || self.settle(fd, true).ok()? != Mode::Shm {
             return None;
         }
         let p = self.peer_socket(fd);
@@ -596,7 +644,14 @@ impl ShmLink {
                 unsafe { real::fcntl(d, libc::F_SETFD, 0) };
             }
         }
-        Some(format!("{}:{}:{}", self.region.load(Acquire), p, u8::from(self.active)))
+        Some(format!(
+            "{}:{}:{}:{}:{}",
+            self.region.load(Acquire),
+            p,
+            u8::from(self.active),
+            self.bases.0,
+            self.bases.1
+        ))
     }
 
     /// The exec did not happen: the descriptors close on the next one again.
@@ -615,6 +670,7 @@ impl ShmLink {
         let region: i32 = it.next()?.parse().ok()?;
         let peer: i32 = it.next()?.parse().ok()?;
         let active = it.next()? == "1";
+        let bases = (it.next()?.parse().ok()?, it.next()?.parse().ok()?);
         let base = map(region)?;
         // SAFETY: the first page of the mapping.
         if unsafe { (*(base as *const Head)).magic } != MAGIC {
@@ -645,6 +701,8 @@ impl ShmLink {
             peer_sock: AtomicI32::new(peer),
             mode: AtomicU32::new(1),
             eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
         })
     }
 
@@ -664,10 +722,168 @@ impl ShmLink {
 
     /// Substrate code for statistics.
     pub fn code(&self) -> u32 {
-        if self.mode() == Mode::Tcp {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
             1
         } else {
             2
+        }
+    }
+
+    /// The connection's `shm_epoch` this link belongs to.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Acquire)
+    }
+
+    /// Sets the epoch (when the link is installed).
+    pub fn set_epoch(&self, e: u32) {
+        self.epoch.store(e, Release);
+    }
+
+    /// Another process sharing the connection moved it off this memory: this process stops
+    /// using the rings (the mapping stays until the connection goes).
+    pub fn retire_here(&self) {
+        self.mode.store(3, Release);
+    }
+
+    /// Moves the connection off this memory: the stream positions the rings reached become
+    /// the TCP halves' (what the peer's program has not read of ours joins the replay ring,
+    /// what ours read of the peer's is delivered), the peer is told (`moving`), and the
+    /// memory and descriptors are let go. The caller holds both halves' locks.
+    pub fn demote(&self, mem: crate::shm::ConnMem) -> Result<(), String> {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
+            return Ok(());
+        }
+        let c = mem.conn();
+        self.head().moving.store(1, Release);
+        // SAFETY: the caller holds both locks.
+        let (tx, rx, ring) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get(), mem.ring()) };
+        let (tx_base, rx_base) = self.bases;
+        let r = (|| {
+            // What our program read of the peer's stream.
+            rx.delivered = rx.delivered.max(rx_base + self.rx.consumed());
+            // Ours: written to the ring, and how much of it the peer's program took.
+            let (p, got) = (self.tx.produced(), self.tx.consumed());
+            if got > p || p - got > self.tx.capacity() as u64 {
+                return Err("the ring's positions are impossible".to_string());
+            }
+            let (sent, peer_has) = (tx_base + p, tx_base + got);
+            if tx.next_seq < sent {
+                // (Below `next_seq`, the TCP ring still holds a replay not finished here.)
+                if tx.next_seq < peer_has {
+                    tx.next_seq = peer_has;
+                    tx.acked = peer_has;
+                }
+                let from = tx.next_seq;
+                let mut bytes = vec![0u8; (sent - from) as usize];
+                self.tx.copy_written(from - tx_base, &mut bytes).map_err(|e| e.to_string())?;
+                substrate::reliability::ring_write(ring, from, &bytes);
+                tx.next_seq = sent;
+            }
+            tx.acked = tx.acked.max(peer_has).min(tx.next_seq);
+            tx.wire_seq = tx.next_seq;
+            if tx.unacked() > tx.window {
+                return Err(format!("{} unacknowledged bytes do not fit the replay ring", tx.unacked()));
+            }
+            rx.peer_ack = rx.peer_ack.max(tx.acked);
+            c.delivered.store(rx.delivered, Release);
+            c.peer_ack.fetch_max(tx.acked, AcqRel);
+            c.wire_hi.fetch_max(tx.next_seq, AcqRel);
+            c.unacked.store(tx.unacked(), Relaxed);
+            Ok(())
+        })();
+        self.mode.store(3, Release);
+        // A peer waiting for room wakes and finds `moving`.
+        sys::futex_wake(self.rx.space_word(), i32::MAX);
+        sys::futex_wake(self.tx.space_word(), i32::MAX);
+        self.unprotect();
+        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
+        {
+            if fd >= 0 {
+                // SAFETY: our descriptors.
+                unsafe { real::close(fd) };
+            }
+        }
+        if let Some(p) = &self.path {
+            // SAFETY: an offer nobody took (already gone when it was taken).
+            unsafe { libc::unlink(p.as_ptr()) };
+        }
+        // The memory goes (a checkpoint must not find it): zero pages take its place, so a
+        // racing reader of the positions sees an empty ring.
+        // SAFETY: replaces our own mapping, same range.
+        unsafe {
+            libc::mmap(
+                self.base as *mut _,
+                REGION,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        r
+    }
+
+    /// A link moved onto shared memory replays what the peer did not deliver (from the TCP
+    /// replay ring) into the ring first, then the end of stream if the program shut its
+    /// side down. True when nothing is left to push. The caller holds the tx lock.
+    pub fn push_replay(&self, mem: crate::shm::ConnMem, fd: i32) -> Result<bool, IrbError> {
+        let c = mem.conn();
+        // SAFETY: the caller holds the tx lock.
+        let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
+        let mut wrote = false;
+        while tx.replaying() {
+            let room = self.tx.writable().map_err(|_| corrupt())? as u64;
+            let n = (tx.next_seq - tx.wire_seq).min(room) as usize;
+            if n == 0 {
+                break;
+            }
+            let (a, b) = substrate::reliability::ring_slices(ring, tx.wire_seq, n);
+            for part in [a, b] {
+                let w = self.tx.write(part).map_err(|_| corrupt())?;
+                tx.wire_seq += w as u64;
+                if w < part.len() {
+                    break;
+                }
+            }
+            wrote = true;
+        }
+        let done = !tx.replaying();
+        if done && c.fin_owed.load(Acquire) != 0 {
+            self.tx.close();
+            c.fin_owed.store(0, Release);
+            wrote = true;
+        }
+        if wrote && self.tx.after_write() == Bell::Ring {
+            bell(fd);
+        }
+        Ok(done)
+    }
+
+    /// The stream offsets of the rings' first bytes (ours, the peer's).
+    pub fn bases(&self) -> (u64, u64) {
+        self.bases
+    }
+
+    /// Sets the stream offsets of the rings' first bytes (a rebuilt link's dialer learns
+    /// the peer's only after its offer was made).
+    pub fn set_bases(&mut self, b: (u64, u64)) {
+        self.bases = b;
+    }
+
+    /// Tells the peer (and this process's other threads) that the connection is leaving
+    /// this memory; wakes whoever waits for room, and with a bell each way (through our
+    /// socket `fd` and the peer's), whoever sleeps waiting for bytes.
+    pub fn set_moving(&self, fd: i32) {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
+            return;
+        }
+        self.head().moving.store(1, Release);
+        sys::futex_wake(self.rx.space_word(), i32::MAX);
+        sys::futex_wake(self.tx.space_word(), i32::MAX);
+        bell(fd);
+        let p = self.peer_sock.load(Acquire);
+        if p >= 0 {
+            bell(p);
         }
     }
 
@@ -696,18 +912,49 @@ impl Drop for ShmLink {
     }
 }
 
-/// The sink device of a connection that offered or took shared memory: the rings, or TCP
-/// frames when the other side refused.
+/// A connection's shared-memory link in this process, if any: set up with the connection,
+/// or installed later when a rebuilt link moves it onto shared memory. Links are kept until
+/// the connection goes (a reader racing a move may still look at the one it found).
+#[derive(Default)]
+pub struct LinkSlot {
+    cur: AtomicPtr<ShmLink>,
+    // Boxed: a link's address must not change (its descriptor slots are registered).
+    #[allow(clippy::vec_box)]
+    keep: Mutex<Vec<Box<ShmLink>>>,
+}
+
+impl LinkSlot {
+    /// The current link.
+    pub fn get(&self) -> Option<&ShmLink> {
+        let p = self.cur.load(Acquire);
+        // SAFETY: every link stored is kept (boxed, never moved) until the slot drops.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// Makes `l` the current link; returns it (at its final address).
+    pub fn set(&self, l: ShmLink) -> &ShmLink {
+        let b = Box::new(l);
+        let p = &*b as *const ShmLink as *mut ShmLink;
+        self.keep.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+        self.cur.store(p, Release);
+        // SAFETY: just stored, kept until the slot drops.
+        unsafe { &*p }
+    }
+}
+
+/// The sink device at the bottom of every virtual connection's chains: the shared-memory
+/// rings when the connection has them, else (or when the other side refused them, or the
+/// connection left them) the TCP sink.
 pub struct ShmSink {
-    link: Arc<ShmLink>,
+    links: Arc<LinkSlot>,
     tcp: TcpSink,
     slot: Option<Slot>,
 }
 
 impl ShmSink {
-    /// The device over `link`, falling back to `tcp`.
-    pub fn new(link: Arc<ShmLink>, tcp: TcpSink, slot: Option<Slot>) -> Self {
-        ShmSink { link, tcp, slot }
+    /// The device over `links`, falling back to `tcp`.
+    pub fn new(links: Arc<LinkSlot>, tcp: TcpSink, slot: Option<Slot>) -> Self {
+        ShmSink { links, tcp, slot }
     }
 }
 
@@ -717,33 +964,84 @@ impl Device for ShmSink {
     }
 
     fn dispatch<'a>(&mut self, mut irb: Irb<'a>, cx: &mut Dispatch<'_>) -> Disposition<'a> {
-        let fd = irb.handle as i32;
-        let flags = irb.flags;
+        let Some(link) = self.links.get() else { return self.tcp.dispatch(irb, cx) };
         if !matches!(irb.kind(), IrbKind::Send | IrbKind::Receive) {
             return self.tcp.dispatch(irb, cx);
         }
-        let mode = match self.link.mode() {
-            Mode::Pending => {
-                let nonblock = flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
-                match self.link.settle(fd, !nonblock) {
-                    Ok(m) => m,
-                    Err(e) => return irb.complete(Err(e)),
-                }
-            }
-            m => m,
-        };
-        if mode == Mode::Tcp {
+        let fd = irb.handle as i32;
+        let flags = irb.flags;
+        let mem = self.tcp.mem();
+        let c = mem.conn();
+        let mut mode = link.mode();
+        if matches!(mode, Mode::Shm | Mode::Pending) && link.epoch() != c.shm_epoch.load(Acquire) {
+            // Another process sharing the connection moved it off this memory.
+            link.retire_here();
+            mode = Mode::Moved;
+        }
+        if matches!(mode, Mode::Tcp | Mode::Moved) {
             if let Some(s) = self.slot {
                 s.set_substrate(1);
             }
             return self.tcp.dispatch(irb, cx);
         }
+        let b = c.broken.load(Acquire);
+        if b != 0 {
+            return irb.complete(Err(IrbError::Os(b)));
+        }
+        if link.moving() {
+            relink::link_broken(mem, "the connection leaves shared memory");
+        }
+        if c.link_down.load(Acquire) != 0 {
+            return irb.complete(Err(IrbError::Os(relink::LINK_DOWN)));
+        }
+        let nonblock = || flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
+        if mode == Mode::Pending {
+            match link.settle(fd, !nonblock()) {
+                Ok(Mode::Tcp) => {
+                    if let Some(s) = self.slot {
+                        s.set_substrate(1);
+                    }
+                    return self.tcp.dispatch(irb, cx);
+                }
+                Ok(_) => {}
+                Err(e) => return irb.complete(Err(e)),
+            }
+        }
+        // The layer's own calls on the socket (bells) must not leave their errno behind a
+        // call that succeeds.
+        let errno = sys::errno();
         let r = match (irb.kind(), &mut irb.buf) {
-            (IrbKind::Send, Buf::Out(d)) => self.link.send(fd, d, flags),
-            (IrbKind::Receive, Buf::In(b)) => self.link.recv(fd, b, flags),
+            (IrbKind::Send, Buf::Out(d)) => {
+                // SAFETY: a racy read of plain integers under our tx lock (the send half is ours).
+                let owed = unsafe { (*c.tx.get()).replaying() } || c.fin_owed.load(Acquire) != 0;
+                let r = if owed { replay_first(link, mem, fd, nonblock()) } else { Ok(()) };
+                r.and_then(|_| link.send(fd, d, flags))
+            }
+            (IrbKind::Receive, Buf::In(b)) => link.recv(fd, b, flags),
             _ => return Disposition::Forward(irb),
         };
+        match r {
+            Err(IrbError::Os(relink::LINK_DOWN)) => {
+                relink::link_broken(mem, "the connection leaves shared memory");
+            }
+            Ok(_) => sys::set_errno(errno),
+            _ => {}
+        }
         irb.complete(r)
+    }
+}
+
+/// A link moved onto shared memory pushes its replay before new bytes (waiting for room,
+/// unless `nonblock`). The caller holds the tx lock.
+fn replay_first(link: &ShmLink, mem: crate::shm::ConnMem, fd: i32, nonblock: bool) -> Result<(), IrbError> {
+    loop {
+        if link.push_replay(mem, fd)? {
+            return Ok(());
+        }
+        if nonblock {
+            return Err(IrbError::WouldBlock);
+        }
+        link.wait_room()?;
     }
 }
 

@@ -32,6 +32,11 @@ impl TcpSink {
     pub fn new(mem: ConnMem, slot: Option<Slot>) -> Self {
         TcpSink { mem, slot }
     }
+
+    /// The connection's shared memory.
+    pub fn mem(&self) -> ConnMem {
+        self.mem
+    }
 }
 
 impl Device for TcpSink {

@@ -4,7 +4,7 @@
 
 use crate::relink;
 use crate::shm::{ConnMem, Mapping};
-use crate::shm_sink::{self, ShmLink, ShmSink};
+use crate::shm_sink::{self, LinkSlot, ShmLink, ShmSink};
 use crate::stats::{Slot, SlotInfo};
 use crate::tcp_sink::TcpSink;
 use std::cell::UnsafeCell;
@@ -44,7 +44,7 @@ pub struct Vc {
     /// While the link is down: the program's epoll registrations of the old socket.
     parked_epoll: std::sync::Mutex<Vec<relink::EpollReg>>,
     /// Shared memory with a peer on this node, when the two layers set it up.
-    pub shm: Option<Arc<ShmLink>>,
+    links: Arc<LinkSlot>,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -77,19 +77,12 @@ pub struct Setup {
     pub shm: Option<ShmLink>,
 }
 
-fn chain_for(mem: ConnMem, slot: Option<Slot>, shm: &Option<Arc<ShmLink>>) -> Chain {
+fn chain_for(mem: ConnMem, slot: Option<Slot>, links: &Arc<LinkSlot>) -> Chain {
     let mut c = Chain::new();
     if let Some(s) = slot {
         let _ = c.attach(0, Box::new(CounterFilter::new(s.counters())));
     }
-    match shm {
-        Some(l) => {
-            let _ = c.attach(usize::MAX, Box::new(ShmSink::new(l.clone(), TcpSink::new(mem, slot), slot)));
-        }
-        None => {
-            let _ = c.attach(usize::MAX, Box::new(TcpSink::new(mem, slot)));
-        }
-    }
+    let _ = c.attach(usize::MAX, Box::new(ShmSink::new(links.clone(), TcpSink::new(mem, slot), slot)));
     c
 }
 
@@ -108,13 +101,15 @@ impl Vc {
             })
         });
         let m = *mem;
-        let shm = s.shm.map(Arc::new);
-        if let Some(l) = &shm {
+        let links = Arc::new(LinkSlot::default());
+        let code = s.shm.map_or(1, |l| {
+            let l = links.set(l);
             l.protect();
-        }
+            l.code()
+        });
         if let Some(sl) = slot {
             sl.set_link(&s.local, &s.peer);
-            sl.set_substrate(shm.as_ref().map_or(1, |l| l.code()));
+            sl.set_substrate(code);
         }
         Some(Vc {
             mem,
@@ -123,12 +118,12 @@ impl Vc {
             peer: s.peer,
             active: s.active,
             renamed: s.renamed,
-            send_chain: UnsafeCell::new(chain_for(m, slot, &shm)),
-            recv_chain: UnsafeCell::new(chain_for(m, slot, &shm)),
+            send_chain: UnsafeCell::new(chain_for(m, slot, &links)),
+            recv_chain: UnsafeCell::new(chain_for(m, slot, &links)),
             my_gen: AtomicU32::new(0),
             parked: AtomicI32::new(-1),
             parked_epoll: std::sync::Mutex::new(Vec::new()),
-            shm,
+            links,
         })
     }
 
@@ -265,10 +260,72 @@ impl Vc {
         })
     }
 
-    /// The shared memory carrying the bytes, when it does (not while the connecting side
-    /// waits for the answer, nor after a refusal).
+    /// The connection's shared-memory link in this process, whatever it carries now.
+    pub fn shm(&self) -> Option<&ShmLink> {
+        self.links.get()
+    }
+
+    /// The shared memory carrying the bytes, when it does (or will: the connecting side
+    /// waiting for the answer); not after a refusal, nor once the connection left it.
     pub fn shm_now(&self) -> Option<&ShmLink> {
-        self.shm.as_deref().filter(|l| l.mode() != shm_sink::Mode::Tcp)
+        let c = self.mem.conn();
+        self.links.get().filter(|l| {
+            matches!(l.mode(), shm_sink::Mode::Shm | shm_sink::Mode::Pending)
+                && l.epoch() == c.shm_epoch.load(Acquire)
+        })
+    }
+
+    /// Moves the connection off its shared memory (the stream positions go to the TCP
+    /// halves, which a rebuilt link then resumes from). The caller holds both halves' locks.
+    pub fn leave_shm(&self) -> Result<(), String> {
+        let Some(l) = self.shm_now() else { return Ok(()) };
+        let r = l.demote(self.mem());
+        self.mem.conn().shm_epoch.fetch_add(1, AcqRel);
+        if let Some(s) = self.slot {
+            s.set_substrate(1);
+        }
+        r
+    }
+
+    /// A rebuilt link goes through shared memory `l` (offered by this side, or taken). The
+    /// caller holds both halves' locks.
+    pub fn join_shm(&self, l: ShmLink) {
+        let e = self.mem.conn().shm_epoch.fetch_add(1, AcqRel) + 1;
+        l.set_epoch(e);
+        let l = self.links.set(l);
+        l.protect();
+        if let Some(s) = self.slot {
+            s.set_substrate(l.code());
+        }
+    }
+
+    /// Pushes what a rebuilt link owes the peer (replay, end of stream) without blocking,
+    /// through the link's substrate. True when nothing is left. The caller holds the tx lock.
+    pub fn replay_now(&self, fd: i32) -> bool {
+        if let Some(l) = self.shm_now() {
+            if l.mode() == shm_sink::Mode::Pending && l.settle(fd, false).is_err() {
+                return false;
+            }
+            if l.mode() == shm_sink::Mode::Shm {
+                return l.push_replay(self.mem(), fd).unwrap_or(true);
+            }
+        }
+        crate::tcp_sink::replay_now(self.mem(), self.slot, fd)
+    }
+
+    /// The program shuts its sending side of a connection over shared memory: the end of
+    /// stream follows the bytes (after a replay still being pushed, if there is one).
+    pub fn shm_shut_send(&self, l: &ShmLink, fd: i32) {
+        let c = self.mem.conn();
+        let _g = c.tx_lock.lock();
+        c.tx_shut.store(1, Release);
+        // SAFETY: we hold the tx lock.
+        if unsafe { (*c.tx.get()).replaying() } {
+            c.fin_owed.store(1, Release);
+            relink::poke();
+            return;
+        }
+        l.shut_send(fd);
     }
 
     /// Payload bytes readable now (FIONREAD).

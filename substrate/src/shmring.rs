@@ -33,7 +33,46 @@
 //! read from it are checked (`tail - head` never exceeds the capacity, neither goes back),
 //! and a violation is an error, never an out-of-bounds access.
 
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{fence, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+
+/// The first page of a shared-memory region, before its two rings: the offer's state and
+/// who made it.
+#[repr(C)]
+pub struct RegionHead {
+    /// [`REGION_MAGIC`] once initialised.
+    pub magic: u64,
+    /// [`OFFERED`], [`ACCEPTED`] or [`REFUSED`].
+    pub state: AtomicU32,
+    /// 1 once a process of the connecting side took the answer (after a fork, the others
+    /// adopt it).
+    pub settled: AtomicU32,
+    /// 1 once either side moves the connection off this memory.
+    pub moving: AtomicU32,
+    /// The process that made the offer (its node agent removes an offer nobody took whose
+    /// maker died).
+    pub creator: AtomicI32,
+}
+
+/// Marks an initialised region.
+pub const REGION_MAGIC: u64 = 0x766d_692d_7368_6d72; // "vmi-shmr"
+/// Offered, not answered yet.
+pub const OFFERED: u32 = 0;
+/// Taken by the accepting side.
+pub const ACCEPTED: u32 = 1;
+/// Refused by the accepting side.
+pub const REFUSED: u32 = 2;
+
+/// Whether a region file whose first bytes are `head` is an offer nobody will take: still
+/// OFFERED and its maker is not alive (`alive(pid)`). Anything else, or too short, is left.
+pub fn abandoned_offer(head: &[u8], alive: impl Fn(i32) -> bool) -> bool {
+    let (Some(m), Some(st), Some(pid)) = (head.get(0..8), head.get(8..12), head.get(20..24)) else {
+        return false;
+    };
+    let m = u64::from_le_bytes(m.try_into().expect("8"));
+    let st = u32::from_le_bytes(st.try_into().expect("4"));
+    let pid = i32::from_le_bytes(pid.try_into().expect("4"));
+    m == REGION_MAGIC && st == OFFERED && pid > 0 && !alive(pid)
+}
 
 /// Marks an initialised ring header.
 pub const MAGIC: u64 = 0x766d_692d_7368_6d31; // "vmi-shm1"
@@ -224,6 +263,19 @@ impl Ring {
     }
 
     // --- producer -------------------------------------------------------------------------
+
+    /// Copies the producer's own bytes from position `from` (not yet consumed when the
+    /// producer stopped writing) into `dst`: what it must send again another way when the
+    /// connection leaves the ring. Refused when the range is not in the ring any more.
+    pub fn copy_written(&self, from: u64, dst: &mut [u8]) -> Result<(), RingError> {
+        let tail = self.h().tail.load(Acquire);
+        let end = from.checked_add(dst.len() as u64).ok_or(RingError::Corrupt)?;
+        if end > tail || tail - from > self.cap {
+            return Err(RingError::Corrupt);
+        }
+        self.copy_out(from, dst);
+        Ok(())
+    }
 
     /// Copies as much of `src` as fits; returns how much.
     pub fn write(&self, src: &[u8]) -> Result<usize, RingError> {
@@ -421,6 +473,27 @@ mod tests {
     }
 
     #[test]
+    fn only_an_offer_whose_maker_died_is_abandoned() {
+        let head = |magic: u64, state: u32, pid: i32| {
+            let mut b = Vec::new();
+            b.extend_from_slice(&magic.to_le_bytes());
+            b.extend_from_slice(&state.to_le_bytes());
+            b.extend_from_slice(&[0; 8]);
+            b.extend_from_slice(&pid.to_le_bytes());
+            b
+        };
+        let dead = |_| false;
+        assert!(abandoned_offer(&head(REGION_MAGIC, OFFERED, 42), dead));
+        assert!(!abandoned_offer(&head(REGION_MAGIC, OFFERED, 42), |p| p == 42));
+        assert!(!abandoned_offer(&head(REGION_MAGIC, ACCEPTED, 42), dead));
+        assert!(!abandoned_offer(&head(REGION_MAGIC, OFFERED, 0), dead));
+        assert!(!abandoned_offer(&head(7, OFFERED, 42), dead));
+        assert!(!abandoned_offer(&head(REGION_MAGIC, OFFERED, 42)[..20], dead));
+        assert_eq!(std::mem::offset_of!(RegionHead, creator), 20);
+        assert_eq!(std::mem::offset_of!(RegionHead, state), 8);
+    }
+
+    #[test]
     fn bytes_wrap_around() {
         let (_m, r) = aligned(10);
         let mut out = [0u8; 10];
@@ -442,6 +515,23 @@ mod tests {
         }
         assert_eq!(got, expect);
         assert_eq!(r.produced(), r.consumed());
+    }
+
+    #[test]
+    fn the_producer_gets_back_what_was_not_consumed_across_the_wrap() {
+        let (_m, r) = aligned(8);
+        let mut out = [0u8; 8];
+        assert_eq!(r.write(b"abcdef").unwrap(), 6);
+        assert_eq!(r.read(&mut out[..5], false).unwrap(), 5);
+        assert_eq!(r.write(b"ghijklm").unwrap(), 7);
+        // Unconsumed: "fghijklm" from position 5, wrapping inside the ring.
+        let mut back = [0u8; 8];
+        r.copy_written(r.consumed(), &mut back).unwrap();
+        assert_eq!(&back, b"fghijklm");
+        // Bytes overwritten since, or not written yet, are refused.
+        assert_eq!(r.copy_written(2, &mut back[..3]), Err(RingError::Corrupt));
+        assert_eq!(r.copy_written(12, &mut back[..2]), Err(RingError::Corrupt));
+        r.copy_written(13, &mut []).unwrap();
     }
 
     #[test]

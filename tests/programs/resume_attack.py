@@ -17,9 +17,14 @@ attempts, each on a fresh TCP connection:
 Agent protocol (substrate/src/wire/agent.rs): a little-endian u32 body length, then the body,
 a tag byte and the fields, integers little-endian:
 
-    9  Error{reason: u32 length + UTF-8}        12 Resume{gid: u128, nonce: u128}
-    13 Challenge{nonce: u128}                   14 Proof{delivered: u64, mac: u128, agents}
-    15 Ready{delivered: u64, mac: u128, agents}
+    9  Error{reason: u32 length + UTF-8}
+    12 Resume{gid: u128, nonce: u128, from_active: u8}
+    13 Challenge{nonce: u128}
+    14 Proof{delivered: u64, mac: u128, agents, shm: u8}
+    15 Ready{delivered: u64, mac: u128, agents, sent: u64, shm: u8}
+
+(from_active 1: the dialer claims the connecting side, so the link goes to the accepting
+side's process, the server attacked here; shm 0: no shared-memory offer.)
 
 (agents: a u32 count of addresses, then each address; the attacker sends none).
 
@@ -138,7 +143,7 @@ def attempt(target, case, gid, rng, timeout):
     sock.settimeout(timeout)
     try:
         nonce_a = rng.getrandbits(128)
-        if not send(sock, msg(RESUME, u128(gid) + u128(nonce_a))):
+        if not send(sock, msg(RESUME, u128(gid) + u128(nonce_a) + b"\x01")):
             out.update(resume_reply="closed", outcome="refused_at_resume",
                        reason="could not send Resume")
             return out
@@ -164,7 +169,7 @@ def attempt(target, case, gid, rng, timeout):
         else:
             # An unknown GID must not get as far as a Challenge.
             delivered, mac = 0, rng.getrandbits(128)
-        if not send(sock, msg(PROOF, struct.pack("<Q", delivered) + u128(mac) + NO_AGENTS)):
+        if not send(sock, msg(PROOF, struct.pack("<Q", delivered) + u128(mac) + NO_AGENTS + b"\x00")):
             out.update(proof_reply="closed", outcome="refused",
                        reason="closed before the Proof was sent")
             return out

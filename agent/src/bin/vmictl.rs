@@ -15,6 +15,7 @@ use substrate::wire::agent::Msg;
 
 const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
        vmictl [--socket NAME] net down|up NET
+       vmictl [--socket NAME] move GID shm|tcp
 
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
@@ -27,6 +28,9 @@ const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
   net up NET     put it back in service
+  move GID tcp   move a connection off shared memory onto TCP, without loss, and keep it
+                 there (through later link rebuilds too)
+  move GID shm   move it back onto shared memory (when both ends are on this node)
   --socket NAME  the agent's abstract socket (default vmi-agent, or VMI_AGENT_SOCKET)";
 
 fn fail(msg: &str) -> ! {
@@ -146,6 +150,17 @@ fn main() {
                 let name = it.next().unwrap_or_else(|| fail(&format!("net needs a network name\n{USAGE}")));
                 cmd = Some(Msg::Net { name, up });
             }
+            "move" => {
+                let gid = it.next().unwrap_or_else(|| fail(&format!("move needs a GID\n{USAGE}")));
+                let gid = u128::from_str_radix(gid.trim_start_matches("0x"), 16)
+                    .unwrap_or_else(|_| fail(&format!("{gid} is not a GID (32 hex digits)")));
+                let shm = match it.next().as_deref() {
+                    Some("shm") => true,
+                    Some("tcp") => false,
+                    _ => fail(&format!("move needs shm or tcp\n{USAGE}")),
+                };
+                cmd = Some(Msg::Move { gid, shm });
+            }
             other => fail(&format!("unknown argument {other}\n{USAGE}")),
         }
     }
@@ -159,6 +174,18 @@ fn main() {
         match read_msg(&mut s) {
             Ok(Msg::Ok) => {
                 println!("network {name} {}", if *up { "back in service" } else { "out of service" });
+                return;
+            }
+            Ok(Msg::Error { reason }) => fail(&reason),
+            Ok(other) => fail(&format!("unexpected answer {other:?}")),
+            Err(e) => fail(&e.to_string()),
+        }
+    }
+    if let Msg::Move { gid, shm } = &cmd {
+        write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
+        match read_msg(&mut s) {
+            Ok(Msg::Ok) => {
+                println!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" });
                 return;
             }
             Ok(Msg::Error { reason }) => fail(&reason),

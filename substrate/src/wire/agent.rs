@@ -103,6 +103,9 @@ pub enum Msg {
         gid: u128,
         /// The dialer's fresh nonce.
         nonce: u128,
+        /// True when the dialer is the side that connected (both ends may live on one
+        /// node: the link goes to the other one).
+        from_active: bool,
     },
     /// Holder → dialer: the holder's fresh nonce.
     Challenge {
@@ -119,6 +122,8 @@ pub enum Msg {
         /// Where the dialer's node agent can be reached now, one address per network (the
         /// dialer may have moved to another node).
         agents: Vec<SocketAddr>,
+        /// The dialer offers shared memory for the new link (both ends are on one node).
+        shm: bool,
     },
     /// Holder → dialer: the proof was right; bytes of the dialer's stream the holder
     /// delivered, with the holder's proof.
@@ -132,6 +137,9 @@ pub enum Msg {
         /// Bytes of its stream the holder has sent so far (with `delivered` of the proof,
         /// how much it replays: for reports).
         sent: u64,
+        /// The holder answers the dialer's shared-memory offer (accepted or refused in the
+        /// offer's header); false: it did not look at it, the link is TCP.
+        shm: bool,
     },
     /// Layer → agent, first message on a process's event channel (agent → layer notices).
     Events {
@@ -142,6 +150,8 @@ pub enum Msg {
     Hold {
         /// The connection.
         gid: u128,
+        /// True when this process's side connected.
+        active: bool,
     },
     /// Layer → agent (event channel): this process no longer holds `gid`.
     Release {
@@ -246,6 +256,15 @@ pub enum Msg {
     Here {
         /// Agent addresses.
         addrs: Vec<SocketAddr>,
+    },
+    /// `vmictl` → agent, and agent → the layer (event channel): move connection `gid` to
+    /// shared memory (`shm`, when both ends are on one node) or to TCP, now and after any
+    /// later rebuild of its link.
+    Move {
+        /// The connection.
+        gid: u128,
+        /// Shared memory (true) or TCP (false).
+        shm: bool,
     },
     /// Agent → agent over UDP, on every network path: a heartbeat.
     Probe {
@@ -458,35 +477,39 @@ impl Msg {
                 w.u8(11);
                 w.str(json);
             }
-            Msg::Resume { gid, nonce } => {
+            Msg::Resume { gid, nonce, from_active } => {
                 w.u8(12);
                 w.u128(*gid);
                 w.u128(*nonce);
+                w.u8(*from_active as u8);
             }
             Msg::Challenge { nonce } => {
                 w.u8(13);
                 w.u128(*nonce);
             }
-            Msg::Proof { delivered, mac, agents } => {
+            Msg::Proof { delivered, mac, agents, shm } => {
                 w.u8(14);
                 w.u64(*delivered);
                 w.u128(*mac);
                 w.addrs(agents);
+                w.u8(*shm as u8);
             }
-            Msg::Ready { delivered, mac, agents, sent } => {
+            Msg::Ready { delivered, mac, agents, sent, shm } => {
                 w.u8(15);
                 w.u64(*delivered);
                 w.u128(*mac);
                 w.addrs(agents);
                 w.u64(*sent);
+                w.u8(*shm as u8);
             }
             Msg::Events { pid } => {
                 w.u8(16);
                 w.u32(*pid);
             }
-            Msg::Hold { gid } => {
+            Msg::Hold { gid, active } => {
                 w.u8(17);
                 w.u128(*gid);
+                w.u8(*active as u8);
             }
             Msg::Release { gid } => {
                 w.u8(18);
@@ -561,6 +584,11 @@ impl Msg {
                 w.u32(*pid);
             }
             Msg::WhereAmI => w.u8(32),
+            Msg::Move { gid, shm } => {
+                w.u8(34);
+                w.u128(*gid);
+                w.u8(*shm as u8);
+            }
             Msg::Here { addrs } => {
                 w.u8(33);
                 w.addrs(addrs);
@@ -609,12 +637,18 @@ impl Msg {
             9 => Msg::Error { reason: r.str()? },
             10 => Msg::Status,
             11 => Msg::StatusReply { json: r.str()? },
-            12 => Msg::Resume { gid: r.u128()?, nonce: r.u128()? },
+            12 => Msg::Resume { gid: r.u128()?, nonce: r.u128()?, from_active: r.bool()? },
             13 => Msg::Challenge { nonce: r.u128()? },
-            14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()? },
-            15 => Msg::Ready { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()?, sent: r.u64()? },
+            14 => Msg::Proof { delivered: r.u64()?, mac: r.u128()?, agents: r.addrs()?, shm: r.bool()? },
+            15 => Msg::Ready {
+                delivered: r.u64()?,
+                mac: r.u128()?,
+                agents: r.addrs()?,
+                sent: r.u64()?,
+                shm: r.bool()?,
+            },
             16 => Msg::Events { pid: r.u32()? },
-            17 => Msg::Hold { gid: r.u128()? },
+            17 => Msg::Hold { gid: r.u128()?, active: r.bool()? },
             18 => Msg::Release { gid: r.u128()? },
             19 => Msg::Path { local: r.addr()?, peer: r.addr()?, up: r.bool()? },
             20 => Msg::Handover { gid: r.u128()?, nonce: r.u128()? },
@@ -645,6 +679,7 @@ impl Msg {
             31 => Msg::Unfreeze { pid: r.u32()? },
             32 => Msg::WhereAmI,
             33 => Msg::Here { addrs: r.addrs()? },
+            34 => Msg::Move { gid: r.u128()?, shm: r.bool()? },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -690,12 +725,12 @@ mod tests {
             },
             Msg::Accept { local: b, peer: a },
             Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b], alias: a },
-            Msg::Resume { gid: 1, nonce: 2 },
+            Msg::Resume { gid: 1, nonce: 2, from_active: true },
             Msg::Challenge { nonce: 3 },
-            Msg::Proof { delivered: 4, mac: 5, agents: vec![a, b] },
-            Msg::Ready { delivered: 6, mac: 7, agents: vec![], sent: 8 },
+            Msg::Proof { delivered: 4, mac: 5, agents: vec![a, b], shm: true },
+            Msg::Ready { delivered: 6, mac: 7, agents: vec![], sent: 8, shm: false },
             Msg::Events { pid: 8 },
-            Msg::Hold { gid: 9 },
+            Msg::Hold { gid: 9, active: false },
             Msg::Release { gid: 10 },
             Msg::Path { local: a, peer: b, up: true },
             Msg::Handover { gid: 11, nonce: 12 },
@@ -712,6 +747,7 @@ mod tests {
             Msg::Unfreeze { pid: 23 },
             Msg::WhereAmI,
             Msg::Here { addrs: vec![b] },
+            Msg::Move { gid: 24, shm: true },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
