@@ -115,6 +115,7 @@ PORTS = {
     "shm_not_offered": 17654,
     "shm_other_host": 17655,
     "shm_move": 17656,
+    "shm_move_stalled": 17657,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

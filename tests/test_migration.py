@@ -161,21 +161,24 @@ def substrate_of(host, gid, want):
                        f"connection {gid} listed on {want}")
 
 
-def test_shared_memory_pair_parts_and_meets_again(procs, third_agent):
-    """Client and server on host 1 stream through shared memory. The client moves to host 3:
+@pytest.mark.parametrize("who", ["client", "server"])
+def test_shared_memory_pair_parts_and_meets_again(procs, third_agent, who):
+    """Client and server on host 1 stream through shared memory. One of them moves to host 3:
     the connection leaves the memory for TCP before the checkpoint and is rebuilt over TCP
     from host 3. It moves back to host 1: the rebuilt link is shared memory again."""
-    p = Pair(procs, PORTS["migrate_shm"], 8, server_host=H1, client_host=H1)
+    port = PORTS["migrate_shm"] + (0 if who == "client" else 100)
+    p = Pair(procs, port, 8, server_host=H1, client_host=H1)
+    mover = p.cli if who == "client" else p.srv
     before = p.wait_flowing()
     gid = before["gid"]
     substrate_of(H1, gid, "shm")
-    report, _ = migrate(p.cli, H3)
+    report, _ = migrate(mover, H3)
     assert report["connections"] == 1 and report["rebuilt"] == 1, report
     substrate_of(H3, gid, "tcp")
     time.sleep(1.0)
-    report, _ = migrate(p.cli, H1)
+    report, _ = migrate(mover, H1)
     assert report["rebuilt"] == 1, report
-    assert netns_of(p.cli.pid) == H1
+    assert netns_of(mover.pid) == H1
 
     def both_on_shm(status):
         ends = [c for c in status.get("connections") or [] if c.get("gid") == gid

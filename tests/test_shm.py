@@ -138,6 +138,53 @@ def test_live_connection_moves_to_tcp_and_back(procs):
         f"the stream took {c['seconds']} s for a nominal {MOVE_SECONDS} s: it stood still"
 
 
+
+def test_moves_while_the_reader_stalls(procs):
+    """The server stops reading while the client sends as fast as it can: the ring fills up
+    (1 MiB the server's program has not read), and the connection moves to TCP then (those
+    bytes go to the TCP replay). The server stops again later, with the TCP replay buffer
+    full, and the connection moves back (the replay goes into the ring first)."""
+    port = PORTS["shm_move_stalled"]
+    addr = f"{H1_IP}:{port}"
+    up, down = 96 * MiB, 4 * MiB
+    first, second, pause = 4 * MiB, 48 * MiB, 3
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--pause", f"{first}:{pause}",
+                                       "--pause", f"{second}:{pause}"), port, layer=True,
+                       name="stream-server", env=ON)
+
+    def server_read(at_least, substrate):
+        def check(status):
+            ends = server_conns(status, addr)
+            return ends[0] if len(ends) == 1 and ends[0].get("substrate") == substrate \
+                and ends[0].get("bytes_received", 0) >= at_least else None
+        return check
+    with Watcher(H1, H1) as w:
+        cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                          up, "--server-bytes", down, "--seed", port,
+                                          "--hold", "1"),
+                          layer=True, name="stream-client", env=ON)
+        s0 = wait_status(H1, server_read(first, "shm"), MOVE_TIMEOUT,
+                         "the server's first pause, over shared memory")
+        time.sleep(0.5)
+        r = vmictl(H1, "move", s0["gid"], "tcp")
+        assert r.returncode == 0, f"vmictl move tcp: {r.stderr}{r.stdout}"
+        wait_status(H1, both_ends_on(addr, "tcp"), MOVE_TIMEOUT, "both ends on TCP")
+        wait_status(H1, server_read(second, "tcp"), MOVE_TIMEOUT + pause,
+                    "the server's second pause, over TCP")
+        time.sleep(0.5)
+        r = vmictl(H1, "move", s0["gid"], "shm")
+        assert r.returncode == 0, f"vmictl move shm: {r.stderr}{r.stdout}"
+        wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT, "both ends back on shm")
+        cli.wait(timeout=60)
+        srv.wait(timeout=15)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == up and c["recv_bytes"] == down, c
+    assert_same_stream(c, s)
+    assert_virtual(w, H1, addr, H1, c2s_bytes=up + 24, s2c_bytes=down, exact=True,
+                   client_pid=cli.pid)
+
+
 REGION_MAGIC = 0x766d692d73686d72     # substrate::shmring::REGION_MAGIC
 OFFERED, ACCEPTED = 0, 1
 

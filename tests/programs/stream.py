@@ -3,7 +3,7 @@
 reorders nothing.
 
     stream.py server --bind IP:PORT [--count K] [--hold S] [--rate BYTES_PER_S]
-                     [--check-names S]
+                     [--check-names S] [--pause BYTES:SECONDS ...]
     stream.py client --connect IP:PORT --bytes N --seed S [--server-bytes M]
                      [--rate BYTES_PER_S] [--hold S] [--progress S] [--check-names S]
 
@@ -26,6 +26,8 @@ client exits with status 1.
 
 --rate limits each side's sending (the server's applies to every connection it serves), so a
 stream can be made to last long enough for something to happen in the middle of it.
+--pause BYTES:SECONDS (server, repeatable) stops reading a connection for SECONDS once BYTES
+of it were read, so the sender's buffers fill up while something happens.
 --check-names S calls getsockname and getpeername every S seconds while the exchange runs;
 the result then has "names_checked" (how many times) and "names_changed": every answer that
 differed from the names at the start, or the error the call raised (empty when the program
@@ -55,6 +57,14 @@ def parse_addr(text):
     if not host or not port:
         raise argparse.ArgumentTypeError(f"expected IP:PORT, got {text!r}")
     return host, int(port)
+
+
+def parse_pause(text):
+    at, _, secs = text.partition(":")
+    try:
+        return int(at), float(secs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BYTES:SECONDS, got {text!r}") from None
 
 
 def fmt_addr(addr):
@@ -118,17 +128,23 @@ class Sender:
 
 
 class Receiver:
-    def __init__(self, sock):
+    def __init__(self, sock, pauses=()):
         self.sock = sock
         self.received = 0
         self.hash = hashlib.sha256()
         self.error = None
         self.errno = None
+        self.pauses = sorted(pauses)
 
     def run(self):
         try:
             while True:
-                data = self.sock.recv(MAX_WRITE)
+                if self.pauses and self.received >= self.pauses[0][0]:
+                    time.sleep(self.pauses.pop(0)[1])
+                want = MAX_WRITE
+                if self.pauses:
+                    want = max(1, min(want, self.pauses[0][0] - self.received))
+                data = self.sock.recv(want)
                 if not data:
                     return
                 self.hash.update(data)
@@ -163,12 +179,13 @@ class NameChecker:
                 self.changed.append(now)
 
 
-def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0, check_names=0.0):
+def exchange(sock, role, send_bytes, seed, rate=0.0, progress=0.0, check_names=0.0,
+             pauses=()):
     """Send and receive at once; return the result dict."""
     start = time.monotonic()
     local, peer = fmt_addr(sock.getsockname()), fmt_addr(sock.getpeername())
     sender = Sender(sock, send_bytes, seed, rate, progress, role)
-    receiver = Receiver(sock)
+    receiver = Receiver(sock, pauses)
     threads = [threading.Thread(target=sender.run, daemon=True),
                threading.Thread(target=receiver.run, daemon=True)]
     names = None
@@ -214,13 +231,13 @@ def recv_exact(sock, n):
     return buf
 
 
-def serve_one(conn, hold, out_lock, rate=0.0, check_names=0.0):
+def serve_one(conn, hold, out_lock, rate=0.0, check_names=0.0, pauses=()):
     try:
         magic, back_bytes, seed = HEADER.unpack(recv_exact(conn, HEADER.size))
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         result = exchange(conn, "server", back_bytes, seed ^ SERVER_SEED_XOR, rate,
-                          check_names=check_names)
+                          check_names=check_names, pauses=pauses)
     except Exception as exc:
         result = {"role": "server", "pid": os.getpid(), "error": f"header: {exc!r}"}
         if errno_name(exc):
@@ -245,7 +262,8 @@ def server(args):
         conn, _ = lsock.accept()
         served += 1
         t = threading.Thread(target=serve_one, args=(conn, args.hold, out_lock, args.rate,
-                                                     args.check_names), daemon=True)
+                                                     args.check_names, args.pause),
+                             daemon=True)
         t.start()
         workers.append(t)
     for t in workers:
@@ -279,6 +297,8 @@ def main():
                    help="limit sending on each connection to bytes/second")
     s.add_argument("--check-names", type=float, default=0.0, metavar="S",
                    help="check getsockname/getpeername every S seconds during the exchange")
+    s.add_argument("--pause", type=parse_pause, action="append", default=[],
+                   metavar="BYTES:SECONDS", help="stop reading for SECONDS after BYTES")
     c = sub.add_parser("client")
     c.add_argument("--connect", type=parse_addr, required=True)
     c.add_argument("--bytes", type=int, required=True, help="bytes the client sends")
