@@ -116,6 +116,7 @@ PORTS = {
     "shm_other_host": 17655,
     "shm_move": 17656,
     "shm_move_stalled": 17657,
+    "shm_move_fork": 17658,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

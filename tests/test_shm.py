@@ -99,6 +99,17 @@ def both_ends_on(addr, substrate, moved_past=0):
     return check
 
 
+def finished(watcher, cli, srv, addr, up, down):
+    """After both stream programs ended: the perfect stream and the exact counts of the
+    virtual connection at both ends. Returns the client's result."""
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == up and c["recv_bytes"] == down, c
+    assert_same_stream(c, s)
+    assert_virtual(watcher, H1, addr, H1, c2s_bytes=up + 24, s2c_bytes=down, exact=True,
+                   client_pid=cli.pid)
+    return c
+
+
 def test_live_connection_moves_to_tcp_and_back(procs):
     """The checksummed stream runs both ways over shared memory; mid-stream the operator moves
     the connection to TCP, then back to shared memory. Each move is seen at both ends while
@@ -129,14 +140,9 @@ def test_live_connection_moves_to_tcp_and_back(procs):
         assert c2["gid"] == gid and c2.get("failovers", 0) >= 2, c2
         cli.wait(timeout=MOVE_SECONDS + 30)
         srv.wait(timeout=15)
-    c, s = cli.last_json(), srv.last_json()
-    assert c["sent_bytes"] == nbytes and c["recv_bytes"] == nbytes, c
-    assert_same_stream(c, s)
-    assert_virtual(w, H1, addr, H1, c2s_bytes=nbytes + 24, s2c_bytes=nbytes, exact=True,
-                   client_pid=cli.pid)
+    c = finished(w, cli, srv, addr, nbytes, nbytes)
     assert c["seconds"] <= MOVE_SECONDS + 5, \
         f"the stream took {c['seconds']} s for a nominal {MOVE_SECONDS} s: it stood still"
-
 
 
 def test_moves_while_the_reader_stalls(procs):
@@ -178,11 +184,46 @@ def test_moves_while_the_reader_stalls(procs):
         wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT, "both ends back on shm")
         cli.wait(timeout=60)
         srv.wait(timeout=15)
-    c, s = cli.last_json(), srv.last_json()
-    assert c["sent_bytes"] == up and c["recv_bytes"] == down, c
-    assert_same_stream(c, s)
-    assert_virtual(w, H1, addr, H1, c2s_bytes=up + 24, s2c_bytes=down, exact=True,
-                   client_pid=cli.pid)
+    finished(w, cli, srv, addr, up, down)
+
+
+
+def test_move_of_a_connection_two_processes_share(procs):
+    """A forking server's child streams over shared memory while the parent keeps its copy:
+    the move to TCP made by either process is seen by the other (it stops using its mapping),
+    and a move back is declined (shared memory is set up for one process) with the stream
+    going on over TCP. The client gets exactly what the child sent."""
+    port = PORTS["shm_move_fork"]
+    addr = f"{H1_IP}:{port}"
+    srv = procs.server(H1, python_prog("fork_stream.py", "server", "--bind", addr,
+                                       "--seconds", 6), port, layer=True,
+                       name="fork-stream-server", env=ON)
+
+    def client_end(substrate, past=0):
+        def check(status):
+            ends = client_conns(status, addr)
+            return ends[0] if len(ends) == 1 and ends[0].get("substrate") == substrate \
+                and ends[0].get("bytes_received", 0) > past else None
+        return check
+    with Watcher(H1, H1):
+        cli = procs.start(H1, python_prog("fork_stream.py", "client", "--connect", addr),
+                          layer=True, name="fork-stream-client", env=ON)
+        c0 = wait_status(H1, client_end("shm"), MOVE_TIMEOUT, "the child's stream over shm")
+        r = vmictl(H1, "move", c0["gid"], "tcp")
+        assert r.returncode == 0, f"vmictl move tcp: {r.stderr}{r.stdout}"
+        c1 = wait_status(H1, client_end("tcp", c0["bytes_received"]), MOVE_TIMEOUT,
+                         "the child's stream over TCP")
+        r = vmictl(H1, "move", c0["gid"], "shm")
+        assert r.returncode == 0, f"vmictl move shm: {r.stderr}{r.stdout}"
+        time.sleep(1.0)
+        wait_status(H1, client_end("tcp", c1["bytes_received"]), MOVE_TIMEOUT,
+                    "the stream going on over TCP after the declined move")
+        cli.wait(timeout=40)
+        srv.wait(timeout=20)
+    c, child = cli.last_json(), srv.last_json()
+    assert "error" not in c and "error" not in child, (c, child)
+    assert c["recv_bytes"] == child["sent_bytes"] > 0, (c, child)
+    assert c["recv_sha256"] == child["sent_sha256"], (c, child)
 
 
 REGION_MAGIC = 0x766d692d73686d72     # substrate::shmring::REGION_MAGIC

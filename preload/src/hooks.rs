@@ -216,7 +216,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
             if let Some(l) = vc.shm_now() {
                 // The peer reads what the ring holds, then the end; nothing lingers here.
                 quietly(|| {
-                    l.close(fd);
+                    vc.shm_close(l, fd);
                     Some(())
                 });
                 // SAFETY: forwarding.

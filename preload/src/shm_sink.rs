@@ -523,7 +523,7 @@ impl ShmLink {
 
     /// A full ring: spin a little, then sleep until the consumer makes room (or the
     /// connection leaves the memory: `LINK_DOWN`).
-    fn wait_room(&self) -> Result<(), IrbError> {
+    pub fn wait_room(&self) -> Result<(), IrbError> {
         let until = sys::now_us() + crate::config::shm_spin_us();
         while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
             std::hint::spin_loop();

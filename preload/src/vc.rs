@@ -313,6 +313,26 @@ impl Vc {
         crate::tcp_sink::replay_now(self.mem(), self.slot, fd)
     }
 
+    /// The last close of a connection over shared memory: a replay still owed to the ring
+    /// (a link moved onto shared memory just before) is pushed first, waiting for room for
+    /// at most the grace period; then the peer reads the end.
+    pub fn shm_close(&self, l: &ShmLink, fd: i32) {
+        let c = self.mem.conn();
+        {
+            let _g = c.tx_lock.lock();
+            let until = crate::sys::now_ms() + crate::config::grace_ms();
+            // SAFETY: we hold the tx lock (the send half is ours).
+            let owed = || unsafe { (*c.tx.get()).replaying() };
+            while owed() && crate::sys::now_ms() < until {
+                match l.push_replay(self.mem(), fd) {
+                    Ok(false) if l.wait_room().is_ok() => {}
+                    _ => break,
+                }
+            }
+        }
+        l.close(fd);
+    }
+
     /// The program shuts its sending side of a connection over shared memory: the end of
     /// stream follows the bytes (after a replay still being pushed, if there is one).
     pub fn shm_shut_send(&self, l: &ShmLink, fd: i32) {

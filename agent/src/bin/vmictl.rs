@@ -169,23 +169,20 @@ fn main() {
     let mut s = UnixStream::connect_addr(&addr)
         .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    if let Msg::Net { name, up } = &cmd {
-        write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
-        match read_msg(&mut s) {
-            Ok(Msg::Ok) => {
-                println!("network {name} {}", if *up { "back in service" } else { "out of service" });
-                return;
-            }
-            Ok(Msg::Error { reason }) => fail(&reason),
-            Ok(other) => fail(&format!("unexpected answer {other:?}")),
-            Err(e) => fail(&e.to_string()),
+    let done = match &cmd {
+        Msg::Net { name, up } => {
+            Some(format!("network {name} {}", if *up { "back in service" } else { "out of service" }))
         }
-    }
-    if let Msg::Move { gid, shm } = &cmd {
+        Msg::Move { gid, shm } => {
+            Some(format!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" }))
+        }
+        _ => None,
+    };
+    if let Some(done) = done {
         write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
         match read_msg(&mut s) {
             Ok(Msg::Ok) => {
-                println!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" });
+                println!("{done}");
                 return;
             }
             Ok(Msg::Error { reason }) => fail(&reason),
