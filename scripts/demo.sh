@@ -18,6 +18,17 @@ LOG=$(mktemp -d /tmp/vmi-demo.XXXXXX)
 in_host() { local h=$1; shift; nsenter --net=/run/netns/"$h" "$@"; }
 layered() { local h=$1; shift; nsenter --net=/run/netns/"$h" env LD_PRELOAD="$PRELOAD" "$@"; }
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+same_stream() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+c = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+s = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
+ok = c["sent_sha256"] == s["recv_sha256"] and s["sent_sha256"] == c["recv_sha256"]
+print(f"  client sent {c['sent_bytes']} B, server received {s['recv_bytes']} B; server sent {s['sent_bytes']} B, client received {c['recv_bytes']} B")
+print("  SHA-256 equal both ways:", ok)
+sys.exit(0 if ok else 1)
+PY
+}
 
 cleanup() {
     set +e
@@ -78,15 +89,29 @@ for c in json.load(sys.stdin)["connections"]:
 wait "$client"
 ip -n "$H1" link set dev eth0 up
 sleep 0.5
-python3 - "$LOG/stream-client.json" "$LOG/stream-server.json" <<'PY'
+same_stream "$LOG/stream-client.json" "$LOG/stream-server.json"
+
+say "two programs on $H2 talk through shared memory; moved to TCP and back while they stream (vmictl move)"
+layered "$H2" python3 tests/programs/stream.py server --bind "$S:7001" --count 1 --hold 1 --rate 20000000 >"$LOG/shm-server.json" 2>"$LOG/shm-server.err" &
+sleep 0.5
+layered "$H2" python3 tests/programs/stream.py client --connect "$S:7001" --bytes 80000000 --seed 9 --hold 1 --rate 20000000 >"$LOG/shm-client.json" 2>"$LOG/shm-client.err" &
+client=$!
+sleep 0.8
+ends() { in_host "$H2" target/release/vmictl status --json | python3 -c '
 import json, sys
-c = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-s = json.loads(open(sys.argv[2]).read().strip().splitlines()[-1])
-ok = c["sent_sha256"] == s["recv_sha256"] and s["sent_sha256"] == c["recv_sha256"]
-print(f"  client sent {c['sent_bytes']} B, server received {s['recv_bytes']} B; server sent {s['sent_bytes']} B, client received {c['recv_bytes']} B")
-print("  SHA-256 equal both ways:", ok)
-sys.exit(0 if ok else 1)
-PY
+for c in json.load(sys.stdin)["connections"]:
+    if sys.argv[1] in (c["peer"], c["local"]):
+        print(c["gid"] if sys.argv[2] == "gid" else "  {local} -> {peer}: {substrate}, sent {bytes_sent}".format(**c))' "$S:7001" "$1"; }
+gid=$(ends gid | head -1)
+ends show
+for to in tcp shm; do
+    echo "  vmictl move $gid $to"
+    in_host "$H2" target/release/vmictl move "$gid" "$to" >/dev/null
+    sleep 0.6
+    ends show
+done
+wait "$client"
+same_stream "$LOG/shm-client.json" "$LOG/shm-server.json"
 
 say "a program without the layer stays plain TCP: curl (plain) from a layered http.server"
 mkdir -p "$LOG/www" && head -c 1048576 /dev/urandom >"$LOG/www/blob"
