@@ -434,6 +434,19 @@ fn socket_dead(fd: i32) -> bool {
 /// failed, on the new node if it was restored there.
 fn freeze(w: &mut Work) {
     let pid = crate::pid();
+    let closed =
+        fdtable::distinct_vcs().iter().filter(|v| v.shm_now().is_some_and(|l| l.peer_closed())).count();
+    if closed > 0 {
+        // Their peers' programs closed them: no rebuilt link could carry what they wrote and
+        // this program has not read yet.
+        let reason = format!(
+            "{closed} connection(s) over shared memory whose peer closed them are still being read; \
+             try again once they end"
+        );
+        log::warn(format_args!("not ready for a checkpoint: {reason}"));
+        send_event(&Msg::Error { reason });
+        return;
+    }
     // Memory mapped with a peer on this node cannot travel in the checkpoint: those
     // connections move to TCP first (their links are rebuilt after the thaw, wherever the
     // process is then, and come back to shared memory if the peer is on that node).
@@ -684,7 +697,8 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
         (Msg::Path { local, peer, up: false }, _) => {
             for v in fdtable::distinct_vcs() {
                 let c = v.mem().conn();
-                if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+                // (Shared memory does not use the network.)
+                if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 || v.shm_now().is_some() {
                     continue;
                 }
                 let Some(&fd) = fdtable::fds_of(&v).first() else { continue };
@@ -732,6 +746,12 @@ fn move_conn(gid: u128, shm: bool) {
     let c = v.mem().conn();
     c.pin_tcp.store(u32::from(!shm), Release);
     if !shm {
+        if v.shm_now().is_some_and(|l| l.peer_closed()) {
+            log::warn(format_args!(
+                "virtual connection {gid:032x} stays on shared memory: the peer closed it (it ends there)"
+            ));
+            return;
+        }
         move_off_shm(&v, "moving to TCP, as the operator asked");
         return;
     }

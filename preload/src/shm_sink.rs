@@ -859,6 +859,12 @@ impl ShmLink {
         Ok(done)
     }
 
+    /// True once the peer's program closed the connection (its layer can no longer take a
+    /// rebuilt link: moving now would lose what it wrote and we did not read yet).
+    pub fn peer_closed(&self) -> bool {
+        matches!(self.mode(), Mode::Shm | Mode::Pending) && self.tx.reader_gone()
+    }
+
     /// The stream offsets of the rings' first bytes (ours, the peer's).
     pub fn bases(&self) -> (u64, u64) {
         self.bases
