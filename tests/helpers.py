@@ -153,6 +153,7 @@ PORTS = {
     "migrate_ssh_fails": 17910,
     "migrate_specific": 17911,
     "migrate_shm": 17912,
+    "migrate_shm_closed": 17913,
     "migrate_redis": 16402,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"

@@ -8,7 +8,7 @@ redis-server moves while redis-benchmark runs against it. A server's listener ke
 accepting at its old address after it moved. A failed dump or a failed restore leaves the
 program running where it was, with nothing lost. Two programs talking through shared memory
 on one host: one moves away (the connection moves to TCP) and comes back (shared memory
-again).
+again); one whose peer closed the connection with bytes still unread is not moved.
 
 A migrated process is no longer the test's child (CRIU kills the original and restores a
 copy), so its result is read from its output file, not from its exit status; stream.py
@@ -187,6 +187,30 @@ def test_shared_memory_pair_parts_and_meets_again(procs, third_agent, who):
     st = wait_status(H1, both_on_shm, 10, "both ends back on shared memory")
     assert len(st) == 2, st
     p.check()
+
+
+def test_shared_memory_peer_closed_with_bytes_unread_refuses_the_checkpoint(procs,
+                                                                          third_agent):
+    """The client writes 512 KiB into the ring and closes its socket while the server is not
+    reading: moving the server now would lose those bytes (the client's layer is gone), so
+    vmi-migrate is refused with the reason and the server, still on host 1, reads every
+    byte."""
+    port = PORTS["migrate_shm_closed"]
+    addr = f"{H1_IP}:{port}"
+    nbytes = 512 * 1024
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", 1,
+                                       "--pause", "0:5"), port, layer=True, name="stream-server")
+    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                      nbytes, "--server-bytes", 0, "--seed", port),
+                      layer=True, name="stream-client")
+    cli.wait(timeout=10)
+    report, r = migrate(srv, H3, expect_ok=False)
+    assert r.returncode == 1 and report["ok"] is False, report
+    assert "peer closed" in report["outcome"], report
+    assert netns_of(srv.pid) == H1
+    srv.wait(timeout=20)
+    c, s = cli.last_json(), srv.last_json()
+    assert s["recv_bytes"] == nbytes and s["recv_sha256"] == c["sent_sha256"], (c, s)
 
 
 def test_server_migrates_mid_stream(procs, third_agent):
