@@ -226,6 +226,34 @@ def test_move_of_a_connection_two_processes_share(procs):
     assert c["recv_sha256"] == child["sent_sha256"], (c, child)
 
 
+
+def test_move_to_shared_memory_needs_both_ends_on_the_node(procs):
+    """`vmictl move GID shm` for a connection whose other end is on another host says why it
+    cannot and changes nothing; `vmictl move` of an unknown GID fails too."""
+    port = PORTS["shm_move_two_hosts"]
+    addr = f"{H1_IP}:{port}"
+    nbytes = MOVE_RATE * 3
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--rate", MOVE_RATE), port, layer=True,
+                       name="stream-server", env=ON)
+    with Watcher(H1, H2) as w:
+        cli = procs.start(H2, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                          nbytes, "--seed", port, "--rate", MOVE_RATE,
+                                          "--hold", "1"),
+                          layer=True, name="stream-client", env=ON)
+        s0 = wait_status(H1, lambda st: next(iter(server_conns(st, addr)), None), MOVE_TIMEOUT,
+                         "the server's end listed")
+        r = vmictl(H1, "move", s0["gid"], "shm")
+        assert r.returncode != 0 and "not on this node" in r.stderr, (r.returncode, r.stderr)
+        r = vmictl(H1, "move", "0" * 32, "tcp")
+        assert r.returncode != 0 and "no process" in r.stderr, (r.returncode, r.stderr)
+        cli.wait(timeout=30)
+        srv.wait(timeout=15)
+    c, s = cli.last_json(), srv.last_json()
+    assert_same_stream(c, s)
+    assert_virtual(w, H1, addr, H2, substrate="tcp")
+
+
 REGION_MAGIC = 0x766d692d73686d72     # substrate::shmring::REGION_MAGIC
 OFFERED, ACCEPTED = 0, 1
 

@@ -328,6 +328,12 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
                 } else if !pids.iter().all(|p| may_manage(&s, *p)) {
                     Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
+                } else if shm && pids.len() < 2 {
+                    Msg::Error {
+                        reason: format!(
+                            "the other end of connection {gid:032x} is not on this node: it stays on TCP"
+                        ),
+                    }
                 } else if agent.events.move_conn(gid, shm) {
                     info!("connection {gid:032x}: moving to {}", if shm { "shared memory" } else { "TCP" });
                     Msg::Ok
