@@ -99,6 +99,22 @@ def both_ends_on(addr, substrate, moved_past=0):
     return check
 
 
+def rated_server(procs, addr, port):
+    """A stream.py server on host 1 under the layer (shared memory on), one connection,
+    sending at MOVE_RATE."""
+    return procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                        "--hold", "1", "--rate", MOVE_RATE), port, layer=True,
+                        name="stream-server", env=ON)
+
+
+def rated_client(procs, host, addr, port, nbytes):
+    """Its client in host, sending and asking for nbytes each way at MOVE_RATE."""
+    return procs.start(host, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                         nbytes, "--server-bytes", nbytes, "--seed", port,
+                                         "--rate", MOVE_RATE, "--hold", "1"),
+                       layer=True, name="stream-client", env=ON)
+
+
 def finished(watcher, cli, srv, addr, up, down):
     """After both stream programs ended: the perfect stream and the exact counts of the
     virtual connection at both ends. Returns the client's result."""
@@ -117,14 +133,9 @@ def test_live_connection_moves_to_tcp_and_back(procs):
     port = PORTS["shm_move"]
     addr = f"{H1_IP}:{port}"
     nbytes = MOVE_RATE * MOVE_SECONDS
-    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
-                                       "--hold", "1", "--rate", MOVE_RATE), port, layer=True,
-                       name="stream-server", env=ON)
+    srv = rated_server(procs, addr, port)
     with Watcher(H1, H1) as w:
-        cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes",
-                                          nbytes, "--server-bytes", nbytes, "--seed", port,
-                                          "--rate", MOVE_RATE, "--hold", "1"),
-                          layer=True, name="stream-client", env=ON)
+        cli = rated_client(procs, H1, addr, port, nbytes)
         c0, _ = wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
                             "the stream flowing over shared memory at both ends")
         gid = c0["gid"]
@@ -233,14 +244,9 @@ def test_move_to_shared_memory_needs_both_ends_on_the_node(procs):
     port = PORTS["shm_move_two_hosts"]
     addr = f"{H1_IP}:{port}"
     nbytes = MOVE_RATE * 3
-    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
-                                       "--hold", "1", "--rate", MOVE_RATE), port, layer=True,
-                       name="stream-server", env=ON)
+    srv = rated_server(procs, addr, port)
     with Watcher(H1, H2) as w:
-        cli = procs.start(H2, python_prog("stream.py", "client", "--connect", addr, "--bytes",
-                                          nbytes, "--seed", port, "--rate", MOVE_RATE,
-                                          "--hold", "1"),
-                          layer=True, name="stream-client", env=ON)
+        cli = rated_client(procs, H2, addr, port, nbytes)
         s0 = wait_status(H1, lambda st: next(iter(server_conns(st, addr)), None), MOVE_TIMEOUT,
                          "the server's end listed")
         r = vmictl(H1, "move", s0["gid"], "shm")

@@ -100,25 +100,9 @@ pub(crate) fn open_socket(role: usize) -> Option<i32> {
         return None;
     }
     let (sun, len) = abstract_addr(name);
-    let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
-    // SAFETY: valid pointers to local structures.
-    let ok = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            &tv as *const _ as *const _,
-            std::mem::size_of_val(&tv) as _,
-        );
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDTIMEO,
-            &tv as *const _ as *const _,
-            std::mem::size_of_val(&tv) as _,
-        );
-        real::connect(fd, &sun as *const _ as *const libc::sockaddr, len) == 0
-    };
+    sys::set_timeouts(fd, 1000);
+    // SAFETY: a valid pointer to a local address.
+    let ok = unsafe { real::connect(fd, &sun as *const _ as *const libc::sockaddr, len) == 0 };
     if !ok {
         // SAFETY: our socket.
         unsafe { real::close(fd) };

@@ -321,25 +321,18 @@ fn close_events() {
 /// Reads one message (and a descriptor riding with it) from the event channel.
 fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
     let mut pre = [0u8; 4];
-    let mut iov = libc::iovec { iov_base: pre.as_mut_ptr() as *mut _, iov_len: 4 };
-    let mut cbuf: sys::FdCmsg = [0; 4];
-    // SAFETY: zeroed msghdr is valid; pointers set to live locals.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    sys::expect_fd(&mut msg, &mut cbuf);
-    // SAFETY: msg is valid; MSG_WAITALL gets the whole prefix.
-    let r = unsafe { real::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_WAITALL) };
-    if r != 4 {
-        return None;
-    }
-    let passed = sys::passed_fd(&msg);
+    // (MSG_WAITALL gets the whole prefix.)
+    let (r, passed) = sys::recv_with_fd(fd, &mut pre, libc::MSG_WAITALL);
     let close_passed = |p: Option<i32>| {
         if let Some(p) = p {
             // SAFETY: a descriptor we were passed and will not use.
             unsafe { real::close(p) };
         }
     };
+    if r != 4 {
+        close_passed(passed);
+        return None;
+    }
     let Ok(n) = Msg::body_len(pre) else {
         close_passed(passed);
         return None;
@@ -515,7 +508,7 @@ fn freeze(w: &mut Work) {
             if c < 0 {
                 continue;
             }
-            set_timeouts(c, 1000);
+            sys::set_timeouts(c, 1000);
             match recv_msg(c) {
                 Some(Msg::Thaw { pid: p }) if p as i32 == pid => {
                     conn = c;
@@ -912,22 +905,6 @@ fn give_up(v: &Vc, e: i32, why: &str) {
 // ---------------------------------------------------------------------------------------------
 // Handshake
 
-fn set_timeouts(fd: i32, ms: i64) {
-    let tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
-    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
-        // SAFETY: valid pointer to a local timeval.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                opt,
-                &tv as *const _ as *const _,
-                std::mem::size_of_val(&tv) as _,
-            )
-        };
-    }
-}
-
 fn send_msg(fd: i32, m: &Msg) -> bool {
     agent::write_all(fd, &m.encode(), None)
 }
@@ -992,7 +969,7 @@ fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option<i32> {
     // Back to blocking, with time-outs, for the handshake.
     // SAFETY: F_SETFL with an integer argument.
     unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
-    set_timeouts(fd, 1000);
+    sys::set_timeouts(fd, 1000);
     let one: i32 = 1;
     // SAFETY: valid pointer to a local int.
     unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, &one as *const _ as *const _, 4) };
@@ -1203,7 +1180,7 @@ fn answer(gid: u128, nonce_a: u128, fd: i32) {
     let c = v.mem().conn();
     // SAFETY: F_SETFL with an integer argument.
     unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
-    set_timeouts(fd, 1000);
+    sys::set_timeouts(fd, 1000);
     let nonce_b = sys::random_u128();
     if !send_msg(fd, &Msg::Challenge { nonce: nonce_b }) {
         close(fd);

@@ -139,19 +139,7 @@ fn send_fd(s: i32, to: &str, fd: i32) -> bool {
 
 /// A descriptor waiting on datagram socket `s`, if any.
 fn recv_fd(s: i32) -> Option<i32> {
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut _, iov_len: 1 };
-    let mut cbuf: sys::FdCmsg = [0; 4];
-    // SAFETY: zeroed msghdr is valid; fields point at live locals.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    sys::expect_fd(&mut msg, &mut cbuf);
-    // SAFETY: msg is valid.
-    if unsafe { real::recvmsg(s, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) } < 0 {
-        return None;
-    }
-    sys::passed_fd(&msg)
+    sys::recv_with_fd(s, &mut [0u8; 1], libc::MSG_DONTWAIT).1
 }
 
 /// True when `theirs` is the other end of our socket `ours` (same addresses, swapped).
@@ -714,6 +702,19 @@ impl ShmLink {
         }
     }
 
+    /// The layer's descriptors of this link (rendezvous socket, peer's socket, region file)
+    /// are let go and closed.
+    fn let_go_fds(&self) {
+        self.unprotect();
+        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
+        {
+            if fd >= 0 {
+                // SAFETY: our descriptors.
+                unsafe { real::close(fd) };
+            }
+        }
+    }
+
     fn unprotect(&self) {
         for slot in [&self.region, &self.peer_sock, &self.dgram] {
             crate::fdtable::unprotect_slot(slot);
@@ -795,14 +796,7 @@ impl ShmLink {
         // A peer waiting for room wakes and finds `moving`.
         sys::futex_wake(self.rx.space_word(), i32::MAX);
         sys::futex_wake(self.tx.space_word(), i32::MAX);
-        self.unprotect();
-        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
-        {
-            if fd >= 0 {
-                // SAFETY: our descriptors.
-                unsafe { real::close(fd) };
-            }
-        }
+        self.let_go_fds();
         if let Some(p) = &self.path {
             // SAFETY: an offer nobody took (already gone when it was taken).
             unsafe { libc::unlink(p.as_ptr()) };
@@ -865,11 +859,6 @@ impl ShmLink {
         matches!(self.mode(), Mode::Shm | Mode::Pending) && self.tx.reader_gone()
     }
 
-    /// The stream offsets of the rings' first bytes (ours, the peer's).
-    pub fn bases(&self) -> (u64, u64) {
-        self.bases
-    }
-
     /// Sets the stream offsets of the rings' first bytes (a rebuilt link's dialer learns
     /// the peer's only after its offer was made).
     pub fn set_bases(&mut self, b: (u64, u64)) {
@@ -892,23 +881,11 @@ impl ShmLink {
             bell(p);
         }
     }
-
-    /// True on the connecting side.
-    pub fn active(&self) -> bool {
-        self.active
-    }
 }
 
 impl Drop for ShmLink {
     fn drop(&mut self) {
-        self.unprotect();
-        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
-        {
-            if fd >= 0 {
-                // SAFETY: our descriptors.
-                unsafe { real::close(fd) };
-            }
-        }
+        self.let_go_fds();
         if let (Some(p), Mode::Pending) = (&self.path, self.mode()) {
             // SAFETY: the offer nobody took.
             unsafe { libc::unlink(p.as_ptr()) };

@@ -142,6 +142,23 @@ pub fn set_linger(fd: c_int, l: libc::linger) {
     };
 }
 
+/// Sets both time-outs (SO_RCVTIMEO, SO_SNDTIMEO) of socket `fd` to `ms` milliseconds.
+pub fn set_timeouts(fd: c_int, ms: i64) {
+    let tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: valid pointer to a local timeval.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &tv as *const _ as *const _,
+                std::mem::size_of_val(&tv) as _,
+            )
+        };
+    }
+}
+
 /// Sleeps while `word` (in memory other processes may share: no FUTEX_PRIVATE_FLAG) holds
 /// `val`, at most `ms` milliseconds (forever if negative). Returns the system call's result.
 pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64 {
@@ -174,10 +191,20 @@ pub fn attach_fd(msg: &mut libc::msghdr, cbuf: &mut FdCmsg, fd: c_int) {
     }
 }
 
-/// Gives `msg` room in `cbuf` for a passed descriptor before a receive.
-pub fn expect_fd(msg: &mut libc::msghdr, cbuf: &mut FdCmsg) {
+/// Receives into `buf` (`recvmsg` with `flags` and close-on-exec for a passed descriptor):
+/// the kernel's answer, and the descriptor that rode with the bytes, if any.
+pub fn recv_with_fd(s: c_int, buf: &mut [u8], flags: c_int) -> (isize, Option<c_int>) {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut _, iov_len: buf.len() };
+    let mut cbuf: FdCmsg = [0; 4];
+    // SAFETY: zeroed msghdr is valid; its fields point at live locals.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
     msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-    msg.msg_controllen = std::mem::size_of_val(cbuf);
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: msg is valid for the call.
+    let r = unsafe { crate::real::recvmsg(s, &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
+    (r, if r >= 0 { passed_fd(&msg) } else { None })
 }
 
 /// The descriptor a received `msg` carried, if any.
