@@ -73,8 +73,8 @@ TARGET_IDLE_CPU_PCT = 0.5         # CPU used by a process holding idle connectio
 TARGET_FAILOVER_SILENT_MS = 100.0  # longest receive stall after a silent path failure (and
                                    # the layer no worse than MPTCP for either kind of failure)
 
-BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "hockney", "irb",
-              "failover"]
+BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "calls", "hockney",
+              "irb", "failover"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
@@ -82,6 +82,7 @@ ALIASES = {
     "conn": "connrate", "connections": "connrate",
     "rss": "idle", "memory": "idle", "idle_conns": "idle",
     "non-tcp": "nontcp", "nontcp_calls": "nontcp", "unmanaged": "nontcp",
+    "vc_calls": "calls", "percall": "calls",
     "irb-cost": "irb",
     "mptcp": "failover", "stall": "failover", "failure": "failover",
 }
@@ -882,7 +883,7 @@ class Harness:
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         self.bindir.mkdir(exist_ok=True)
-        for prog in ("connrate", "idle_conns", "nontcp_calls"):
+        for prog in ("connrate", "idle_conns", "nontcp_calls", "vc_calls"):
             src = PROGRAMS / f"{prog}.c"
             r = quiet(["gcc", "-O2", "-Wall", "-o", str(self.bindir / prog), str(src)], timeout=120)
             if r.returncode != 0:
@@ -1211,6 +1212,45 @@ class Harness:
                 except BenchError as e:
                     self.error(name, f"{mode} rep {rep + 1}", str(e))
 
+    # ---------------------------------------------------------------- 6b. calls on a connection
+    def b_calls(self) -> None:
+        """The price of the calls on one TCP connection with nothing else in the way: both
+        ends in one process, driven by one thread, so no read ever waits and nobody is woken
+        (`programs/vc_calls.c`). Under the layer the connection is virtual over kernel TCP
+        (VMI_SHM=0): what is left over native is the layer's own cost per call, which
+        ping-pong latencies across CPUs hide under wake-up times ten times larger."""
+        name = "calls"
+        a = self.args
+        n = a.calls_iters or (20000 if a.quick else 100000)
+        prog = str(self.bindir / "vc_calls")
+        b = self.bench(name)
+        b["params"] = {"round_trips": n, "sizes": [64, 1024, 16384]}
+        timeout = 60.0 + n * 300e-6  # ~40 us per round trip of all three sizes; generous
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                log(f"calls {mode} rep {rep + 1}/{a.reps} ({n:,} round trips per size)")
+                try:
+                    env = self.env(mode)
+                    if mode == LAYER:
+                        env["VMI_SHM"] = "0"
+                    r = run(self.client.wrap(self.pin([prog, str(n)], "client")),
+                            timeout=timeout, env=env,
+                            log_path=self.logs / f"{name}-{tag}-client.log")
+                    if r.timed_out:
+                        raise BenchError(f"timed out after {timeout:.0f} s")
+                    if r.rc != 0:
+                        raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
+                    res = last_json_line(r.stdout)
+                    want = "framed" if mode == LAYER else "plain"
+                    if res.get("path") != want:
+                        raise BenchError(f"the connection was {res.get('path')!r}, not {want!r} "
+                                         f"({res.get('app_bytes')} bytes written, "
+                                         f"{res.get('wire_bytes')} on the wire)")
+                    b["runs"].append({"mode": mode, "rep": rep, **res})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
     # ---------------------------------------------------------------- 7. IRB cost
     def b_irb(self) -> None:
         name = "irb"
@@ -1506,7 +1546,8 @@ class Harness:
                     log(f"agents did not start ({e}); layered runs will be error rows")
             order = [("latency", self.b_latency), ("throughput", self.b_throughput),
                      ("redis", self.b_redis), ("connrate", self.b_connrate),
-                     ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("irb", self.b_irb),
+                     ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("calls", self.b_calls),
+                     ("irb", self.b_irb),
                      ("failover", self.b_failover)]
             for bname, fn in order:
                 want = bname in selected or (bname == "latency" and "hockney" in selected)
@@ -1839,6 +1880,41 @@ class Report:
         self.table(hdr, rows)
         self.summary["nontcp"] = summ
 
+    def calls(self) -> None:
+        b = self.b("calls")
+        if not b:
+            return
+        n = b.get("params", {}).get("round_trips")
+        hdr = ["message", "native ns/round trip", "layer ns/round trip", "ratio",
+               "layer's cost per call (ns)"]
+        rows = []
+        summ = {}
+        for size in (64, 1024, 16384):
+            key = f"rt_{size}_ns"
+            nat = [r[key] for r in self.by("calls", NATIVE) if r.get(key) is not None]
+            lay = [r[key] for r in self.by("calls", LAYER) if r.get(key) is not None]
+            r = ratio(med(lay), med(nat))
+            extra = (med(lay) - med(nat)) / 4 if nat and lay else None
+            summ[str(size)] = {"native_ns": med(nat), "layer_ns": med(lay), "ratio": r,
+                               "layer_ns_per_call": extra, "native_reps": nat, "layer_reps": lay}
+            rows.append([size_label(size), fmt_spread(nat, 0), fmt_spread(lay, 0), fmt(r, 3),
+                         "" if extra is None else f"{extra:,.0f}"])
+        rows += self.error_rows("calls", len(hdr))
+        count = f"{n:,}" if isinstance(n, int) else "N"
+        self.lines += ["## Calls on one connection, nothing else in the way",
+                       "",
+                       "One process holds both ends of a TCP connection over 127.0.0.1 and one "
+                       f"thread times {count} round trips per size: write, read, write back, "
+                       "read (four calls; every read finds its bytes there, nobody sleeps). "
+                       "Layered: a virtual connection over kernel TCP (`VMI_SHM=0`), checked by "
+                       "the frame headers on the wire. Median over repetitions (min–max in "
+                       "brackets); the last column is the difference divided by four. No target: "
+                       "this is the layer's own cost, which the ping-pong latencies above carry "
+                       "under wake-ups ten times larger.",
+                       ""]
+        self.table(hdr, rows)
+        self.summary["calls"] = summ
+
     def hockney_section(self) -> None:
         lat = self.summary.get("latency")
         if not lat:
@@ -2078,6 +2154,7 @@ class Report:
         self.rates()
         self.idle()
         self.nontcp()
+        self.calls()
         self.hockney_section()
         self.irb()
         self.failover()
@@ -2326,6 +2403,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--nontcp-iters", type=int, default=None,
                     help="iterations of each case of the nontcp benchmark (default 1000000, "
                     "200000 with --quick)")
+    ap.add_argument("--calls-iters", type=int, default=None,
+                    help="round trips per message size of the calls benchmark (default 100000, "
+                    "20000 with --quick)")
     ap.add_argument("--pin", choices=["split", "same", "none"], default="split",
                     help="CPU placement: split = servers on CPU 0, clients on CPU 1 (default); "
                     "same = both on CPU 0; none = leave it to the scheduler")
@@ -2344,6 +2424,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--failover-reps must be >= 1")
     if a.nontcp_iters is not None and a.nontcp_iters < 1:
         ap.error("--nontcp-iters must be >= 1")
+    if a.calls_iters is not None and a.calls_iters < 1:
+        ap.error("--calls-iters must be >= 1")
     sel = []
     for x in filter(None, (s.strip().lower() for s in a.only.split(","))):
         x = ALIASES.get(x, x)

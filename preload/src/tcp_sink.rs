@@ -3,8 +3,9 @@
 //! and parses frames out of it straight into the program's buffers.
 //!
 //! Calls run in the program's thread (no progress thread): a send writes header and payload
-//! with one `sendmsg`, a receive reads with one `recvmsg` laid out by
-//! [`RxState::plan_read`]. Acknowledgements ride on data; an ack goes alone only when a
+//! with one system call (`send` of a stack copy for small frames, `sendmsg` otherwise), a
+//! receive reads with one call laid out by [`RxState::plan_read`] (`read` into a stack buffer
+//! for small reads, `readv` straight into the program's buffer otherwise). Acknowledgements ride on data; an ack goes alone only when a
 //! quarter of the peer's window waits for one. A sender whose window is full first reads
 //! ack frames waiting at the head of its socket; if data from the peer stands in front of
 //! them, it uses the spare room of its ring instead of waiting for the program to read, so
@@ -25,12 +26,14 @@ use substrate::wire::frame::{FrameKind, HEADER_LEN};
 pub struct TcpSink {
     mem: ConnMem,
     slot: Option<Slot>,
+    /// The last read from the link was small: read the next one into one buffer.
+    small_reads: bool,
 }
 
 impl TcpSink {
     /// A sink over the connection whose shared memory is `mem`.
     pub fn new(mem: ConnMem, slot: Option<Slot>) -> Self {
-        TcpSink { mem, slot }
+        TcpSink { mem, slot, small_reads: true }
     }
 
     /// The connection's shared memory.
@@ -49,7 +52,7 @@ impl Device for TcpSink {
         let flags = irb.flags;
         let r = match (irb.kind(), &mut irb.buf) {
             (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, d, flags),
-            (IrbKind::Receive, Buf::In(b)) => recv(self.mem, self.slot, fd, b, flags),
+            (IrbKind::Receive, Buf::In(b)) => recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -125,40 +128,69 @@ fn note_peer_eof(mem: ConnMem) {
     }
 }
 
-/// Writes what `plan` says, with one sendmsg. Returns the kernel's answer.
+/// Frames up to this many payload bytes go to the kernel as one contiguous buffer through
+/// `send`: a copy onto the stack costs less than the kernel's two-segment `sendmsg` path
+/// (measured here: 830-930 ns against 1,060-1,100 ns per 64 B call, 1,180-1,290 against
+/// 1,370-1,540 ns at 1 KiB).
+const FLAT_SEND: usize = 4096;
+
+/// Writes what `plan` says, with one system call. Returns the kernel's answer.
 fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> isize {
+    // Never a SIGPIPE from the physical socket: a failed link is not the program's business
+    // (the layer raises SIGPIPE itself when the program's connection really ended).
+    let flags = flags | libc::MSG_NOSIGNAL;
+    let h = plan.header_bytes();
+    if plan.payload == 0 {
+        // SAFETY: the header bytes are live for the call.
+        return unsafe { real::send(fd, h.as_ptr() as *const _, h.len(), flags) };
+    }
+    if plan.payload <= FLAT_SEND {
+        let (a, b) = match plan.source {
+            Source::App => (&app[..plan.payload], &[][..]),
+            Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+        };
+        if h.is_empty() && b.is_empty() {
+            // SAFETY: `a` is live for the call.
+            return unsafe { real::send(fd, a.as_ptr() as *const _, a.len(), flags) };
+        }
+        let mut buf = std::mem::MaybeUninit::<[u8; FLAT_SEND + HEADER_LEN]>::uninit();
+        let p = buf.as_mut_ptr() as *mut u8;
+        let mut n = 0;
+        for part in [h, a, b] {
+            // SAFETY: the parts add up to at most HEADER_LEN + FLAT_SEND bytes (a header, and
+            // a payload of at most FLAT_SEND in one or two pieces), the buffer's size.
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), p.add(n), part.len()) };
+            n += part.len();
+        }
+        // SAFETY: the first `n` bytes of the buffer were written just above.
+        return unsafe { real::send(fd, p as *const _, n, flags) };
+    }
     let mut iov: [iovec; 3] = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
     let mut n = 0;
-    let h = plan.header_bytes();
     if !h.is_empty() {
         iov[n] = iovec { iov_base: h.as_ptr() as *mut _, iov_len: h.len() };
         n += 1;
     }
-    if plan.payload > 0 {
-        match plan.source {
-            Source::App => {
-                iov[n] = iovec { iov_base: app.as_ptr() as *mut _, iov_len: plan.payload };
-                n += 1;
-            }
-            Source::Ring(seq) => {
-                let (a, b) = ring_slices(ring, seq, plan.payload);
-                for s in [a, b] {
-                    if !s.is_empty() {
-                        iov[n] = iovec { iov_base: s.as_ptr() as *mut _, iov_len: s.len() };
-                        n += 1;
-                    }
-                }
-            }
+    let (a, b) = match plan.source {
+        Source::App => (&app[..plan.payload], &[][..]),
+        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+    };
+    for s in [a, b] {
+        if !s.is_empty() {
+            iov[n] = iovec { iov_base: s.as_ptr() as *mut _, iov_len: s.len() };
+            n += 1;
         }
+    }
+    if n == 1 {
+        // SAFETY: the one segment is live for the call.
+        return unsafe { real::send(fd, iov[0].iov_base, iov[0].iov_len, flags) };
     }
     // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = n;
-    // Never a SIGPIPE from the physical socket: a failed link is not the program's business
-    // (the layer raises SIGPIPE itself when the program's connection really ended).
     // SAFETY: msg is initialised and its buffers outlive the call.
-    unsafe { real::sendmsg(fd, &msg, flags | libc::MSG_NOSIGNAL) }
+    unsafe { real::sendmsg(fd, &msg, flags) }
 }
 
 /// An error from the physical socket: either the link failed (the connection waits for a
@@ -562,6 +594,29 @@ pub fn peer_fin(mem: ConnMem) -> bool {
     unsafe { (*mem.conn().rx.get()).fin != 0 }
 }
 
+/// Reads of at most this many link bytes go through a buffer on the stack with one `read`
+/// (then the payload is copied out) instead of a `readv` laid out by the plan: the kernel's
+/// one-buffer path costs about 100-130 ns less per call here, more than the copy of a small
+/// read.
+const STAGE: usize = 4096 + HEADER_LEN;
+
+/// Reads at most `want` (<= [`STAGE`]) link bytes into `stage` with one call.
+fn read_staged(
+    fd: c_int,
+    stage: &mut std::mem::MaybeUninit<[u8; STAGE]>,
+    want: usize,
+    flags: c_int,
+) -> isize {
+    debug_assert!(want <= STAGE);
+    let p = stage.as_mut_ptr() as *mut libc::c_void;
+    if flags == 0 {
+        // SAFETY: `stage` is writable for STAGE >= want bytes.
+        return unsafe { real::read(fd, p, want) };
+    }
+    // SAFETY: as above.
+    unsafe { real::recv(fd, p, want, flags) }
+}
+
 /// Reads as `plan` says, with one recvmsg.
 fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags: c_int) -> isize {
     let slot = rx.header_slot();
@@ -603,13 +658,17 @@ fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags:
     unsafe { real::recvmsg(fd, &mut msg, flags) }
 }
 
-/// The receive path. The caller holds the rx lock.
+/// The receive path. The caller holds the rx lock. `small_reads` is the connection's hint
+/// that reads are small: set while staged reads (see [`STAGE`]) come back at most half
+/// full, so that a program reading messages into a large buffer takes the one-buffer path,
+/// and one streaming bulk data the plan's `readv` straight into its buffer.
 pub fn recv(
     mem: ConnMem,
     slot: Option<Slot>,
     fd: c_int,
     buf: &mut [u8],
     flags: c_int,
+    small_reads: &mut bool,
 ) -> Result<usize, IrbError> {
     let c = mem.conn();
     let b = c.broken.load(Acquire);
@@ -635,7 +694,16 @@ pub fn recv(
         let space = &mut buf[total..];
         let plan = rx.plan_read(space.len());
         let fin_before = rx.fin;
-        let r = read_plan(fd, rx, plan, space, kflags);
+        // Every plan reads at most as many payload bytes as `space` holds, so a staged read
+        // of `want <= plan.total()` link bytes never leaves payload behind in the layer.
+        let want = plan.total();
+        let staged = want <= STAGE || *small_reads;
+        let mut stage = std::mem::MaybeUninit::<[u8; STAGE]>::uninit();
+        let r = if staged {
+            read_staged(fd, &mut stage, want.min(STAGE), kflags)
+        } else {
+            read_plan(fd, rx, plan, space, kflags)
+        };
         if r < 0 {
             let e = sys::errno();
             if total > 0 {
@@ -660,14 +728,21 @@ pub fn recv(
             note_peer_eof(mem);
             return Ok(total);
         }
-        let got =
-            match rx.ingest(plan, r as usize, space).and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
-                Ok(n) => n,
-                Err(e) => {
-                    let err = fail(mem, slot, fd, e);
-                    return if total > 0 { Ok(total) } else { Err(err) };
-                }
-            };
+        *small_reads = 2 * r as usize <= STAGE;
+        let ingested = if staged {
+            // SAFETY: the kernel wrote the first `r` bytes of the stage.
+            let got = unsafe { std::slice::from_raw_parts_mut(stage.as_mut_ptr() as *mut u8, r as usize) };
+            rx.parse_buffer(got).inspect(|i| space[..i.payload].copy_from_slice(&got[..i.payload]))
+        } else {
+            rx.ingest(plan, r as usize, space)
+        };
+        let got = match ingested.and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
+            Ok(n) => n,
+            Err(e) => {
+                let err = fail(mem, slot, fd, e);
+                return if total > 0 { Ok(total) } else { Err(err) };
+            }
+        };
         total += got;
         fin_check(mem, fd, fin_before, rx);
         maybe_ack(mem, slot, fd, rx.delivered);
