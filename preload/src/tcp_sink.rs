@@ -659,7 +659,7 @@ fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags:
 }
 
 /// The receive path. The caller holds the rx lock. `small_reads` is the connection's hint
-/// that reads are small: set while staged reads (see [`STAGE`]) come back at most half
+/// that reads are small: set while staged reads (see `STAGE`) come back at most half
 /// full, so that a program reading messages into a large buffer takes the one-buffer path,
 /// and one streaming bulk data the plan's `readv` straight into its buffer.
 pub fn recv(

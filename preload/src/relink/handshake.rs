@@ -1,0 +1,365 @@
+//! The resume handshake on a rebuilt link: dialing the peer node's agent, proving the
+//! connection's secret, exchanging what each side delivered, and settling the substrate.
+
+use super::*;
+
+pub(super) fn send_msg(fd: i32, m: &Msg) -> bool {
+    agent::write_all(fd, &m.encode(), None)
+}
+
+pub(super) fn recv_msg(fd: i32) -> Option<Msg> {
+    let mut pre = [0u8; 4];
+    if !agent::read_exact(fd, &mut pre) {
+        return None;
+    }
+    let n = Msg::body_len(pre).ok()?;
+    if n > 4096 {
+        return None;
+    }
+    let mut body = vec![0u8; n];
+    if !agent::read_exact(fd, &mut body) {
+        return None;
+    }
+    Msg::decode(&body).ok()
+}
+
+/// Connects a new socket from `local` (IP; unspecified: any) to `peer`, within `ms`.
+pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option<i32> {
+    let v6 = peer.is_ipv6();
+    let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let fail = |fd: i32| {
+        // SAFETY: our socket.
+        unsafe { real::close(fd) };
+        None
+    };
+    if !local.ip().is_unspecified() && local.is_ipv6() == v6 {
+        let (st, len) = sys::to_raw(&SocketAddr::new(local.ip(), 0), v6);
+        // SAFETY: binds our own socket.
+        if unsafe { libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) } != 0 {
+            return fail(fd);
+        }
+    }
+    let (st, len) = sys::to_raw(&peer, v6);
+    // SAFETY: connects our own socket.
+    let r = unsafe { real::connect(fd, &st as *const _ as *const libc::sockaddr, len) };
+    if r != 0 && sys::errno() != libc::EINPROGRESS {
+        return fail(fd);
+    }
+    if r != 0 {
+        if sys::wait_fd(fd, libc::POLLOUT, ms) & libc::POLLOUT == 0 {
+            return fail(fd);
+        }
+        let mut err: i32 = 0;
+        let mut l = 4 as libc::socklen_t;
+        // SAFETY: valid pointers to locals.
+        unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, &mut err as *mut _ as *mut _, &mut l)
+        };
+        if err != 0 {
+            return fail(fd);
+        }
+    }
+    // Back to blocking, with time-outs, for the handshake.
+    // SAFETY: F_SETFL with an integer argument.
+    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    sys::set_timeouts(fd, 1000);
+    let one: i32 = 1;
+    // SAFETY: valid pointer to a local int.
+    unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, &one as *const _ as *const _, 4) };
+    Some(fd)
+}
+
+/// Dials the peer node's agent over a working path and resumes. `None` when the link is up
+/// again (or the connection was given up), else how long to wait before the next try.
+pub(super) fn dial(v: &Vc) -> Option<u64> {
+    let c = v.mem().conn();
+    let peers = c.peer_agents();
+    if peers.is_empty() {
+        give_up(v, libc::ECONNRESET, "the peer's node agent is unknown, the link cannot be rebuilt");
+        return None;
+    }
+    let paths: Vec<(SocketAddr, SocketAddr)> = match agent::request(&Msg::Paths { peers: peers.clone() }) {
+        Some(Msg::PathList { pairs }) => pairs,
+        // No agent here: try every address of the peer's node.
+        _ => peers.iter().map(|p| (SocketAddr::new(unspecified(p), 0), *p)).collect(),
+    };
+    for (local, peer) in paths {
+        let Some(fd) = connect_to(local, peer, 500) else {
+            log::debug(format_args!("resume {:032x}: cannot reach {peer} from {}", c.gid, local.ip()));
+            continue;
+        };
+        match resume_as_dialer(v, fd) {
+            Ok(()) => {
+                log::info(format_args!(
+                    "virtual connection {:032x}: link rebuilt from {} to {peer} after {} ms",
+                    c.gid,
+                    local.ip(),
+                    sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
+                ));
+                return None;
+            }
+            Err(Final(e, why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                give_up(v, e, &why);
+                return None;
+            }
+            Err(Retry(why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                log::info(format_args!("resume {:032x} via {peer}: {why}", c.gid));
+            }
+            Err(Wait(why)) => {
+                // SAFETY: our socket.
+                unsafe { real::close(fd) };
+                log::debug(format_args!("resume {:032x} via {peer}: {why}", c.gid));
+                return Some(250);
+            }
+        }
+    }
+    Some(100)
+}
+
+/// Bytes replayed on rebuilt links, for the report after a migration.
+pub(super) static REPLAYED: AtomicU64 = AtomicU64::new(0);
+
+pub(super) fn note_replay(tx: &substrate::reliability::TxState, peer_delivered: u64) {
+    REPLAYED.fetch_add(tx.next_seq.saturating_sub(peer_delivered), Relaxed);
+}
+
+pub(super) fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
+    if p.is_ipv6() {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    }
+}
+
+pub(super) enum Failure {
+    /// The connection cannot be rebuilt: give it up with this errno.
+    Final(i32, String),
+    /// Try another path, or again soon.
+    Retry(String),
+    /// The peer is being moved to another node: it dials once it is there.
+    Wait(String),
+}
+use Failure::{Final, Retry, Wait};
+
+/// Error reason an agent gives for a connection whose process is being moved away.
+pub const MOVED: &str = "moved";
+
+/// Where this node's agent can be reached (what the other side of a rebuilt link must dial
+/// next time); empty without an agent.
+pub(super) fn my_agents() -> Vec<SocketAddr> {
+    match agent::request(&Msg::WhereAmI) {
+        Some(Msg::Here { addrs }) => addrs,
+        _ => Vec::new(),
+    }
+}
+
+pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
+    let c = v.mem().conn();
+    let nonce_a = sys::random_u128();
+    let mine = my_agents();
+    if !send_msg(fd, &Msg::Resume { gid: c.gid, nonce: nonce_a, from_active: c.active != 0 }) {
+        return Err(Retry("cannot send".into()));
+    }
+    let nonce_b = match recv_msg(fd) {
+        Some(Msg::Challenge { nonce }) => nonce,
+        Some(Msg::Error { reason }) if reason == MOVED => {
+            return Err(Wait("the peer is moving to another node; it will dial".into()))
+        }
+        Some(Msg::Error { reason }) => {
+            return Err(Final(libc::ECONNRESET, format!("the peer's node no longer has it ({reason})")))
+        }
+        other => return Err(Retry(format!("no challenge ({other:?})"))),
+    };
+    // From here the old link is dead for good: freeze both halves.
+    kick(v);
+    let _tx = c.tx_lock.lock();
+    let _rx = c.rx_lock.lock();
+    if let Err(e) = v.leave_shm() {
+        return Err(Final(libc::ECONNRESET, format!("cannot leave shared memory: {e}")));
+    }
+    // SAFETY: we hold both locks.
+    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
+    let delivered_a = rx.delivered;
+    // Both ends on this node: offer shared memory for the new link.
+    let mut offer = (shm_wanted(v) && mine.iter().any(|a| c.peer_agents().contains(a)))
+        .then(|| ShmLink::offer(c.gid, c.secret, nonce_a, (0, 0)))
+        .flatten();
+    let mac = resume_mac(c.secret, Role::Dialer, c.gid, nonce_a, nonce_b, delivered_a, &addrs_bytes(&mine));
+    let proof = Msg::Proof { delivered: delivered_a, mac, agents: mine, shm: offer.is_some() };
+    if !send_msg(fd, &proof) {
+        return Err(Retry("cannot send the proof".into()));
+    }
+    let (delivered_b, theirs) = match recv_msg(fd) {
+        Some(Msg::Ready { delivered, mac, agents, sent, shm }) => {
+            if !shm {
+                offer = None;
+            }
+            let want =
+                resume_mac(c.secret, Role::Holder, c.gid, nonce_a, nonce_b, delivered, &addrs_bytes(&agents));
+            if !proofs_equal(mac, want) {
+                log::warn(format_args!(
+                    "resume of virtual connection {:032x} refused: the answering side does not know the secret",
+                    c.gid
+                ));
+                return Err(Retry("bad proof from the holder".into()));
+            }
+            // What the holder replays (for reports).
+            REPLAYED.fetch_add(sent.saturating_sub(delivered_a), Relaxed);
+            (delivered, agents)
+        }
+        Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
+        other => return Err(Retry(format!("no answer to the proof ({other:?})"))),
+    };
+    if let Err(e) = tx.relink(delivered_b, delivered_a) {
+        return Err(Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}")));
+    }
+    note_replay(tx, delivered_b);
+    rx.relink(delivered_b);
+    c.set_peer_agents(&theirs);
+    publish(v.mem(), tx, rx);
+    if let Some(mut l) = offer {
+        // The holder answers in the offer's header (and a bell) right after its Ready.
+        l.set_bases((delivered_b, delivered_a));
+        v.join_shm(l);
+    }
+    install(v, fd);
+    Ok(())
+}
+
+/// Whether this side may put the connection on shared memory (the peer must be on this
+/// node too): enabled, not pinned to TCP by the operator, and held by this process alone
+/// (the memory is mapped by the process that sets it up).
+pub(super) fn shm_wanted(v: &Vc) -> bool {
+    let c = v.mem().conn();
+    config::shm() && c.pin_tcp.load(Acquire) == 0 && c.procs.load(Acquire) == 1
+}
+
+/// Moves a connection off shared memory now (a checkpoint, or the operator): the peer is
+/// told, both sides' stream positions go to their TCP halves, and the link is rebuilt over
+/// TCP (by the dialing side, as after any failure).
+pub(super) fn move_off_shm(v: &Vc, why: &str) {
+    let Some(l) = v.shm_now() else { return };
+    if let Some(&fd) = fdtable::fds_of(v).first() {
+        l.set_moving(fd);
+    }
+    link_broken(v.mem(), why);
+    kick(v);
+    let c = v.mem().conn();
+    let tx = c.tx_lock.lock();
+    let rx = c.rx_lock.lock();
+    let r = v.leave_shm();
+    drop((rx, tx));
+    if let Err(e) = r {
+        give_up(v, libc::ECONNRESET, &format!("cannot leave shared memory: {e}"));
+    }
+}
+
+/// The side that was connected to: a dialer reached our agent, which passed its socket.
+pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
+    let close = |fd: i32| {
+        // SAFETY: the socket we were passed.
+        unsafe { real::close(fd) };
+    };
+    let from = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+    let Some(v) = find(gid) else {
+        let _ = send_msg(fd, &Msg::Error { reason: "no such connection".into() });
+        close(fd);
+        return;
+    };
+    let c = v.mem().conn();
+    // SAFETY: F_SETFL with an integer argument.
+    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    sys::set_timeouts(fd, 1000);
+    let nonce_b = sys::random_u128();
+    if !send_msg(fd, &Msg::Challenge { nonce: nonce_b }) {
+        close(fd);
+        return;
+    }
+    let (delivered_a, mac, theirs, offered) = match recv_msg(fd) {
+        Some(Msg::Proof { delivered, mac, agents, shm }) => (delivered, mac, agents, shm),
+        other => {
+            log::warn(format_args!(
+                "resume of virtual connection {gid:032x} from {from} refused: no proof ({other:?})"
+            ));
+            close(fd);
+            return;
+        }
+    };
+    let want = resume_mac(c.secret, Role::Dialer, gid, nonce_a, nonce_b, delivered_a, &addrs_bytes(&theirs));
+    if !proofs_equal(mac, want) {
+        log::warn(format_args!(
+            "resume of virtual connection {gid:032x} from {from} refused: wrong proof of the secret"
+        ));
+        let _ = send_msg(fd, &Msg::Error { reason: "refused".into() });
+        close(fd);
+        return;
+    }
+    link_broken(v.mem(), &format!("the peer rebuilds it from {from}"));
+    kick(&v);
+    let _tx = c.tx_lock.lock();
+    let _rx = c.rx_lock.lock();
+    if let Err(e) = v.leave_shm() {
+        let _ = send_msg(fd, &Msg::Error { reason: "cannot leave shared memory".into() });
+        close(fd);
+        drop((_rx, _tx));
+        give_up(&v, libc::ECONNRESET, &format!("cannot leave shared memory: {e}"));
+        return;
+    }
+    // SAFETY: we hold both locks.
+    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
+    let delivered_b = rx.delivered;
+    if let Err(e) = tx.relink(delivered_a, delivered_b) {
+        let _ = send_msg(fd, &Msg::Error { reason: "impossible stream position".into() });
+        close(fd);
+        drop((_rx, _tx));
+        give_up(&v, libc::ECONNRESET, &format!("the peer's stream position is impossible: {e}"));
+        return;
+    }
+    let mine = my_agents();
+    let take = offered && shm_wanted(&v) && mine.iter().any(|a| theirs.contains(a));
+    let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b, &addrs_bytes(&mine));
+    let ready = Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent: tx.next_seq, shm: take };
+    if !send_msg(fd, &ready) {
+        // The dialer tries again (the states stay consistent: it replays from what we said).
+        close(fd);
+        return;
+    }
+    note_replay(tx, delivered_a);
+    rx.relink(delivered_a);
+    c.set_peer_agents(&theirs);
+    publish(v.mem(), tx, rx);
+    if take {
+        // (A refusal is said in the offer's header and by one bell, before any frame.)
+        if let Some(l) = ShmLink::accept(gid, c.secret, nonce_a, fd, true, (delivered_a, delivered_b)) {
+            v.join_shm(l);
+        }
+    }
+    install(&v, fd);
+    log::info(format_args!(
+        "virtual connection {gid:032x}: link rebuilt by the peer from {from} after {} ms",
+        sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
+    ));
+}
+
+pub(super) fn publish(
+    mem: ConnMem,
+    tx: &substrate::reliability::TxState,
+    rx: &substrate::reliability::RxState,
+) {
+    let c = mem.conn();
+    c.delivered.store(rx.delivered, Release);
+    if rx.peer_ack > c.peer_ack.load(Relaxed) {
+        c.peer_ack.store(rx.peer_ack, Release);
+    }
+    c.ack_sent.store(tx.ack_sent, Release);
+    c.unacked.store(tx.unacked(), Relaxed);
+}

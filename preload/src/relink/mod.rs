@@ -1,0 +1,604 @@
+//! Failover: rebuilding a virtual connection's physical link over a network that works,
+//! under the same descriptor number, with nothing lost, repeated or reordered.
+//!
+//! Each process with virtual connections runs one control thread. It keeps an *event
+//! channel* open to the node agent (which connections this process holds; which network
+//! paths died), and does the slow work so the program's threads only ever wait:
+//!
+//! * **Detection.** The agent says a path died (its probes went silent), or a program's call
+//!   met an error on the physical socket (reset, timeout, unreachable) that the peer's layer
+//!   did not announce as the program's own reset. Either way the link is marked down; calls
+//!   on it then wait (blocking sockets) or return `EAGAIN` (non-blocking ones), for at most
+//!   the grace period (`VMI_GRACE`), after which they fail with `ETIMEDOUT`.
+//! * **Rebuild.** The side that connected dials the peer node's agent over a working path
+//!   (the agent lists them) and says `Resume{gid, nonce}`; that agent hands the socket to the
+//!   process holding the connection. Both sides prove they know the connection's secret
+//!   ([`substrate::auth`]) and state how many bytes of the other's stream they delivered.
+//! * **Install.** The old socket is disconnected (waking any thread blocked on it), the new
+//!   one is put under every descriptor number of the connection with `dup3`, with the old
+//!   one's file flags and socket options, and the program's epoll registrations are made
+//!   again. Each side then replays what the other did not deliver from its replay ring, and
+//!   the end of stream if the program had shut its side down.
+//!
+//! Here: the link state the data path reads, the control thread and its event channel.
+//! `handshake`: the resume handshake. `swap`: putting the new socket under the program's
+//! descriptors. `epoll`: the program's epoll registrations across the swap. `freeze`:
+//! checkpoints.
+
+use crate::fdtable::{self, OWN_EVENTS, OWN_WAKE};
+use crate::shm::ConnMem;
+use crate::shm_sink::ShmLink;
+use crate::vc::Vc;
+use crate::{agent, config, log, real, sys};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex};
+use substrate::auth::{proofs_equal, resume_mac, Role};
+use substrate::wire::agent::{addrs_bytes, Msg};
+use substrate::wire::frame::FrameKind;
+
+mod epoll;
+mod freeze;
+mod handshake;
+mod swap;
+
+pub use epoll::EpollReg;
+use epoll::*;
+use freeze::*;
+pub use freeze::{thaw_name, FROZEN};
+pub use handshake::MOVED;
+use handshake::*;
+use swap::*;
+pub use swap::{adopt, swap_socket};
+
+/// Internal error code: the link is down, wait for a new one (never reaches the program).
+pub const LINK_DOWN: i32 = 0x7f00_0001;
+
+/// Pid of the process whose control thread runs (0: none yet; another pid: a fork parent's).
+static CONTROL_PID: AtomicI32 = AtomicI32::new(0);
+static START: Mutex<()> = Mutex::new(());
+
+/// 1 while some rebuilt link still has bytes to replay.
+static REPLAYING: AtomicU32 = AtomicU32::new(0);
+
+// ---------------------------------------------------------------------------------------------
+// Link state shared with the data path
+
+/// The physical socket failed with `e` (or the agent said its path died): mark the link
+/// down and tell the control thread. True if it was up until now.
+pub fn link_broken(mem: ConnMem, why: &str) -> bool {
+    let c = mem.conn();
+    if c.broken.load(Acquire) != 0 {
+        return false;
+    }
+    if c.link_down.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        c.down_since_ms.store(sys::now_ms(), Release);
+        log::info(format_args!("virtual connection {:032x}: link lost ({why}); rebuilding it", c.gid));
+        wake();
+        return true;
+    }
+    false
+}
+
+/// True if `e` from the physical socket means the link (not the peer's program) failed.
+pub fn is_link_error(e: i32) -> bool {
+    matches!(
+        e,
+        libc::ECONNRESET
+            | libc::EPIPE
+            | libc::ETIMEDOUT
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::ENETDOWN
+            | libc::ECONNABORTED
+            | libc::ENOTCONN
+            | libc::EHOSTDOWN
+    )
+}
+
+/// Waits (a blocking call) until the link is up again or the connection failed; the
+/// connection's errno in the second case.
+pub fn wait_link(vc: &Vc) -> Result<(), i32> {
+    let c = vc.mem().conn();
+    ensure_control();
+    loop {
+        let b = c.broken.load(Acquire);
+        if b != 0 {
+            return Err(b);
+        }
+        let gen = c.link_gen.load(Acquire);
+        if c.link_down.load(Acquire) == 0 {
+            return Ok(());
+        }
+        sys::futex_wait(&c.link_gen, gen, 200);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The control thread
+
+fn wake() {
+    let fd = fdtable::own_fd(OWN_WAKE);
+    if fd >= 0 {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(fd, &one as *const u64 as *const _, 8) };
+    }
+}
+
+/// Starts this process's control thread if it does not run yet (first connection, or the
+/// first call in a forked child).
+pub fn ensure_control() {
+    let me = crate::pid();
+    if CONTROL_PID.load(Acquire) == me {
+        return;
+    }
+    let _g = START.lock().unwrap_or_else(|e| e.into_inner());
+    if CONTROL_PID.load(Acquire) == me {
+        return;
+    }
+    // A forked child inherited its parent's descriptors: close them, they are the parent's.
+    for role in [OWN_EVENTS, OWN_WAKE] {
+        let fd = fdtable::unprotect(role);
+        if fd >= 0 {
+            // SAFETY: our own descriptor (the child's copy).
+            unsafe { real::close(fd) };
+        }
+    }
+    // SAFETY: plain eventfd creation.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if efd >= 0 {
+        fdtable::protect(OWN_WAKE, fdtable::move_high(efd));
+    }
+    let ok = std::thread::Builder::new()
+        .name("vmi-control".into())
+        .stack_size(256 << 10)
+        .spawn(|| {
+            let _ = std::panic::catch_unwind(control_loop);
+        })
+        .is_ok();
+    if ok {
+        CONTROL_PID.store(me, Release);
+    } else {
+        log::error(format_args!("cannot start the control thread: connections cannot fail over"));
+    }
+}
+
+/// Partial writes by non-blocking senders so far (the rest of each frame waits in the ring).
+static OWED: AtomicU64 = AtomicU64::new(0);
+
+/// A non-blocking send left the rest of a frame in the ring. The program's next send usually
+/// finishes it; if none comes, the control thread does, a few milliseconds later. (No system
+/// call here: this happens on most writes of a sender that fills its socket.)
+#[inline]
+pub fn owed_later() {
+    OWED.fetch_add(1, Relaxed);
+}
+
+/// Asks the control thread to look at the connections now (a Fin waits for a replay).
+pub fn poke() {
+    if REPLAYING.swap(1, Relaxed) == 0 {
+        ensure_control();
+        wake();
+    }
+}
+
+/// A new connection in this process: tell the agent we hold it.
+pub fn held(gid: u128, active: bool) {
+    ensure_control();
+    send_event(&Msg::Hold { gid, active });
+}
+
+/// This process let go of a connection.
+pub fn released(gid: u128) {
+    send_event(&Msg::Release { gid });
+}
+
+static EVT_WRITE: Mutex<()> = Mutex::new(());
+
+type Guards = (std::sync::MutexGuard<'static, ()>, std::sync::MutexGuard<'static, ()>);
+
+thread_local! {
+    static FORK_GUARD: std::cell::RefCell<Option<Guards>> = const { std::cell::RefCell::new(None) };
+}
+
+/// fork, prepare: no thread of ours may hold one of these locks across the fork (the child
+/// would find it locked forever).
+pub fn before_fork() {
+    let g = (
+        START.lock().unwrap_or_else(|e| e.into_inner()),
+        EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner()),
+    );
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
+}
+
+/// fork, parent and child: let go.
+pub fn after_fork() {
+    FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+fn send_event(m: &Msg) {
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    let fd = fdtable::own_fd(OWN_EVENTS);
+    if fd >= 0 && !agent::write_all(fd, &m.encode(), None) {
+        log::debug(format_args!("event channel write failed"));
+    }
+}
+
+/// At exit: gives the socket of a closed connection to the agent, which keeps it until the
+/// peer closes too. True if the agent took it.
+pub fn hand_over_linger(gid: u128, fd: i32) -> bool {
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    let evt = fdtable::own_fd(OWN_EVENTS);
+    evt >= 0 && agent::write_all(evt, &Msg::Linger { gid }.encode(), Some(fd))
+}
+
+fn open_events() -> Option<i32> {
+    let fd = agent::open_socket(OWN_EVENTS)?;
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    if !agent::write_all(fd, &Msg::Events { pid: crate::pid() as u32 }.encode(), None) {
+        return None;
+    }
+    for v in fdtable::distinct_vcs() {
+        let c = v.mem().conn();
+        if !agent::write_all(fd, &Msg::Hold { gid: c.gid, active: c.active != 0 }.encode(), None) {
+            return None;
+        }
+    }
+    Some(fd)
+}
+
+fn close_events() {
+    let fd = fdtable::unprotect(OWN_EVENTS);
+    if fd >= 0 {
+        // SAFETY: our own socket.
+        unsafe { real::close(fd) };
+    }
+}
+
+/// Reads one message (and a descriptor riding with it) from the event channel.
+fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
+    let mut pre = [0u8; 4];
+    // (MSG_WAITALL gets the whole prefix.)
+    let (r, passed) = sys::recv_with_fd(fd, &mut pre, libc::MSG_WAITALL);
+    let close_passed = |p: Option<i32>| {
+        if let Some(p) = p {
+            // SAFETY: a descriptor we were passed and will not use.
+            unsafe { real::close(p) };
+        }
+    };
+    if r != 4 {
+        close_passed(passed);
+        return None;
+    }
+    let Ok(n) = Msg::body_len(pre) else {
+        close_passed(passed);
+        return None;
+    };
+    let mut body = vec![0u8; n];
+    if !agent::read_exact(fd, &mut body) {
+        close_passed(passed);
+        return None;
+    }
+    match Msg::decode(&body) {
+        Ok(m) => Some((m, passed)),
+        Err(e) => {
+            log::warn(format_args!("agent sent a malformed event: {e}"));
+            close_passed(passed);
+            None
+        }
+    }
+}
+
+/// Connections whose link is down, with when this process last tried to dial.
+struct Pending {
+    next_try_ms: u64,
+}
+
+/// Connections this side answers for (it did not dial them) whose path the agent says is
+/// dead: when it last saw the peer's kernel acknowledge anything, and when it last asked.
+struct Suspect {
+    since_ms: u64,
+    poked_ms: u64,
+}
+
+#[derive(Default)]
+struct Work {
+    pending: HashMap<u128, Pending>,
+    suspects: HashMap<u128, Suspect>,
+    owed_seen: u64,
+    last_wire: HashMap<u128, u64>,
+    /// Connections this side must dial whatever its role: the process was restored on
+    /// another node, and only it knows where it is now.
+    must_dial: std::collections::HashSet<u128>,
+    /// A thaw whose report to `vmi-migrate` waits for the links to be rebuilt.
+    thawing: Option<Thawing>,
+}
+
+/// The report owed to `vmi-migrate` after a thaw.
+struct Thawing {
+    fd: i32,
+    since_ms: u64,
+    moved: bool,
+    conns: u32,
+    to_rebuild: Vec<u128>,
+    /// Links of `to_rebuild` that came back, counted when they did (the program may close
+    /// some of them before the report goes out).
+    rebuilt: std::collections::HashSet<u128>,
+    replayed_before: u64,
+}
+
+fn control_loop() {
+    let mut next_connect = 0u64;
+    let mut w = Work::default();
+    loop {
+        let now = sys::now_ms();
+        let mut evt = fdtable::own_fd(OWN_EVENTS);
+        if evt < 0 && now >= next_connect {
+            match open_events() {
+                Some(fd) => evt = fd,
+                None => {
+                    close_events();
+                    next_connect = now + 500;
+                }
+            }
+        }
+        let wake_fd = fdtable::own_fd(OWN_WAKE);
+        let mut pfds = [
+            libc::pollfd { fd: evt, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
+        ];
+        let owed = OWED.load(Relaxed);
+        let timeout = if REPLAYING.load(Relaxed) != 0 {
+            2
+        } else if owed != w.owed_seen {
+            w.owed_seen = owed;
+            REPLAYING.store(1, Relaxed);
+            5
+        } else if w.pending.is_empty() && w.suspects.is_empty() {
+            500
+        } else {
+            50
+        };
+        // SAFETY: two valid pollfds (negative fds are ignored by poll).
+        unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+        if pfds[1].revents != 0 {
+            let mut v = 0u64;
+            // SAFETY: drains our eventfd.
+            unsafe { libc::read(wake_fd, &mut v as *mut u64 as *mut _, 8) };
+        }
+        if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+            match read_event(evt) {
+                Some((m, passed)) => on_event(m, passed, &mut w),
+                None => {
+                    log::info(format_args!("event channel to the node agent closed; reconnecting"));
+                    close_events();
+                    next_connect = sys::now_ms() + 200;
+                }
+            }
+        }
+        work(&mut w);
+    }
+}
+
+fn find(gid: u128) -> Option<Arc<Vc>> {
+    fdtable::distinct_vcs().into_iter().find(|v| v.mem().conn().gid == gid)
+}
+
+fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
+    match (m, passed) {
+        (Msg::Path { local, peer, up: false }, _) => {
+            for v in fdtable::distinct_vcs() {
+                let c = v.mem().conn();
+                // (Shared memory does not use the network.)
+                if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 || v.shm_now().is_some() {
+                    continue;
+                }
+                let Some(&fd) = fdtable::fds_of(&v).first() else { continue };
+                let (Some(l), Some(p)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { continue };
+                if !(same_ip(l, local) && same_ip(p, peer)) {
+                    continue;
+                }
+                if c.active != 0 {
+                    link_broken(v.mem(), &format!("path {} -> {} died", local.ip(), peer.ip()));
+                } else {
+                    // The dialing side moves the link. If it cannot (its node lost every
+                    // network), this side gives up after the grace period, unless the peer's
+                    // kernel still acknowledges (the path is fine, only probes were lost).
+                    let now = sys::now_ms();
+                    w.suspects.entry(c.gid).or_insert(Suspect { since_ms: now, poked_ms: 0 });
+                }
+            }
+        }
+        (Msg::Path { up: true, .. }, _) => {
+            // Try at once what waits for a network.
+            for p in w.pending.values_mut() {
+                p.next_try_ms = 0;
+            }
+            w.suspects.clear();
+        }
+        (Msg::Freeze { .. }, _) => freeze(w),
+        (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
+        (Msg::Handover { gid, nonce }, Some(fd)) => {
+            w.suspects.remove(&gid);
+            answer(gid, nonce, fd)
+        }
+        (other, passed) => {
+            if let Some(p) = passed {
+                // SAFETY: a descriptor we did not ask for.
+                unsafe { real::close(p) };
+            }
+            log::debug(format_args!("event ignored: {other:?}"));
+        }
+    }
+}
+
+/// The operator moves connection `gid` to shared memory or to TCP (`vmictl move`).
+fn move_conn(gid: u128, shm: bool) {
+    let Some(v) = find(gid) else { return };
+    let c = v.mem().conn();
+    c.pin_tcp.store(u32::from(!shm), Release);
+    if !shm {
+        if v.shm_now().is_some_and(|l| l.peer_closed()) {
+            log::warn(format_args!(
+                "virtual connection {gid:032x} stays on shared memory: the peer closed it (it ends there)"
+            ));
+            return;
+        }
+        move_off_shm(&v, "moving to TCP, as the operator asked");
+        return;
+    }
+    if v.shm_now().is_some() || c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+        return;
+    }
+    if !shm_wanted(&v) || !crate::shm_sink::same_node(&c.peer_agents()) {
+        log::warn(format_args!(
+            "virtual connection {gid:032x} stays on TCP: shared memory needs both ends on this node, \
+             VMI_SHM=1 and the connection held by one process"
+        ));
+        return;
+    }
+    // A new link, negotiated again: shared memory, since both ends are here.
+    link_broken(v.mem(), "moving to shared memory, as the operator asked");
+    kick(&v);
+}
+
+/// Milliseconds since the socket last received an acknowledgement.
+fn last_ack_ms(fd: i32) -> Option<u64> {
+    sys::tcp_info(fd).map(|ti| ti.tcpi_last_ack_recv as u64)
+}
+
+/// A suspect connection's fate: alive again (the peer's kernel acknowledged something since
+/// the path was declared dead), failed (silent for the grace period), or still waiting (an
+/// ack frame is sent now and then so that a live peer has something to acknowledge).
+fn check_suspect(v: &Vc, s: &mut Suspect, now: u64) -> bool {
+    let c = v.mem().conn();
+    let Some(&fd) = fdtable::fds_of(v).first() else { return true };
+    if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
+        return true;
+    }
+    let Some(quiet) = last_ack_ms(fd) else { return true };
+    let age = now.saturating_sub(s.since_ms);
+    if quiet < age.saturating_sub(50) {
+        return true;
+    }
+    if age > config::grace_ms() {
+        link_broken(v.mem(), "the peer's node stopped answering on every network");
+        give_up(v, libc::ETIMEDOUT, "no network reached the peer within the grace period");
+        return true;
+    }
+    if now.saturating_sub(s.poked_ms) >= 500 {
+        s.poked_ms = now;
+        crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+    }
+    false
+}
+
+fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
+    let norm = |x: SocketAddr| match x.ip() {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(x.ip()),
+        ip => ip,
+    };
+    norm(a) == norm(b)
+}
+
+/// Dials, gives up after the grace period, for every connection whose link is down.
+fn work(w: &mut Work) {
+    let now = sys::now_ms();
+    let mut seen = Vec::new();
+    REPLAYING.store(0, Relaxed);
+    for v in fdtable::distinct_vcs() {
+        let c = v.mem().conn();
+        if c.broken.load(Acquire) != 0 {
+            continue;
+        }
+        if let Some(s) = w.suspects.get_mut(&c.gid) {
+            if check_suspect(&v, s, now) {
+                w.suspects.remove(&c.gid);
+            }
+        }
+        if c.link_down.load(Acquire) == 0 {
+            // A rebuilt link whose replay did not fit in the socket at once: keep pushing
+            // it (the program may be waiting for an answer to bytes only the replay carries).
+            // A program that keeps sending pushes it itself: only a connection whose send
+            // position did not move since the last look is helped.
+            // SAFETY: racy reads of plain integers, only to choose whether to look.
+            let (owed, wire) = unsafe { ((*c.tx.get()).replaying(), (*c.tx.get()).wire_seq) };
+            if owed || c.fin_owed.load(Acquire) != 0 {
+                let moved = w.last_wire.insert(c.gid, wire) != Some(wire);
+                if moved && c.fin_owed.load(Acquire) == 0 {
+                    REPLAYING.store(1, Relaxed);
+                } else if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
+                    if !v.replay_now(fd) {
+                        REPLAYING.store(1, Relaxed);
+                    }
+                } else {
+                    REPLAYING.store(1, Relaxed);
+                }
+            } else {
+                w.last_wire.remove(&c.gid);
+            }
+            continue;
+        }
+        seen.push(c.gid);
+        if v.parked() < 0 && v.shm().is_some_and(|l| l.moving()) {
+            // Leaving shared memory: the program's polls wait quietly on a placeholder
+            // (the old socket, reset by the peer, would poll ready forever).
+            kick(&v);
+        }
+        let since = c.down_since_ms.load(Acquire);
+        if now.saturating_sub(since) > config::grace_ms() {
+            give_up(&v, libc::ETIMEDOUT, "no network reached the peer within the grace period");
+            continue;
+        }
+        if let Some(s) = v.slot() {
+            s.set_relinking(true, false);
+        }
+        let p = w.pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
+        if (c.active != 0 || w.must_dial.contains(&c.gid)) && now >= p.next_try_ms {
+            match dial(&v) {
+                None => {
+                    w.pending.remove(&c.gid);
+                    w.must_dial.remove(&c.gid);
+                    if let Some(t) = w.thawing.as_mut() {
+                        let back = c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0;
+                        if back && t.to_rebuild.contains(&c.gid) {
+                            t.rebuilt.insert(c.gid);
+                        }
+                    }
+                }
+                Some(ms) => {
+                    if let Some(p) = w.pending.get_mut(&c.gid) {
+                        p.next_try_ms = sys::now_ms() + ms;
+                    }
+                }
+            }
+        }
+    }
+    w.pending.retain(|g, _| seen.contains(g));
+    w.must_dial.retain(|g| seen.contains(g));
+    report_thaw(w);
+    let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
+    w.suspects.retain(|g, _| live.contains(g));
+    w.last_wire.retain(|g, _| live.contains(g));
+}
+
+/// The connection failed for good: every call reports `e` from now on.
+fn give_up(v: &Vc, e: i32, why: &str) {
+    let c = v.mem().conn();
+    if c.broken.compare_exchange(0, e, AcqRel, Acquire).is_ok() {
+        log::warn(format_args!("virtual connection {:032x}: {why}; the program sees errno {e}", c.gid));
+        if let Some(s) = v.slot() {
+            s.set_error(e);
+            s.set_relinking(false, false);
+        }
+    }
+    // Threads blocked on the old socket wake up, pollers see the descriptor ready, and every
+    // call reports the failure.
+    kick(v);
+    unpark(v);
+    epoll_attach(&v.take_epoll());
+    c.link_gen.fetch_add(1, AcqRel);
+    sys::futex_wake(&c.link_gen, i32::MAX);
+}

@@ -1,0 +1,230 @@
+//! Swapping the socket under the program's descriptors: the old one parked under a
+//! placeholder, the new one installed with the old one's flags, options and epoll
+//! registrations.
+
+use super::*;
+
+/// Takes the old socket away from the program: its descriptors get a *placeholder* (a
+/// listening socket on loopback, which never polls readable or writable, so `select` and
+/// `poll` callers wait quietly instead of seeing the dead socket's error), its epoll
+/// registrations are taken out, and the old socket is disconnected, which wakes any thread
+/// blocked on it (that thread then waits for the new link, or says EAGAIN).
+pub(super) fn kick(v: &Vc) {
+    if v.parked() >= 0 {
+        return;
+    }
+    let fds = fdtable::fds_of(v);
+    v.keep_epoll(epoll_detach(&fds));
+    let Some(&fd0) = fds.first() else { return };
+    // SAFETY: F_DUPFD_CLOEXEC with an integer argument: our own handle on the old socket.
+    let old = unsafe { real::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700) };
+    if let Some(ph) = placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
+        // The program's settings wait on the placeholder (and change there if it sets any).
+        carry_state(fd0, ph);
+        put_under(ph, &fds);
+        v.set_parked(ph);
+    }
+    let target = if old >= 0 { old } else { fd0 };
+    // SAFETY: zeroed sockaddr with AF_UNSPEC: "disconnect" for TCP.
+    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+    sa.sa_family = libc::AF_UNSPEC as _;
+    // SAFETY: valid pointer and length.
+    unsafe { real::connect(target, &sa, std::mem::size_of::<libc::sockaddr>() as _) };
+    if old >= 0 {
+        // SAFETY: our own handle.
+        unsafe { real::close(old) };
+    }
+}
+
+/// Puts socket `sock` under each of the program's descriptor numbers `fds`, keeping each
+/// number's close-on-exec flag.
+/// Puts the new socket `sock` under the program's descriptor `fd` (same number, its epoll
+/// registrations made again) and closes our copy.
+pub fn swap_socket(sock: i32, fd: i32) {
+    let regs = epoll_detach(&[fd]);
+    put_under(sock, &[fd]);
+    // SAFETY: our copy; `fd` now names the socket too.
+    unsafe { real::close(sock) };
+    epoll_attach(&regs);
+}
+
+pub(super) fn put_under(sock: i32, fds: &[i32]) {
+    for &fd in fds {
+        // SAFETY: F_GETFD has no argument.
+        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
+        // SAFETY: replaces the program's descriptor with `sock` (same number).
+        if unsafe { real::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
+            log::warn(format_args!("cannot put a socket under fd {fd}: errno {}", sys::errno()));
+        }
+    }
+}
+
+/// A socket that never polls readable or writable until it is shut down.
+pub(super) fn placeholder(v6: bool) -> Option<i32> {
+    let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: plain socket creation.
+    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    let lo: SocketAddr = if v6 { "[::1]:0".parse().ok()? } else { "127.0.0.1:0".parse().ok()? };
+    let (st, len) = sys::to_raw(&lo, v6);
+    // SAFETY: binds and listens on our own socket.
+    let ok = unsafe {
+        libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) == 0 && real::listen(fd, 0) == 0
+    };
+    if !ok {
+        // SAFETY: our socket.
+        unsafe { real::close(fd) };
+        return None;
+    }
+    Some(fdtable::move_high(fd))
+}
+
+/// Wakes whoever polls the placeholder (after the real socket took its place, or to show
+/// the program a failed connection) and drops it.
+pub(super) fn unpark(v: &Vc) {
+    let ph = v.set_parked(-1);
+    if ph >= 0 {
+        // SAFETY: our placeholder: shutting it down wakes its pollers, who look again at
+        // the descriptor number (now the new socket).
+        unsafe {
+            real::shutdown(ph, libc::SHUT_RDWR);
+            real::close(ph);
+        }
+    }
+}
+
+/// Socket options a program commonly sets, carried from the old socket to the new one.
+pub(super) const CARRIED: &[(i32, i32)] = &[
+    (libc::IPPROTO_TCP, libc::TCP_NODELAY),
+    (libc::SOL_SOCKET, libc::SO_KEEPALIVE),
+    (libc::SOL_SOCKET, libc::SO_RCVTIMEO),
+    (libc::SOL_SOCKET, libc::SO_SNDTIMEO),
+    (libc::SOL_SOCKET, libc::SO_LINGER),
+    (libc::SOL_SOCKET, libc::SO_PRIORITY),
+    (libc::SOL_SOCKET, libc::SO_RCVLOWAT),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+    (libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+];
+
+/// Copies what the program set on socket `from` (non-blocking mode, common options) to `to`.
+pub(super) fn carry_state(from: i32, to: i32) {
+    for &(level, opt) in CARRIED {
+        let mut buf = [0u8; 32];
+        let mut len = buf.len() as libc::socklen_t;
+        // SAFETY: valid buffer and length.
+        if unsafe { libc::getsockopt(from, level, opt, buf.as_mut_ptr() as *mut _, &mut len) } == 0 {
+            // SAFETY: the same bytes on the other socket.
+            unsafe { libc::setsockopt(to, level, opt, buf.as_ptr() as *const _, len) };
+        }
+    }
+    // SAFETY: F_GETFL/F_SETFL with integer arguments.
+    unsafe {
+        let fl = real::fcntl(from, libc::F_GETFL, 0);
+        if fl >= 0 {
+            real::fcntl(to, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
+        }
+    }
+}
+
+/// Puts the new socket `nfd` under every descriptor of `v` in this process. The caller
+/// holds both halves' locks.
+pub(super) fn install(v: &Vc, nfd: i32) {
+    let c = v.mem().conn();
+    let fds = fdtable::fds_of(v);
+    log::debug(format_args!(
+        "virtual connection {:032x}: new link {:?} -> {:?} under fds {fds:?}",
+        c.gid,
+        sys::local_addr(nfd),
+        sys::peer_addr(nfd)
+    ));
+    if let Some(&old) = fds.first() {
+        // From the old socket, or the placeholder that took its options while it waited.
+        carry_state(old, nfd);
+    }
+    put_under(nfd, &fds);
+    // SAFETY: our copy; the program's descriptors keep the socket.
+    unsafe { real::close(nfd) };
+    unpark(v);
+    epoll_attach(&v.take_epoll());
+    if let Some(&fd) = fds.first() {
+        if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {
+            s.set_link(&l, &p);
+        }
+        c.link_pid.store(crate::pid(), Release);
+        c.link_fd.store(fd, Release);
+    }
+    finish(v);
+}
+
+/// The new link is in place: wake the waiters; replay what the peer did not deliver and the
+/// end of stream if the program shut its side down.
+pub(super) fn finish(v: &Vc) {
+    let c = v.mem().conn();
+    c.link_down.store(0, Release);
+    let gen = c.link_gen.fetch_add(1, AcqRel) + 1;
+    v.seen_gen(gen);
+    if let Some(s) = v.slot() {
+        s.set_relinking(false, true);
+    }
+    sys::futex_wake(&c.link_gen, i32::MAX);
+    if let Some(&fd) = fdtable::fds_of(v).first() {
+        // The caller holds the tx lock: push the replay now (the program may be waiting
+        // for an answer to bytes only the replay carries).
+        // After the peer's end of stream the new socket must read as ended too.
+        if crate::tcp_sink::peer_fin(v.mem()) {
+            // SAFETY: shutdown of the receive side of the new socket.
+            unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        }
+        if c.tx_shut.load(Acquire) != 0 {
+            // The program shut its side down: the new link says so too, after the replay.
+            c.fin_owed.store(1, Release);
+        }
+        if !v.replay_now(fd) {
+            REPLAYING.store(1, Relaxed);
+            wake();
+        }
+    }
+}
+
+/// In a process sharing the connection (after fork) whose descriptors still name the old
+/// socket: take the new link from the process that rebuilt it.
+pub fn adopt(v: &Vc) {
+    let c = v.mem().conn();
+    let gen = c.link_gen.load(Acquire);
+    let (pid, src) = (c.link_pid.load(Acquire), c.link_fd.load(Acquire));
+    if pid <= 0 || pid == crate::pid() || src < 0 || c.link_down.load(Acquire) != 0 {
+        v.seen_gen(gen);
+        return;
+    }
+    // SAFETY: pidfd_open and pidfd_getfd take integers; failures are checked.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    let got = if pidfd >= 0 {
+        // SAFETY: as above.
+        let n = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, src, 0) } as i32;
+        // SAFETY: our pidfd.
+        unsafe { real::close(pidfd) };
+        n
+    } else {
+        -1
+    };
+    if got < 0 {
+        log::warn(format_args!(
+            "virtual connection {:032x}: cannot take the rebuilt link from process {pid} (errno {}); this process loses it",
+            c.gid,
+            sys::errno()
+        ));
+        v.seen_gen(gen);
+        return;
+    }
+    let fds = fdtable::fds_of(v);
+    let regs = epoll_detach(&fds);
+    put_under(got, &fds);
+    // SAFETY: our copy.
+    unsafe { real::close(got) };
+    epoll_attach(&regs);
+    v.seen_gen(gen);
+}

@@ -1,0 +1,552 @@
+//! The shared-memory sink: a virtual connection between two programs on one node whose bytes
+//! go through two rings in memory both processes map (`substrate::shmring`), while the
+//! program's descriptor stays the TCP socket and carries only *bells* (one-byte wake-ups).
+//!
+//! Set-up, when both layers know they are on one node (the peer's agent addresses are this
+//! node's) and `VMI_SHM=1`:
+//!
+//! ```text
+//!  connecting layer (before its SYN)               accepting layer (at accept)
+//!  /dev/shm/vmi-<hash(secret, gid)>  O_EXCL 0600
+//!  rings initialised, state OFFERED
+//!  bind datagram socket @vmi-shm-<hash>-c
+//!                                                  open + map the file, unlink it
+//!                                                  bind @vmi-shm-<hash>-a
+//!                                                  its socket ──SCM_RIGHTS──► @...-c
+//!                                                  state ACCEPTED, a bell through its socket
+//!  first call after that: take the bell, take
+//!  the peer's socket (checked: it is the other
+//!  end of ours), send ours ──SCM_RIGHTS──► @...-a
+//! ```
+//!
+//! The connecting side waits for that answer before its first byte (a non-blocking call says
+//! `EAGAIN`), so nothing ever sits in a ring the other side will not read. If the accepting
+//! layer cannot use the memory it answers REFUSED and both sides use TCP frames, with a log
+//! line saying why.
+//!
+//! Each side keeps the other's socket to ring *itself*: a receive that leaves bytes in the
+//! ring for the program's next `poll` writes a bell into the peer's socket, which arrives at
+//! its own. A producer waiting for room sleeps on a futex in the ring header.
+
+use crate::stats::Slot;
+use crate::tcp_sink::TcpSink;
+use crate::{log, real, relink, sys};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering::*};
+use std::sync::{Arc, Mutex};
+use substrate::irb::IrbError;
+use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbKind};
+use substrate::shmring::{Bell, Ring, RingError, Sleep};
+use substrate::shmring::{RegionHead as Head, ACCEPTED, OFFERED, REFUSED, REGION_MAGIC as MAGIC};
+
+mod moves;
+mod setup;
+
+use setup::*;
+
+/// Bytes of each ring.
+const RING: usize = 1 << 20;
+/// The region: a page of header, then the ring toward the accepting side, then the other.
+const PAGE: usize = 4096;
+const REGION: usize = PAGE + 2 * Ring::size(RING).next_multiple_of(PAGE);
+
+/// What carries the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Waiting for the accepting side's answer.
+    Pending,
+    /// The rings.
+    Shm,
+    /// TCP frames (the other side refused).
+    Tcp,
+    /// The connection left this memory (moved to TCP); the rings are not touched again.
+    Moved,
+}
+
+/// One side's view of a shared-memory connection.
+pub struct ShmLink {
+    base: *mut u8,
+    /// The region's file (unlinked once taken), kept open to hand the region over across
+    /// `exec`.
+    region: AtomicI32,
+    tx: Ring,
+    rx: Ring,
+    active: bool,
+    tag: String,
+    /// The file, until the accepting side unlinked it (connecting side only).
+    path: Option<std::ffi::CString>,
+    /// The rendezvous datagram socket, until the exchange is done.
+    dgram: AtomicI32,
+    /// The peer's socket (to ring ourselves), once known.
+    peer_sock: AtomicI32,
+    mode: AtomicU32,
+    /// The peer's socket ended (FIN): no bell will come any more.
+    eof: AtomicBool,
+    /// Stream offsets of the rings' first bytes: our stream (`tx`) and the peer's (`rx`).
+    /// Zero for memory set up with the connection; a link moved onto shared memory later
+    /// starts where the two sides' streams stood.
+    bases: (u64, u64),
+    /// The connection's `shm_epoch` this link belongs to (set when it is installed).
+    epoch: AtomicU32,
+}
+
+// SAFETY: the mapping is shared memory used through atomics and the rings' protocol; the
+// rest is atomics or immutable.
+unsafe impl Send for ShmLink {}
+// SAFETY: as above.
+unsafe impl Sync for ShmLink {}
+
+impl ShmLink {
+    fn head(&self) -> &Head {
+        // SAFETY: the first page of the mapping.
+        unsafe { &*(self.base as *const Head) }
+    }
+
+    /// What carries the bytes now.
+    pub fn mode(&self) -> Mode {
+        match self.mode.load(Acquire) {
+            1 => Mode::Shm,
+            2 => Mode::Tcp,
+            3 => Mode::Moved,
+            _ => Mode::Pending,
+        }
+    }
+
+    /// True once either side is moving the connection off this memory.
+    pub fn moving(&self) -> bool {
+        self.head().moving.load(Acquire) != 0
+    }
+
+    /// Reads every bell waiting in our socket (a bell announced but still on its way is
+    /// waited for, briefly: left behind, it would make the descriptor look readable with an
+    /// empty ring); notes the peer's end.
+    fn take_bells(&self, fd: i32) {
+        let mut b = [0u8; 64];
+        let mut got = 0;
+        for round in 0..2 {
+            loop {
+                // SAFETY: reads into a local buffer.
+                let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), libc::MSG_DONTWAIT) };
+                if r == 0 {
+                    self.eof.store(true, Release);
+                    break;
+                }
+                if r < 0 {
+                    break;
+                }
+                got += r;
+                if (r as usize) < b.len() {
+                    // A short read took everything there was.
+                    break;
+                }
+            }
+            if got > 0 || round == 1 || !self.rx.bell_pending() || self.eof.load(Acquire) {
+                break;
+            }
+            // The producer announced a bell and is writing it right now.
+            sys::wait_fd(fd, libc::POLLIN, 2);
+        }
+        self.rx.bell_taken();
+    }
+
+    /// The peer's socket (the accepting side learns it when first needed).
+    fn peer_socket(&self, fd: i32) -> i32 {
+        let p = self.peer_sock.load(Acquire);
+        if p >= 0 {
+            return p;
+        }
+        let d = self.dgram.load(Acquire);
+        if d < 0 {
+            return -1;
+        }
+        let Some(t) = recv_fd(d) else { return -1 };
+        if !is_other_end(fd, t) {
+            // SAFETY: a descriptor we were passed and do not trust.
+            unsafe { real::close(t) };
+            return -1;
+        }
+        let t = crate::fdtable::move_high(t);
+        if self.peer_sock.compare_exchange(-1, t, AcqRel, Acquire).is_err() {
+            // SAFETY: another thread stored one first; ours is a spare.
+            unsafe { real::close(t) };
+        }
+        if self.dgram.compare_exchange(d, -1, AcqRel, Acquire).is_ok() {
+            // SAFETY: the exchange is done; our socket.
+            unsafe { real::close(d) };
+        }
+        self.peer_sock.load(Acquire)
+    }
+
+    /// The program may wait on the descriptor now: it must look readable exactly when the
+    /// ring holds bytes (or the end). Bytes left behind need a bell (rung through the peer's
+    /// socket); an empty ring must leave no bell behind.
+    fn leave(&self, fd: i32) {
+        let mut ready = self.rx.before_sleep() == Ok(Sleep::Ready);
+        if !ready && self.rx.bell_pending() {
+            self.take_bells(fd);
+            ready = self.rx.before_sleep() == Ok(Sleep::Ready);
+        }
+        if ready && self.rx.ensure_bell() == Bell::Ring {
+            let p = self.peer_socket(fd);
+            if p < 0 || !bell(p) {
+                // No way to ring ourselves: take the bell back; the next call finds the bytes.
+                self.rx.bell_taken();
+            }
+        }
+    }
+
+    /// Sends from `data`; the caller holds the tx lock.
+    pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
+        // Asked of the kernel only when the answer matters (a full ring).
+        let mut nb = None;
+        let mut nonblock =
+            || *nb.get_or_insert_with(|| flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd));
+        let mut sent = 0;
+        loop {
+            if self.tx.reader_gone() {
+                return if sent > 0 { Ok(sent) } else { Err(IrbError::Os(libc::EPIPE)) };
+            }
+            let n = self.tx.write(&data[sent..]).map_err(|_| corrupt())?;
+            sent += n;
+            if n > 0 && self.tx.after_write() == Bell::Ring {
+                bell(fd);
+            }
+            if sent == data.len() || (sent > 0 && nonblock()) {
+                return Ok(sent);
+            }
+            if n > 0 {
+                continue;
+            }
+            if nonblock() {
+                return Err(IrbError::WouldBlock);
+            }
+            if let Err(e) = self.wait_room() {
+                return if sent > 0 { Ok(sent) } else { Err(e) };
+            }
+        }
+    }
+
+    /// A full ring: spin a little, then sleep until the consumer makes room (or the
+    /// connection leaves the memory: `LINK_DOWN`).
+    pub fn wait_room(&self) -> Result<(), IrbError> {
+        let until = sys::now_us() + crate::config::shm_spin_us();
+        while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
+            std::hint::spin_loop();
+        }
+        if self.tx.writable().map_err(|_| corrupt())? == 0
+            && self.tx.before_wait_room().map_err(|_| corrupt())? == Sleep::Ok
+            && !self.moving()
+        {
+            sys::futex_wait(self.tx.space_word(), 0, 200);
+        }
+        self.tx.space_bell_taken();
+        self.tx.room_wait_over();
+        if self.moving() {
+            return Err(IrbError::Os(crate::relink::LINK_DOWN));
+        }
+        Ok(())
+    }
+
+    /// Receives into `buf`; the caller holds the rx lock.
+    pub fn recv(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+        // Asked of the kernel only when the answer matters (an empty ring).
+        let mut nb = None;
+        let mut nonblock =
+            || *nb.get_or_insert_with(|| flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd));
+        let peek = flags & libc::MSG_PEEK != 0;
+        let waitall = flags & libc::MSG_WAITALL != 0 && !peek;
+        let mut got = 0;
+        self.rx.awake();
+        // The spin's deadline, set when the ring is first found empty (no clock read when
+        // bytes are already there).
+        let mut spin_until = 0;
+        let r = loop {
+            let n = match self.rx.read(&mut buf[got..], peek) {
+                Ok(n) => n,
+                Err(_) => break Err(corrupt()),
+            };
+            if n > 0 {
+                got += n;
+                if !peek && self.rx.after_read() == Bell::Ring {
+                    sys::futex_wake(self.rx.space_word(), i32::MAX);
+                }
+                if !waitall || got == buf.len() {
+                    break Ok(got);
+                }
+                spin_until = 0;
+                continue;
+            }
+            if buf.is_empty() || self.rx.at_end().unwrap_or(true) || self.eof.load(Acquire) {
+                break Ok(got);
+            }
+            if nonblock() {
+                // Going back to the program, which will wait on the descriptor.
+                if self.rx.before_sleep() == Ok(Sleep::Ready) {
+                    continue;
+                }
+                if self.rx.bell_pending() {
+                    self.take_bells(fd);
+                    if self.rx.readable().unwrap_or(0) > 0 || self.eof.load(Acquire) {
+                        continue;
+                    }
+                }
+                break if got > 0 { Ok(got) } else { Err(IrbError::WouldBlock) };
+            }
+            let now = sys::now_us();
+            if spin_until == 0 {
+                spin_until = now + crate::config::shm_spin_us();
+            }
+            if now < spin_until {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.moving() {
+                break if got > 0 { Ok(got) } else { Err(IrbError::Os(crate::relink::LINK_DOWN)) };
+            }
+            if self.rx.before_sleep() == Ok(Sleep::Ok) {
+                sys::wait_fd(fd, libc::POLLIN, 200);
+            }
+            self.take_bells(fd);
+            self.rx.awake();
+            spin_until = 0;
+        };
+        self.leave(fd);
+        r
+    }
+
+    /// Unread bytes (FIONREAD).
+    pub fn readable(&self) -> usize {
+        self.rx.readable().unwrap_or(0)
+    }
+
+    /// The program shut its sending side: the peer reads the end after the last byte.
+    pub fn shut_send(&self, fd: i32) {
+        self.tx.close();
+        if self.tx.after_write() == Bell::Ring {
+            bell(fd);
+        }
+    }
+
+    /// The last descriptor closes: the end of stream for the peer, and no reader here.
+    pub fn close(&self, fd: i32) {
+        self.shut_send(fd);
+        if self.rx.reader_leaves() == Bell::Ring {
+            sys::futex_wake(self.rx.space_word(), i32::MAX);
+        }
+    }
+
+    /// From now on (the link is where it stays, inside its `Arc`), the program cannot close
+    /// or replace the link's descriptors.
+    pub fn protect(&self) {
+        for slot in [&self.region, &self.peer_sock, &self.dgram] {
+            crate::fdtable::protect_slot(slot);
+        }
+    }
+
+    /// The layer's descriptors of this link (rendezvous socket, peer's socket, region file)
+    /// are let go and closed.
+    fn let_go_fds(&self) {
+        self.unprotect();
+        for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
+        {
+            if fd >= 0 {
+                // SAFETY: our descriptors.
+                unsafe { real::close(fd) };
+            }
+        }
+    }
+
+    fn unprotect(&self) {
+        for slot in [&self.region, &self.peer_sock, &self.dgram] {
+            crate::fdtable::unprotect_slot(slot);
+        }
+    }
+
+    /// Substrate code for statistics.
+    pub fn code(&self) -> u32 {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// The connection's `shm_epoch` this link belongs to.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Acquire)
+    }
+
+    /// Sets the epoch (when the link is installed).
+    pub fn set_epoch(&self, e: u32) {
+        self.epoch.store(e, Release);
+    }
+
+    /// Another process sharing the connection moved it off this memory: this process stops
+    /// using the rings (the mapping stays until the connection goes).
+    pub fn retire_here(&self) {
+        self.mode.store(3, Release);
+    }
+}
+
+impl Drop for ShmLink {
+    fn drop(&mut self) {
+        self.let_go_fds();
+        if let (Some(p), Mode::Pending) = (&self.path, self.mode()) {
+            // SAFETY: the offer nobody took.
+            unsafe { libc::unlink(p.as_ptr()) };
+        }
+        // SAFETY: unmaps our mapping.
+        unsafe { libc::munmap(self.base as *mut _, REGION) };
+    }
+}
+
+/// A connection's shared-memory link in this process, if any: set up with the connection,
+/// or installed later when a rebuilt link moves it onto shared memory. Links are kept until
+/// the connection goes (a reader racing a move may still look at the one it found).
+#[derive(Default)]
+pub struct LinkSlot {
+    cur: AtomicPtr<ShmLink>,
+    // Boxed: a link's address must not change (its descriptor slots are registered).
+    #[allow(clippy::vec_box)]
+    keep: Mutex<Vec<Box<ShmLink>>>,
+}
+
+impl LinkSlot {
+    /// The current link.
+    pub fn get(&self) -> Option<&ShmLink> {
+        let p = self.cur.load(Acquire);
+        // SAFETY: every link stored is kept (boxed, never moved) until the slot drops.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// Makes `l` the current link; returns it (at its final address).
+    pub fn set(&self, l: ShmLink) -> &ShmLink {
+        let b = Box::new(l);
+        let p = &*b as *const ShmLink as *mut ShmLink;
+        self.keep.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+        self.cur.store(p, Release);
+        // SAFETY: just stored, kept until the slot drops.
+        unsafe { &*p }
+    }
+}
+
+/// The sink device at the bottom of every virtual connection's chains: the shared-memory
+/// rings when the connection has them, else (or when the other side refused them, or the
+/// connection left them) the TCP sink.
+pub struct ShmSink {
+    links: Arc<LinkSlot>,
+    tcp: TcpSink,
+    slot: Option<Slot>,
+}
+
+impl ShmSink {
+    /// The device over `links`, falling back to `tcp`.
+    pub fn new(links: Arc<LinkSlot>, tcp: TcpSink, slot: Option<Slot>) -> Self {
+        ShmSink { links, tcp, slot }
+    }
+}
+
+impl Device for ShmSink {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn dispatch<'a>(&mut self, mut irb: Irb<'a>, cx: &mut Dispatch<'_>) -> Disposition<'a> {
+        let Some(link) = self.links.get() else { return self.tcp.dispatch(irb, cx) };
+        if !matches!(irb.kind(), IrbKind::Send | IrbKind::Receive) {
+            return self.tcp.dispatch(irb, cx);
+        }
+        let fd = irb.handle as i32;
+        let flags = irb.flags;
+        let mem = self.tcp.mem();
+        let c = mem.conn();
+        let mut mode = link.mode();
+        if matches!(mode, Mode::Shm | Mode::Pending) && link.epoch() != c.shm_epoch.load(Acquire) {
+            // Another process sharing the connection moved it off this memory.
+            link.retire_here();
+            mode = Mode::Moved;
+        }
+        if matches!(mode, Mode::Tcp | Mode::Moved) {
+            if let Some(s) = self.slot {
+                s.set_substrate(1);
+            }
+            return self.tcp.dispatch(irb, cx);
+        }
+        let b = c.broken.load(Acquire);
+        if b != 0 {
+            return irb.complete(Err(IrbError::Os(b)));
+        }
+        if link.moving() {
+            relink::link_broken(mem, "the connection leaves shared memory");
+        }
+        if c.link_down.load(Acquire) != 0 {
+            return irb.complete(Err(IrbError::Os(relink::LINK_DOWN)));
+        }
+        let nonblock = || flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
+        if mode == Mode::Pending {
+            match link.settle(fd, !nonblock()) {
+                Ok(Mode::Tcp) => {
+                    if let Some(s) = self.slot {
+                        s.set_substrate(1);
+                    }
+                    return self.tcp.dispatch(irb, cx);
+                }
+                Ok(_) => {}
+                Err(e) => return irb.complete(Err(e)),
+            }
+        }
+        // The layer's own calls on the socket (bells) must not leave their errno behind a
+        // call that succeeds.
+        let errno = sys::errno();
+        let r = match (irb.kind(), &mut irb.buf) {
+            (IrbKind::Send, Buf::Out(d)) => {
+                // SAFETY: a racy read of plain integers under our tx lock (the send half is ours).
+                let owed = unsafe { (*c.tx.get()).replaying() } || c.fin_owed.load(Acquire) != 0;
+                let r = if owed { replay_first(link, mem, fd, nonblock()) } else { Ok(()) };
+                r.and_then(|_| link.send(fd, d, flags))
+            }
+            (IrbKind::Receive, Buf::In(b)) => link.recv(fd, b, flags),
+            _ => return Disposition::Forward(irb),
+        };
+        match r {
+            Err(IrbError::Os(relink::LINK_DOWN)) => {
+                relink::link_broken(mem, "the connection leaves shared memory");
+            }
+            Ok(_) => sys::set_errno(errno),
+            _ => {}
+        }
+        irb.complete(r)
+    }
+}
+
+/// A link moved onto shared memory pushes its replay before new bytes (waiting for room,
+/// unless `nonblock`). The caller holds the tx lock.
+fn replay_first(link: &ShmLink, mem: crate::shm::ConnMem, fd: i32, nonblock: bool) -> Result<(), IrbError> {
+    loop {
+        if link.push_replay(mem, fd)? {
+            return Ok(());
+        }
+        if nonblock {
+            return Err(IrbError::WouldBlock);
+        }
+        link.wait_room()?;
+    }
+}
+
+fn corrupt() -> IrbError {
+    log::error(format_args!(
+        "shared memory: the ring's positions are impossible (a confused or hostile peer); resetting"
+    ));
+    IrbError::Os(libc::ECONNRESET)
+}
+
+/// One bell byte into socket `s` (it arrives at the other end).
+fn bell(s: i32) -> bool {
+    // SAFETY: writes one byte from a local.
+    unsafe { real::send(s, b"b".as_ptr() as *const _, 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
+}
+
+/// Whether this node is where the peer's agent is (its addresses are this node's agent's).
+pub fn same_node(peer_agents: &[std::net::SocketAddr]) -> bool {
+    let own = crate::agent::own_addrs();
+    !own.is_empty() && peer_agents.iter().any(|a| own.contains(a))
+}

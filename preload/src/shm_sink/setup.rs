@@ -1,0 +1,373 @@
+//! Setting shared memory up between the two layers of a connection: the offer in
+//! `/dev/shm`, its answer, the exchange of sockets through abstract datagram sockets, and
+//! the hand-over of a link across `exec`.
+
+use super::*;
+
+/// The name of an offer: connection `gid`, and `nonce` (0 at set-up; a rebuilt link's
+/// dialer nonce later), hashed with the secret so that nobody else can name it.
+pub(super) fn tag_of(gid: u128, secret: u128, nonce: u128) -> String {
+    let mut b = Vec::with_capacity(56);
+    b.extend_from_slice(b"vmi-shm");
+    b.extend_from_slice(&secret.to_le_bytes());
+    b.extend_from_slice(&gid.to_le_bytes());
+    b.extend_from_slice(&nonce.to_le_bytes());
+    let h = substrate::auth::sha256(&b);
+    h[..12].iter().map(|x| format!("{x:02x}")).collect()
+}
+
+pub(super) fn dgram_bound(name: &str) -> Option<i32> {
+    // SAFETY: plain socket creation.
+    let s = unsafe {
+        libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
+    };
+    if s < 0 {
+        return None;
+    }
+    let (sun, len) = crate::agent::abstract_addr(name);
+    // SAFETY: binds our own socket.
+    if unsafe { libc::bind(s, &sun as *const _ as *const libc::sockaddr, len) } != 0 {
+        // SAFETY: our socket.
+        unsafe { real::close(s) };
+        return None;
+    }
+    Some(crate::fdtable::move_high(s))
+}
+
+/// Sends descriptor `fd` to the abstract datagram socket `to`.
+pub(super) fn send_fd(s: i32, to: &str, fd: i32) -> bool {
+    let (sun, len) = crate::agent::abstract_addr(to);
+    let mut byte = [b's'];
+    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut _, iov_len: 1 };
+    let mut cbuf: sys::FdCmsg = [0; 4];
+    // SAFETY: zeroed msghdr is valid; fields point at live locals.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = &sun as *const _ as *mut _;
+    msg.msg_namelen = len;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    sys::attach_fd(&mut msg, &mut cbuf, fd);
+    // SAFETY: msg is fully initialised.
+    unsafe { real::sendmsg(s, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
+}
+
+/// A descriptor waiting on datagram socket `s`, if any.
+pub(super) fn recv_fd(s: i32) -> Option<i32> {
+    sys::recv_with_fd(s, &mut [0u8; 1], libc::MSG_DONTWAIT).1
+}
+
+/// True when `theirs` is the other end of our socket `ours` (same addresses, swapped).
+pub(super) fn is_other_end(ours: i32, theirs: i32) -> bool {
+    let (a, b) = (sys::local_addr(ours), sys::peer_addr(ours));
+    a.is_some() && b.is_some() && sys::local_addr(theirs) == b && sys::peer_addr(theirs) == a
+}
+
+pub(super) fn map(fd: i32) -> Option<*mut u8> {
+    // SAFETY: maps REGION bytes of a file we hold open.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), REGION, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+    };
+    (p != libc::MAP_FAILED).then_some(p as *mut u8)
+}
+
+pub(super) fn rings(base: *mut u8, active: bool) -> Result<(Ring, Ring), RingError> {
+    let one = Ring::size(RING).next_multiple_of(PAGE);
+    let (to_acc, to_conn) = (base.wrapping_add(PAGE), base.wrapping_add(PAGE + one));
+    // SAFETY: both lie inside the REGION-byte mapping, page aligned.
+    let (a, b) =
+        unsafe { (Ring::attach(to_acc, Ring::size(RING))?, Ring::attach(to_conn, Ring::size(RING))?) };
+    Ok(if active { (a, b) } else { (b, a) })
+}
+
+impl ShmLink {
+    /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
+    /// before its proof): `None` when it cannot. `bases`: the stream offsets where the
+    /// rings start (see the field of that name).
+    pub fn offer(gid: u128, secret: u128, nonce: u128, bases: (u64, u64)) -> Option<ShmLink> {
+        let tag = tag_of(gid, secret, nonce);
+        let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
+        // SAFETY: creating a new file of our own.
+        let fd = unsafe {
+            libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600)
+        };
+        if fd < 0 {
+            log::info(format_args!(
+                "no shared memory for {gid:032x}: cannot create {path:?} ({})",
+                sys::errno()
+            ));
+            return None;
+        }
+        // SAFETY: our file.
+        let sized = unsafe { libc::ftruncate(fd, REGION as libc::off_t) } == 0;
+        let base = if sized { map(fd) } else { None };
+        let Some(base) = base else {
+            // SAFETY: removes the file we made; our descriptor.
+            unsafe {
+                libc::unlink(path.as_ptr());
+                real::close(fd);
+            }
+            return None;
+        };
+        let fd = crate::fdtable::move_high(fd);
+        let one = Ring::size(RING).next_multiple_of(PAGE);
+        // SAFETY: fresh mapping; the rings lie inside it, page aligned.
+        let ok = unsafe {
+            Ring::init(base.add(PAGE), Ring::size(RING)).is_ok()
+                && Ring::init(base.add(PAGE + one), Ring::size(RING)).is_ok()
+        };
+        let dgram = dgram_bound(&format!("vmi-shm-{tag}-c"));
+        let (Ok((tx, rx)), true, Some(dgram)) = (rings(base, true), ok, dgram) else {
+            // SAFETY: undoing what we made.
+            unsafe {
+                libc::munmap(base as *mut _, REGION);
+                libc::unlink(path.as_ptr());
+                real::close(fd);
+            }
+            return None;
+        };
+        // SAFETY: the first page is ours to initialise.
+        unsafe {
+            std::ptr::write(
+                base as *mut Head,
+                Head {
+                    magic: MAGIC,
+                    state: AtomicU32::new(OFFERED),
+                    settled: AtomicU32::new(0),
+                    moving: AtomicU32::new(0),
+                    creator: AtomicI32::new(crate::pid()),
+                },
+            );
+        }
+        Some(ShmLink {
+            base,
+            region: AtomicI32::new(fd),
+            tx,
+            rx,
+            active: true,
+            tag,
+            path: Some(path),
+            dgram: AtomicI32::new(dgram),
+            peer_sock: AtomicI32::new(-1),
+            mode: AtomicU32::new(0),
+            eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
+        })
+    }
+
+    /// The accepting side takes the offer, if there is one and `enabled` (`None`: TCP; an
+    /// offer not taken is answered REFUSED). `fd` is its socket of the link.
+    pub fn accept(
+        gid: u128,
+        secret: u128,
+        nonce: u128,
+        fd: i32,
+        enabled: bool,
+        bases: (u64, u64),
+    ) -> Option<ShmLink> {
+        let tag = tag_of(gid, secret, nonce);
+        let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
+        // SAFETY: opening a path.
+        let f = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW) };
+        if f < 0 {
+            return None;
+        }
+        // SAFETY: the offer is ours now; nobody else may open it.
+        unsafe { libc::unlink(path.as_ptr()) };
+        // SAFETY: zeroed stat is valid.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: our descriptor, valid pointer.
+        let size_ok = unsafe { libc::fstat(f, &mut st) } == 0 && st.st_size as usize == REGION;
+        let base = if size_ok { map(f) } else { None };
+        let f = crate::fdtable::move_high(f);
+        let refuse = |why: &str, base: Option<*mut u8>| {
+            // SAFETY: our descriptor.
+            unsafe { real::close(f) };
+            log::warn(format_args!(
+                "virtual connection {gid:032x}: shared memory refused ({why}); using TCP"
+            ));
+            if let Some(b) = base {
+                // SAFETY: the header of a mapping we checked.
+                unsafe { (*(b as *const Head)).state.store(REFUSED, Release) };
+                let _ = bell(fd);
+                // SAFETY: our mapping.
+                unsafe { libc::munmap(b as *mut _, REGION) };
+            }
+            None
+        };
+        let Some(base) = base else { return refuse("the offer is not a region of the right size", None) };
+        if !enabled {
+            return refuse("VMI_SHM is not 1 here", Some(base));
+        }
+        // SAFETY: the first page of the mapping.
+        if unsafe { (*(base as *const Head)).magic } != MAGIC {
+            return refuse("the offer has no header", Some(base));
+        }
+        let Ok((tx, rx)) = rings(base, false) else { return refuse("the rings are not set up", Some(base)) };
+        let Some(dgram) = dgram_bound(&format!("vmi-shm-{tag}-a")) else {
+            return refuse("no rendezvous socket", Some(base));
+        };
+        if !send_fd(dgram, &format!("vmi-shm-{tag}-c"), fd) {
+            // SAFETY: our socket.
+            unsafe { real::close(dgram) };
+            return refuse("the connecting layer's rendezvous socket is gone", Some(base));
+        }
+        // SAFETY: the first page of the mapping.
+        unsafe { (*(base as *const Head)).state.store(ACCEPTED, Release) };
+        let _ = bell(fd);
+        Some(ShmLink {
+            base,
+            region: AtomicI32::new(f),
+            tx,
+            rx,
+            active: false,
+            tag,
+            path: None,
+            dgram: AtomicI32::new(dgram),
+            peer_sock: AtomicI32::new(-1),
+            mode: AtomicU32::new(1),
+            eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
+        })
+    }
+
+    /// The connecting side: the answer, if it came (`Ok(mode)`), taking the peer's socket
+    /// and giving ours. `Err(WouldBlock)` while none came and `wait` is false.
+    pub fn settle(&self, fd: i32, wait: bool) -> Result<Mode, IrbError> {
+        loop {
+            match self.mode() {
+                Mode::Pending => {}
+                m => return Ok(m),
+            }
+            match self.head().state.load(Acquire) {
+                ACCEPTED if self.head().settled.swap(1, AcqRel) == 1 => {
+                    // Another process sharing the connection (a fork) took the answer.
+                    self.mode.store(1, Release);
+                }
+                ACCEPTED => {
+                    self.take_bells(fd);
+                    let d = self.dgram.swap(-1, AcqRel);
+                    let theirs = if d >= 0 { recv_fd(d) } else { None };
+                    let ok = theirs.is_some_and(|t| is_other_end(fd, t))
+                        && send_fd(d, &format!("vmi-shm-{}-a", self.tag), fd);
+                    if d >= 0 {
+                        // SAFETY: our socket.
+                        unsafe { real::close(d) };
+                    }
+                    if !ok {
+                        if let Some(t) = theirs {
+                            // SAFETY: a descriptor we were passed.
+                            unsafe { real::close(t) };
+                        }
+                        log::error(format_args!("shared memory: the accepting side's socket did not come or is not the other end of ours"));
+                        return Err(IrbError::Os(libc::ECONNRESET));
+                    }
+                    self.peer_sock.store(theirs.unwrap_or(-1), Release);
+                    self.mode.store(1, Release);
+                }
+                REFUSED => {
+                    // Exactly the one bell: TCP frames may follow it at once.
+                    // (The state is stored before the bell is sent: wait for it.)
+                    let mut b = [0u8; 1];
+                    for _ in 0..50 {
+                        // SAFETY: reads one byte into a local.
+                        let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, 1, libc::MSG_DONTWAIT) };
+                        if r >= 0 || sys::errno() != libc::EAGAIN {
+                            break;
+                        }
+                        sys::wait_fd(fd, libc::POLLIN, 20);
+                    }
+                    let d = self.dgram.swap(-1, AcqRel);
+                    if d >= 0 {
+                        // SAFETY: our socket.
+                        unsafe { real::close(d) };
+                    }
+                    log::info(format_args!("shared memory refused by the accepting side: TCP"));
+                    self.mode.store(2, Release);
+                }
+                _ if self.moving() => return Err(IrbError::Os(relink::LINK_DOWN)),
+                _ if !wait => return Err(IrbError::WouldBlock),
+                _ => {
+                    sys::wait_fd(fd, libc::POLLIN, 200);
+                }
+            }
+        }
+    }
+
+    /// Before an `exec` that hands the connection over: the record of this link (`region
+    /// descriptor:peer socket descriptor:side`), with those descriptors left open across the
+    /// exec. The connecting side takes the answer first.
+    pub fn handover(&self, fd: i32) -> Option<String> {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) || self.settle(fd, true).ok()? != Mode::Shm {
+            return None;
+        }
+        let p = self.peer_socket(fd);
+        for d in [self.region.load(Acquire), p] {
+            if d >= 0 {
+                // SAFETY: clears close-on-exec on our own descriptor.
+                unsafe { real::fcntl(d, libc::F_SETFD, 0) };
+            }
+        }
+        Some(format!(
+            "{}:{}:{}:{}:{}",
+            self.region.load(Acquire),
+            p,
+            u8::from(self.active),
+            self.bases.0,
+            self.bases.1
+        ))
+    }
+
+    /// The exec did not happen: the descriptors close on the next one again.
+    pub fn handover_undone(&self) {
+        for d in [self.region.load(Acquire), self.peer_sock.load(Acquire)] {
+            if d >= 0 {
+                // SAFETY: sets close-on-exec on our own descriptor.
+                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+            }
+        }
+    }
+
+    /// In the new image: the link a handover record describes.
+    pub fn adopt(rec: &str) -> Option<ShmLink> {
+        let mut it = rec.split(':');
+        let region: i32 = it.next()?.parse().ok()?;
+        let peer: i32 = it.next()?.parse().ok()?;
+        let active = it.next()? == "1";
+        let bases = (it.next()?.parse().ok()?, it.next()?.parse().ok()?);
+        let base = map(region)?;
+        // SAFETY: the first page of the mapping.
+        if unsafe { (*(base as *const Head)).magic } != MAGIC {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(base as *mut _, REGION) };
+            return None;
+        }
+        let Ok((tx, rx)) = rings(base, active) else {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(base as *mut _, REGION) };
+            return None;
+        };
+        for d in [region, peer] {
+            if d >= 0 {
+                // SAFETY: our descriptors again, close-on-exec as before.
+                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+            }
+        }
+        Some(ShmLink {
+            base,
+            region: AtomicI32::new(region),
+            tx,
+            rx,
+            active,
+            tag: String::new(),
+            path: None,
+            dgram: AtomicI32::new(-1),
+            peer_sock: AtomicI32::new(peer),
+            mode: AtomicU32::new(1),
+            eof: AtomicBool::new(false),
+            bases,
+            epoch: AtomicU32::new(0),
+        })
+    }
+}
