@@ -140,6 +140,7 @@ PORTS = {
     "failover_new_conn_admin": 17809,
     "failover_new_conn_link": 17810,
     "failover_fork_shared": 17811,
+    "failover_after_exec": 17812,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
     "migrate_client": 17901,

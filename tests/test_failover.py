@@ -261,6 +261,43 @@ def test_fork_shared_connection(procs, faults):
     assert c["recv_sha256"] == child["sent_sha256"], (c, child)
 
 
+def test_link_fails_after_exec_with_bytes_in_flight(procs, faults):
+    """A server sends 96 KiB that the client does not read yet (they wait in the kernels'
+    buffers, unacknowledged by the client's layer), then hands the connection to a new
+    program across exec (fork + exec), which sends 1 MiB more. The client host's eth0 then
+    goes down, before the client has read anything, and the old socket's buffers are lost
+    with it: the old image's unacknowledged bytes, carried across the exec, are replayed on
+    the rebuilt link. The client reads exactly the stream's bytes (SHA-256), and the new
+    image's sends all succeed."""
+    port = PORTS["failover_after_exec"]
+    addr = f"{SERVER_IP}:{port}"
+    before, after, seed = 96 << 10, MiB, port
+    srv = procs.server(SERVER, python_prog("exec_stream.py", "server", "--bind", addr,
+                                           "--before", before, "--after", after, "--seed", seed),
+                       port, layer=True, name="exec-stream-server")
+    with Watcher(CLIENT, SERVER):
+        cli = procs.start(CLIENT, python_prog("exec_stream.py", "client", "--connect", addr,
+                                              "--pause", 4, "--total", before + after,
+                                              "--seed", seed),
+                          layer=True, name="exec-stream-client")
+        deadline = time.monotonic() + FLOWING_TIMEOUT
+        while not any(r.get("event") == "started" for r in srv.json_lines()):
+            assert time.monotonic() < deadline, srv.failure("the helper never started")
+            time.sleep(0.05)
+        time.sleep(0.3)
+        faults.link_down(CLIENT, ETH0)
+        cli.wait(timeout=40, check=False)
+        srv.wait(timeout=20, check=False)
+    c = cli.last_json()
+    lines = srv.json_lines()
+    helper = [r for r in lines if r.get("role") == "helper" and "event" not in r]
+    server = [r for r in lines if r.get("role") == "server"]
+    assert c.get("ok"), f"client: {c}\nserver side: {lines}\n{srv.stderr()[-3000:]}"
+    assert helper and helper[-1].get("sent_bytes") == after, (helper, srv.stderr()[-3000:])
+    assert server and server[-1]["helper_status"] == 0, server
+    assert cli.returncode == 0 and srv.returncode == 0
+
+
 def test_silent_blackhole(procs, faults):
     """The client host's eth0 veth is taken off its bridge mid-stream: the interface stays up
     and sends succeed, only silence tells. The agents declare the eth0 path dead (after

@@ -5,10 +5,12 @@
 //! the layer writes that state into the new image's environment (`VMI_INHERIT`), and makes
 //! sure the new image loads the layer (`LD_PRELOAD`), since a virtual connection read
 //! without it would show the program raw frames. The new image's layer rebuilds each
-//! connection at start and removes the variable. What cannot cross: the replay ring (bytes
-//! the peer had not acknowledged yet are no longer replayable after the exec), and sharing
-//! with a process that keeps using the same socket in the old image (each side then has its
-//! own stream offsets).
+//! connection at start and removes the variable. The bytes the peer's layer has not
+//! acknowledged yet (the replay ring's contents, including a replay still owed to a rebuilt
+//! link) cross in a memory file left open across the exec, named in the record, so a link
+//! that fails after the exec is still rebuilt without loss. What cannot cross: sharing with
+//! a process that keeps using the same socket in the old image (each side then has its own
+//! stream offsets).
 
 use crate::fdtable::{self, Entry};
 use crate::vc::{Setup, Vc};
@@ -17,7 +19,7 @@ use std::ffi::{CStr, CString};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use substrate::reliability::{RxState, TxState};
+use substrate::reliability::{ring_slices, RxState, TxState};
 
 const VAR: &str = "VMI_INHERIT";
 
@@ -47,11 +49,88 @@ fn from_bytes<T: Copy>(b: &[u8]) -> Option<T> {
     (b.len() == std::mem::size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
 }
 
-/// The `VMI_INHERIT` value for the virtual connections that survive exec, and those
-/// connections.
-fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
+/// Writes the unacknowledged bytes of a connection (`tx.acked..tx.next_seq` of its replay
+/// ring) into a memory file that stays open across the exec; its descriptor, or -1 when
+/// there is nothing to carry or no memory file could be made. The caller holds the tx lock.
+fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
+    let n = (tx.next_seq - tx.acked) as usize;
+    if n == 0 {
+        return -1;
+    }
+    // SAFETY: the caller holds the tx lock: nobody writes the ring meanwhile.
+    let ring = unsafe { v.mem().ring() };
+    let (a, b) = ring_slices(ring, tx.acked, n);
+    // SAFETY: a fresh memory file, without close-on-exec.
+    let fd = unsafe { libc::memfd_create(c"vmi-unacked".as_ptr(), 0) };
+    if fd < 0 {
+        log::warn(format_args!(
+            "cannot make a memory file for the bytes in flight across exec (errno {}); they are \
+             not replayable in the new image",
+            crate::sys::errno()
+        ));
+        return -1;
+    }
+    // Out of the way of the descriptor numbers the new program may expect to be free.
+    // SAFETY: F_DUPFD takes an integer argument; the copy keeps no close-on-exec.
+    let high = unsafe { real::fcntl(fd, libc::F_DUPFD, 700) };
+    let fd = if high >= 0 {
+        // SAFETY: our own descriptor, now copied.
+        unsafe { real::close(fd) };
+        high
+    } else {
+        fd
+    };
+    for part in [a, b] {
+        let mut off = 0;
+        while off < part.len() {
+            // SAFETY: writes from a live slice.
+            let w = unsafe { libc::write(fd, part[off..].as_ptr() as *const _, part.len() - off) };
+            if w <= 0 {
+                if w < 0 && crate::sys::errno() == libc::EINTR {
+                    continue;
+                }
+                // SAFETY: our descriptor.
+                unsafe { real::close(fd) };
+                return -1;
+            }
+            off += w as usize;
+        }
+    }
+    fd
+}
+
+/// Reads the `n` bytes a previous image saved in memory file `fd`, and closes it.
+fn load_unacked(fd: i32, n: u64) -> Option<Vec<u8>> {
+    if fd < 0 {
+        return None;
+    }
+    let mut buf = vec![0u8; n as usize];
+    let mut off = 0;
+    let ok = loop {
+        if off == buf.len() {
+            break true;
+        }
+        // SAFETY: reads into our buffer at `off`.
+        let r = unsafe { libc::pread(fd, buf[off..].as_mut_ptr() as *mut _, buf.len() - off, off as i64) };
+        if r < 0 && crate::sys::errno() == libc::EINTR {
+            continue;
+        }
+        if r <= 0 {
+            break false;
+        }
+        off += r as usize;
+    };
+    // SAFETY: the memory file the previous image left us.
+    unsafe { real::close(fd) };
+    ok.then_some(buf)
+}
+
+/// The `VMI_INHERIT` value for the virtual connections that survive exec, those
+/// connections, and the memory files carrying their unacknowledged bytes.
+fn inherit_value() -> Option<(String, Vec<Arc<Vc>>, Vec<i32>)> {
     let mut recs = Vec::new();
     let mut done: Vec<Arc<Vc>> = Vec::new();
+    let mut files = Vec::new();
     for (fd, e) in fdtable::snapshot() {
         let Entry::Vc(v) = e else { continue };
         // SAFETY: F_GETFD has no pointer argument.
@@ -68,8 +147,12 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
             done.push(v.clone());
         }
         let shm = v.shm_now().and_then(|l| l.handover(fd)).unwrap_or_default();
+        let unacked = save_unacked(&v, &tx);
+        if unacked >= 0 {
+            files.push(unacked);
+        }
         recs.push(format!(
-            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{},{shm}",
+            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{},{shm},{unacked}",
             c.gid,
             c.secret,
             c.peer_window,
@@ -82,12 +165,12 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>)> {
             c.peer_agents().iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" "),
         ));
     }
-    (!recs.is_empty()).then(|| (recs.join(";"), done))
+    (!recs.is_empty()).then(|| (recs.join(";"), done, files))
 }
 
-fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
+fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState, i32)> {
     let f: Vec<&str> = r.split(',').collect();
-    if f.len() != 12 {
+    if f.len() != 13 {
         return None;
     }
     let s = Setup {
@@ -102,7 +185,7 @@ fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState)> {
         renamed: true,
         shm: if f[11].is_empty() { None } else { Some(crate::shm_sink::ShmLink::adopt(f[11])?) },
     };
-    Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?))
+    Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?, f[12].parse().ok()?))
 }
 
 /// At start: rebuild the connections the previous image handed over.
@@ -113,12 +196,18 @@ pub fn adopt() {
     let mut adopted = false;
     for r in v.split(';') {
         match parse_rec(r) {
-            Some((fd, s, tx, rx)) if crate::sys::tcp_family(fd).is_some() => {
-                match (s.gid, Vc::restore(s, tx, rx)) {
+            Some((fd, s, tx, rx, unacked)) if crate::sys::tcp_family(fd).is_some() => {
+                let saved = load_unacked(unacked, tx.next_seq - tx.acked);
+                match (s.gid, Vc::restore(s, tx, rx, saved)) {
                     (gid, Some(vc)) => {
                         log::info(format_args!(
                             "virtual connection {gid:032x} on fd {fd} carried across exec"
                         ));
+                        if vc.mem().conn().broken.load(std::sync::atomic::Ordering::Acquire) != 0 {
+                            // Reset (see `Vc::restore`): the peer sees the end too.
+                            // SAFETY: shutdown of the connection's own socket.
+                            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+                        }
                         fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
                         adopted = true;
                     }
@@ -152,6 +241,8 @@ pub struct Handover {
     pub env: Vec<CString>,
     /// The connections handed over.
     pub vcs: Vec<Arc<Vc>>,
+    /// The memory files with their unacknowledged bytes (closed here if the exec fails).
+    files: Vec<i32>,
 }
 
 impl Handover {
@@ -171,6 +262,10 @@ impl Handover {
                 l.handover_undone();
             }
         }
+        for &fd in &self.files {
+            // SAFETY: our memory files; the exec that would have taken them failed.
+            unsafe { real::close(fd) };
+        }
         crate::sys::set_errno(e);
         r
     }
@@ -184,7 +279,7 @@ pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover>
     if config::disabled() || !fdtable::any() {
         return None;
     }
-    let (value, vcs) = inherit_value()?;
+    let (value, vcs, files) = inherit_value()?;
     let mut out: Vec<CString> = Vec::new();
     let mut preload_seen = false;
     let me = own_path().unwrap_or_default();
@@ -218,7 +313,7 @@ pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover>
         out.push(CString::new(format!("LD_PRELOAD={me}")).ok()?);
     }
     out.push(CString::new(format!("{VAR}={value}")).ok()?);
-    Some(Handover { env: out, vcs })
+    Some(Handover { env: out, vcs, files })
 }
 
 /// Runs `f` with a NULL-terminated pointer array over `env`.

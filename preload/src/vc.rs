@@ -190,16 +190,36 @@ impl Vc {
     }
 
     /// Rebuilds a connection handed over across `exec`: same identity, same stream
-    /// positions. The old image's replay ring is gone with it, so the bytes it held count as
-    /// acknowledged.
-    pub fn restore(s: Setup, mut tx: TxState, rx: RxState) -> Option<Vc> {
+    /// positions. `unacked` holds the bytes the peer's layer had not acknowledged
+    /// (`tx.acked..tx.next_seq`), carried over by the old image; they go back into the
+    /// replay ring. Without them (no memory file could be made or read) they count as
+    /// acknowledged, and a replay still owed cannot be made: the connection is then reset
+    /// rather than sending anything else in their place.
+    pub fn restore(mut s: Setup, mut tx: TxState, rx: RxState, unacked: Option<Vec<u8>>) -> Option<Vc> {
         let window = s.window;
+        let owed = tx.next_seq - tx.acked;
+        let unacked = unacked.filter(|b| b.len() as u64 == owed);
+        if unacked.is_some() {
+            // The new ring must hold them even if this image has a smaller window.
+            s.window = s.window.max(owed.div_ceil(crate::config::ring_factor()));
+        }
+        let gid = s.gid;
         let vc = Vc::new(s)?;
         let c = vc.mem.conn();
         let fresh = TxState::with_soft_window(vc.mem.ring_len() as u64, window);
         tx.window = fresh.window;
         tx.soft_window = fresh.soft_window;
-        tx.acked = tx.next_seq;
+        let mut lost = false;
+        match unacked {
+            Some(b) => {
+                // SAFETY: the connection is new and not shared yet; nobody else uses the ring.
+                substrate::reliability::ring_write(unsafe { vc.mem.ring() }, tx.acked, &b);
+            }
+            None => {
+                lost = tx.replaying() || tx.in_frame();
+                tx.acked = tx.next_seq;
+            }
+        }
         // SAFETY: the connection is new and not shared yet; no lock is needed.
         unsafe {
             *c.tx.get() = tx;
@@ -209,6 +229,14 @@ impl Vc {
         c.peer_ack.store(rx.peer_ack, Release);
         c.ack_sent.store(tx.ack_sent, Release);
         c.wire_hi.store(tx.next_seq, Release);
+        c.unacked.store(tx.unacked(), Relaxed);
+        if lost {
+            crate::log::error(format_args!(
+                "virtual connection {gid:032x}: bytes still owed to the peer did not cross the exec; \
+                 resetting it (the program sees ECONNRESET)"
+            ));
+            c.broken.store(libc::ECONNRESET, Release);
+        }
         Some(vc)
     }
 
