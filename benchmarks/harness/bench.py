@@ -1177,6 +1177,17 @@ class Harness:
             return None
         return box[0]
 
+    def client_json(self, argv: list[str], timeout: float, env: dict, log_name: str) -> dict:
+        """Runs a one-process benchmark program in the client host, pinned like the clients;
+        returns the JSON line it printed last (BenchError if it failed or timed out)."""
+        r = run(self.client.wrap(self.pin(argv, "client")), timeout=timeout, env=env,
+                log_path=self.logs / log_name)
+        if r.timed_out:
+            raise BenchError(f"timed out after {timeout:.0f} s")
+        if r.rc != 0:
+            raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
+        return last_json_line(r.stdout)
+
     # ---------------------------------------------------------------- 6. non-TCP descriptors
     def b_nontcp(self) -> None:
         """I/O on descriptors the layer does not manage (pipe, AF_UNIX socketpair, UDP,
@@ -1196,14 +1207,8 @@ class Harness:
                 tag = f"{mode}-r{rep}"
                 log(f"nontcp {mode} rep {rep + 1}/{a.reps} ({n:,} iterations per case)")
                 try:
-                    r = run(self.client.wrap(self.pin([prog, str(n)], "client")),
-                            timeout=timeout, env=self.env(mode),
-                            log_path=self.logs / f"{name}-{tag}-client.log")
-                    if r.timed_out:
-                        raise BenchError(f"timed out after {timeout:.0f} s")
-                    if r.rc != 0:
-                        raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
-                    res = last_json_line(r.stdout)
+                    res = self.client_json([prog, str(n)], timeout, self.env(mode),
+                                           f"{name}-{tag}-client.log")
                     if bool(res.get("preloaded")) != (mode == LAYER):
                         raise BenchError(
                             "libvmi_preload was not mapped into the layered run" if mode == LAYER
@@ -1234,14 +1239,7 @@ class Harness:
                     env = self.env(mode)
                     if mode == LAYER:
                         env["VMI_SHM"] = "0"
-                    r = run(self.client.wrap(self.pin([prog, str(n)], "client")),
-                            timeout=timeout, env=env,
-                            log_path=self.logs / f"{name}-{tag}-client.log")
-                    if r.timed_out:
-                        raise BenchError(f"timed out after {timeout:.0f} s")
-                    if r.rc != 0:
-                        raise BenchError(f"rc={r.rc}: {r.stderr.strip()[-200:]}")
-                    res = last_json_line(r.stdout)
+                    res = self.client_json([prog, str(n)], timeout, env, f"{name}-{tag}-client.log")
                     want = "framed" if mode == LAYER else "plain"
                     if res.get("path") != want:
                         raise BenchError(f"the connection was {res.get('path')!r}, not {want!r} "

@@ -33,32 +33,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MSG 64
+#include "bench_util.h"
 
-static double now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
+#define MSG 64
 
 static void die(const char *what, long i)
 {
     fprintf(stderr, "nontcp_calls: %s failed at iteration %ld: %s\n", what, i, strerror(errno));
     exit(1);
-}
-
-static int preloaded(void)
-{
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (f == NULL)
-        return 0;
-    char line[4096];
-    int found = 0;
-    while (!found && fgets(line, sizeof(line), f) != NULL)
-        found = strstr(line, "libvmi_preload") != NULL;
-    fclose(f);
-    return found;
 }
 
 static char out_buf[MSG];

@@ -36,36 +36,18 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
+
 #define MAX_MSG 16384
 
 static char out_buf[MAX_MSG];
 static char in_buf[MAX_MSG];
 static unsigned long long app_bytes;
 
-static double now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
-
 static void die(const char *what, long i)
 {
     fprintf(stderr, "vc_calls: %s failed at round trip %ld: %s\n", what, i, strerror(errno));
     exit(1);
-}
-
-static int preloaded(void)
-{
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (f == NULL)
-        return 0;
-    char line[4096];
-    int found = 0;
-    while (!found && fgets(line, sizeof(line), f) != NULL)
-        found = strstr(line, "libvmi_preload") != NULL;
-    fclose(f);
-    return found;
 }
 
 static void send_all(int fd, size_t n, long i, int count)
