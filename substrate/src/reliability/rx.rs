@@ -361,6 +361,53 @@ mod tests {
         }
     }
 
+    /// The receive path may read fewer link bytes than a plan allows, into a buffer of its
+    /// own, and parse them there (`parse_buffer`): however many it takes (at most
+    /// `plan.total()`), the payload never exceeds the application's buffer (so the layer
+    /// never holds payload of its own), and the stream comes out whole.
+    #[test]
+    fn any_read_within_the_plan_fits_the_application_buffer() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..200 {
+            let mut frames = Vec::new();
+            let mut sent = Vec::new();
+            let mut seq = 0u64;
+            for _ in 0..40 {
+                if next(4) == 0 {
+                    frames.push((FrameHeader::control(FrameKind::Ack, seq, 0), Vec::new()));
+                    continue;
+                }
+                let len = next(6000) as usize + 1;
+                let p: Vec<u8> = (0..len).map(|i| (seq as usize + i) as u8).collect();
+                frames.push((FrameHeader::data(len as u32, seq, 0), p.clone()));
+                sent.extend_from_slice(&p);
+                seq += len as u64;
+            }
+            let link = wire(&frames.iter().map(|(h, p)| (*h, &p[..])).collect::<Vec<_>>());
+            let mut rx = RxState::new();
+            let mut pos = 0;
+            let mut got = Vec::new();
+            while pos < link.len() {
+                let app_len = next(5000) as usize + 1;
+                let plan = rx.plan_read(app_len);
+                let take = (next(plan.total() as u64) as usize + 1).min(link.len() - pos);
+                let mut stage = link[pos..pos + take].to_vec();
+                pos += take;
+                let i = rx.parse_buffer(&mut stage).expect("a well-formed stream");
+                assert!(i.payload <= app_len, "{} payload bytes for a buffer of {app_len}", i.payload);
+                got.extend_from_slice(&stage[..i.payload]);
+            }
+            assert_eq!(got, sent);
+            assert_eq!(rx.delivered, sent.len() as u64);
+        }
+    }
+
     #[test]
     fn out_of_order_and_garbage_are_errors() {
         let link = wire(&[(FrameHeader::data(3, 5, 0), b"abc")]);
