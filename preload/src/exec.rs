@@ -99,9 +99,30 @@ fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
     fd
 }
 
+/// The memory file name [`save_unacked`] gives (as `/proc/self/fd` shows it).
+const MEMFD_LINK: &str = "/memfd:vmi-unacked";
+
+/// Whether `fd` is a memory file [`save_unacked`] made (a record names a descriptor number;
+/// anything else under that number is left alone).
+fn our_memfd(fd: i32) -> bool {
+    fd >= 0
+        && std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .is_ok_and(|l| l.to_string_lossy().starts_with(MEMFD_LINK))
+}
+
+/// Closes the memory file a record that cannot be used names, if it is one of ours.
+fn drop_unacked(r: &str) {
+    if let Some(fd) = r.rsplit(',').next().and_then(|f| f.parse::<i32>().ok()) {
+        if our_memfd(fd) {
+            // SAFETY: the previous image's memory file, which nobody will read.
+            unsafe { real::close(fd) };
+        }
+    }
+}
+
 /// Reads the `n` bytes a previous image saved in memory file `fd`, and closes it.
 fn load_unacked(fd: i32, n: u64) -> Option<Vec<u8>> {
-    if fd < 0 {
+    if !our_memfd(fd) {
         return None;
     }
     let mut buf = vec![0u8; n as usize];
@@ -216,7 +237,10 @@ pub fn adopt() {
                     }
                 }
             }
-            _ => log::error(format_args!("unusable {VAR} record; that descriptor stays as it is")),
+            _ => {
+                drop_unacked(r);
+                log::error(format_args!("unusable {VAR} record; that descriptor stays as it is"))
+            }
         }
     }
     if adopted && !config::disabled() {
