@@ -314,6 +314,8 @@ struct Work {
     must_dial: std::collections::HashSet<u128>,
     /// A thaw whose report to `vmi-migrate` waits for the links to be rebuilt.
     thawing: Option<Thawing>,
+    /// When an idle thread next walks the connections (see `SWEEP_MS`).
+    next_sweep_ms: u64,
 }
 
 /// The report owed to `vmi-migrate` after a thaw.
@@ -361,8 +363,13 @@ fn control_loop() {
         } else {
             50
         };
+        // Anything under way is looked at on every round; otherwise only what woke the
+        // thread (an event, a broken link) makes it walk the connections, plus a slow
+        // sweep: with thousands of idle connections a walk costs milliseconds.
+        let busy = timeout < 500 || w.thawing.is_some() || !w.last_wire.is_empty();
         // SAFETY: two valid pollfds (negative fds are ignored by poll).
         unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+        let woke = pfds.iter().any(|p| p.revents != 0);
         if pfds[1].revents != 0 {
             let mut v = 0u64;
             // SAFETY: drains our eventfd.
@@ -378,9 +385,17 @@ fn control_loop() {
                 }
             }
         }
-        work(&mut w);
+        let now = sys::now_ms();
+        if woke || busy || now >= w.next_sweep_ms {
+            work(&mut w);
+            w.next_sweep_ms = now + SWEEP_MS;
+        }
     }
 }
+
+/// How often an idle control thread walks the connections anyway (everything that needs it
+/// sooner wakes the thread).
+const SWEEP_MS: u64 = 10_000;
 
 fn find(gid: u128) -> Option<Arc<Vc>> {
     fdtable::distinct_vcs().into_iter().find(|v| v.mem().conn().gid == gid)
