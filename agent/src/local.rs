@@ -37,6 +37,25 @@ pub struct Agent {
     next_client: AtomicU64,
 }
 
+/// A connection its connecting side announced (the fields of a `Connect` message).
+pub struct Announce {
+    /// The connecting side's address.
+    pub src: SocketAddr,
+    /// The address it connects to (on this node).
+    pub dst: SocketAddr,
+    /// The connection's GID.
+    pub gid: u128,
+    /// The connection's secret.
+    pub secret: u128,
+    /// The connecting side's window.
+    pub window: u64,
+    /// The address the program asked for (differs from `dst` when a moved listener's node
+    /// takes the connection).
+    pub aim: SocketAddr,
+    /// The connecting node's agent addresses.
+    pub agents: Vec<SocketAddr>,
+}
+
 impl Agent {
     /// A new agent.
     pub fn new(port: u16, node: String, probe_interval: Duration, dead_after: Duration) -> Self {
@@ -52,19 +71,9 @@ impl Agent {
         }
     }
 
-    /// A connection to `dst` (on this node) is announced.
-    // (The fields of a `Connect` message, one by one.)
-    #[allow(clippy::too_many_arguments)]
-    pub fn expect_local(
-        &self,
-        src: SocketAddr,
-        dst: SocketAddr,
-        gid: u128,
-        secret: u128,
-        window: u64,
-        aim: SocketAddr,
-        agents: Vec<SocketAddr>,
-    ) -> Msg {
+    /// A connection to `a.dst` (on this node) is announced.
+    pub fn expect_local(&self, a: Announce) -> Msg {
+        let Announce { src, dst, gid, secret, window, aim, agents } = a;
         let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
         let e = crate::directory::Expected { gid, secret, window, at: Instant::now(), aim, agents };
         match d.expect(src, dst, e) {
@@ -79,19 +88,10 @@ impl Agent {
     /// A connection to `dst` (an address of this node) is announced: expected here when a
     /// listener here takes it; passed on to the node a moved listener went to otherwise (the
     /// answer's `alias` then names the address to connect to instead).
-    #[allow(clippy::too_many_arguments)]
-    pub fn expect_here(
-        &self,
-        src: SocketAddr,
-        dst: SocketAddr,
-        gid: u128,
-        secret: u128,
-        window: u64,
-        aim: SocketAddr,
-        agents: Vec<SocketAddr>,
-    ) -> Msg {
-        let fwd = self.dir.lock().unwrap_or_else(|e| e.into_inner()).forward_for(dst).cloned();
-        let Some(f) = fwd else { return self.expect_local(src, dst, gid, secret, window, aim, agents) };
+    pub fn expect_here(&self, a: Announce) -> Msg {
+        let fwd = self.dir.lock().unwrap_or_else(|e| e.into_inner()).forward_for(a.dst).cloned();
+        let Some(f) = fwd else { return self.expect_local(a) };
+        let Announce { src, dst, gid, secret, window, aim, agents } = a;
         // The agent address of the new node on the network `dst` is on, if it has one.
         let ifaces = net::interfaces();
         let home = ifaces.iter().find(|i| i.addr == dst.ip());
@@ -153,7 +153,8 @@ impl Agent {
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
         if net::is_local(dst.ip()) {
-            return self.expect_here(src, dst, gid, secret, window, dst, self.health.advertised());
+            let agents = self.health.advertised();
+            return self.expect_here(Announce { src, dst, gid, secret, window, aim: dst, agents });
         }
         let m = Msg::Connect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
         match self.peers.ask(dst.ip(), self.port, &m) {

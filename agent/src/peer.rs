@@ -2,7 +2,10 @@
 //! client with one cached connection per remote node.
 
 use crate::wire::{read_msg, write_msg};
-use crate::{local::Agent, net};
+use crate::{
+    local::{Agent, Announce},
+    net,
+};
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -100,7 +103,7 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
         };
         let answer = match m {
             Msg::Connect { src, dst, gid, secret, window, aim, agents } if net::is_local(dst.ip()) => {
-                agent.expect_here(src, dst, gid, secret, window, aim, agents)
+                agent.expect_here(Announce { src, dst, gid, secret, window, aim, agents })
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
             Msg::Resume { gid, nonce, from_active } => {
