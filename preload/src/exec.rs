@@ -53,6 +53,8 @@ fn from_bytes<T: Copy>(b: &[u8]) -> Option<T> {
 /// ring) into a memory file that stays open across the exec; its descriptor, or -1 when
 /// there is nothing to carry or no memory file could be made. The caller holds the tx lock.
 fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
+    use std::io::Write as _;
+    use std::os::fd::{FromRawFd, IntoRawFd};
     let n = (tx.next_seq - tx.acked) as usize;
     if n == 0 {
         return -1;
@@ -71,32 +73,12 @@ fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
         return -1;
     }
     // Out of the way of the descriptor numbers the new program may expect to be free.
-    // SAFETY: F_DUPFD takes an integer argument; the copy keeps no close-on-exec.
-    let high = unsafe { real::fcntl(fd, libc::F_DUPFD, 700) };
-    let fd = if high >= 0 {
-        // SAFETY: our own descriptor, now copied.
-        unsafe { real::close(fd) };
-        high
-    } else {
-        fd
-    };
-    for part in [a, b] {
-        let mut off = 0;
-        while off < part.len() {
-            // SAFETY: writes from a live slice.
-            let w = unsafe { libc::write(fd, part[off..].as_ptr() as *const _, part.len() - off) };
-            if w <= 0 {
-                if w < 0 && crate::sys::errno() == libc::EINTR {
-                    continue;
-                }
-                // SAFETY: our descriptor.
-                unsafe { real::close(fd) };
-                return -1;
-            }
-            off += w as usize;
-        }
+    // SAFETY: a descriptor we just made and own.
+    let mut f = unsafe { std::fs::File::from_raw_fd(fdtable::move_high_inherited(fd)) };
+    match f.write_all(a).and_then(|_| f.write_all(b)) {
+        Ok(()) => f.into_raw_fd(),
+        Err(_) => -1,
     }
-    fd
 }
 
 /// The memory file name [`save_unacked`] gives (as `/proc/self/fd` shows it).
@@ -122,28 +104,15 @@ fn drop_unacked(r: &str) {
 
 /// Reads the `n` bytes a previous image saved in memory file `fd`, and closes it.
 fn load_unacked(fd: i32, n: u64) -> Option<Vec<u8>> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::fs::FileExt;
     if !our_memfd(fd) {
         return None;
     }
+    // SAFETY: the memory file the previous image left us; closed when `f` goes.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
     let mut buf = vec![0u8; n as usize];
-    let mut off = 0;
-    let ok = loop {
-        if off == buf.len() {
-            break true;
-        }
-        // SAFETY: reads into our buffer at `off`.
-        let r = unsafe { libc::pread(fd, buf[off..].as_mut_ptr() as *mut _, buf.len() - off, off as i64) };
-        if r < 0 && crate::sys::errno() == libc::EINTR {
-            continue;
-        }
-        if r <= 0 {
-            break false;
-        }
-        off += r as usize;
-    };
-    // SAFETY: the memory file the previous image left us.
-    unsafe { real::close(fd) };
-    ok.then_some(buf)
+    f.read_exact_at(&mut buf, 0).ok().map(|_| buf)
 }
 
 /// The `VMI_INHERIT` value for the virtual connections that survive exec, those

@@ -134,8 +134,18 @@ pub fn listener_addrs() -> Vec<SocketAddr> {
 
 /// Moves one of the layer's own descriptors to a high number (close-on-exec).
 pub fn move_high(fd: i32) -> i32 {
-    // SAFETY: F_DUPFD_CLOEXEC takes an integer argument.
-    let n = unsafe { crate::real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700) };
+    move_to_high(fd, libc::F_DUPFD_CLOEXEC)
+}
+
+/// Moves one of the layer's own descriptors to a high number that stays open across exec
+/// (something the layer hands to the new image).
+pub fn move_high_inherited(fd: i32) -> i32 {
+    move_to_high(fd, libc::F_DUPFD)
+}
+
+fn move_to_high(fd: i32, cmd: i32) -> i32 {
+    // SAFETY: F_DUPFD and F_DUPFD_CLOEXEC take an integer argument.
+    let n = unsafe { crate::real::fcntl(fd, cmd, 700) };
     if n >= 0 {
         // SAFETY: our own descriptor.
         unsafe { crate::real::close(fd) };

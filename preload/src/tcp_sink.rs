@@ -139,24 +139,22 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
-    let h = plan.header_bytes();
-    if plan.payload == 0 {
-        // SAFETY: the header bytes are live for the call.
-        return unsafe { real::send(fd, h.as_ptr() as *const _, h.len(), flags) };
+    let (a, b) = match plan.source {
+        Source::App => (&app[..plan.payload], &[][..]),
+        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+    };
+    let parts = [plan.header_bytes(), a, b];
+    let live = parts.iter().filter(|p| !p.is_empty()).count();
+    if live <= 1 {
+        let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
+        // SAFETY: the one part is live for the call.
+        return unsafe { real::send(fd, one.as_ptr() as *const _, one.len(), flags) };
     }
     if plan.payload <= FLAT_SEND {
-        let (a, b) = match plan.source {
-            Source::App => (&app[..plan.payload], &[][..]),
-            Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-        };
-        if h.is_empty() && b.is_empty() {
-            // SAFETY: `a` is live for the call.
-            return unsafe { real::send(fd, a.as_ptr() as *const _, a.len(), flags) };
-        }
         let mut buf = std::mem::MaybeUninit::<[u8; FLAT_SEND + HEADER_LEN]>::uninit();
         let p = buf.as_mut_ptr() as *mut u8;
         let mut n = 0;
-        for part in [h, a, b] {
+        for part in parts {
             // SAFETY: the parts add up to at most HEADER_LEN + FLAT_SEND bytes (a header, and
             // a payload of at most FLAT_SEND in one or two pieces), the buffer's size.
             unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), p.add(n), part.len()) };
@@ -165,30 +163,14 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
         // SAFETY: the first `n` bytes of the buffer were written just above.
         return unsafe { real::send(fd, p as *const _, n, flags) };
     }
-    let mut iov: [iovec; 3] = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
-    let mut n = 0;
-    if !h.is_empty() {
-        iov[n] = iovec { iov_base: h.as_ptr() as *mut _, iov_len: h.len() };
-        n += 1;
-    }
-    let (a, b) = match plan.source {
-        Source::App => (&app[..plan.payload], &[][..]),
-        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-    };
-    for s in [a, b] {
-        if !s.is_empty() {
-            iov[n] = iovec { iov_base: s.as_ptr() as *mut _, iov_len: s.len() };
-            n += 1;
-        }
-    }
-    if n == 1 {
-        // SAFETY: the one segment is live for the call.
-        return unsafe { real::send(fd, iov[0].iov_base, iov[0].iov_len, flags) };
+    let mut iov = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
+    for (v, p) in iov.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
+        *v = iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
     }
     // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = n;
+    msg.msg_iov = iov.as_ptr() as *mut _;
+    msg.msg_iovlen = live;
     // SAFETY: msg is initialised and its buffers outlive the call.
     unsafe { real::sendmsg(fd, &msg, flags) }
 }
