@@ -261,6 +261,42 @@ def test_fork_shared_connection(procs, faults):
     assert c["recv_sha256"] == child["sent_sha256"], (c, child)
 
 
+@pytest.mark.parametrize("streamer", ["child", "parent"])
+def test_link_fails_after_fork_while_holder_is_idle(procs, faults, streamer):
+    """A connection shared by fork, where one process closes its copy at once and the other
+    (the streamer) makes no call on it for 3 s. child: the classic forking server, whose
+    parent closes the accepted connection right after fork. parent: a child that closes what
+    it inherited. The client host's eth0 goes down as soon as the copy is closed, so the
+    client's layer rebuilds the link while the only process on the server's node holding the
+    connection has not touched it since the fork. That process must still be known to its
+    agent as a holder (a forked child says so inside fork; a child closing its copy must not
+    speak for its parent), take the rebuilt link, and then stream as usual: the client
+    receives exactly what was sent, and nobody sees an error."""
+    port = PORTS["failover_fork_idle_holder"] + (streamer == "parent")
+    addr = f"{SERVER_IP}:{port}"
+    srv = procs.server(SERVER, python_prog("fork_stream.py", "server", "--bind", addr,
+                                           "--seconds", 2, "--streamer", streamer,
+                                           "--idle-closes", "--streamer-waits", 3),
+                       port, layer=True, name="fork-stream-server")
+    with Watcher(CLIENT, SERVER):
+        cli = procs.start(CLIENT, python_prog("fork_stream.py", "client", "--connect", addr),
+                          layer=True, name="fork-stream-client")
+        deadline = time.monotonic() + FLOWING_TIMEOUT
+        while not any(r.get("event") == "closed" for r in srv.json_lines()):
+            assert time.monotonic() < deadline, srv.failure("the idle copy was never closed")
+            time.sleep(0.02)
+        faults.link_down(CLIENT, ETH0)
+        cli.wait(timeout=40, check=False)
+        srv.wait(timeout=20, check=False)
+    c = cli.last_json()
+    sent = [r for r in srv.json_lines() if r.get("role") == streamer and "event" not in r]
+    assert sent, srv.failure("the streamer printed nothing")
+    assert "error" not in c and "error" not in sent[-1], (c, sent)
+    assert c["recv_bytes"] == sent[-1]["sent_bytes"] > 0, (c, sent)
+    assert c["recv_sha256"] == sent[-1]["sent_sha256"], (c, sent)
+    assert cli.returncode == 0 and srv.returncode == 0, (cli.returncode, srv.returncode)
+
+
 def test_link_fails_after_exec_with_bytes_in_flight(procs, faults):
     """A server sends 96 KiB that the client does not read yet (they wait in the kernels'
     buffers, unacknowledged by the client's layer), then hands the connection to a new

@@ -3,6 +3,7 @@
 
 use crate::wire::{read_msg, write_msg};
 use crate::{
+    events::Events,
     local::{Agent, Announce},
     net,
 };
@@ -110,23 +111,103 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                 // A new link for a connection of this node: the process holding it takes the
                 // socket and authenticates the dialer itself. (Both ends may live on this
                 // node: the one being moved away no longer takes links.)
-                if agent.events.handover(gid, nonce, from_active, s.as_raw_fd()) {
-                    return Ok(());
-                }
-                if agent.events.is_moving(gid) {
-                    // Its process is being moved to another node; it dials from there.
-                    debug!("resume of {gid:032x}: its process is moving; the dialer waits");
-                    Msg::Error { reason: MOVED.into() }
-                } else {
-                    info!(
-                        "resume of {gid:032x} from {:?} refused: no process here holds it",
-                        s.peer_addr().ok()
-                    );
-                    Msg::Error { reason: "no such connection".into() }
+                match resume(&agent.events, gid, nonce, from_active, s.as_raw_fd()) {
+                    Resumed::Handed => return Ok(()),
+                    Resumed::Moving => {
+                        // Its process is being moved to another node; it dials from there.
+                        debug!("resume of {gid:032x}: its process is moving; the dialer waits");
+                        Msg::Error { reason: MOVED.into() }
+                    }
+                    Resumed::Nobody => {
+                        info!(
+                            "resume of {gid:032x} from {:?} refused: no process here holds it",
+                            s.peer_addr().ok()
+                        );
+                        Msg::Error { reason: "no such connection".into() }
+                    }
                 }
             }
             other => Msg::Error { reason: format!("unexpected message from an agent: {other:?}") },
         };
         write_msg(&mut s, &answer)?;
+    }
+}
+
+/// How long a resume for a connection no process here holds waits for one to say it does,
+/// before the dialer hears "no such connection" (which resets the connection for good). A
+/// process says which connections it holds on its event channel, and a forked child or a new
+/// image after exec opens its own channel a moment after its parent let go of theirs. The
+/// dialer waits a second for the answer.
+pub const HOLDER_GRACE: Duration = Duration::from_millis(500);
+
+#[derive(Debug, PartialEq)]
+enum Resumed {
+    Handed,
+    Moving,
+    Nobody,
+}
+
+fn resume(events: &Events, gid: u128, nonce: u128, from_active: bool, fd: std::os::fd::RawFd) -> Resumed {
+    let deadline = Instant::now() + HOLDER_GRACE;
+    loop {
+        if events.handover(gid, nonce, from_active, fd) {
+            return Resumed::Handed;
+        }
+        if events.is_moving(gid) {
+            return Resumed::Moving;
+        }
+        if Instant::now() >= deadline {
+            return Resumed::Nobody;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::read_msg_fd;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    /// A process's event channel to `events`, served on a thread.
+    fn channel(events: &Arc<Events>, id: u64, pid: u32) -> UnixStream {
+        let (process, agent) = UnixStream::pair().unwrap();
+        let e = events.clone();
+        std::thread::spawn(move || e.serve(id, pid, agent));
+        process
+    }
+
+    #[test]
+    fn a_resume_waits_for_a_holder_that_speaks_up_late() {
+        let events = Arc::new(Events::default());
+        let mut child = channel(&events, 1, 100);
+        let gid = 0x5eed_u128;
+        let link = UnixStream::pair().unwrap().0;
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            child.write_all(&Msg::Hold { gid, active: false }.encode()).unwrap();
+            child
+        });
+        let t = Instant::now();
+        assert_eq!(resume(&events, gid, 7, true, link.as_raw_fd()), Resumed::Handed);
+        assert!(t.elapsed() >= Duration::from_millis(100), "handed before the holder spoke");
+        let child = late.join().unwrap();
+        let (m, fd) = read_msg_fd(child.as_raw_fd()).unwrap();
+        assert_eq!(m, Msg::Handover { gid, nonce: 7 });
+        assert!(fd.is_some(), "the link's socket rides with the hand-over");
+    }
+
+    #[test]
+    fn a_resume_nobody_holds_is_refused_after_the_grace() {
+        let events = Arc::new(Events::default());
+        let mut other = channel(&events, 1, 100);
+        // Held, but by the dialing side's role: not a holder for this resume.
+        other.write_all(&Msg::Hold { gid: 9, active: true }.encode()).unwrap();
+        let link = UnixStream::pair().unwrap().0;
+        let t = Instant::now();
+        assert_eq!(resume(&events, 9, 1, true, link.as_raw_fd()), Resumed::Nobody);
+        assert!(t.elapsed() >= HOLDER_GRACE);
+        assert!(t.elapsed() < HOLDER_GRACE * 3);
     }
 }

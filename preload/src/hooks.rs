@@ -706,6 +706,13 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
             v.release();
         }
         sys::set_errno(e);
+    } else if r == 0 && !vcs.is_empty() {
+        let e = sys::errno();
+        quietly(|| {
+            crate::relink::forked_child();
+            Some(())
+        });
+        sys::set_errno(e);
     }
     r
 }
@@ -720,6 +727,7 @@ pub unsafe extern "C" fn execve(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
+    let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: the program's environment array.
     match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
         // SAFETY: forwarding with the extended environment.
@@ -735,6 +743,7 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
+    let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: as in execve.
     match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
         // SAFETY: forwarding with the extended environment.
@@ -746,6 +755,7 @@ pub unsafe extern "C" fn execvpe(
 
 #[no_mangle]
 pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: `environ` is the process environment.
     match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
         // SAFETY: forwarding to execve with the extended environment.
@@ -757,6 +767,7 @@ pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const li
 
 #[no_mangle]
 pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: `environ` is the process environment.
     match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
         // SAFETY: forwarding to execvpe with the extended environment.

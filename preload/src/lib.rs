@@ -71,6 +71,7 @@ extern "C" fn after_fork_child() {
     linger::after_fork_child();
     agent::after_fork_child();
     relink::after_fork();
+    relink::after_fork_child();
 }
 
 extern "C" fn fini() {

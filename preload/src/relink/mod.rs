@@ -32,7 +32,7 @@ use crate::vc::Vc;
 use crate::{agent, config, log, real, sys};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::{addrs_bytes, Msg};
@@ -138,13 +138,11 @@ pub fn ensure_control() {
     if CONTROL_PID.load(Acquire) == me {
         return;
     }
-    // A forked child inherited its parent's descriptors: close them, they are the parent's.
-    for role in [OWN_EVENTS, OWN_WAKE] {
-        let fd = fdtable::unprotect(role);
-        if fd >= 0 {
-            // SAFETY: our own descriptor (the child's copy).
-            unsafe { real::close(fd) };
-        }
+    // (A forked child closed its parent's wake descriptor in `after_fork_child`.)
+    let old = fdtable::unprotect(OWN_WAKE);
+    if old >= 0 {
+        // SAFETY: our own descriptor.
+        unsafe { real::close(old) };
     }
     // SAFETY: plain eventfd creation.
     let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -216,6 +214,34 @@ pub fn before_fork() {
 /// fork, parent and child: let go.
 pub fn after_fork() {
     FORK_GUARD.with(|f| f.borrow_mut().take());
+}
+
+/// fork, child side: the event channel and the wake descriptor are the parent's. Anything the
+/// child said on that channel would be taken for the parent's word (a child closing its copy
+/// of a connection would tell the agent the parent let go of it).
+pub fn after_fork_child() {
+    // Nor does the parent's control thread run here.
+    IN_WORK.store(false, SeqCst);
+    EXECING.store(0, SeqCst);
+    for role in [OWN_EVENTS, OWN_WAKE] {
+        let fd = fdtable::unprotect(role);
+        if fd >= 0 {
+            // SAFETY: the child's copy of our own descriptor.
+            unsafe { real::close(fd) };
+        }
+    }
+}
+
+/// A forked child that inherited connections: tell the agent at once that it holds them,
+/// before the program runs on (its parent may close its copies right away, and a link rebuilt
+/// from the other side must then find this process), and start the control thread that takes
+/// such links.
+pub fn forked_child() {
+    if fdtable::own_fd(OWN_EVENTS) < 0 && open_events().is_none() {
+        // No agent (or it is restarting): the control thread tries again.
+        close_events();
+    }
+    ensure_control();
 }
 
 fn send_event(m: &Msg) {
@@ -375,6 +401,10 @@ fn control_loop() {
             // SAFETY: drains our eventfd.
             unsafe { libc::read(wake_fd, &mut v as *mut u64 as *mut _, 8) };
         }
+        if !enter_work() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            continue;
+        }
         if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
             match read_event(evt) {
                 Some((m, passed)) => on_event(m, passed, &mut w),
@@ -390,7 +420,53 @@ fn control_loop() {
             work(&mut w);
             w.next_sweep_ms = now + SWEEP_MS;
         }
+        IN_WORK.store(false, SeqCst);
     }
+}
+
+/// Threads of the program inside an exec (see [`quiet_for_exec`]).
+static EXECING: AtomicU32 = AtomicU32::new(0);
+/// The control thread is handling an event or walking the connections.
+static IN_WORK: AtomicBool = AtomicBool::new(false);
+
+/// Keeps the control thread away from the connections while the program execs; undone on
+/// drop (the exec failed).
+pub struct ExecQuiet(bool);
+
+impl Drop for ExecQuiet {
+    fn drop(&mut self) {
+        if self.0 {
+            EXECING.fetch_sub(1, SeqCst);
+        }
+    }
+}
+
+/// Before an exec: waits until the control thread is out of its work and keeps it out. Exec
+/// ends the thread wherever it is, and a lock it held in memory shared with another process
+/// (a parent that forked this one) would stay taken for good: the process keeps its id, so
+/// nobody could tell its holder died.
+pub fn quiet_for_exec() -> ExecQuiet {
+    if CONTROL_PID.load(Acquire) != crate::pid() {
+        return ExecQuiet(false);
+    }
+    EXECING.fetch_add(1, SeqCst);
+    // A handshake under way takes at most a few of its one-second time-outs.
+    let deadline = sys::now_ms() + 3_000;
+    while IN_WORK.load(SeqCst) && sys::now_ms() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    ExecQuiet(true)
+}
+
+/// The control thread starts handling something; false (and it must not) while the program
+/// execs.
+fn enter_work() -> bool {
+    IN_WORK.store(true, SeqCst);
+    if EXECING.load(SeqCst) == 0 {
+        return true;
+    }
+    IN_WORK.store(false, SeqCst);
+    false
 }
 
 /// How often an idle control thread walks the connections anyway (everything that needs it
