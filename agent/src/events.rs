@@ -36,6 +36,10 @@ pub struct Events {
     /// Answers to a Freeze: `None` ready, `Some(why)` refused.
     frozen: Mutex<HashMap<u32, Option<String>>>,
     frozen_cv: std::sync::Condvar,
+    /// Connections set up for a process (through its request socket `client`) before it
+    /// opened its event channel: `(client, pid, gid, active)`, moved to the channel when it
+    /// opens, dropped when the request socket closes first.
+    early: Mutex<Vec<(u64, u32, u128, bool)>>,
 }
 
 fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
@@ -150,7 +154,17 @@ impl Events {
         };
         // A process that stops reading must not stall the agent.
         let _ = out.set_write_timeout(Some(Duration::from_millis(200)));
-        self.lock().insert(id, Chan { pid, out, holds: HashMap::new() });
+        {
+            let mut chans = self.lock();
+            let mut holds = HashMap::new();
+            self.early.lock().unwrap_or_else(|e| e.into_inner()).retain(|&(_, p, gid, active)| {
+                if p == pid {
+                    holds.insert(gid, active);
+                }
+                p != pid
+            });
+            chans.insert(id, Chan { pid, out, holds });
+        }
         debug!("event channel {id} of process {pid}");
         loop {
             match read_msg_fd(s.as_raw_fd()) {
@@ -195,6 +209,28 @@ impl Events {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Chan>> {
         self.chans.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Process `pid` (request socket `client`) holds `gid` from now on, on side `active`: the
+    /// agent answered its connect or accept with a virtual connection. (The layer does not
+    /// say so itself: one message less per connection. What a process lets go of it says,
+    /// in batches.)
+    pub fn hold(&self, client: u64, pid: u32, gid: u128, active: bool) {
+        let mut chans = self.lock();
+        let mut found = false;
+        for c in chans.values_mut().filter(|c| c.pid == pid) {
+            c.holds.insert(gid, active);
+            found = true;
+        }
+        if !found {
+            self.early.lock().unwrap_or_else(|e| e.into_inner()).push((client, pid, gid, active));
+        }
+    }
+
+    /// The request socket `client` closed: what it set up for a channel that never opened
+    /// is forgotten.
+    pub fn client_gone(&self, client: u64) {
+        self.early.lock().unwrap_or_else(|e| e.into_inner()).retain(|e| e.0 != client);
     }
 
     /// Tells every process (each keeps only what concerns its connections).

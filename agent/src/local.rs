@@ -71,6 +71,11 @@ impl Agent {
         }
     }
 
+    /// The process behind request socket `client`, once it said hello.
+    pub fn pid_of(&self, client: u64) -> Option<u32> {
+        self.procs.lock().unwrap_or_else(|e| e.into_inner()).pid_of(client)
+    }
+
     /// A connection to `a.dst` (on this node) is announced.
     pub fn expect_local(&self, a: Announce) -> Msg {
         let Announce { src, dst, gid, secret, window, aim, agents } = a;
@@ -229,6 +234,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     }
                     agent.dir.lock().unwrap_or_else(|e| e.into_inner()).drop_owner(id);
                     agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
+                    agent.events.client_gone(id);
                 });
             }
             Err(e) => warn!("accepting a local client: {e}"),
@@ -263,12 +269,20 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 Msg::Ok
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
-                agent.connect(src, dst, gid, secret, window)
+                let answer = agent.connect(src, dst, gid, secret, window);
+                if let (Msg::Virtual { .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
+                    agent.events.hold(id, pid, gid, true);
+                }
+                answer
             }
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
-                match agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer) {
+                let found = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer);
+                if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
+                    agent.events.hold(id, pid, e.gid, false);
+                }
+                match found {
                     Some(e) => Msg::Virtual {
                         gid: e.gid,
                         secret: e.secret,

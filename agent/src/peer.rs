@@ -199,6 +199,24 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_set_up_before_the_event_channel_opened_is_held_by_it() {
+        let events = Arc::new(Events::default());
+        // The agent answered the process's first connect; its channel opens afterwards.
+        events.hold(3, 200, 0xabc, true);
+        // Another process's early hold, whose request socket closes before its channel opens.
+        events.hold(4, 201, 0xdef, false);
+        events.client_gone(4);
+        let process = channel(&events, 1, 200);
+        let _other = channel(&events, 2, 201);
+        let link = UnixStream::pair().unwrap().0;
+        assert_eq!(resume(&events, 0xabc, 5, false, link.as_raw_fd()), Resumed::Handed);
+        let (m, fd) = read_msg_fd(process.as_raw_fd()).unwrap();
+        assert_eq!(m, Msg::Handover { gid: 0xabc, nonce: 5 });
+        assert!(fd.is_some());
+        assert_eq!(resume(&events, 0xdef, 6, true, link.as_raw_fd()), Resumed::Nobody);
+    }
+
+    #[test]
     fn a_resume_nobody_holds_is_refused_after_the_grace() {
         let events = Arc::new(Events::default());
         let mut other = channel(&events, 1, 100);

@@ -124,7 +124,12 @@ impl Procs {
         self.live.insert(client, Proc { pid, name, table });
     }
 
-    /// The local clients of process `pid`.
+    /// The process behind local client `client`, once it said hello.
+    pub fn pid_of(&self, client: u64) -> Option<u32> {
+        self.live.get(&client).map(|p| p.pid)
+    }
+
+    /// The request sockets of process `pid`.
     pub fn clients_of(&self, pid: u32) -> Vec<u64> {
         self.live.iter().filter(|(_, p)| p.pid == pid).map(|(c, _)| *c).collect()
     }

@@ -115,12 +115,16 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     };
     if let Some(p) = pending {
         let e = sys::errno();
-        if r == 0 || e == libc::EINPROGRESS {
-            quietly(|| {
+        quietly(|| {
+            // (A blocking connect interrupted by a signal goes on in the kernel, as a
+            // non-blocking one does.)
+            if r == 0 || e == libc::EINPROGRESS || e == libc::EINTR {
                 setup::after_connect(fd, p);
-                Some(())
-            });
-        }
+            } else {
+                setup::connect_failed(p);
+            }
+            Some(())
+        });
         sys::set_errno(e);
     }
     r

@@ -31,8 +31,15 @@ struct Lingering {
 
 static LIST: Mutex<Lingering> = Mutex::new(Lingering { socks: Vec::new(), thread: false });
 
+/// Held by the reaper while it works on sockets it took off `LIST` (taken before `LIST`
+/// wherever both are): the program's closes only ever wait for `LIST`, which is held for
+/// list operations alone, never across system calls or the unmapping of a connection.
+static BATCH: Mutex<()> = Mutex::new(());
+
+type ForkGuards = (MutexGuard<'static, ()>, MutexGuard<'static, Lingering>);
+
 thread_local! {
-    static FORK_GUARD: std::cell::RefCell<Option<MutexGuard<'static, Lingering>>> = const { std::cell::RefCell::new(None) };
+    static FORK_GUARD: std::cell::RefCell<Option<ForkGuards>> = const { std::cell::RefCell::new(None) };
 }
 
 fn lock() -> MutexGuard<'static, Lingering> {
@@ -139,12 +146,15 @@ fn reaper() {
         // SAFETY: valid pollfd array.
         unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
         let now = Instant::now();
-        let mut l = lock();
-        l.socks.retain(|(fd, vc, deadline)| {
+        let _batch = BATCH.lock().unwrap_or_else(|e| e.into_inner());
+        let mut mine = std::mem::take(&mut lock().socks);
+        mine.retain(|(fd, vc, deadline)| {
             let fin = fds.iter().any(|f| f.0 == *fd && f.1);
             let ready = fin || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             !step(*fd, vc, ready, now > *deadline)
         });
+        lock().socks.extend(mine);
+        // (The finished ones were closed and unmapped without `LIST`.)
     }
 }
 
@@ -174,9 +184,19 @@ pub fn at_exit() {
             }
         }
     }
-    // The reaper holds the list only briefly; wait for it a little (never for ever: the
-    // process is exiting).
+    // The reaper holds its batch only briefly; wait for it a little (never for ever: the
+    // process is exiting). Once it is ours, every lingering socket is on the list.
     let until = Instant::now() + Duration::from_millis(300);
+    let _batch = loop {
+        match BATCH.try_lock() {
+            Ok(g) => break Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => break None,
+        }
+    };
     loop {
         match LIST.try_lock() {
             Ok(mut l) => {
@@ -255,8 +275,9 @@ fn fin_delivered(fd: i32) -> bool {
 
 /// fork, prepare.
 pub fn before_fork() {
+    let b = BATCH.lock().unwrap_or_else(|e| e.into_inner());
     let g = lock();
-    FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some((b, g)));
 }
 
 /// fork, parent side.
@@ -267,7 +288,7 @@ pub fn after_fork_parent() {
 /// fork, child side: the lingering sockets are the parent's business.
 pub fn after_fork_child() {
     FORK_GUARD.with(|f| {
-        if let Some(mut g) = f.borrow_mut().take() {
+        if let Some((_b, mut g)) = f.borrow_mut().take() {
             for (fd, _, _) in g.socks.drain(..) {
                 // SAFETY: the child's copies of the parent's lingering sockets.
                 unsafe { real::close(fd) };

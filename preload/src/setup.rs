@@ -100,13 +100,21 @@ pub fn after_connect(fd: i32, p: Pending) {
                 sl.set_link(&local, &via);
             }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
-            crate::relink::held(p.gid, true);
+            crate::relink::held();
         }
-        None => log::error(format_args!(
-            "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
-            p.gid
-        )),
+        None => {
+            log::error(format_args!(
+                "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
+                p.gid
+            ));
+            crate::relink::released(p.gid, false);
+        }
     }
+}
+
+/// The real `connect` failed: the connection the agent set up for it never existed here.
+pub fn connect_failed(p: Pending) {
+    crate::relink::released(p.gid, false);
 }
 
 /// After a successful `listen`: register the listener with the agent.
@@ -176,10 +184,11 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
                 sl.set_link(&l, &peer);
             }
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
-            crate::relink::held(gid, false);
+            crate::relink::held();
         }
         None => {
             log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));
+            crate::relink::released(gid, false);
             // SAFETY: shuts down the socket we just accepted.
             unsafe { crate::real::shutdown(fd, libc::SHUT_RDWR) };
         }

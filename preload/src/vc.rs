@@ -410,9 +410,10 @@ impl Vc {
 impl Drop for Vc {
     fn drop(&mut self) {
         // This process no longer holds it: the agent must not hand it new links here.
-        relink::released(self.mem.conn().gid);
+        let before = self.release();
+        relink::released(self.mem.conn().gid, before > 1);
         // The last process to let go frees the statistics slot.
-        if self.release() == 1 {
+        if before == 1 {
             if let Some(s) = self.slot {
                 s.free();
             }

@@ -182,20 +182,61 @@ pub fn poke() {
     }
 }
 
-/// A new connection in this process: tell the agent we hold it.
-pub fn held(gid: u128, active: bool) {
+/// A new connection in this process, set up by the agent (which therefore knows this
+/// process holds it): the control thread must run to take its rebuilt links.
+pub fn held() {
     ensure_control();
-    send_event(&Msg::Hold { gid, active });
 }
 
-/// This process let go of a connection.
-pub fn released(gid: u128) {
-    send_event(&Msg::Release { gid });
+/// Connections this process let go of for good, not told to the agent yet.
+static RELEASED: Mutex<Vec<u128>> = Mutex::new(Vec::new());
+
+/// This process let go of a connection. If other processes hold it too (after fork), the
+/// agent hears it now: a link rebuilt for it must go to one of them. Otherwise nobody holds
+/// it any more and there is no hurry: the control thread tells the agent with its next round
+/// (within half a second), many at once; a link offered here meanwhile is answered "no such
+/// connection", which is the truth.
+pub fn released(gid: u128, others_hold: bool) {
+    if others_hold {
+        send_event(&Msg::Release { gid });
+        return;
+    }
+    let mut r = RELEASED.lock().unwrap_or_else(|e| e.into_inner());
+    r.push(gid);
+    if r.len() >= 1024 {
+        let all = std::mem::take(&mut *r);
+        drop(r);
+        tell_released(all);
+    }
+}
+
+/// Tells the agent what `released` kept back.
+fn flush_released() {
+    let all = std::mem::take(&mut *RELEASED.lock().unwrap_or_else(|e| e.into_inner()));
+    if !all.is_empty() {
+        tell_released(all);
+    }
+}
+
+fn tell_released(gids: Vec<u128>) {
+    let mut buf = Vec::with_capacity(gids.len() * 24);
+    for gid in gids {
+        buf.extend_from_slice(&Msg::Release { gid }.encode());
+    }
+    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
+    let fd = fdtable::own_fd(OWN_EVENTS);
+    if fd >= 0 && !agent::write_all(fd, &buf, None) {
+        log::debug(format_args!("event channel write failed"));
+    }
 }
 
 static EVT_WRITE: Mutex<()> = Mutex::new(());
 
-type Guards = (std::sync::MutexGuard<'static, ()>, std::sync::MutexGuard<'static, ()>);
+type Guards = (
+    std::sync::MutexGuard<'static, ()>,
+    std::sync::MutexGuard<'static, ()>,
+    std::sync::MutexGuard<'static, Vec<u128>>,
+);
 
 thread_local! {
     static FORK_GUARD: std::cell::RefCell<Option<Guards>> = const { std::cell::RefCell::new(None) };
@@ -207,6 +248,7 @@ pub fn before_fork() {
     let g = (
         START.lock().unwrap_or_else(|e| e.into_inner()),
         EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner()),
+        RELEASED.lock().unwrap_or_else(|e| e.into_inner()),
     );
     FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
 }
@@ -220,9 +262,10 @@ pub fn after_fork() {
 /// child said on that channel would be taken for the parent's word (a child closing its copy
 /// of a connection would tell the agent the parent let go of it).
 pub fn after_fork_child() {
-    // Nor does the parent's control thread run here.
+    // Nor does the parent's control thread run here, and what it let go of is its own word.
     IN_WORK.store(false, SeqCst);
     EXECING.store(0, SeqCst);
+    RELEASED.lock().unwrap_or_else(|e| e.into_inner()).clear();
     for role in [OWN_EVENTS, OWN_WAKE] {
         let fd = fdtable::unprotect(role);
         if fd >= 0 {
@@ -371,6 +414,9 @@ fn control_loop() {
                     next_connect = now + 500;
                 }
             }
+        }
+        if EXECING.load(Relaxed) == 0 {
+            flush_released();
         }
         let wake_fd = fdtable::own_fd(OWN_WAKE);
         let mut pfds = [
