@@ -19,6 +19,7 @@ APT_PACKAGES=(
     netcat-openbsd
     iproute2
     curl
+    nginx
     python3-pip
     gcc
 )
@@ -44,6 +45,12 @@ if command -v systemctl >/dev/null 2>&1; then
     systemctl disable redis-server >/dev/null 2>&1 || true
 fi
 service redis-server stop >/dev/null 2>&1 || true
+# Likewise nginx on port 80.
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop nginx >/dev/null 2>&1 || true
+    systemctl disable nginx >/dev/null 2>&1 || true
+fi
+service nginx stop >/dev/null 2>&1 || true
 
 # Python packages, for whichever python3 comes first on PATH.
 PY=python3

@@ -96,7 +96,10 @@ pub struct RingHeader {
     space_bell: AtomicU32,
     /// 1 once the consumer is gone (closed): writing is pointless (`EPIPE`).
     reader_gone: AtomicU32,
-    _pad1: [u32; 12],
+    /// 1 while the waiting producer is a non-blocking one, back in its program waiting on its
+    /// descriptor: room must be announced through its socket, not only on the futex.
+    nb_waiting: AtomicU32,
+    _pad1: [u32; 11],
     /// Bytes consumed so far (consumer): what the consumer's program has.
     head: AtomicU64,
     /// 1 while the consumer may sleep in the kernel: new bytes need a bell.
@@ -325,6 +328,30 @@ impl Ring {
         Ok(Sleep::Ok)
     }
 
+    /// A non-blocking producer found the ring full and goes back to its program, which will
+    /// wait on its descriptor (perhaps edge-triggered, so only a new event wakes it). The
+    /// consumer freeing room must then also ring its socket ([`Ring::take_nonblocking_waiter`]).
+    /// Returns [`Sleep::Ready`] when there is room already (write again instead).
+    pub fn before_wait_room_nonblocking(&self) -> Result<Sleep, RingError> {
+        self.h().nb_waiting.store(1, Relaxed);
+        let r = self.before_wait_room()?;
+        if r == Sleep::Ready {
+            self.h().nb_waiting.store(0, Relaxed);
+        }
+        Ok(r)
+    }
+
+    /// The producer is back (it holds the producing side: nobody else waits for room now):
+    /// what a non-blocking wait left set is cleared, so that the next wait is rung again.
+    pub fn room_wait_reset(&self) {
+        let h = self.h();
+        if h.writer_waiting.load(Relaxed) == 1 || h.space_bell.load(Relaxed) == 1 {
+            h.nb_waiting.store(0, Relaxed);
+            h.writer_waiting.store(0, Relaxed);
+            h.space_bell.store(0, Release);
+        }
+    }
+
     /// The word a producer waiting for room sleeps on (a futex: 0 until rung).
     pub fn space_word(&self) -> &AtomicU32 {
         &self.h().space_bell
@@ -403,6 +430,13 @@ impl Ring {
         }
     }
 
+    /// After [`Ring::after_read`] said [`Bell::Ring`]: true if the producer it rings waits
+    /// in its program rather than on the futex, so a byte must reach its socket too (through
+    /// the other ring's [`Ring::force_bell`]).
+    pub fn take_nonblocking_waiter(&self) -> bool {
+        self.h().nb_waiting.swap(0, AcqRel) == 1
+    }
+
     /// The consumer is about to sleep in the kernel (a blocking read, or its program is
     /// about to wait on the descriptor): from now on new bytes ring. Returns
     /// [`Sleep::Ready`] when bytes (or the end) are already there; the consumer then stays
@@ -430,6 +464,14 @@ impl Ring {
     /// The consumer took the data bell from its socket.
     pub fn bell_taken(&self) {
         self.h().bell.store(0, Release);
+    }
+
+    /// A bell byte goes to the consumer's socket whatever is pending there (a new event for
+    /// a program waiting edge-triggered: room for its writes, announced from the other ring);
+    /// its receive takes it out with the data bells.
+    pub fn force_bell(&self) -> Bell {
+        self.h().bell.store(1, Release);
+        Bell::Ring
     }
 
     /// The consumer leaves unread bytes (or the end) for its program's next wait: if no
@@ -592,6 +634,42 @@ mod tests {
         r.space_bell_taken();
         r.room_wait_over();
         assert_eq!(r.before_wait_room().unwrap(), Sleep::Ready);
+    }
+
+    #[test]
+    fn a_nonblocking_writer_is_rung_through_its_socket_at_every_full_ring() {
+        let (_m, ab) = aligned(4); // the writer's ring
+        let (_n, ba) = aligned(4); // the other way: its bell reaches the writer's socket
+        let mut out = [0u8; 4];
+        for round in 0..3 {
+            ab.room_wait_reset();
+            assert_eq!(ab.write(b"abcd").unwrap(), 4, "round {round}");
+            assert_eq!(ab.write(b"e").unwrap(), 0);
+            assert_eq!(ab.before_wait_room_nonblocking().unwrap(), Sleep::Ok);
+            // The reader frees room: the futex word is rung, and the writer's socket must get
+            // a byte even though a bell may be pending there already.
+            ab.read(&mut out[..1], false).unwrap();
+            assert_eq!(ab.after_read(), Bell::Ring, "round {round}");
+            assert!(ab.take_nonblocking_waiter());
+            assert_eq!(ba.force_bell(), Bell::Ring);
+            assert!(ba.bell_pending());
+            // Rung once per wait.
+            ab.read(&mut out[..1], false).unwrap();
+            assert_eq!(ab.after_read(), Bell::Quiet);
+            assert!(!ab.take_nonblocking_waiter());
+            ab.read(&mut out[..2], false).unwrap();
+        }
+        // A blocking waiter is rung on the futex only.
+        ab.room_wait_reset();
+        ab.write(b"abcd").unwrap();
+        assert_eq!(ab.before_wait_room().unwrap(), Sleep::Ok);
+        ab.read(&mut out[..1], false).unwrap();
+        assert_eq!(ab.after_read(), Bell::Ring);
+        assert!(!ab.take_nonblocking_waiter());
+        // Room already there: no wait.
+        ab.room_wait_reset();
+        assert_eq!(ab.before_wait_room_nonblocking().unwrap(), Sleep::Ready);
+        assert!(!ab.take_nonblocking_waiter());
     }
 
     #[test]

@@ -201,6 +201,7 @@ impl ShmLink {
         let mut nonblock =
             || *nb.get_or_insert_with(|| flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd));
         let mut sent = 0;
+        self.tx.room_wait_reset();
         loop {
             if self.tx.reader_gone() {
                 return if sent > 0 { Ok(sent) } else { Err(IrbError::Os(libc::EPIPE)) };
@@ -217,6 +218,11 @@ impl ShmLink {
                 continue;
             }
             if nonblock() {
+                // The program will wait on the descriptor: the reader rings it when it makes
+                // room (an edge-triggered waiter gets no other event).
+                if self.tx.before_wait_room_nonblocking().map_err(|_| corrupt())? == Sleep::Ready {
+                    continue;
+                }
                 return Err(IrbError::WouldBlock);
             }
             if let Err(e) = self.wait_room() {
@@ -268,6 +274,10 @@ impl ShmLink {
                 got += n;
                 if !peek && self.rx.after_read() == Bell::Ring {
                     sys::futex_wake(self.rx.space_word(), i32::MAX);
+                    if self.rx.take_nonblocking_waiter() && self.tx.force_bell() == Bell::Ring {
+                        // Through our socket to the writer's.
+                        bell(fd);
+                    }
                 }
                 if !waitall || got == buf.len() {
                     break Ok(got);

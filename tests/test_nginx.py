@@ -1,0 +1,162 @@
+"""nginx (a master and two forked workers, epoll, sendfile, keep-alive) under the layer,
+serving files to curl, also under the layer.
+
+nginx is the classic of what breaks interposers: the master listens and forks the workers
+that accept (non-blocking accept4 from epoll), files go out with sendfile, and one connection
+carries several requests. The tests check what a user would: the bytes (SHA-256), that the
+connections were virtual at both ends, and that the server ends belong to the workers, not to
+the master that made the listener. The last test takes the client's network down in the
+middle of a rate-limited download.
+"""
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from helpers import (BASELINE, ETH0, H1, H1_IP, H2, PLACES, PORTS, Watcher, assert_virtual,
+                     place)
+
+FILE_SIZE = 48 << 20
+SMALL_SIZE = 1 << 20
+
+
+def write_random_file(path, size):
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 1 << 20))
+            f.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def nginx(procs, workdir, port, env=None):
+    """nginx in the foreground on H1_IP:port with two workers, serving workdir/www."""
+    www = workdir / "www"
+    www.mkdir(exist_ok=True)
+    tmp = workdir / "nginx-tmp"
+    tmp.mkdir(exist_ok=True)
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+master_process on;
+worker_processes 2;
+user root;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log info;
+events {{ worker_connections 256; use epoll; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_timeout 30;
+    default_type application/octet-stream;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    server {{
+        listen {H1_IP}:{port};
+        root {www};
+    }}
+}}
+""")
+    srv = procs.server(H1, ["nginx", "-p", workdir, "-e", workdir / "nginx-error.log",
+                            "-c", conf], port, layer=True, name="nginx", env=env)
+    return srv, www
+
+
+def workers_of(master_pid, timeout=5.0):
+    """The pids of nginx's worker processes (children of the master)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kids = open(f"/proc/{master_pid}/task/{master_pid}/children").read().split()
+        except OSError:
+            kids = []
+        if len(kids) >= 2 or time.monotonic() > deadline:
+            return {int(k) for k in kids}
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("where", list(PLACES))
+def test_nginx_sendfile_download(procs, workdir, where):
+    host, env, substrate, port = place(where, "nginx_download")
+    srv, www = nginx(procs, workdir, port, env)
+    digest = write_random_file(www / "file", FILE_SIZE)
+    out = workdir / "download"
+    with Watcher(H1, host) as w:
+        # The rate limit keeps the transfer open for several vmictl snapshots.
+        procs.run(host, ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "80M",
+                         "-o", out, f"http://{H1_IP}:{port}/file"],
+                  layer=True, name="curl", timeout=45, env=env)
+    assert out.stat().st_size == FILE_SIZE
+    assert sha256_file(out) == digest, "downloaded file differs from the served one"
+    # The master made the listener; the worker that accepted holds the connection.
+    assert_virtual(w, H1, f"{H1_IP}:{port}", host, s2c_bytes=FILE_SIZE, substrate=substrate,
+                   server_pids_not={srv.pid})
+    assert srv.alive(), "nginx died"
+
+
+@pytest.mark.parametrize("where", list(PLACES))
+def test_nginx_keepalive_and_parallel_clients(procs, workdir, where):
+    """Three curl processes at once, each fetching eight files over one keep-alive
+    connection: every file arrives whole, and the workers serve them all."""
+    host, env, substrate, port = place(where, "nginx_keepalive")
+    srv, www = nginx(procs, workdir, port, env)
+    digests = {}
+    for i in range(8):
+        digests[f"f{i}"] = write_random_file(www / f"f{i}", SMALL_SIZE + i * 4099)
+    clients = []
+    with Watcher(H1, host) as w:
+        for c in range(3):
+            argv = ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "5M"]
+            for name in digests:
+                argv += ["-o", workdir / f"c{c}-{name}", f"http://{H1_IP}:{port}/{name}"]
+            clients.append(procs.start(host, argv, layer=True, name=f"curl-{c}", env=env))
+        for p in clients:
+            p.wait(timeout=45)
+    for c in range(3):
+        for name, digest in digests.items():
+            got = workdir / f"c{c}-{name}"
+            assert sha256_file(got) == digest, f"client {c}: {name} differs from the served one"
+    # One connection per curl process (keep-alive), all virtual, none left to the master.
+    assert_virtual(w, H1, f"{H1_IP}:{port}", host, min_conns=3, substrate=substrate,
+                   server_pids_not={srv.pid})
+    if not BASELINE:
+        assert workers_of(srv.pid), "nginx has no workers"
+    assert srv.alive(), "nginx died"
+
+
+@pytest.mark.skipif(BASELINE, reason="failover is the layer's work")
+def test_nginx_download_survives_link_failure(procs, workdir, faults):
+    """A rate-limited download from nginx (H1) to curl (H2); after a second, H2's eth0 goes
+    down. The connection moves to eth1 under both programs: curl gets the whole file, and
+    neither program sees an error."""
+    port = PORTS["nginx_failover"]
+    srv, www = nginx(procs, workdir, port)
+    digest = write_random_file(www / "file", 24 << 20)
+    out = workdir / "download"
+    with Watcher(H1, H2) as w:
+        cli = procs.start(H2, ["curl", "-sS", "--fail", "--max-time", "60", "--limit-rate",
+                               "8M", "-o", out, f"http://{H1_IP}:{port}/file"],
+                          layer=True, name="curl")
+        time.sleep(1.0)
+        faults.link_down(H2, ETH0)
+        cli.wait(timeout=70)
+    assert sha256_file(out) == digest, "downloaded file differs from the served one"
+    assert_virtual(w, H1, f"{H1_IP}:{port}", H2, substrate="tcp", server_pids_not={srv.pid})
+    assert srv.alive(), "nginx died"
