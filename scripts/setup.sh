@@ -20,6 +20,7 @@ APT_PACKAGES=(
     iproute2
     curl
     nginx
+    postgresql
     python3-pip
     gcc
 )
@@ -45,12 +46,17 @@ if command -v systemctl >/dev/null 2>&1; then
     systemctl disable redis-server >/dev/null 2>&1 || true
 fi
 service redis-server stop >/dev/null 2>&1 || true
-# Likewise nginx on port 80.
+# Likewise nginx on port 80 and the cluster PostgreSQL makes (the tests make their own).
 if command -v systemctl >/dev/null 2>&1; then
     systemctl stop nginx >/dev/null 2>&1 || true
     systemctl disable nginx >/dev/null 2>&1 || true
 fi
 service nginx stop >/dev/null 2>&1 || true
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop postgresql >/dev/null 2>&1 || true
+    systemctl disable postgresql >/dev/null 2>&1 || true
+fi
+service postgresql stop >/dev/null 2>&1 || true
 
 # Python packages, for whichever python3 comes first on PATH.
 PY=python3

@@ -104,6 +104,7 @@ PORTS = {
     "nginx_download": 18101,
     "nginx_keepalive": 18102,
     "nginx_failover": 18103,
+    "postgres_pgbench": 18201,
     "echo": 17001,
     "fork_hash": 17101,
     "fork_both": 17102,

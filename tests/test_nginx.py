@@ -123,7 +123,7 @@ def test_nginx_keepalive_and_parallel_clients(procs, workdir, where):
     clients = []
     with Watcher(H1, host) as w:
         for c in range(3):
-            argv = ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "5M"]
+            argv = ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "3M"]
             for name in digests:
                 argv += ["-o", workdir / f"c{c}-{name}", f"http://{H1_IP}:{port}/{name}"]
             clients.append(procs.start(host, argv, layer=True, name=f"curl-{c}", env=env))
