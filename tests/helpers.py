@@ -10,6 +10,7 @@ vmictl assertions are not evaluated (the report header says so). It tells a harn
 environment problem from a layer problem; it is never how the suite is run for real.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -1186,3 +1187,25 @@ class AgentControl:
 def program_lines(text):
     """Lines of a layered program's output that are not the layer's own log lines."""
     return [line for line in text.splitlines() if not line.startswith("vmi[")]
+
+
+def write_random_file(path, size):
+    """Fills path with size random bytes; their SHA-256 (hex)."""
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 1 << 20))
+            f.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def sha256_file(path):
+    """SHA-256 (hex) of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

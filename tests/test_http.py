@@ -1,33 +1,11 @@
 """curl downloading a large file from python3 -m http.server, both under the layer."""
 
-import hashlib
-import os
-
 import pytest
 
-from helpers import H1, H1_IP, PLACES, PYTHON, Watcher, assert_virtual, place
+from helpers import (H1, H1_IP, PLACES, PYTHON, Watcher, assert_virtual, place, sha256_file,
+                     write_random_file)
 
 FILE_SIZE = 64 << 20
-
-
-def write_random_file(path, size):
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            chunk = os.urandom(min(left, 1 << 20))
-            f.write(chunk)
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @pytest.mark.parametrize("where", list(PLACES))

@@ -9,37 +9,16 @@ the master that made the listener. The last test takes the client's network down
 middle of a rate-limited download.
 """
 
-import hashlib
-import os
+import re
 import time
 
 import pytest
 
-from helpers import (BASELINE, ETH0, H1, H1_IP, H2, PLACES, PORTS, Watcher, assert_virtual,
-                     place)
+from helpers import (BASELINE, ETH0, H1, H1_IP, H2, LAYER_LOG, PLACES, PORTS, Watcher,
+                     assert_virtual, place, sha256_file, write_random_file)
 
 FILE_SIZE = 48 << 20
-SMALL_SIZE = 1 << 20
-
-
-def write_random_file(path, size):
-    h = hashlib.sha256()
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            chunk = os.urandom(min(left, 1 << 20))
-            f.write(chunk)
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+SMALL_SIZE = 3 << 20
 
 
 def nginx(procs, workdir, port, env=None):
@@ -49,13 +28,15 @@ def nginx(procs, workdir, port, env=None):
     tmp = workdir / "nginx-tmp"
     tmp.mkdir(exist_ok=True)
     conf = workdir / "nginx.conf"
+    # (With the test's logs: nginx writes its stderr there too, the layer's lines included.)
+    log = procs.logdir / "nginx-error.log"
     conf.write_text(f"""
 daemon off;
 master_process on;
 worker_processes 2;
 user root;
 pid {workdir}/nginx.pid;
-error_log {workdir}/nginx-error.log info;
+error_log {log} info;
 events {{ worker_connections 256; use epoll; }}
 http {{
     access_log off;
@@ -74,7 +55,7 @@ http {{
     }}
 }}
 """)
-    srv = procs.server(H1, ["nginx", "-p", workdir, "-e", workdir / "nginx-error.log",
+    srv = procs.server(H1, ["nginx", "-p", workdir, "-e", log,
                             "-c", conf], port, layer=True, name="nginx", env=env)
     return srv, www
 
@@ -111,34 +92,52 @@ def test_nginx_sendfile_download(procs, workdir, where):
     assert srv.alive(), "nginx died"
 
 
+def virtual_lines(text, arrow):
+    """{gid: pid} of the layer's "virtual connection GID: A -> B" lines (arrow "->" for the
+    connecting side, "<-" for the accepting side)."""
+    return {m.group(2): int(m.group(1)) for m in re.finditer(
+        rf"^vmi\[(\d+)\]: info: virtual connection ([0-9a-f]{{32}}): \S+ {arrow} ", text, re.M)}
+
+
 @pytest.mark.parametrize("where", list(PLACES))
 def test_nginx_keepalive_and_parallel_clients(procs, workdir, where):
-    """Three curl processes at once, each fetching eight files over one keep-alive
-    connection: every file arrives whole, and the workers serve them all."""
+    """Three curl processes at once, each fetching four files over one keep-alive
+    connection: every file arrives whole, each curl made exactly one connection, virtual, and
+    the workers (not the master) accepted them. (The layer's own log lines say so: the
+    transfers are too short for vmictl's snapshots to catch every connection.)"""
     host, env, substrate, port = place(where, "nginx_keepalive")
+    env = {**env, "VMI_LOG": "info" if LAYER_LOG in ("warn", "error") else LAYER_LOG}
     srv, www = nginx(procs, workdir, port, env)
     digests = {}
-    for i in range(8):
+    for i in range(4):
         digests[f"f{i}"] = write_random_file(www / f"f{i}", SMALL_SIZE + i * 4099)
     clients = []
-    with Watcher(H1, host) as w:
-        for c in range(3):
-            argv = ["curl", "-sS", "--fail", "--max-time", "40", "--limit-rate", "3M"]
-            for name in digests:
-                argv += ["-o", workdir / f"c{c}-{name}", f"http://{H1_IP}:{port}/{name}"]
-            clients.append(procs.start(host, argv, layer=True, name=f"curl-{c}", env=env))
-        for p in clients:
-            p.wait(timeout=45)
+    for c in range(3):
+        argv = ["curl", "-sS", "--fail", "--max-time", "40"]
+        for name in digests:
+            argv += ["-o", workdir / f"c{c}-{name}", f"http://{H1_IP}:{port}/{name}"]
+        clients.append(procs.start(host, argv, layer=True, name=f"curl-{c}", env=env))
+    for p in clients:
+        p.wait(timeout=45)
     for c in range(3):
         for name, digest in digests.items():
             got = workdir / f"c{c}-{name}"
             assert sha256_file(got) == digest, f"client {c}: {name} differs from the served one"
-    # One connection per curl process (keep-alive), all virtual, none left to the master.
-    assert_virtual(w, H1, f"{H1_IP}:{port}", host, min_conns=3, substrate=substrate,
-                   server_pids_not={srv.pid})
-    if not BASELINE:
-        assert workers_of(srv.pid), "nginx has no workers"
     assert srv.alive(), "nginx died"
+    if BASELINE:
+        return
+    out = {}
+    for p in clients:
+        mine = virtual_lines(p.stderr(), "->")
+        assert len(mine) == 1, f"{p.name}: {len(mine)} virtual connections, expected one " \
+                               f"(keep-alive)\n{p.stderr()[-2000:]}"
+        out.update(mine)
+    accepted = virtual_lines((procs.logdir / "nginx-error.log").read_text(errors="replace"), "<-")
+    assert set(out) <= set(accepted), f"client GIDs {sorted(out)}, nginx accepted {accepted}"
+    workers = workers_of(srv.pid)
+    assert workers, "nginx has no workers"
+    assert {accepted[g] for g in out} <= workers, \
+        f"connections accepted by {sorted(accepted[g] for g in out)}, workers {sorted(workers)}"
 
 
 @pytest.mark.skipif(BASELINE, reason="failover is the layer's work")
