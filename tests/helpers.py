@@ -147,6 +147,7 @@ PORTS = {
     "failover_fork_shared": 17811,
     "failover_after_exec": 17812,
     "failover_fork_idle_holder": 17813,     # and 17814
+    "failover_spawn": 17815,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
     "migrate_client": 17901,

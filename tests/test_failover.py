@@ -72,12 +72,12 @@ class Stream:
             "--rate", rate, "--check-names", NAMES_EVERY), port, layer=True, env=env,
             name="stream-server")
 
-    def start(self):
+    def start(self, *extra):
         self.cli = self.procs.start(CLIENT, python_prog(
             "stream.py", "client", "--connect", self.addr, "--bytes", self.nbytes,
             "--server-bytes", self.nbytes, "--seed", self.port, "--rate", self.rate,
-            "--hold", self.hold, "--check-names", NAMES_EVERY), layer=True, env=self.env,
-            name="stream-client")
+            "--hold", self.hold, "--check-names", NAMES_EVERY, *extra), layer=True,
+            env=self.env, name="stream-client")
         return self
 
     def wait_flowing(self):
@@ -235,6 +235,23 @@ def test_loud_link_down(procs, faults):
     st.check(c, s, w)
     end = latest_client_end(w, st.addr, before["gid"])
     assert end.get("network") == ETH1 and end.get("failovers", 0) >= 1, end
+
+
+def test_link_down_while_the_program_runs_subprocesses(procs, faults):
+    """The client runs `true` through Python's subprocess (vfork + exec) every 0.1 s while it
+    streams; eth0 goes down mid-stream. The exec in each vfork child must leave the client's
+    own control thread alone (the child shares the client's memory): the connection moves to
+    eth1 and the program sees nothing."""
+    st = Stream(procs, PORTS["failover_spawn"], seconds=6)
+    with Watcher(CLIENT, SERVER) as w:
+        st.start("--spawn", 0.1)
+        before = st.wait_flowing()
+        time.sleep(FAULT_AFTER)
+        faults.link_down(CLIENT, ETH0)
+        wait_moved(st.addr, before)
+        c, s = st.finish()
+    st.check(c, s, w)
+    assert c.get("spawned", 0) > 10 and c.get("spawn_errors") == 0, c
 
 
 def test_fork_shared_connection(procs, faults):

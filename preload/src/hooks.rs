@@ -215,7 +215,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
-    if fdtable::is_managed(fd) {
+    if fdtable::is_managed(fd) && !crate::vforked() {
         if let Some(vc) = forget(fd) {
             if let Some(l) = vc.shm_now() {
                 // The peer reads what the ring holds, then the end; nothing lingers here.
@@ -332,8 +332,9 @@ pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut s
 
 #[no_mangle]
 pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
-    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int != 0 {
-        // SAFETY: forwarding.
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int != 0 || (fdtable::any() && crate::vforked()) {
+        // SAFETY: forwarding (a vfork child closes its own descriptors; the tables it shares
+        // are its parent's).
         return unsafe { real::close_range(first, last, flags) };
     }
     let mut own: Vec<c_uint> =
@@ -372,13 +373,20 @@ fn copy_entry(old: c_int, new: c_int) {
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::dup(fd) };
-    if r >= 0 && fdtable::is_managed(fd) {
+    if r >= 0 && fdtable::is_managed(fd) && !crate::vforked() {
         copy_entry(fd, r);
     }
     r
 }
 
 unsafe fn dup_onto(old: c_int, new: c_int, f: impl FnOnce() -> c_int) -> c_int {
+    if (fdtable::is_managed(old) || fdtable::is_managed(new) || fdtable::is_protected(new))
+        && crate::vforked()
+    {
+        // A vfork child arranging its descriptors before exec: they are its own; the tables
+        // it shares are its parent's.
+        return f();
+    }
     if old != new {
         if fdtable::evict(new).is_some() && new == fdtable::own_fd(fdtable::OWN_AGENT) {
             agent::lost_socket();
@@ -407,7 +415,11 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
 }
 
 fn after_fcntl(fd: c_int, cmd: c_int, r: c_int) -> c_int {
-    if r >= 0 && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) && fdtable::is_managed(fd) {
+    if r >= 0
+        && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC)
+        && fdtable::is_managed(fd)
+        && !crate::vforked()
+    {
         copy_entry(fd, r);
     }
     r

@@ -51,6 +51,16 @@ pub fn pid() -> i32 {
     p
 }
 
+/// True in a child made by `vfork` (or `clone` with `CLONE_VM`) that has not exec'd yet: it
+/// shares this process's memory, the layer's tables included, but has descriptors of its own
+/// (Python's `subprocess` closes and moves descriptors there before its exec). Nothing it
+/// does may change those tables: they are its parent's.
+pub fn vforked() -> bool {
+    let p = PID.load(Relaxed);
+    // SAFETY: getpid has no preconditions (glibc asks the kernel: no cache to share).
+    p != 0 && p != unsafe { libc::getpid() }
+}
+
 extern "C" fn before_fork() {
     relink::before_fork();
     agent::before_fork();

@@ -41,6 +41,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import struct
 import sys
 import threading
@@ -272,12 +273,28 @@ def server(args):
     return 0
 
 
+def spawner(every, stop, counts):
+    """Runs `true` as a subprocess every `every` seconds until `stop` is set (Python's
+    subprocess uses vfork + exec: the layer's exec hook runs in a child sharing our memory)."""
+    while not stop.wait(every):
+        r = subprocess.run(["true"], close_fds=True)
+        counts["spawned"] += 1
+        if r.returncode != 0:
+            counts["spawn_errors"] += 1
+
+
 def client(args):
     sock = socket.create_connection(args.connect)
     back = args.bytes if args.server_bytes is None else args.server_bytes
     sock.sendall(HEADER.pack(MAGIC, back, args.seed))
+    stop, counts = threading.Event(), {"spawned": 0, "spawn_errors": 0}
+    if args.spawn > 0:
+        threading.Thread(target=spawner, args=(args.spawn, stop, counts), daemon=True).start()
     result = exchange(sock, "client", args.bytes, args.seed, args.rate, args.progress,
                       args.check_names)
+    stop.set()
+    if args.spawn > 0:
+        result.update(counts)
     if hold := args.hold:
         time.sleep(hold)
     sock.close()
@@ -301,6 +318,8 @@ def main():
                    metavar="BYTES:SECONDS", help="stop reading for SECONDS after BYTES")
     c = sub.add_parser("client")
     c.add_argument("--connect", type=parse_addr, required=True)
+    c.add_argument("--spawn", type=float, default=0.0, metavar="S",
+                   help="run `true` as a subprocess every S seconds during the exchange")
     c.add_argument("--bytes", type=int, required=True, help="bytes the client sends")
     c.add_argument("--server-bytes", type=int, default=None,
                    help="bytes the server sends back (default: same as --bytes)")

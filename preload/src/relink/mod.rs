@@ -492,7 +492,11 @@ impl Drop for ExecQuiet {
 /// (a parent that forked this one) would stay taken for good: the process keeps its id, so
 /// nobody could tell its holder died.
 pub fn quiet_for_exec() -> ExecQuiet {
-    if CONTROL_PID.load(Acquire) != crate::pid() {
+    // The real id, not the cached one: a vfork child shares our memory (the cache says its
+    // parent's id) but not our threads, and its exec must not touch the parent's control
+    // thread (nor leave it kept out: the guard never drops when the exec succeeds).
+    // SAFETY: getpid has no preconditions.
+    if CONTROL_PID.load(Acquire) != unsafe { libc::getpid() } {
         return ExecQuiet(false);
     }
     EXECING.fetch_add(1, SeqCst);
