@@ -314,19 +314,24 @@ def test_link_fails_after_fork_while_holder_is_idle(procs, faults, streamer):
     assert cli.returncode == 0 and srv.returncode == 0, (cli.returncode, srv.returncode)
 
 
-def test_link_fails_after_exec_with_bytes_in_flight(procs, faults):
+@pytest.mark.parametrize("spawn", ["fork", "subprocess"])
+def test_link_fails_after_exec_with_bytes_in_flight(procs, faults, spawn):
     """A server sends 96 KiB that the client does not read yet (they wait in the kernels'
     buffers, unacknowledged by the client's layer), then hands the connection to a new
     program across exec (fork + exec), which sends 1 MiB more. The client host's eth0 then
     goes down, before the client has read anything, and the old socket's buffers are lost
     with it: the old image's unacknowledged bytes, carried across the exec, are replayed on
     the rebuilt link. The client reads exactly the stream's bytes (SHA-256), and the new
-    image's sends all succeed."""
-    port = PORTS["failover_after_exec"]
+    image's sends all succeed. subprocess: the helper starts through Python's subprocess
+    (vfork + exec), and the server closes its copy once the helper runs: the server must then
+    no longer count as a holder (a link offered to it would be answered "no such
+    connection")."""
+    port = PORTS["failover_after_exec" if spawn == "fork" else "failover_after_subprocess"]
     addr = f"{SERVER_IP}:{port}"
     before, after, seed = 96 << 10, MiB, port
     srv = procs.server(SERVER, python_prog("exec_stream.py", "server", "--bind", addr,
-                                           "--before", before, "--after", after, "--seed", seed),
+                                           "--before", before, "--after", after, "--seed", seed,
+                                           "--spawn", spawn),
                        port, layer=True, name="exec-stream-server")
     with Watcher(CLIENT, SERVER):
         cli = procs.start(CLIENT, python_prog("exec_stream.py", "client", "--connect", addr,

@@ -243,18 +243,29 @@ impl Handover {
     /// of each connection from now on (so that a parent closing its copy after a `vfork` +
     /// exec, which the fork hook never saw, is not taken for the last close); if the exec
     /// fails, that is undone.
-    pub fn exec(&self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
-        for v in &self.vcs {
-            v.hold();
+    ///
+    /// In a vfork child the connections are not held through `Arc`s of our own across the
+    /// exec: a successful exec never drops them, and they live in the parent's memory (which
+    /// keeps its own, and is suspended until the exec).
+    pub fn exec(mut self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
+        let vcs: Vec<*const Vc> = self.vcs.iter().map(Arc::as_ptr).collect();
+        if crate::vforked() {
+            self.vcs.clear();
         }
+        // SAFETY: each pointer is kept alive by `self.vcs` or, in a vfork child, by the
+        // suspended parent's descriptor table.
+        let each = |g: &dyn Fn(&Vc)| vcs.iter().for_each(|&v| g(unsafe { &*v }));
+        each(&|v| {
+            v.hold();
+        });
         let r = with_envp(&self.env, f);
         let e = crate::sys::errno();
-        for v in &self.vcs {
+        each(&|v| {
             v.release();
             if let Some(l) = v.shm() {
                 l.handover_undone();
             }
-        }
+        });
         for &fd in &self.files {
             // SAFETY: our memory files; the exec that would have taken them failed.
             unsafe { real::close(fd) };

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bytes in flight when a connection changes hands across exec.
 
-    exec_stream.py server --bind IP:PORT --before N --after M --seed S
+    exec_stream.py server --bind IP:PORT --before N --after M --seed S [--spawn fork|subprocess]
     exec_stream.py client --connect IP:PORT --pause SECONDS --total N+M --seed S
     exec_stream.py helper FD M SEED N    (started by the server, never by hand)
 
@@ -28,6 +28,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 
@@ -67,14 +68,21 @@ def server(args):
     conn.sendall(pattern(args.seed, 0, args.before))
     fd = conn.fileno()
     os.set_inheritable(fd, True)
-    pid = os.fork()
-    if pid == 0:
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "helper", str(fd),
-                                  str(args.after), str(args.seed), str(args.before)])
-    conn.close()
-    _, status = os.waitpid(pid, 0)
-    emit({"role": "server", "sent_bytes": args.before,
-          "helper_status": os.waitstatus_to_exitcode(status)})
+    argv = [sys.executable, os.path.abspath(__file__), "helper", str(fd), str(args.after),
+            str(args.seed), str(args.before)]
+    if args.spawn == "subprocess":
+        # vfork + exec: the child shares this process's memory until its exec.
+        child = subprocess.Popen(argv, pass_fds=(fd,))
+        conn.close()
+        code = child.wait()
+    else:
+        pid = os.fork()
+        if pid == 0:
+            os.execv(sys.executable, argv)
+        conn.close()
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+    emit({"role": "server", "sent_bytes": args.before, "helper_status": code})
 
 
 def helper(fd, after, seed, start):
@@ -125,6 +133,8 @@ def main():
     s.add_argument("--before", type=int, required=True)
     s.add_argument("--after", type=int, required=True)
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--spawn", choices=["fork", "subprocess"], default="fork",
+                   help="how the helper is started: fork + execv, or subprocess (vfork)")
     c = sub.add_parser("client")
     c.add_argument("--connect", required=True)
     c.add_argument("--pause", type=float, default=3.0)
