@@ -221,18 +221,26 @@ def test_net_by_address_and_unknown(procs, faults):
 # One network fails; the connection moves to the other without loss
 
 
-def test_loud_link_down(procs, faults):
-    """eth0 of the client host goes down mid-stream (its routes vanish, sends fail at once):
-    the connection moves to eth1 and the program sees nothing."""
-    st = Stream(procs, PORTS["failover_loud"], seconds=6)
+def stream_through_link_down(procs, faults, port, *client_args):
+    """A 6 s stream whose client host's eth0 goes down after FAULT_AFTER; waits until the
+    connection moved and checks the stream. Returns (stream, watcher, the client end before,
+    the client's result)."""
+    st = Stream(procs, port, seconds=6)
     with Watcher(CLIENT, SERVER) as w:
-        st.start()
+        st.start(*client_args)
         before = st.wait_flowing()
         time.sleep(FAULT_AFTER)
         faults.link_down(CLIENT, ETH0)
         wait_moved(st.addr, before)
         c, s = st.finish()
     st.check(c, s, w)
+    return st, w, before, c
+
+
+def test_loud_link_down(procs, faults):
+    """eth0 of the client host goes down mid-stream (its routes vanish, sends fail at once):
+    the connection moves to eth1 and the program sees nothing."""
+    st, w, before, _ = stream_through_link_down(procs, faults, PORTS["failover_loud"])
     end = latest_client_end(w, st.addr, before["gid"])
     assert end.get("network") == ETH1 and end.get("failovers", 0) >= 1, end
 
@@ -242,15 +250,7 @@ def test_link_down_while_the_program_runs_subprocesses(procs, faults):
     streams; eth0 goes down mid-stream. The exec in each vfork child must leave the client's
     own control thread alone (the child shares the client's memory): the connection moves to
     eth1 and the program sees nothing."""
-    st = Stream(procs, PORTS["failover_spawn"], seconds=6)
-    with Watcher(CLIENT, SERVER) as w:
-        st.start("--spawn", 0.1)
-        before = st.wait_flowing()
-        time.sleep(FAULT_AFTER)
-        faults.link_down(CLIENT, ETH0)
-        wait_moved(st.addr, before)
-        c, s = st.finish()
-    st.check(c, s, w)
+    _, _, _, c = stream_through_link_down(procs, faults, PORTS["failover_spawn"], "--spawn", 0.1)
     assert c.get("spawned", 0) > 10 and c.get("spawn_errors") == 0, c
 
 

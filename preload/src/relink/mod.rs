@@ -223,11 +223,7 @@ fn tell_released(gids: Vec<u128>) {
     for gid in gids {
         buf.extend_from_slice(&Msg::Release { gid }.encode());
     }
-    let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
-    let fd = fdtable::own_fd(OWN_EVENTS);
-    if fd >= 0 && !agent::write_all(fd, &buf, None) {
-        log::debug(format_args!("event channel write failed"));
-    }
+    send_events(&buf);
 }
 
 static EVT_WRITE: Mutex<()> = Mutex::new(());
@@ -288,9 +284,14 @@ pub fn forked_child() {
 }
 
 fn send_event(m: &Msg) {
+    send_events(&m.encode());
+}
+
+/// Writes encoded messages on the event channel, whole.
+fn send_events(buf: &[u8]) {
     let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
     let fd = fdtable::own_fd(OWN_EVENTS);
-    if fd >= 0 && !agent::write_all(fd, &m.encode(), None) {
+    if fd >= 0 && !agent::write_all(fd, buf, None) {
         log::debug(format_args!("event channel write failed"));
     }
 }
