@@ -12,7 +12,7 @@ const BITMAP_FDS: usize = 1 << 16;
 
 static MANAGED: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
 static TABLE: RwLock<Vec<Option<Entry>>> = RwLock::new(Vec::new());
-static PROTECTED: [AtomicI32; 4] = [const { AtomicI32::new(-1) }; 4];
+static PROTECTED: [AtomicI32; 5] = [const { AtomicI32::new(-1) }; 5];
 static ENTRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// True if the table holds anything (one load: the exec hook's fast path).
@@ -163,6 +163,8 @@ pub const OWN_STATS: usize = 1;
 pub const OWN_EVENTS: usize = 2;
 /// Role of the control thread's wake-up eventfd.
 pub const OWN_WAKE: usize = 3;
+/// Role of `/proc/self/status`, kept open for the control thread (see `lifetime`).
+pub const OWN_STATUS: usize = 4;
 
 /// Marks `fd` as the layer's own descriptor for `role`.
 pub fn protect(role: usize, fd: i32) {

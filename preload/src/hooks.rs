@@ -414,7 +414,10 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     unsafe { dup_onto(old, new, || real::dup3(old, new, flags)) }
 }
 
-fn after_fcntl(fd: c_int, cmd: c_int, r: c_int) -> c_int {
+fn after_fcntl(fd: c_int, cmd: c_int, arg: c_ulong, r: c_int) -> c_int {
+    if r >= 0 && cmd == libc::F_SETFL {
+        crate::sandbox::note_nonblock(fd, arg as c_int & libc::O_NONBLOCK != 0);
+    }
     if r >= 0
         && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC)
         && fdtable::is_managed(fd)
@@ -428,13 +431,13 @@ fn after_fcntl(fd: c_int, cmd: c_int, r: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     // SAFETY: forwarding (the variadic argument is passed as a machine word).
-    after_fcntl(fd, cmd, unsafe { real::fcntl(fd, cmd, arg) })
+    after_fcntl(fd, cmd, arg, unsafe { real::fcntl(fd, cmd, arg) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     // SAFETY: as above.
-    after_fcntl(fd, cmd, unsafe { real::fcntl64(fd, cmd, arg) })
+    after_fcntl(fd, cmd, arg, unsafe { real::fcntl64(fd, cmd, arg) })
 }
 
 #[no_mangle]
@@ -459,12 +462,18 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int {
         }
     }
     // SAFETY: forwarding.
-    unsafe { real::ioctl(fd, req, arg) }
+    let r = unsafe { real::ioctl(fd, req, arg) };
+    if r == 0 && req == libc::FIONBIO && arg != 0 {
+        // SAFETY: FIONBIO's argument points at an int.
+        crate::sandbox::note_nonblock(fd, unsafe { *(arg as *const c_int) } != 0);
+    }
+    r
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, b: *mut c_void, n: size_t) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::READ_CALLS);
         // SAFETY: the program's buffer.
         return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, 0));
     }
@@ -476,6 +485,7 @@ pub unsafe extern "C" fn read(fd: c_int, b: *mut c_void, n: size_t) -> ssize_t {
 pub unsafe extern "C" fn __read_chk(fd: c_int, b: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
     if n <= buflen {
         if let Some(vc) = fdtable::vc(fd) {
+            let _implied = crate::sandbox::implied(crate::sandbox::READ_CALLS);
             // SAFETY: the program's buffer.
             return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, 0));
         }
@@ -487,6 +497,7 @@ pub unsafe extern "C" fn __read_chk(fd: c_int, b: *mut c_void, n: size_t, buflen
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, b: *const c_void, n: size_t) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::WRITE_CALLS);
         // SAFETY: the program's buffer.
         return guarded(|| vc.send(fd, unsafe { buf(b, n) }, 0));
     }
@@ -497,6 +508,7 @@ pub unsafe extern "C" fn write(fd: c_int, b: *const c_void, n: size_t) -> ssize_
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::READ_CALLS);
         // SAFETY: the program's iovecs.
         return guarded(|| vc_readv(&vc, fd, unsafe { iovecs(iov, n) }, 0));
     }
@@ -507,6 +519,7 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::WRITE_CALLS);
         // SAFETY: the program's iovecs.
         return guarded(|| vc_writev(&vc, fd, unsafe { iovecs(iov, n) }, 0));
     }
@@ -517,6 +530,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, b: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::RECV_CALLS);
         // SAFETY: the program's buffer.
         return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, flags));
     }
@@ -534,6 +548,7 @@ pub unsafe extern "C" fn __recv_chk(
 ) -> ssize_t {
     if n <= buflen {
         if let Some(vc) = fdtable::vc(fd) {
+            let _implied = crate::sandbox::implied(crate::sandbox::RECV_CALLS);
             // SAFETY: the program's buffer.
             return guarded(|| vc.recv(fd, unsafe { buf_mut(b, n) }, flags));
         }
@@ -545,6 +560,7 @@ pub unsafe extern "C" fn __recv_chk(
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, b: *const c_void, n: size_t, flags: c_int) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::SEND_CALLS);
         // SAFETY: the program's buffer.
         return guarded(|| vc.send(fd, unsafe { buf(b, n) }, flags));
     }
@@ -562,6 +578,7 @@ pub unsafe extern "C" fn recvfrom(
     len: *mut socklen_t,
 ) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::RECV_CALLS);
         if !len.is_null() {
             // SAFETY: TCP reports no source address, as the kernel does.
             unsafe { *len = 0 };
@@ -601,6 +618,7 @@ pub unsafe extern "C" fn sendto(
     len: socklen_t,
 ) -> ssize_t {
     if let Some(vc) = fdtable::vc(fd) {
+        let _implied = crate::sandbox::implied(crate::sandbox::SEND_CALLS);
         // SAFETY: the program's buffer.
         return guarded(|| vc.send(fd, unsafe { buf(b, n) }, flags));
     }
@@ -612,6 +630,7 @@ pub unsafe extern "C" fn sendto(
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     if !msg.is_null() && flags & libc::MSG_ERRQUEUE == 0 {
         if let Some(vc) = fdtable::vc(fd) {
+            let _implied = crate::sandbox::implied(crate::sandbox::RECV_CALLS);
             // SAFETY: the program's msghdr.
             let m = unsafe { &mut *msg };
             m.msg_namelen = 0;
@@ -630,6 +649,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
     if !msg.is_null() {
         if let Some(vc) = fdtable::vc(fd) {
+            let _implied = crate::sandbox::implied(crate::sandbox::SEND_CALLS);
             // SAFETY: the program's msghdr and iovecs.
             let iov = unsafe { iovecs((*msg).msg_iov, (*msg).msg_iovlen as c_int) };
             return guarded(|| vc_writev(&vc, fd, iov, flags));

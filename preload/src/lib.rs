@@ -22,11 +22,14 @@ pub mod error;
 pub mod exec;
 pub mod fdtable;
 pub mod hooks;
+pub mod hooks_proc;
+pub mod lifetime;
 pub mod linger;
 pub mod log;
 pub mod real;
 pub mod relink;
 pub mod relisten;
+pub mod sandbox;
 pub mod setup;
 pub mod shm;
 pub mod shm_sink;
@@ -45,6 +48,9 @@ pub fn pid() -> i32 {
     if p != 0 {
         return p;
     }
+    if !sandbox::allows_nr(libc::SYS_getpid) {
+        return 0;
+    }
     // SAFETY: getpid has no preconditions.
     let p = unsafe { libc::getpid() };
     PID.store(p, Relaxed);
@@ -57,8 +63,9 @@ pub fn pid() -> i32 {
 /// does may change those tables: they are its parent's.
 pub fn vforked() -> bool {
     let p = PID.load(Relaxed);
+    // (A sandbox that forbids getpid: a vfork child there is not told apart.)
     // SAFETY: getpid has no preconditions (glibc asks the kernel: no cache to share).
-    p != 0 && p != unsafe { libc::getpid() }
+    p != 0 && sandbox::allows_nr(libc::SYS_getpid) && p != unsafe { libc::getpid() }
 }
 
 extern "C" fn before_fork() {
@@ -77,6 +84,7 @@ extern "C" fn after_fork_parent() {
 
 extern "C" fn after_fork_child() {
     PID.store(0, Relaxed);
+    lifetime::init_main_thread();
     fdtable::after_fork_child();
     linger::after_fork_child();
     agent::after_fork_child();
@@ -91,6 +99,8 @@ extern "C" fn fini() {
 extern "C" fn init() {
     let _ = std::panic::catch_unwind(|| {
         config::init();
+        lifetime::init_main_thread();
+        sandbox::init();
         exec::adopt();
         // SAFETY: registering plain extern "C" functions.
         unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };

@@ -56,6 +56,11 @@ fn reset(fd: i32) -> i32 {
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
 /// of the program's close.
 pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
+    if !crate::sandbox::allows_all(LINGER_CALLS) || !crate::sandbox::may_spawn() {
+        // A sandbox forbids what lingering needs: the program's close, as it asked.
+        // SAFETY: the program's close.
+        return unsafe { real::close(fd) };
+    }
     // After the peer's Fin frame the socket's receive side is shut: a FIN from us now would
     // put it where the kernel resets the connection on the peer's next ack. The end of stream
     // goes as a Fin frame instead, and the socket closes once the peer acknowledged all.
@@ -85,11 +90,20 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
         if !l.thread {
+            let clean = crate::sandbox::spawn_is_clean();
+            crate::lifetime::layer_thread(true);
             l.thread = std::thread::Builder::new()
                 .name("vmi-linger".into())
                 .stack_size(64 << 10)
-                .spawn(reaper)
+                .spawn(move || {
+                    crate::sandbox::layer_thread(clean);
+                    let _ = std::panic::catch_unwind(reaper);
+                    crate::lifetime::layer_thread(false);
+                })
                 .is_ok();
+            if !l.thread {
+                crate::lifetime::layer_thread(false);
+            }
             if !l.thread {
                 // No thread: give up lingering rather than leak the socket.
                 for (f, _, _) in l.socks.drain(..) {
@@ -102,6 +116,22 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
     sys::set_errno(e);
     r
 }
+
+/// The calls a lingering close makes (in the program's thread and the reaper's).
+const LINGER_CALLS: &[libc::c_long] = &[
+    libc::SYS_fcntl,
+    libc::SYS_close,
+    libc::SYS_shutdown,
+    libc::SYS_sendto,
+    libc::SYS_recvfrom,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockopt,
+    libc::SYS_poll,
+    libc::SYS_sendmsg,
+    libc::SYS_ioctl,
+    libc::SYS_futex,
+    libc::SYS_clock_nanosleep,
+];
 
 /// One look at a lingering socket: true when it is finished (and closed).
 fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
@@ -130,8 +160,18 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
     }
 }
 
+/// Works on the lingering sockets until none is left (then the thread ends; the next close
+/// starts another).
 fn reaper() {
+    let mut fails = 0u32;
     loop {
+        {
+            let mut l = lock();
+            if l.socks.is_empty() {
+                l.thread = false;
+                return;
+            }
+        }
         // A socket whose peer sent its Fin frame polls readable for good (our SHUT_RD): it
         // is looked at on every round (at most 100 ms apart) instead of polled.
         let fds: Vec<(i32, bool)> = lock().socks.iter().map(|s| (s.0, peer_fin(s.1.mem()))).collect();
@@ -144,7 +184,13 @@ fn reaper() {
             })
             .collect();
         // SAFETY: valid pollfd array.
-        unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) };
+        if unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) } < 0 && sys::errno() != libc::EINTR {
+            // (A descriptor limit below the list's length, say: never a loop that spins.)
+            fails += 1;
+            std::thread::sleep(std::time::Duration::from_millis((10u64 << fails.min(4)).min(100)));
+        } else {
+            fails = 0;
+        }
         let now = Instant::now();
         let _batch = BATCH.lock().unwrap_or_else(|e| e.into_inner());
         let mut mine = std::mem::take(&mut lock().socks);
@@ -161,6 +207,11 @@ fn reaper() {
 /// At exit: every virtual connection this process alone holds ends as it would with close;
 /// lingering ones get the rest of one second to see their peers close.
 pub fn at_exit() {
+    if !crate::sandbox::allows_all(LINGER_CALLS) {
+        // Under a sandbox that forbids lingering: the sockets close with the process, as the
+        // program's own would.
+        return;
+    }
     let mut socks: Vec<(i32, Arc<Vc>)> = Vec::new();
     let mut done: Vec<*const Vc> = Vec::new();
     for (fd, e) in fdtable::snapshot() {

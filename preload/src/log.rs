@@ -29,9 +29,11 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     if !enabled(level) || crate::fdtable::is_managed(2) {
         return;
     }
+    if !crate::sandbox::allows(libc::SYS_write, [2, 0, 0, 0, 0, 0]) {
+        return;
+    }
     let mut s = String::with_capacity(128);
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() };
+    let pid = crate::pid();
     let _ = writeln!(s, "vmi[{pid}]: {tag}: {args}");
     // SAFETY: writes a valid buffer to fd 2 through the real write.
     unsafe { crate::real::write(2, s.as_ptr() as *const _, s.len()) };

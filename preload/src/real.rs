@@ -72,6 +72,8 @@ real! {
     getpeername: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     epoll_ctl: fn(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
     fork: fn() -> libc::pid_t;
+    prctl: fn(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int;
+    pthread_exit: fn(ret: *mut c_void) -> !;
     execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
     execv: fn(path: *const c_char, argv: *const *const c_char) -> c_int;
     execvp: fn(file: *const c_char, argv: *const *const c_char) -> c_int;

@@ -28,7 +28,7 @@ pub struct Pending {
 /// if so, registers the connection. Binds the socket to an ephemeral port first when the
 /// program did not bind it, so the registration can name the source port.
 pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
-    if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 {
+    if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 || !crate::sandbox::may_set_up() {
         return None;
     }
     let fam = sys::tcp_family(fd)?;
@@ -119,7 +119,7 @@ pub fn connect_failed(p: Pending) {
 
 /// After a successful `listen`: register the listener with the agent.
 pub fn after_listen(fd: i32) {
-    if config::disabled() || sys::tcp_family(fd).is_none() {
+    if config::disabled() || !crate::sandbox::may_set_up() || sys::tcp_family(fd).is_none() {
         return;
     }
     let Some(addr) = sys::local_addr(fd) else { return };
@@ -149,6 +149,10 @@ pub fn closed_listener(l: &Listener) {
 /// connection is virtual.
 pub fn after_accept(listen_fd: i32, fd: i32) {
     let Some(Entry::Listener(_)) = fdtable::get(listen_fd) else { return };
+    if !crate::sandbox::may_set_up() {
+        // (The listeners were taken back from the agent when the sandbox went in.)
+        return;
+    }
     let (Some(local), Some(peer)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { return };
     let Some(Msg::Virtual { gid, secret, window, addrs, alias }) =
         agent::request(&Msg::Accept { local, peer })

@@ -111,6 +111,9 @@ pub struct SharedConn {
     pub link_pid: AtomicI32,
     /// See `link_pid`.
     pub link_fd: AtomicI32,
+    /// Work a sandboxed program thread could not do itself and left to a control thread
+    /// (`CTL_ACK`, `CTL_HARVEST`).
+    pub ctl_owed: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -130,6 +133,11 @@ pub struct SharedConn {
     /// Receive half (under `rx_lock`).
     pub rx: UnsafeCell<RxState>,
 }
+
+/// `ctl_owed`: an acknowledgement is owed to the peer.
+pub const CTL_ACK: u32 = 1;
+/// `ctl_owed`: a sender waits for acknowledgements it cannot read off the socket itself.
+pub const CTL_HARVEST: u32 = 2;
 
 /// Most agent addresses kept for a peer node.
 pub const MAX_PEER_AGENTS: usize = 8;
@@ -208,6 +216,7 @@ impl Mapping {
             shm_epoch: AtomicU32::new(0),
             link_pid: AtomicI32::new(0),
             link_fd: AtomicI32::new(-1),
+            ctl_owed: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: UnsafeCell::new({

@@ -102,16 +102,25 @@ fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
 
 /// The socket's local address.
 pub fn local_addr(fd: c_int) -> Option<SocketAddr> {
+    if !crate::sandbox::allows_nr(libc::SYS_getsockname) {
+        return None;
+    }
     name_of(fd, false)
 }
 
 /// The socket's peer address.
 pub fn peer_addr(fd: c_int) -> Option<SocketAddr> {
+    if !crate::sandbox::allows_nr(libc::SYS_getpeername) {
+        return None;
+    }
     name_of(fd, true)
 }
 
 /// An int socket option.
 pub fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
+    if !crate::sandbox::allows_nr(libc::SYS_getsockopt) {
+        return None;
+    }
     let mut v: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: valid pointers to a local int.
@@ -162,6 +171,10 @@ pub fn set_timeouts(fd: c_int, ms: i64) {
 /// Sleeps while `word` (in memory other processes may share: no FUTEX_PRIVATE_FLAG) holds
 /// `val`, at most `ms` milliseconds (forever if negative). Returns the system call's result.
 pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64 {
+    if !crate::sandbox::allows_nr(libc::SYS_futex) {
+        crate::sandbox::pause_us(ms.clamp(0, 1) as u64 * 1000);
+        return 0;
+    }
     let ts = libc::timespec { tv_sec: ms / 1000, tv_nsec: (ms % 1000) * 1_000_000 };
     let tsp = if ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };
     // SAFETY: `word` is a valid, aligned u32 for the duration of the call.
@@ -170,6 +183,10 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64
 
 /// Wakes up to `n` waiters on `word`.
 pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
+    if !crate::sandbox::allows_nr(libc::SYS_futex) {
+        // (Waiters look again within a millisecond: see futex_wait.)
+        return;
+    }
     // SAFETY: as above; FUTEX_WAKE takes no timeout.
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n, 0usize, 0usize, 0u32) };
 }
@@ -236,9 +253,7 @@ pub fn tcp_family(fd: c_int) -> Option<c_int> {
 
 /// True if the descriptor is in non-blocking mode.
 pub fn nonblocking(fd: c_int) -> bool {
-    // SAFETY: F_GETFL has no pointer argument.
-    let fl = unsafe { crate::real::fcntl(fd, libc::F_GETFL, 0) };
-    fl >= 0 && fl & libc::O_NONBLOCK != 0
+    crate::sandbox::nonblocking(fd)
 }
 
 /// 16 random bytes from the kernel.
@@ -278,6 +293,9 @@ pub fn unix_ms() -> u64 {
 
 /// The kernel's TCP_INFO for a socket.
 pub fn tcp_info(fd: c_int) -> Option<libc::tcp_info> {
+    if !crate::sandbox::allows_nr(libc::SYS_getsockopt) {
+        return None;
+    }
     // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
     let mut ti: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -305,6 +323,12 @@ pub fn random_u128() -> u128 {
 
 /// Waits up to `ms` for `events` on `fd`.
 pub fn wait_fd(fd: c_int, events: i16, ms: c_int) -> i16 {
+    if crate::sandbox::active() {
+        return crate::sandbox::poll_one(fd, events, ms).unwrap_or_else(|| {
+            crate::sandbox::pause_us(ms.clamp(0, 1) as u64 * 1000);
+            0
+        });
+    }
     let mut p = libc::pollfd { fd, events, revents: 0 };
     // SAFETY: one valid pollfd.
     let r = unsafe { libc::poll(&mut p, 1, ms) };

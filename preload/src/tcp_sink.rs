@@ -13,7 +13,7 @@
 
 use crate::shm::ConnMem;
 use crate::stats::Slot;
-use crate::{log, real, relink, sys};
+use crate::{log, real, relink, sandbox, sys};
 use libc::{c_int, iovec};
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
@@ -82,7 +82,8 @@ fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError 
         return IrbError::Os(libc::ECONNRESET);
     }
     if c.broken.swap(libc::ECONNRESET, AcqRel) == 0 {
-        let peer = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
+        let peer = if sandbox::allows_nr(libc::SYS_getpeername) { sys::peer_addr(fd) } else { None };
+        let peer = peer.map(|a| a.to_string()).unwrap_or_else(|| "?".into());
         log::error(format_args!(
             "virtual connection {:032x} with {peer}: {e}; closing it (the program sees ECONNRESET)",
             c.gid
@@ -90,8 +91,10 @@ fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError 
         if let Some(s) = slot {
             s.set_error(libc::ECONNRESET);
         }
-        // SAFETY: shutdown on the connection's own socket.
-        unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+        if sandbox::allows_nr(libc::SYS_shutdown) {
+            // SAFETY: shutdown on the connection's own socket.
+            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+        }
     }
     IrbError::Os(libc::ECONNRESET)
 }
@@ -144,6 +147,9 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
         Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
     };
     let parts = [plan.header_bytes(), a, b];
+    if sandbox::active() {
+        return sandboxed_send(fd, &parts, flags);
+    }
     let live = parts.iter().filter(|p| !p.is_empty()).count();
     if live <= 1 {
         let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
@@ -175,6 +181,36 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
     unsafe { real::sendmsg(fd, &msg, flags) }
 }
 
+/// A send under a sandbox: the first form of the call its filters allow. With none, a call
+/// that must not block says `EAGAIN` (the control thread, free of the filter, does it later);
+/// a blocking one fails with `EPERM` and a log line (the program's own call would have been
+/// refused too).
+#[cold]
+fn sandboxed_send(fd: c_int, parts: &[&[u8]], flags: c_int) -> isize {
+    if let Some(r) = sandbox::send_parts(fd, parts, flags) {
+        return r;
+    }
+    if flags & libc::MSG_DONTWAIT != 0 {
+        sys::set_errno(libc::EAGAIN);
+    } else {
+        log::warn(format_args!("the sandbox forbids every call that could carry a write on fd {fd}"));
+        sys::set_errno(libc::EPERM);
+    }
+    -1
+}
+
+/// `recv` on the connection's socket, in a form the sandbox allows (`EAGAIN` when none).
+fn sock_recv(fd: c_int, buf: &mut [u8], flags: c_int) -> isize {
+    if !sandbox::active() {
+        // SAFETY: `buf` is writable for its length.
+        return unsafe { real::recv(fd, buf.as_mut_ptr() as *mut _, buf.len(), flags) };
+    }
+    sandbox::recv_into(fd, buf, flags).unwrap_or_else(|| {
+        sys::set_errno(libc::EAGAIN);
+        -1
+    })
+}
+
 /// An error from the physical socket: either the link failed (the connection waits for a
 /// new one) or the connection really ended (the peer's program closed or reset it, or ours
 /// shut its sending side): then the program sees `e`, with SIGPIPE for EPIPE unless it
@@ -187,10 +223,18 @@ fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int) -> IrbErr
         return IrbError::Os(relink::LINK_DOWN);
     }
     if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
+        raise_sigpipe();
+    }
+    errno_result(e)
+}
+
+/// SIGPIPE for the calling thread, as the kernel raises it for a write on a closed
+/// connection (not where a sandbox forbids the calls `raise` makes).
+fn raise_sigpipe() {
+    if sandbox::allows_all(&[libc::SYS_tgkill, libc::SYS_rt_sigprocmask, libc::SYS_getpid, libc::SYS_gettid]) {
         // SAFETY: raising a signal in the calling thread, as the kernel would have.
         unsafe { libc::raise(libc::SIGPIPE) };
     }
-    errno_result(e)
 }
 
 fn read_error(mem: ConnMem, e: c_int) -> IrbError {
@@ -209,8 +253,10 @@ fn errno_name(e: c_int) -> String {
 #[inline]
 fn fin_check(mem: ConnMem, fd: c_int, fin_before: u32, rx: &RxState) {
     if fin_before == 0 && rx.fin != 0 {
-        // SAFETY: shutdown of the receive side of the connection's own socket.
-        unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        if sandbox::allows_nr(libc::SYS_shutdown) {
+            // SAFETY: shutdown of the receive side of the connection's own socket.
+            unsafe { real::shutdown(fd, libc::SHUT_RD) };
+        }
         // Acknowledge everything now: the peer, done sending, may be waiting for nothing
         // else before it lets go of the connection.
         send_control(mem, None, fd, FrameKind::Ack);
@@ -329,6 +375,17 @@ pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind
     let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
     tx.commit(&plan, r.max(0) as usize, &[], ring);
     publish_tx(mem, tx, slot);
+    if r < 0 && kind == FrameKind::Ack && sandbox::active() && sys::errno() == libc::EAGAIN {
+        // The sandbox may have forbidden it: the control thread sends it.
+        c.ctl_owed.fetch_or(crate::shm::CTL_ACK, AcqRel);
+        relink::poke_work();
+    }
+}
+
+/// Reads acknowledgements waiting on the socket for a sender that cannot read them itself
+/// (the control thread, for a sandboxed program thread).
+pub fn harvest_acks(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
+    let _ = harvest(mem, slot, fd);
 }
 
 /// The send path. The caller holds the tx lock.
@@ -351,8 +408,7 @@ pub fn send(
     if c.tx_shut.load(Acquire) != 0 {
         // Native TCP after shutdown(SHUT_WR): EPIPE, with SIGPIPE unless MSG_NOSIGNAL.
         if flags & libc::MSG_NOSIGNAL == 0 {
-            // SAFETY: raising a signal in the calling thread, as the kernel would have.
-            unsafe { libc::raise(libc::SIGPIPE) };
+            raise_sigpipe();
         }
         return Err(IrbError::Os(libc::EPIPE));
     }
@@ -386,7 +442,7 @@ pub fn send(
                 if h == Harvest::Opened {
                     continue;
                 }
-                let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
+                let nb = *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd));
                 // The ring's spare room is for acks stuck behind data the program has not read
                 // (waiting could deadlock it), and for non-blocking senders, which must not be
                 // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
@@ -418,7 +474,7 @@ pub fn send(
                         let e = sys::errno();
                         tx.commit(&p, 0, &[], ring);
                         if e == libc::EAGAIN {
-                            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                            if *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd)) {
                                 relink::owed_later();
                                 return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                             }
@@ -456,7 +512,7 @@ pub fn send(
             // The kernel took part of the frame; the rest is in the ring. A blocking sender
             // pushes it out now (below); a non-blocking one returns, and the control thread
             // pushes it if the program does not call again.
-            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+            if *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd)) {
                 relink::owed_later();
                 return Ok(total);
             }
@@ -492,9 +548,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
     let rx = unsafe { &mut *c.rx.get() };
     let before = c.peer_ack.load(Acquire);
     while rx.frame_rem == 0 {
-        let s = rx.header_slot();
-        // SAFETY: reads into the header slot only.
-        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
+        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
         if r == 0 {
             check_link(mem)?;
             if rx.fin != 0 {
@@ -536,6 +590,13 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
     }
     // SAFETY: frame_rem and fin are read racily only to choose how to wait.
     let (mid_frame, fin) = unsafe { ((*c.rx.get()).frame_rem > 0, (*c.rx.get()).fin != 0) };
+    if sandbox::active() {
+        // The sender may not be allowed to read them itself: the control thread does.
+        c.ctl_owed.fetch_or(crate::shm::CTL_HARVEST, AcqRel);
+        relink::poke_work();
+        sandbox::pause_us(500);
+        return;
+    }
     // (After the peer's Fin the socket always polls readable: sleep instead.)
     if c.rx_lock.try_lock().is_some() && !mid_frame && !fin {
         sys::wait_fd(fd, libc::POLLIN, 10);
@@ -558,6 +619,10 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
 /// peer's program closed, so it needs no acknowledgement, and one arriving after its process
 /// ended would make its kernel reset the connection (and drop what we had not read yet).
 fn peer_closed(fd: c_int) -> bool {
+    if !sandbox::allows_nr(libc::SYS_getsockopt) {
+        // (Cannot ask: the ack goes; the rare reset it may cause is a lost link, rebuilt.)
+        return false;
+    }
     // TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING (or no socket to ask about).
     sys::tcp_info(fd).is_none_or(|ti| matches!(ti.tcpi_state, 6..=9 | 11))
 }
@@ -567,7 +632,7 @@ fn peer_closed(fd: c_int) -> bool {
 /// stream did not end.
 #[cold]
 pub fn socket_gone(fd: c_int) -> bool {
-    sys::tcp_info(fd).is_some_and(|ti| ti.tcpi_state == 7)
+    sandbox::allows_nr(libc::SYS_getsockopt) && sys::tcp_info(fd).is_some_and(|ti| ti.tcpi_state == 7)
 }
 
 /// True when the peer's Fin frame arrived (the socket polls readable from then on).
@@ -591,6 +656,10 @@ fn read_staged(
 ) -> isize {
     debug_assert!(want <= STAGE);
     let p = stage.as_mut_ptr() as *mut libc::c_void;
+    if sandbox::active() {
+        // SAFETY: `stage` is writable for STAGE >= want bytes.
+        return sock_recv(fd, unsafe { std::slice::from_raw_parts_mut(p as *mut u8, want) }, flags);
+    }
     if flags == 0 {
         // SAFETY: `stage` is writable for STAGE >= want bytes.
         return unsafe { real::read(fd, p, want) };
@@ -667,6 +736,11 @@ pub fn recv(
     // SAFETY: the caller holds rx_lock.
     let rx = unsafe { &mut *c.rx.get() };
     let kflags = flags & libc::MSG_DONTWAIT;
+    if rx.fin != 0 && rx.frame_rem == 0 && sandbox::active() {
+        // The peer's end of stream arrived, and the sandbox may have kept us from shutting
+        // the socket's receive side: nothing more comes.
+        return Ok(0);
+    }
     if flags & libc::MSG_PEEK != 0 {
         return peek(mem, slot, rx, fd, buf, kflags);
     }
@@ -679,7 +753,8 @@ pub fn recv(
         // Every plan reads at most as many payload bytes as `space` holds, so a staged read
         // of `want <= plan.total()` link bytes never leaves payload behind in the layer.
         let want = plan.total();
-        let staged = want <= STAGE || *small_reads;
+        // (Under a sandbox: one plain read, the call the program's own read implies.)
+        let staged = want <= STAGE || *small_reads || sandbox::active();
         let mut stage = std::mem::MaybeUninit::<[u8; STAGE]>::uninit();
         let r = if staged {
             read_staged(fd, &mut stage, want.min(STAGE), kflags)
@@ -747,8 +822,7 @@ fn peek(
             // Peek past frame boundaries as native TCP does: look at the raw bytes, parse a
             // copy of the receive state, hand over the payload.
             let mut raw = vec![0u8; buf.len() + 16 * HEADER_LEN];
-            // SAFETY: peeks into our own buffer.
-            let r = unsafe { real::recv(fd, raw.as_mut_ptr() as *mut _, raw.len(), libc::MSG_PEEK | kflags) };
+            let r = sock_recv(fd, &mut raw, libc::MSG_PEEK | kflags);
             if r < 0 {
                 return Err(read_error(mem, sys::errno()));
             }
@@ -764,9 +838,7 @@ fn peek(
             return Ok(n);
         }
         // At a frame boundary: take headers (invisible to the program) until data starts.
-        let s = rx.header_slot();
-        // SAFETY: reads into the header slot only.
-        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), kflags) };
+        let r = sock_recv(fd, rx.header_slot(), kflags);
         if r < 0 {
             return Err(read_error(mem, sys::errno()));
         }
@@ -819,9 +891,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
         if rx.frame_rem > 0 {
             return Drained::DataArrived;
         }
-        let s = rx.header_slot();
-        // SAFETY: reads into the header slot only.
-        let r = unsafe { real::recv(fd, s.as_mut_ptr() as *mut _, s.len(), libc::MSG_DONTWAIT) };
+        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
         if r == 0 {
             // After the peer's Fin frame our own SHUT_RD reads as an end too: the peer is
             // done when its FIN arrived, or when it acknowledged everything we sent (it has
@@ -856,9 +926,7 @@ pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
         return Ok(n.max(0));
     }
     let mut tmp = vec![0u8; (n as usize).min(4 << 20)];
-    // SAFETY: peeks into our own buffer.
-    let r =
-        unsafe { real::recv(fd, tmp.as_mut_ptr() as *mut _, tmp.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    let r = sock_recv(fd, &mut tmp, libc::MSG_PEEK | libc::MSG_DONTWAIT);
     if r <= 0 {
         return Ok(0);
     }

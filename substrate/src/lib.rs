@@ -24,6 +24,9 @@
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
 //! * [`devices`]: filters and test sinks.
 //! * [`shmring`]: a shared-memory byte ring and its doorbell protocol (the shared-memory sink's core).
+//! * [`seccomp`]: seccomp filters read and run as the kernel does (what a sandboxed program lets
+//!   the layer do).
+//! * [`procfs`]: the `/proc` text the layer reads about its own process.
 //! * [`gid`]: global connection identities.
 //! * [`stats`]: the statistics table shared between a process and its agent.
 
@@ -33,7 +36,9 @@ pub mod auth;
 pub mod devices;
 pub mod gid;
 pub mod irb;
+pub mod procfs;
 pub mod reliability;
+pub mod seccomp;
 pub mod shmring;
 pub mod stats;
 pub mod wire;

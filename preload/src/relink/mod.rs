@@ -120,10 +120,39 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 
 fn wake() {
     let fd = fdtable::own_fd(OWN_WAKE);
-    if fd >= 0 {
+    if fd >= 0 && crate::sandbox::allows(libc::SYS_write, [fd as u64, 0, 8, 0, 0, 0]) {
         let one = 1u64;
         // SAFETY: an 8-byte write to our eventfd.
         unsafe { libc::write(fd, &one as *const u64 as *const _, 8) };
+    }
+    // (Otherwise the control thread looks often: `sandbox::control_poll_ms`.)
+}
+
+/// The control thread stopped for good (a sandbox forbids its work, or its calls fail in a way
+/// that cannot heal): it is not started again in this process.
+static RETIRED: AtomicBool = AtomicBool::new(false);
+/// Asks the control thread to stop for good.
+static RETIRE: AtomicBool = AtomicBool::new(false);
+/// The control thread of this process runs.
+static ALIVE: AtomicBool = AtomicBool::new(false);
+
+/// True while this process's control thread runs.
+pub fn control_running() -> bool {
+    ALIVE.load(Acquire) && CONTROL_PID.load(Acquire) == crate::pid()
+}
+
+/// Stops the control thread for good and waits (at most 2 s) until it is out of its work:
+/// a filter is about to forbid what it does.
+pub fn retire_control() {
+    RETIRED.store(true, Release);
+    if !control_running() {
+        return;
+    }
+    RETIRE.store(true, Release);
+    wake();
+    let deadline = sys::now_ms() + 2_000;
+    while ALIVE.load(Acquire) && sys::now_ms() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
@@ -138,6 +167,16 @@ pub fn ensure_control() {
     if CONTROL_PID.load(Acquire) == me {
         return;
     }
+    if RETIRED.load(Acquire) {
+        return;
+    }
+    if !crate::sandbox::may_spawn() {
+        RETIRED.store(true, Release);
+        log::info(format_args!(
+            "the sandbox forbids what a control thread needs: connections keep working, without failover"
+        ));
+        return;
+    }
     // (A forked child closed its parent's wake descriptor in `after_fork_child`.)
     let old = fdtable::unprotect(OWN_WAKE);
     if old >= 0 {
@@ -149,16 +188,28 @@ pub fn ensure_control() {
     if efd >= 0 {
         fdtable::protect(OWN_WAKE, fdtable::move_high(efd));
     }
+    let clean = crate::sandbox::spawn_is_clean();
+    crate::lifetime::open_status();
+    ALIVE.store(true, Release);
+    crate::lifetime::layer_thread(true);
     let ok = std::thread::Builder::new()
         .name("vmi-control".into())
         .stack_size(256 << 10)
-        .spawn(|| {
-            let _ = std::panic::catch_unwind(control_loop);
+        .spawn(move || {
+            crate::sandbox::layer_thread(clean);
+            let end = std::panic::catch_unwind(control_loop).unwrap_or(Ending::Normally);
+            crate::lifetime::layer_thread(false);
+            ALIVE.store(false, Release);
+            if end == Ending::Bare {
+                crate::lifetime::exit_thread_bare();
+            }
         })
         .is_ok();
     if ok {
         CONTROL_PID.store(me, Release);
     } else {
+        ALIVE.store(false, Release);
+        crate::lifetime::layer_thread(false);
         log::error(format_args!("cannot start the control thread: connections cannot fail over"));
     }
 }
@@ -182,6 +233,12 @@ pub fn poke() {
     }
 }
 
+/// Asks the control thread to walk the connections now: work a sandboxed program thread left
+/// to it (an acknowledgement to send, acknowledgements to read).
+pub fn poke_work() {
+    wake();
+}
+
 /// A new connection in this process, set up by the agent (which therefore knows this
 /// process holds it): the control thread must run to take its rebuilt links.
 pub fn held() {
@@ -197,12 +254,18 @@ static RELEASED: Mutex<Vec<u128>> = Mutex::new(Vec::new());
 /// (within half a second), many at once; a link offered here meanwhile is answered "no such
 /// connection", which is the truth.
 pub fn released(gid: u128, others_hold: bool) {
-    if others_hold {
+    if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
         send_event(&Msg::Release { gid });
         return;
     }
     let mut r = RELEASED.lock().unwrap_or_else(|e| e.into_inner());
     r.push(gid);
+    if !crate::sandbox::allows_nr(libc::SYS_sendmsg) {
+        // The control thread tells the agent.
+        drop(r);
+        wake();
+        return;
+    }
     if r.len() >= 1024 {
         let all = std::mem::take(&mut *r);
         drop(r);
@@ -259,6 +322,8 @@ pub fn after_fork() {
 /// of a connection would tell the agent the parent let go of it).
 pub fn after_fork_child() {
     // Nor does the parent's control thread run here, and what it let go of is its own word.
+    ALIVE.store(false, SeqCst);
+    RETIRE.store(false, SeqCst);
     IN_WORK.store(false, SeqCst);
     EXECING.store(0, SeqCst);
     RELEASED.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -401,18 +466,97 @@ struct Thawing {
     replayed_before: u64,
 }
 
-fn control_loop() {
+/// How the control thread ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    /// Return from the thread (glibc ends the process if it was the last thread).
+    Normally,
+    /// The bare `exit` system call (see [`crate::lifetime`]).
+    Bare,
+}
+
+/// Errors of a call that will fail the same way every time (a sandbox refusing it).
+fn cannot_heal(e: i32) -> bool {
+    matches!(e, libc::EPERM | libc::EACCES | libc::ENOSYS)
+}
+
+/// Back-off after a failed wait: doubles from 10 ms up to 5 s.
+fn backoff(fails: &mut u32) {
+    let ms = (10u64 << (*fails).min(9)).min(5_000);
+    *fails += 1;
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+}
+
+/// Waits for the two descriptors like `poll`. A `poll` refused because the process's
+/// descriptor limit is below two (OpenSSH's sandboxed child sets it to zero) is done with
+/// `select`, which that limit does not bound. Returns the system call's result.
+fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
+    // SAFETY: two valid pollfds (negative fds are ignored by poll).
+    let r = unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+    if r >= 0 || sys::errno() != libc::EINVAL {
+        return r;
+    }
+    let fds: Vec<i32> = pfds.iter().map(|p| p.fd).filter(|&f| f >= 0).collect();
+    if fds.iter().any(|&f| f >= libc::FD_SETSIZE as i32) {
+        return -1;
+    }
+    // SAFETY: a zeroed fd_set is empty; FD_SET on descriptors below FD_SETSIZE.
+    let mut set: libc::fd_set = unsafe { std::mem::zeroed() };
+    for &f in &fds {
+        // SAFETY: as above.
+        unsafe { libc::FD_SET(f, &mut set) };
+    }
+    let mut tv = libc::timeval { tv_sec: (timeout / 1000) as _, tv_usec: ((timeout % 1000) * 1000) as _ };
+    let n = fds.iter().max().map_or(0, |m| m + 1);
+    // SAFETY: valid fd_set and timeval for the call.
+    let r = unsafe {
+        libc::syscall(libc::SYS_select, n, &mut set as *mut libc::fd_set, 0usize, 0usize, &mut tv as *mut libc::timeval)
+    } as i32;
+    if r > 0 {
+        for p in pfds.iter_mut().filter(|p| p.fd >= 0) {
+            // SAFETY: as above.
+            if unsafe { libc::FD_ISSET(p.fd, &set) } {
+                p.revents = libc::POLLIN;
+            }
+        }
+    }
+    r
+}
+
+fn control_loop() -> Ending {
     let mut next_connect = 0u64;
+    let mut connect_fails = 0u32;
+    let mut wait_fails = 0u32;
     let mut w = Work::default();
     loop {
+        if RETIRE.load(Acquire) {
+            return Ending::Normally;
+        }
+        let watch = match crate::lifetime::verdict() {
+            crate::lifetime::Verdict::Run => false,
+            crate::lifetime::Verdict::Watch => true,
+            crate::lifetime::Verdict::EndNormally => return Ending::Normally,
+            crate::lifetime::Verdict::EndBare => return Ending::Bare,
+        };
         let now = sys::now_ms();
         let mut evt = fdtable::own_fd(OWN_EVENTS);
         if evt < 0 && now >= next_connect {
             match open_events() {
-                Some(fd) => evt = fd,
+                Some(fd) => {
+                    evt = fd;
+                    connect_fails = 0;
+                }
                 None => {
+                    let e = sys::errno();
                     close_events();
-                    next_connect = now + 500;
+                    // No agent: ask again every half second at first, then less often (never
+                    // a loop: at most every 30 s), and never again when refused for good.
+                    connect_fails += 1;
+                    next_connect = if cannot_heal(e) {
+                        u64::MAX
+                    } else {
+                        now + (500u64 << connect_fails.min(6).saturating_sub(1)).min(30_000)
+                    };
                 }
             }
         }
@@ -432,7 +576,7 @@ fn control_loop() {
             REPLAYING.store(1, Relaxed);
             5
         } else if w.pending.is_empty() && w.suspects.is_empty() {
-            500
+            crate::sandbox::control_poll_ms(if watch { 200 } else { 500 })
         } else {
             50
         };
@@ -440,10 +584,38 @@ fn control_loop() {
         // thread (an event, a broken link) makes it walk the connections, plus a slow
         // sweep: with thousands of idle connections a walk costs milliseconds.
         let busy = timeout < 500 || w.thawing.is_some() || !w.last_wire.is_empty();
-        // SAFETY: two valid pollfds (negative fds are ignored by poll).
-        unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+        let r = wait_two(&mut pfds, timeout);
+        if r < 0 {
+            let e = sys::errno();
+            if e != libc::EINTR {
+                if cannot_heal(e) || wait_fails > 64 {
+                    log::warn(format_args!(
+                        "the control thread cannot wait for events ({}); it stops: connections                          keep working, without failover",
+                        std::io::Error::from_raw_os_error(e)
+                    ));
+                    RETIRED.store(true, Release);
+                    return Ending::Normally;
+                }
+                backoff(&mut wait_fails);
+                continue;
+            }
+        } else {
+            wait_fails = 0;
+        }
         let woke = pfds.iter().any(|p| p.revents != 0);
-        if pfds[1].revents != 0 {
+        if pfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
+            // A descriptor of ours is gone (closed behind the layer's back): open them again
+            // later rather than poll a dead one in a loop.
+            if pfds[0].revents & libc::POLLNVAL != 0 {
+                fdtable::unprotect(OWN_EVENTS);
+                next_connect = sys::now_ms() + 500;
+            }
+            if pfds[1].revents & libc::POLLNVAL != 0 {
+                fdtable::unprotect(OWN_WAKE);
+            }
+            backoff(&mut wait_fails);
+        }
+        if pfds[1].revents & libc::POLLIN != 0 {
             let mut v = 0u64;
             // SAFETY: drains our eventfd.
             unsafe { libc::read(wake_fd, &mut v as *mut u64 as *mut _, 8) };
@@ -463,7 +635,7 @@ fn control_loop() {
             }
         }
         let now = sys::now_ms();
-        if woke || busy || now >= w.next_sweep_ms {
+        if woke || busy || now >= w.next_sweep_ms || !crate::sandbox::wake_reaches() {
             work(&mut w);
             w.next_sweep_ms = now + SWEEP_MS;
         }
@@ -655,6 +827,7 @@ fn work(w: &mut Work) {
         if c.broken.load(Acquire) != 0 {
             continue;
         }
+        for_sandboxed_threads(&v);
         if let Some(s) = w.suspects.get_mut(&c.gid) {
             if check_suspect(&v, s, now) {
                 w.suspects.remove(&c.gid);
@@ -724,6 +897,23 @@ fn work(w: &mut Work) {
     let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
     w.suspects.retain(|g, _| live.contains(g));
     w.last_wire.retain(|g, _| live.contains(g));
+}
+
+/// What a sandboxed program thread could not do itself: read acknowledgements for a sender
+/// with a full window, send one for a reader, take a link another process rebuilt.
+fn for_sandboxed_threads(v: &Vc) {
+    let c = v.mem().conn();
+    let owed = c.ctl_owed.swap(0, AcqRel);
+    let Some(&fd) = fdtable::fds_of(v).first() else { return };
+    if owed & crate::shm::CTL_HARVEST != 0 {
+        crate::tcp_sink::harvest_acks(v.mem(), v.slot(), fd);
+    }
+    if owed & crate::shm::CTL_ACK != 0 {
+        crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+    }
+    if crate::sandbox::active() && c.link_down.load(Acquire) == 0 && v.behind() {
+        adopt(v);
+    }
 }
 
 /// The connection failed for good: every call reports `e` from now on.
