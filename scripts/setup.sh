@@ -21,6 +21,8 @@ APT_PACKAGES=(
     curl
     nginx
     postgresql
+    openssh-server
+    openssh-client
     python3-pip
     gcc
 )
@@ -57,6 +59,12 @@ if command -v systemctl >/dev/null 2>&1; then
     systemctl disable postgresql >/dev/null 2>&1 || true
 fi
 service postgresql stop >/dev/null 2>&1 || true
+# And the OpenSSH server on port 22 (the tests start their own sshd).
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop ssh >/dev/null 2>&1 || true
+    systemctl disable ssh >/dev/null 2>&1 || true
+fi
+service ssh stop >/dev/null 2>&1 || true
 
 # Python packages, for whichever python3 comes first on PATH.
 PY=python3

@@ -165,6 +165,14 @@ PORTS = {
     "migrate_shm": 17912,
     "migrate_shm_closed": 17913,
     "migrate_redis": 16402,
+    "sandbox_sshd": 19001,              # and 19002
+    "sandbox_forward_local": 19003,     # and 19004
+    "sandbox_forward_target": 19005,    # and 19006
+    "sandbox_echo": 19007,              # and 19008
+    "sandbox_reader": 19009,            # and 19010
+    "sandbox_chroot": 19011,
+    "sandbox_pthread_exit": 19012,      # and 19013
+    "sandbox_exec_filtered": 19014,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()

@@ -133,11 +133,16 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>, Vec<i32>)> {
         let _rg = c.rx_lock.lock();
         // SAFETY: both locks held.
         let (tx, rx) = unsafe { (*c.tx.get(), *c.rx.get()) };
-        if !done.iter().any(|d| Arc::ptr_eq(d, &v)) {
+        // One connection on several descriptors (sshd's re-exec passes it as 0 and 1): the
+        // first record carries its state; the others only name the descriptor (the new
+        // image gives them the same connection).
+        let first = !done.iter().any(|d| Arc::ptr_eq(d, &v));
+        if first {
             done.push(v.clone());
         }
-        let shm = v.shm_now().and_then(|l| l.handover(fd)).unwrap_or_default();
-        let unacked = save_unacked(&v, &tx);
+        let shm =
+            if first { v.shm_now().and_then(|l| l.handover(fd)).unwrap_or_default() } else { String::new() };
+        let unacked = if first { save_unacked(&v, &tx) } else { -1 };
         if unacked >= 0 {
             files.push(unacked);
         }
@@ -184,7 +189,24 @@ pub fn adopt() {
     // SAFETY: runs in the library constructor, before the program's threads.
     unsafe { std::env::remove_var(VAR) };
     let mut adopted = false;
+    let mut by_gid: Vec<(u128, Arc<Vc>)> = Vec::new();
     for r in v.split(';') {
+        // Another descriptor of a connection already rebuilt: the same connection.
+        let mut f = r.split(',');
+        let (fd, gid) = (
+            f.next().and_then(|x| x.parse::<i32>().ok()),
+            f.next().and_then(|x| u128::from_str_radix(x, 16).ok()),
+        );
+        if let (Some(fd), Some(gid)) = (fd, gid) {
+            if let Some((_, vc)) = by_gid.iter().find(|(g, _)| *g == gid) {
+                if crate::sys::tcp_family(fd).is_some() {
+                    drop_unacked(r);
+                    log::info(format_args!("virtual connection {gid:032x} on fd {fd} carried across exec"));
+                    fdtable::insert(fd, Entry::Vc(vc.clone()));
+                    continue;
+                }
+            }
+        }
         match parse_rec(r) {
             Some((fd, s, tx, rx, unacked)) if crate::sys::tcp_family(fd).is_some() => {
                 let saved = load_unacked(unacked, tx.next_seq - tx.acked);
@@ -198,7 +220,9 @@ pub fn adopt() {
                             // SAFETY: shutdown of the connection's own socket.
                             unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
                         }
-                        fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
+                        let vc = Arc::new(vc);
+                        by_gid.push((gid, vc.clone()));
+                        fdtable::insert(fd, Entry::Vc(vc));
                         adopted = true;
                     }
                     (gid, None) => {

@@ -22,7 +22,10 @@ fn before(strict: bool, prog: c_ulong, tsync: bool) -> sandbox::Install {
         // SAFETY: the program passes its `sock_fprog` (or garbage the kernel will refuse with
         // EFAULT: a null pointer is checked; other bad pointers fault the program's own call
         // just the same).
-        Some(unsafe { sandbox::read_filter(prog as *const libc::sock_fprog) }.unwrap_or(Err("no program".into())))
+        Some(
+            unsafe { sandbox::read_filter(prog as *const libc::sock_fprog) }
+                .unwrap_or(Err("no program".into())),
+        )
     };
     sandbox::before_install(filter, strict, tsync)
 }
@@ -83,7 +86,9 @@ pub unsafe extern "C" fn syscall(
     a5: c_long,
     a6: c_long,
 ) -> c_long {
-    let inst = if n == libc::SYS_seccomp && (a1 as c_ulong == SECCOMP_SET_MODE_FILTER || a1 as c_ulong == SECCOMP_SET_MODE_STRICT) {
+    let inst = if n == libc::SYS_seccomp
+        && (a1 as c_ulong == SECCOMP_SET_MODE_FILTER || a1 as c_ulong == SECCOMP_SET_MODE_STRICT)
+    {
         guarded_before(
             a1 as c_ulong == SECCOMP_SET_MODE_STRICT,
             a3 as c_ulong,

@@ -35,7 +35,9 @@ static LAYER_THREADS: AtomicU32 = AtomicU32::new(0);
 pub fn init_main_thread() {
     let mut addr: *mut i32 = std::ptr::null_mut();
     // SAFETY: PR_GET_TID_ADDRESS writes one pointer into `addr`.
-    let r = unsafe { libc::prctl(libc::PR_GET_TID_ADDRESS, &mut addr as *mut *mut i32 as libc::c_ulong, 0, 0, 0) };
+    let r = unsafe {
+        libc::prctl(libc::PR_GET_TID_ADDRESS, &mut addr as *mut *mut i32 as libc::c_ulong, 0, 0, 0)
+    };
     MAIN_TID_WORD.store(if r == 0 { addr } else { std::ptr::null_mut() }, Release);
     // SAFETY: no arguments.
     MAIN_THREAD.store(unsafe { libc::pthread_self() } as usize, Release);

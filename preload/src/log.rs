@@ -25,6 +25,23 @@ pub fn enabled(level: u8) -> bool {
     LEVEL.load(Relaxed) >= level
 }
 
+/// A line being formatted, on the stack (a sandbox may forbid the calls an allocation
+/// makes); longer lines are cut.
+struct Line {
+    buf: [u8; 512],
+    len: usize,
+}
+
+impl fmt::Write for Line {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let room = self.buf.len() - 1 - self.len;
+        let n = s.len().min(room);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
 fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     if !enabled(level) || crate::fdtable::is_managed(2) {
         return;
@@ -32,11 +49,12 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     if !crate::sandbox::allows(libc::SYS_write, [2, 0, 0, 0, 0, 0]) {
         return;
     }
-    let mut s = String::with_capacity(128);
+    let mut line = Line { buf: [0; 512], len: 0 };
     let pid = crate::pid();
-    let _ = writeln!(s, "vmi[{pid}]: {tag}: {args}");
+    let _ = write!(line, "vmi[{pid}]: {tag}: {args}");
+    line.buf[line.len] = b'\n';
     // SAFETY: writes a valid buffer to fd 2 through the real write.
-    unsafe { crate::real::write(2, s.as_ptr() as *const _, s.len()) };
+    unsafe { crate::real::write(2, line.buf.as_ptr() as *const _, line.len + 1) };
 }
 
 /// Logs an error.

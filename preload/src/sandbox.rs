@@ -46,7 +46,8 @@ static STATE: AtomicU32 = AtomicU32::new(0);
 
 /// Filters the program installed, oldest first. Never freed (a process stacks a handful).
 const MAX_FILTERS: usize = 64;
-static FILTERS: [AtomicPtr<Filter>; MAX_FILTERS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FILTERS];
+static FILTERS: [AtomicPtr<Filter>; MAX_FILTERS] =
+    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FILTERS];
 static N_FILTERS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
@@ -248,50 +249,93 @@ pub const RECV_CALLS: &[c_long] = &[libc::SYS_recvfrom, libc::SYS_recvmsg];
 // ---------------------------------------------------------------------------------------------
 // Calls with a fallback
 
-/// Sends the concatenation of `parts` on socket `fd` with the first form the sandbox allows:
-/// `sendto` (with `MSG_NOSIGNAL`, then the flags as given), `sendmsg`, then, when the call may
-/// block as the socket's mode says (no `MSG_DONTWAIT` asked for, or the socket is
-/// non-blocking anyway), `writev` and `write`. `None` when no form is allowed.
+/// Longest write taken for a control frame alone.
+const CONTROL_FRAME_MAX: usize = 64;
+/// Pieces up to this many bytes in all are gathered on the stack for a one-buffer call.
+const STACK_GATHER: usize = 4096 + 64;
+
+/// Sends the concatenation of `parts` (at most 4) on socket `fd` with the first form the
+/// sandbox allows: `sendmsg` or `sendto` (with `MSG_NOSIGNAL`, then the flags as given),
+/// then, when the call may block as the socket's mode says (no `MSG_DONTWAIT` asked for, or
+/// the socket is non-blocking anyway, or a control frame alone), `writev` and `write`.
+/// `None` when no form is allowed. Nothing is allocated (a sandbox may forbid `brk` and
+/// `mmap`): small pieces are gathered on the stack, large ones go one call each, stopping at
+/// a short write.
 ///
 /// Without `MSG_NOSIGNAL` a write on a broken link raises `SIGPIPE`, as the program's own
 /// write would have.
 pub fn send_parts(fd: c_int, parts: &[&[u8]], flags: c_int) -> Option<isize> {
-    let len: usize = parts.iter().map(|p| p.len()).sum();
-    let one: std::borrow::Cow<'_, [u8]> = match parts.iter().filter(|p| !p.is_empty()).count() {
-        0 | 1 => parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default().into(),
-        _ => parts.concat().into(),
-    };
-    let (p, fdu) = (one.as_ptr(), fd as u64);
-    for f in [flags | libc::MSG_NOSIGNAL, flags] {
-        if allows(libc::SYS_sendto, [fdu, p as u64, len as u64, f as u64, 0, 0]) {
-            // SAFETY: `one` holds `len` bytes for the call.
-            return Some(unsafe { real::send(fd, p as *const _, len, f) });
-        }
+    let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 4];
+    let mut n = 0;
+    for p in parts.iter().filter(|p| !p.is_empty()).take(4) {
+        iov[n] = libc::iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
+        n += 1;
     }
+    let iov = &iov[..n.max(1)];
+    let len: usize = iov.iter().map(|v| v.iov_len).sum();
+    let fdu = fd as u64;
     for f in [flags | libc::MSG_NOSIGNAL, flags] {
         if allows(libc::SYS_sendmsg, [fdu, 0, f as u64, 0, 0, 0]) {
-            let mut iov = libc::iovec { iov_base: p as *mut _, iov_len: len };
-            // SAFETY: a zeroed msghdr is valid; one iovec over `one`.
+            // SAFETY: a zeroed msghdr is valid; the iovecs point at the caller's pieces.
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
+            msg.msg_iov = iov.as_ptr() as *mut _;
+            msg.msg_iovlen = iov.len();
             // SAFETY: as above.
             return Some(unsafe { real::sendmsg(fd, &msg, f) });
         }
     }
-    if flags & libc::MSG_DONTWAIT != 0 && !nonblocking(fd) {
+    for f in [flags | libc::MSG_NOSIGNAL, flags] {
+        if allows(libc::SYS_sendto, [fdu, 0, len as u64, f as u64, 0, 0]) {
+            // SAFETY: each piece is live for the call.
+            return Some(one_by_one(iov, |p, l| unsafe { real::send(fd, p, l, f) }));
+        }
+    }
+    if flags & libc::MSG_DONTWAIT != 0 && !nonblocking(fd) && len > CONTROL_FRAME_MAX {
+        // (A control frame alone, an acknowledgement of a quarter window, cannot fill a
+        // socket's buffer: a plain write of one does not block.)
         return None;
     }
-    if allows(libc::SYS_write, [fdu, p as u64, len as u64, 0, 0, 0]) {
-        // SAFETY: as above.
-        return Some(unsafe { real::write(fd, p as *const _, len) });
+    if allows(libc::SYS_writev, [fdu, 0, iov.len() as u64, 0, 0, 0]) {
+        // SAFETY: the iovecs point at the caller's pieces.
+        return Some(unsafe { real::writev(fd, iov.as_ptr(), iov.len() as c_int) });
     }
-    if allows(libc::SYS_writev, [fdu, 0, 1, 0, 0, 0]) {
-        let iov = libc::iovec { iov_base: p as *mut _, iov_len: len };
-        // SAFETY: one iovec over `one`.
-        return Some(unsafe { real::writev(fd, &iov, 1) });
+    if allows(libc::SYS_write, [fdu, 0, len as u64, 0, 0, 0]) {
+        // SAFETY: each piece is live for the call.
+        return Some(one_by_one(iov, |p, l| unsafe { real::write(fd, p, l) }));
     }
     None
+}
+
+/// Sends `iov` with a one-buffer call: gathered on the stack when small, else piece by piece
+/// (stopping at a short or failed write; bytes already sent count).
+fn one_by_one(iov: &[libc::iovec], mut call: impl FnMut(*const libc::c_void, usize) -> isize) -> isize {
+    let len: usize = iov.iter().map(|v| v.iov_len).sum();
+    if iov.len() == 1 || len <= STACK_GATHER {
+        if iov.len() == 1 {
+            return call(iov[0].iov_base, iov[0].iov_len);
+        }
+        let mut buf = std::mem::MaybeUninit::<[u8; STACK_GATHER]>::uninit();
+        let p = buf.as_mut_ptr() as *mut u8;
+        let mut at = 0;
+        for v in iov {
+            // SAFETY: the pieces add up to at most STACK_GATHER bytes, the buffer's size.
+            unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, p.add(at), v.iov_len) };
+            at += v.iov_len;
+        }
+        return call(p as *const _, at);
+    }
+    let mut total = 0isize;
+    for v in iov {
+        let r = call(v.iov_base, v.iov_len);
+        if r < 0 {
+            return if total > 0 { total } else { r };
+        }
+        total += r;
+        if (r as usize) < v.iov_len {
+            break;
+        }
+    }
+    total
 }
 
 /// Reads at most `buf.len()` bytes from socket `fd` with `flags` (`MSG_DONTWAIT`,
@@ -416,7 +460,8 @@ pub fn nonblocking(fd: c_int) -> bool {
         remember_nonblock(fd, on);
         return on;
     }
-    (0..MAX_FD_CACHE as c_int).contains(&fd) && NONBLOCK[fd as usize / 32].load(Relaxed) & (1 << (fd % 32)) != 0
+    (0..MAX_FD_CACHE as c_int).contains(&fd)
+        && NONBLOCK[fd as usize / 32].load(Relaxed) & (1 << (fd % 32)) != 0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -470,7 +515,9 @@ pub fn before_install(filter: Option<Result<Filter, String>>, strict: bool, tsyn
     let setup_after = may_set_up()
         && !strict
         && inst.filter.as_ref().is_some_and(|f| {
-            SETUP_CALLS.iter().all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
+            SETUP_CALLS
+                .iter()
+                .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
         });
     if !setup_after {
         // New connections to this process's listeners stay plain from now on: the agent must
@@ -497,7 +544,9 @@ fn layer_threads_may_work_under(inst: &Install) -> bool {
         return false;
     }
     let Some(f) = &inst.filter else { return false };
-    THREAD_CALLS.iter().all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
+    THREAD_CALLS
+        .iter()
+        .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
         && STATE.load(Relaxed) & UNKNOWN == 0
         && {
             // ... and every filter already there (they cover the layer's threads after TSYNC).
@@ -533,7 +582,10 @@ pub fn installed(inst: Install, ok: bool) {
         None => {}
     }
     STATE.fetch_or(add, AcqRel);
-    WAKE_OK.store(allows(libc::SYS_write, [crate::fdtable::own_fd(crate::fdtable::OWN_WAKE) as u64, 0, 8, 0, 0, 0]), Release);
+    WAKE_OK.store(
+        allows(libc::SYS_write, [crate::fdtable::own_fd(crate::fdtable::OWN_WAKE) as u64, 0, 8, 0, 0, 0]),
+        Release,
+    );
 }
 
 /// Program threads may write to the control thread's wake descriptor.

@@ -231,7 +231,8 @@ fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int) -> IrbErr
 /// SIGPIPE for the calling thread, as the kernel raises it for a write on a closed
 /// connection (not where a sandbox forbids the calls `raise` makes).
 fn raise_sigpipe() {
-    if sandbox::allows_all(&[libc::SYS_tgkill, libc::SYS_rt_sigprocmask, libc::SYS_getpid, libc::SYS_gettid]) {
+    if sandbox::allows_all(&[libc::SYS_tgkill, libc::SYS_rt_sigprocmask, libc::SYS_getpid, libc::SYS_gettid])
+    {
         // SAFETY: raising a signal in the calling thread, as the kernel would have.
         unsafe { libc::raise(libc::SIGPIPE) };
     }
@@ -547,8 +548,13 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
     // SAFETY: we hold rx_lock.
     let rx = unsafe { &mut *c.rx.get() };
     let before = c.peer_ack.load(Acquire);
+    let mut may_block = true;
     while rx.frame_rem == 0 {
-        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
+        let r = if sandbox::active() {
+            harvest_read(fd, rx.header_slot(), &mut may_block)
+        } else {
+            sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT)
+        };
         if r == 0 {
             check_link(mem)?;
             if rx.fin != 0 {
@@ -580,6 +586,24 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
     } else {
         Harvest::Empty
     })
+}
+
+/// A sender with a full window reads a header off its socket under a sandbox: without
+/// waiting where it may; else, when no control thread can do it, with the plain read its
+/// program's call implies, which waits for the peer's next frame (an acknowledgement comes
+/// every quarter window), as the program's write itself would wait for room.
+#[cold]
+fn harvest_read(fd: c_int, slot: &mut [u8], may_block: &mut bool) -> isize {
+    if let Some(r) = sandbox::recv_into(fd, slot, libc::MSG_DONTWAIT) {
+        return r;
+    }
+    if std::mem::take(may_block) && !relink::control_running() {
+        if let Some(r) = sandbox::recv_into(fd, slot, 0) {
+            return r;
+        }
+    }
+    sys::set_errno(libc::EAGAIN);
+    -1
 }
 
 /// Blocks briefly for acknowledgements (blocking sockets with a full window).

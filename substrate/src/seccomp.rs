@@ -470,7 +470,8 @@ mod tests {
 
     #[test]
     fn division_by_zero_x_returns_zero() {
-        let p = vec![stmt(LDX | IMM, 0), stmt(LD | IMM, 5), stmt(ALU | DIV | X, 0), stmt(RET | K, ret::ALLOW)];
+        let p =
+            vec![stmt(LDX | IMM, 0), stmt(LD | IMM, 5), stmt(ALU | DIV | X, 0), stmt(RET | K, ret::ALLOW)];
         assert_eq!(Filter::new(p).unwrap().run(&SeccompData::default()), 0);
     }
 
@@ -478,15 +479,30 @@ mod tests {
     fn rejects_what_the_kernel_rejects() {
         assert_eq!(Filter::parse(&[]), Err(FilterError::Length(0)));
         assert_eq!(Filter::parse(&[0; 7]), Err(FilterError::Length(7)));
-        assert!(matches!(Filter::new(vec![stmt(LD | W | ABS, 64), stmt(RET | K, 0)]), Err(FilterError::Load(0))));
-        assert!(matches!(Filter::new(vec![stmt(LD | W | ABS, 2), stmt(RET | K, 0)]), Err(FilterError::Load(0))));
-        assert!(matches!(Filter::new(vec![jump(JMP | JEQ | K, 0, 1, 0), stmt(RET | K, 0)]), Err(FilterError::Jump(0))));
+        assert!(matches!(
+            Filter::new(vec![stmt(LD | W | ABS, 64), stmt(RET | K, 0)]),
+            Err(FilterError::Load(0))
+        ));
+        assert!(matches!(
+            Filter::new(vec![stmt(LD | W | ABS, 2), stmt(RET | K, 0)]),
+            Err(FilterError::Load(0))
+        ));
+        assert!(matches!(
+            Filter::new(vec![jump(JMP | JEQ | K, 0, 1, 0), stmt(RET | K, 0)]),
+            Err(FilterError::Jump(0))
+        ));
         assert!(matches!(Filter::new(vec![stmt(JMP | JA, 1), stmt(RET | K, 0)]), Err(FilterError::Jump(0))));
         assert!(matches!(Filter::new(vec![stmt(LD | IMM, 0)]), Err(FilterError::NoReturn)));
         assert!(matches!(Filter::new(vec![stmt(ST, 16), stmt(RET | K, 0)]), Err(FilterError::Scratch(0))));
-        assert!(matches!(Filter::new(vec![stmt(ALU | DIV | K, 0), stmt(RET | K, 0)]), Err(FilterError::DivZero(0))));
+        assert!(matches!(
+            Filter::new(vec![stmt(ALU | DIV | K, 0), stmt(RET | K, 0)]),
+            Err(FilterError::DivZero(0))
+        ));
         // BPF_LD|BPF_B|BPF_ABS (byte loads) are not seccomp's.
-        assert!(matches!(Filter::new(vec![stmt(0x30, 0), stmt(RET | K, 0)]), Err(FilterError::Opcode(0, 0x30))));
+        assert!(matches!(
+            Filter::new(vec![stmt(0x30, 0), stmt(RET | K, 0)]),
+            Err(FilterError::Opcode(0, 0x30))
+        ));
     }
 
     #[test]

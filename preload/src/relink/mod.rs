@@ -510,7 +510,14 @@ fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
     let n = fds.iter().max().map_or(0, |m| m + 1);
     // SAFETY: valid fd_set and timeval for the call.
     let r = unsafe {
-        libc::syscall(libc::SYS_select, n, &mut set as *mut libc::fd_set, 0usize, 0usize, &mut tv as *mut libc::timeval)
+        libc::syscall(
+            libc::SYS_select,
+            n,
+            &mut set as *mut libc::fd_set,
+            0usize,
+            0usize,
+            &mut tv as *mut libc::timeval,
+        )
     } as i32;
     if r > 0 {
         for p in pfds.iter_mut().filter(|p| p.fd >= 0) {

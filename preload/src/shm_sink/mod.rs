@@ -406,6 +406,11 @@ impl ShmLink {
 
 impl Drop for ShmLink {
     fn drop(&mut self) {
+        if !crate::sandbox::allows_all(&[libc::SYS_munmap, libc::SYS_close, libc::SYS_unlink]) {
+            // A sandbox forbids it: mapping and descriptors stay until the process ends.
+            self.unprotect();
+            return;
+        }
         self.let_go_fds();
         if let (Some(p), Mode::Pending) = (&self.path, self.mode()) {
             // SAFETY: the offer nobody took.

@@ -62,6 +62,19 @@ pub(super) fn is_other_end(ours: i32, theirs: i32) -> bool {
     a.is_some() && b.is_some() && sys::local_addr(theirs) == b && sys::peer_addr(theirs) == a
 }
 
+/// Bells must not wait: with Nagle's algorithm on, a one-byte bell written while another
+/// is unacknowledged waits for the peer's (delayed) acknowledgement, up to 40 ms, and a
+/// self-bell (written into the peer's socket to make our own readable) arrives after the
+/// receive that looked for it gave up: the descriptor then polls readable over an empty ring
+/// (OpenSSH's client and server take the `EAGAIN` that follows for a fatal error). The
+/// socket carries nothing but bells while the connection is on shared memory, so the
+/// program's data never meets the setting; `getsockopt(TCP_NODELAY)` says 1 meanwhile.
+pub(super) fn bells_undelayed(fd: i32) {
+    if crate::sandbox::allows_nr(libc::SYS_setsockopt) {
+        sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
+    }
+}
+
 pub(super) fn map(fd: i32) -> Option<*mut u8> {
     // SAFETY: maps REGION bytes of a file we hold open.
     let p = unsafe {
@@ -212,6 +225,7 @@ impl ShmLink {
             unsafe { real::close(dgram) };
             return refuse("the connecting layer's rendezvous socket is gone", Some(base));
         }
+        bells_undelayed(fd);
         // SAFETY: the first page of the mapping.
         unsafe { (*(base as *const Head)).state.store(ACCEPTED, Release) };
         let _ = bell(fd);
@@ -263,6 +277,7 @@ impl ShmLink {
                         log::error(format_args!("shared memory: the accepting side's socket did not come or is not the other end of ours"));
                         return Err(IrbError::Os(libc::ECONNRESET));
                     }
+                    bells_undelayed(fd);
                     self.peer_sock.store(theirs.unwrap_or(-1), Release);
                     self.mode.store(1, Release);
                 }
