@@ -89,13 +89,13 @@ pub fn allows(nr: c_long, args: [u64; 6]) -> bool {
     if LAYER_CLEAN.with(|c| c.get()) && s & TSYNCED == 0 {
         return true;
     }
-    if s & STRICT != 0 && !strict_allows(nr as i64) {
+    if s & STRICT != 0 && !strict_allows(nr) {
         return false;
     }
     if s & UNKNOWN != 0 {
         return (0..64).contains(&nr) && IMPLIED.with(|i| i.get()) & (1 << nr) != 0;
     }
-    let d = SeccompData::native(nr as i64, args);
+    let d = SeccompData::native(nr, args);
     let n = N_FILTERS.load(Acquire).min(MAX_FILTERS);
     FILTERS[..n].iter().all(|f| {
         let p = f.load(Acquire);
@@ -517,7 +517,7 @@ pub fn before_install(filter: Option<Result<Filter, String>>, strict: bool, tsyn
         && inst.filter.as_ref().is_some_and(|f| {
             SETUP_CALLS
                 .iter()
-                .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
+                .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr, [0; 6]))) == Verdict::Allow)
         });
     if !setup_after {
         // New connections to this process's listeners stay plain from now on: the agent must
@@ -544,9 +544,7 @@ fn layer_threads_may_work_under(inst: &Install) -> bool {
         return false;
     }
     let Some(f) = &inst.filter else { return false };
-    THREAD_CALLS
-        .iter()
-        .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr as i64, [0; 6]))) == Verdict::Allow)
+    THREAD_CALLS.iter().all(|&nr| Verdict::of(f.run(&SeccompData::native(nr, [0; 6]))) == Verdict::Allow)
         && STATE.load(Relaxed) & UNKNOWN == 0
         && {
             // ... and every filter already there (they cover the layer's threads after TSYNC).

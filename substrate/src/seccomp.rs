@@ -274,10 +274,9 @@ impl Filter {
             if c == LD | W | ABS && (ins.k >= DATA_LEN || ins.k % 4 != 0) {
                 return Err(FilterError::Load(i));
             }
-            if matches!(c & 0x07, LD | LDX) && c & 0xe0 == MEM || c == ST || c == STX {
-                if ins.k >= SCRATCH {
-                    return Err(FilterError::Scratch(i));
-                }
+            let scratch = matches!(c & 0x07, LD | LDX) && c & 0xe0 == MEM || c == ST || c == STX;
+            if scratch && ins.k >= SCRATCH {
+                return Err(FilterError::Scratch(i));
             }
             if (c == ALU | DIV | K || c == ALU | MOD | K) && ins.k == 0 {
                 return Err(FilterError::DivZero(i));
