@@ -173,6 +173,7 @@ PORTS = {
     "sandbox_chroot": 19011,
     "sandbox_pthread_exit": 19012,      # and 19013
     "sandbox_exec_filtered": 19014,
+    "sandbox_landlock": 19015,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert AGENT_PORT not in PORTS.values()

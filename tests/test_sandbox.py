@@ -13,7 +13,9 @@ The layer must never get a program killed, and its threads must never spin or ou
   `seccomp(TSYNC)` (every thread, the layer's too), and streams both ways or only reads; a
   chrooted server that drops to `nobody` after `accept`, through a link failure; a main thread
   that ends with `pthread_exit` (alone, or while a worker goes on); a program exec'd under a
-  filter the layer cannot read (it then stays out of the way: plain TCP).
+  filter the layer cannot read (it then stays out of the way: plain TCP); a client that
+  locks itself down with Landlock (no files, no TCP connect, no abstract sockets) and keeps
+  its connection through a failover.
 
 After each test no process of the test is left, and layered processes that are idle use no
 CPU time.
@@ -29,7 +31,7 @@ import pytest
 
 from helpers import (BASELINE, ETH0, H1, H1_IP, H2, PROGRAMS, PORTS, Watcher,
                      assert_plain, assert_same_stream, assert_virtual, python_prog,
-                     sha256_file, wait_listening, write_random_file)
+                     sha256_file, vmictl_status, wait_listening, write_random_file)
 
 SSHD = "/usr/sbin/sshd"
 MIB = 1 << 20
@@ -212,8 +214,19 @@ def test_openssh(procs, tmp_path, where):
     assert_virtual_logged(ssh.sshd, target)
     fwd.stop()
 
-    # Every session process ended; the listener (and its control thread) sits idle.
+    # Every session process ended; the listener (and its control thread) sits idle, and
+    # vmictl no longer lists the sessions' connections (sshd re-execs itself for each: the
+    # listener's copy must not stay behind as a connection nobody holds).
     wait_no_children(ssh.sshd.pid)
+    if not BASELINE:
+        deadline = time.monotonic() + 10
+        while True:
+            left = [c for c in vmictl_status(H1)["connections"]
+                    if c["local"].endswith(f":{ssh.port}") or c["peer"].endswith(f":{ssh.port}")]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, f"vmictl still lists {len(left)} connections of ended sessions: {left[:3]}"
     assert ssh.sshd.alive(), "sshd died"
     assert_idle([ssh.sshd.pid])
     assert "SIGSYS" not in ssh.sshd.stderr() and "killed" not in ssh.sshd.stderr(), \
@@ -276,6 +289,27 @@ def test_chrooted_server_drops_privileges_and_fails_over(procs, sandboxed_bin, t
     if not BASELINE:
         assert "link rebuilt" in cli.stderr() and "link rebuilt" in srv.stderr(), \
             "the link was not rebuilt at both ends (the test's fault came too late?)"
+
+
+def test_landlocked_client_keeps_its_connection_through_a_failover(procs, sandboxed_bin, faults):
+    """Landlock after connect: no files, no TCP connect or bind, no abstract Unix sockets (the
+    layer's agent socket is one). The connection keeps working and fails over (the layer's
+    thread, started before, is outside the domain)."""
+    port = PORTS["sandbox_landlock"]
+    addr = f"{H1_IP}:{port}"
+    echo = procs.server(H1, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                        name="echo-server", env={"VMI_LOG": "info"})
+    cli = procs.start(H2, [sandboxed_bin, "landlock-client", addr, 512 * MIB], layer=True,
+                      name="landlock-client", env={"VMI_LOG": "info"})
+    time.sleep(1.0)
+    if not BASELINE:
+        faults.link_down(H2, ETH0)
+    cli.wait(timeout=90)
+    assert cli.last_json()["ok"], cli.stdout()
+    assert_virtual_logged(cli, echo)
+    if not BASELINE:
+        assert "link rebuilt" in cli.stderr(), "the landlocked client's link was not rebuilt"
+    assert_idle([echo.pid])
 
 
 @pytest.mark.parametrize("mode", ["alone", "worker"])

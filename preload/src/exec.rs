@@ -273,19 +273,18 @@ impl Handover {
     /// keeps its own, and is suspended until the exec).
     pub fn exec(mut self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
         let vcs: Vec<*const Vc> = self.vcs.iter().map(Arc::as_ptr).collect();
-        if crate::vforked() {
+        let own = !crate::vforked();
+        if !own {
             self.vcs.clear();
         }
         // SAFETY: each pointer is kept alive by `self.vcs` or, in a vfork child, by the
         // suspended parent's descriptor table.
         let each = |g: &dyn Fn(&Vc)| vcs.iter().for_each(|&v| g(unsafe { &*v }));
-        each(&|v| {
-            v.hold();
-        });
+        each(&|v| v.exec_hold(own, false));
         let r = with_envp(&self.env, f);
         let e = crate::sys::errno();
         each(&|v| {
-            v.release();
+            v.exec_hold(own, true);
             if let Some(l) = v.shm() {
                 l.handover_undone();
             }

@@ -114,6 +114,9 @@ pub struct SharedConn {
     /// Work a sandboxed program thread could not do itself and left to a control thread
     /// (`CTL_ACK`, `CTL_HARVEST`).
     pub ctl_owed: AtomicU32,
+    /// Holds in `procs` that belong to processes that exec'd (their new images hold the
+    /// connection through memory of their own and never give these back).
+    pub exec_holds: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -217,6 +220,7 @@ impl Mapping {
             link_pid: AtomicI32::new(0),
             link_fd: AtomicI32::new(-1),
             ctl_owed: AtomicU32::new(0),
+            exec_holds: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: UnsafeCell::new({

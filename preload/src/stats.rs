@@ -185,6 +185,15 @@ impl Slot {
         unsafe { AtomicU32::from_ptr(self.0.add(off::SUBSTRATE) as *mut u32) }.store(code, Relaxed);
     }
 
+    /// Takes back a slot this connection freed (an exec that failed): false if another
+    /// connection claimed it meanwhile.
+    pub fn reclaim(&self) -> bool {
+        // SAFETY: USED is a 4-aligned u32 inside the slot.
+        unsafe { AtomicU32::from_ptr(self.0.add(off::USED) as *mut u32) }
+            .compare_exchange(0, 1, AcqRel, Relaxed)
+            .is_ok()
+    }
+
     /// Frees the slot.
     pub fn free(&self) {
         // SAFETY: USED is a 4-aligned u32 inside the slot.

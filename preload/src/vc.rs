@@ -56,6 +56,8 @@ pub struct Vc {
     parked_epoll: std::sync::Mutex<Vec<relink::EpollReg>>,
     /// Shared memory with a peer on this node, when the two layers set it up.
     links: Arc<LinkSlot>,
+    /// The statistics slot was freed at an exec (see [`Vc::exec_hold`]).
+    slot_freed: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -135,6 +137,7 @@ impl Vc {
             parked: AtomicI32::new(-1),
             parked_epoll: std::sync::Mutex::new(Vec::new()),
             links,
+            slot_freed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -428,6 +431,38 @@ impl Vc {
     pub fn release(&self) -> u32 {
         self.mem.conn().procs.fetch_sub(1, AcqRel)
     }
+
+    /// This process execs (`undo`: the exec failed): its hold and the new image's stay in
+    /// `procs` for good (so that no close elsewhere is taken for the last one), but count as
+    /// an exec'd process's, whose new image lists the connection in a table of its own.
+    /// `own`: this process counts in `procs` itself (not a vfork child).
+    ///
+    /// When nobody else holds the connection any more (the parent closed its copy before
+    /// this exec), the statistics slot is freed here: the new image lists the connection in
+    /// its own table, and nobody would free this one.
+    pub fn exec_hold(&self, own: bool, undo: bool) {
+        let c = self.mem.conn();
+        let n = 1 + u32::from(own);
+        if undo {
+            c.procs.fetch_sub(1, AcqRel);
+            c.exec_holds.fetch_sub(n, AcqRel);
+            if self.slot_freed.swap(false, AcqRel) && self.slot.is_some_and(|s| !s.reclaim()) {
+                crate::log::warn(format_args!(
+                    "virtual connection {:032x}: its statistics slot went to another connection during a failed exec",
+                    c.gid
+                ));
+            }
+        } else {
+            let procs = c.procs.fetch_add(1, AcqRel) + 1;
+            let execs = c.exec_holds.fetch_add(n, AcqRel) + n;
+            if procs <= execs {
+                if let Some(s) = self.slot {
+                    s.free();
+                    self.slot_freed.store(true, Release);
+                }
+            }
+        }
+    }
 }
 
 impl Drop for Vc {
@@ -435,8 +470,11 @@ impl Drop for Vc {
         // This process no longer holds it: the agent must not hand it new links here.
         let before = self.release();
         relink::released(self.mem.conn().gid, before > 1);
-        // The last process to let go frees the statistics slot.
-        if before == 1 {
+        // The last process to let go frees the statistics slot (holders that exec'd list the
+        // connection in their new image's table).
+        if before.saturating_sub(1) <= self.mem.conn().exec_holds.load(Acquire)
+            && !self.slot_freed.load(Acquire)
+        {
             if let Some(s) = self.slot {
                 s.free();
             }

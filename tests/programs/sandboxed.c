@@ -17,6 +17,10 @@
  *       Listens as root, accepts one connection, then chroot(DIR), chdir("/"), setgroups,
  *       setgid/setuid(UID): an unprivileged process in an empty root. Then echoes until the
  *       peer closes.
+ *   sandboxed landlock-client IP:PORT BYTES
+ *       Connects to an echo server, then restricts itself with Landlock (ABI 6 or later): no
+ *       file system access, no TCP bind or connect, no abstract Unix sockets outside its
+ *       domain (the layer's agent and rendezvous sockets are abstract). Then echoes BYTES.
  *   sandboxed echo-client IP:PORT BYTES
  *       Connects to an echo server and echoes BYTES through it (no sandbox).
  *   sandboxed exec-filtered PROGRAM [ARGS...]
@@ -124,6 +128,8 @@ static int read_all(int fd, unsigned char *b, size_t n) {
     return 0;
 }
 
+static long long echo_through(int fd, long long bytes, uint64_t seed);
+
 #define ALLOW(nr) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (nr), 0, 1), BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW)
 
 /* Only what this program does itself once connected. */
@@ -166,6 +172,38 @@ static int exec_filtered(char **argv) {
     execvp(argv[0], argv);
     die("exec");
     return 2;
+}
+
+/* Landlock, spelled out (Debian 12's headers predate network rules and scopes). */
+struct ll_ruleset_attr {
+    uint64_t handled_access_fs;
+    uint64_t handled_access_net;
+    uint64_t scoped;
+};
+
+static int landlock_client(const char *addr, long long bytes) {
+    int fd = dial(addr);
+    long abi = syscall(444 /* landlock_create_ruleset */, NULL, 0, 1 /* VERSION */);
+    if (abi < 6) {
+        fprintf(stderr, "sandboxed: Landlock ABI %ld, need 6\n", abi);
+        return 3;
+    }
+    struct ll_ruleset_attr attr = {
+        .handled_access_fs = (1ULL << 16) - 1,
+        .handled_access_net = 3,      /* BIND_TCP | CONNECT_TCP */
+        .scoped = 1,                  /* ABSTRACT_UNIX_SOCKET */
+    };
+    int rs = syscall(444, &attr, sizeof attr, 0);
+    if (rs < 0) die("landlock_create_ruleset");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) die("no_new_privs");
+    if (syscall(446 /* landlock_restrict_self */, rs, 0) != 0) die("landlock_restrict_self");
+    close(rs);
+    long long n = echo_through(fd, bytes, 11);
+    close(fd);
+    printf("{\"mode\": \"landlock-client\", \"bytes\": %lld, \"ok\": %s}\n", n < 0 ? 0 : n,
+           n == bytes ? "true" : "false");
+    fflush(stdout);
+    return n == bytes ? 0 : 1;
 }
 
 static int seccomp_client(const char *addr, long long bytes, int tsync) {
@@ -359,6 +397,8 @@ int main(int argc, char **argv) {
         stream_server(argv[2], atoll(argv[3]));
     if (argc == 5 && strcmp(argv[1], "chroot-server") == 0)
         return chroot_server(argv[2], argv[3], atoi(argv[4]));
+    if (argc == 4 && strcmp(argv[1], "landlock-client") == 0)
+        return landlock_client(argv[2], atoll(argv[3]));
     if (argc == 4 && strcmp(argv[1], "echo-client") == 0)
         return echo_client(argv[2], atoll(argv[3]));
     if (argc >= 3 && strcmp(argv[1], "exec-filtered") == 0)
