@@ -155,7 +155,7 @@ class Ssh:
 
     def run(self, host, *remote, name, stdin_path=None, timeout=90):
         return self.procs.run(host, self.ssh(*remote), layer=True, name=name,
-                              stdin_path=stdin_path, timeout=timeout)
+                              stdin_path=stdin_path, timeout=timeout, env={"VMI_LOG": "info"})
 
 
 @pytest.mark.parametrize("where", ["hosts", "node"])
@@ -184,15 +184,20 @@ def test_openssh(procs, tmp_path, where):
     back = tmp_path / "scp-back"
     remote = tmp_path / "scp-remote"
     scp = ["scp", *ssh.opts(), "-P", ssh.port]
-    procs.run(client_host, [*scp, blob, f"root@{H1_IP}:{remote}"], layer=True, name="scp-up")
-    procs.run(client_host, [*scp, f"root@{H1_IP}:{remote}", back], layer=True, name="scp-down")
+    info = {"VMI_LOG": "info"}
+    ups = procs.run(client_host, [*scp, blob, f"root@{H1_IP}:{remote}"], layer=True,
+                    name="scp-up", env=info)
+    downs = procs.run(client_host, [*scp, f"root@{H1_IP}:{remote}", back], layer=True,
+                      name="scp-down", env=info)
     assert sha256_file(remote) == digest and sha256_file(back) == digest
     batch = tmp_path / "sftp-batch"
     got = tmp_path / "sftp-got"
     batch.write_text(f"put {blob} {tmp_path / 'sftp-remote'}\nget {tmp_path / 'sftp-remote'} {got}\n")
-    procs.run(client_host, ["sftp", *ssh.opts(), "-P", ssh.port, "-b", batch, f"root@{H1_IP}"],
-              layer=True, name="sftp")
+    sftp = procs.run(client_host, ["sftp", *ssh.opts(), "-P", ssh.port, "-b", batch,
+                                   f"root@{H1_IP}"], layer=True, name="sftp", env=info)
     assert sha256_file(tmp_path / "sftp-remote") == digest and sha256_file(got) == digest
+    for p in (r, down, ups, downs, sftp):
+        assert_virtual_logged(p, ssh.sshd)
 
     # A port forwarded through the session carries a checksummed stream.
     lport = PORTS["sandbox_forward_local"] + offset
@@ -202,15 +207,19 @@ def test_openssh(procs, tmp_path, where):
                           tport, layer=True, name="forward-target", env={"VMI_LOG": "info"})
     fwd = procs.start(client_host, ["ssh", *ssh.opts(), "-N", "-o", "ExitOnForwardFailure=yes",
                                     "-L", f"127.0.0.1:{lport}:{H1_IP}:{tport}", "-p", ssh.port,
-                                    f"root@{H1_IP}"], layer=True, name="ssh-forward")
+                                    f"root@{H1_IP}"], layer=True, name="ssh-forward",
+                      env=info)
     wait_listening(client_host, lport, proc=fwd)
     cli = procs.run(client_host, python_prog("stream.py", "client", "--connect",
                                             f"127.0.0.1:{lport}", "--bytes", 8 * MIB,
                                             "--server-bytes", 8 * MIB, "--seed", "5"),
-                    layer=True, name="forward-client", timeout=60)
+                    layer=True, name="forward-client", timeout=60, env=info)
     target.wait(timeout=30)
     assert_same_stream(cli.last_json(), target.last_json())
-    # The forwarded connection, from sshd's session to the target, is virtual too.
+    # Every leg is virtual: the SSH connection, the program's connection to ssh's forwarding
+    # listener, and sshd's session's connection to the target.
+    assert_virtual_logged(fwd, ssh.sshd)
+    assert_virtual_logged(cli, fwd)
     assert_virtual_logged(ssh.sshd, target)
     fwd.stop()
 
