@@ -19,6 +19,8 @@
 //! ```
 //!
 //! * [`wire`]: the frame header and the agent protocol.
+//! * [`connection`]: the connection core with no I/O (stream, acks, replay, window, end of
+//!   stream, several links at once), which the data path is moving onto.
 //! * [`auth`]: SHA-256, HMAC and the proofs that authenticate a resumed connection.
 //! * [`reliability`]: sequence numbers, acks, replay ring, window, resync.
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
@@ -33,6 +35,7 @@
 #![warn(missing_docs)]
 
 pub mod auth;
+pub mod connection;
 pub mod devices;
 pub mod gid;
 pub mod irb;
