@@ -23,6 +23,7 @@ APT_PACKAGES=(
     postgresql
     openssh-server
     openssh-client
+    nftables
     python3-pip
     gcc
 )

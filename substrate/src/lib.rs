@@ -25,6 +25,8 @@
 //! * [`reliability`]: sequence numbers, acks, replay ring, window, resync.
 //! * [`irb`]: IRBs and device chains (VMI 2.0's model).
 //! * [`devices`]: filters and test sinks.
+//! * [`mx`]: a Myrinet-style messaging protocol over raw Ethernet (message classes, pull for
+//!   large messages, its own acknowledgement and retransmission).
 //! * [`shmring`]: a shared-memory byte ring and its doorbell protocol (the shared-memory sink's core).
 //! * [`seccomp`]: seccomp filters read and run as the kernel does (what a sandboxed program lets
 //!   the layer do).
@@ -39,6 +41,7 @@ pub mod connection;
 pub mod devices;
 pub mod gid;
 pub mod irb;
+pub mod mx;
 pub mod procfs;
 pub mod reliability;
 pub mod seccomp;
