@@ -113,7 +113,7 @@ fn linger(gid: u128, fd: OwnedFd) {
                     }
                     got = 0;
                     match FrameHeader::decode(&h) {
-                        Ok(f) if f.kind == FrameKind::Data => break true,
+                        Ok(f) if f.kind == FrameKind::Data || f.len > 0 => break true,
                         Ok(_) => {}
                         Err(_) => break true,
                     }

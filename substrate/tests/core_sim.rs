@@ -52,6 +52,9 @@ struct Sim {
     pipes: Vec<Pipe>,
     next_id: u32,
     faults: bool,
+    chains: bool,
+    /// Bytes the links carried (frames, headers included).
+    wire: u64,
 }
 
 /// How a run goes.
@@ -65,6 +68,8 @@ struct Plan {
     /// Cap each link's bytes in flight at rate x (2 x delay + 2), as a driver measuring them
     /// would.
     budgets: bool,
+    /// Attach and detach a filter that doubles every byte now and then, both sides.
+    chains: bool,
 }
 
 impl Sim {
@@ -84,6 +89,8 @@ impl Sim {
             pipes: Vec::new(),
             next_id: 0,
             faults: plan.fault_ppm > 0,
+            chains: plan.chains,
+            wire: 0,
         };
         for &(rate, delay) in plan.links {
             s.add_pipe(rate, delay, plan.budgets);
@@ -141,6 +148,7 @@ impl Sim {
                 while room > 24 {
                     let Some(f) = self.sides[from].conn.poll_transmit(self.now, p.id, room) else { break };
                     room -= f.len();
+                    self.wire += f.len() as u64;
                     p.ways[from].push_back((self.now + p.delay, f));
                 }
             }
@@ -182,6 +190,18 @@ impl Sim {
                 }
             }
         }
+        // Filters switched on and off mid-stream.
+        if self.chains {
+            for s in &mut self.sides {
+                if self.rng.chance(30_000) {
+                    let _ = if s.conn.chain().is_empty() {
+                        s.conn.attach_filter("double")
+                    } else {
+                        s.conn.detach_filter("double")
+                    };
+                }
+            }
+        }
         // Faults: a link dies with what it carries; links come back.
         if self.faults {
             if !self.pipes.is_empty() && self.rng.chance(20_000) {
@@ -217,7 +237,8 @@ impl Sim {
     }
 }
 
-const ONE: Plan = Plan { bytes: [3 << 20, 2 << 20], links: &[(50_000, 2)], fault_ppm: 0, budgets: false };
+const ONE: Plan =
+    Plan { bytes: [3 << 20, 2 << 20], links: &[(50_000, 2)], fault_ppm: 0, budgets: false, chains: false };
 
 #[test]
 fn one_link_carries_both_streams() {
@@ -237,7 +258,8 @@ fn links_dying_and_coming_back_lose_nothing() {
 #[test]
 fn ends_of_stream_during_failures() {
     // Small streams: most runs end their streams while a link is down or replaying.
-    let plan = Plan { bytes: [300_000, 100_000], links: &[(20_000, 3)], fault_ppm: 1, budgets: true };
+    let plan =
+        Plan { bytes: [300_000, 100_000], links: &[(20_000, 3)], fault_ppm: 1, budgets: true, chains: false };
     for seed in 0..40 {
         Sim::new(seed, plan).run(1_000_000);
     }
@@ -253,10 +275,32 @@ fn two_equal_links_go_twice_as_fast() {
 
 #[test]
 fn a_slow_link_never_slows_the_stripe() {
-    let plan = |links| Plan { bytes: [8 << 20, 0], links, fault_ppm: 0, budgets: true };
+    let plan = |links| Plan { bytes: [8 << 20, 0], links, fault_ppm: 0, budgets: true, chains: false };
     let fast = Sim::new(2, plan(&[(40_000, 2)])).run(1_000_000);
     let both = Sim::new(2, plan(&[(40_000, 2), (4_000, 20)])).run(1_000_000);
     assert!(both as f64 <= 1.02 * fast as f64, "fast link alone {fast} ticks, with a slow one {both}");
     let sum = Sim::new(2, plan(&[(40_000, 2), (20_000, 2)])).run(1_000_000);
     assert!((sum as f64) < 0.75 * fast as f64, "fast alone {fast} ticks, fast + half {sum}");
+}
+
+#[test]
+fn filters_switched_mid_stream_through_failures() {
+    // A filter that doubles every byte is attached and detached at random on both sides while
+    // links die and come back: both streams still arrive exactly.
+    let plan = Plan { links: &[(50_000, 2), (20_000, 4)], fault_ppm: 1, chains: true, ..ONE };
+    for seed in 0..16 {
+        Sim::new(seed, plan).run(1_000_000);
+    }
+}
+
+#[test]
+fn a_doubling_chain_doubles_what_the_links_carry() {
+    let plain = Plan { bytes: [4 << 20, 0], links: &[(50_000, 2)], ..ONE };
+    let mut a = Sim::new(3, plain);
+    a.run(1_000_000);
+    let mut b = Sim::new(3, plain);
+    b.sides[0].conn.attach_filter("double").unwrap();
+    b.run(1_000_000);
+    let ratio = b.wire as f64 / a.wire as f64;
+    assert!((1.9..2.1).contains(&ratio), "wire bytes plain {} doubled {} ({ratio:.2}x)", a.wire, b.wire);
 }

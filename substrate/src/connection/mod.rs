@@ -32,13 +32,15 @@
 //! * **One state** ([`State`]): up, link down since T, replaying, half-closed, closed with
 //!   its reason.
 
+mod chain;
 mod link;
 
+pub use chain::{Chain, DecodeError, Doubler, Filter};
 pub use link::LinkId;
 use link::{InFlight, Link, Parsed};
 
 use crate::reliability::{ack_due, ProtoError};
-use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN, MAX_CHAIN_SPEC};
 use std::collections::{BTreeMap, VecDeque};
 
 /// What a connection is set up with.
@@ -123,6 +125,38 @@ pub enum Event {
     Resumed,
     /// The connection ended.
     Closed(CloseReason),
+    /// A chain of filters this side offered was taken: its stream goes through it from
+    /// this offset on.
+    ChainChanged {
+        /// The chain's number.
+        id: u8,
+        /// First stream offset it transforms.
+        from: u64,
+    },
+    /// The peer refused a chain this side offered (it does not know a filter).
+    ChainRefused {
+        /// The chain's number.
+        id: u8,
+    },
+}
+
+/// Why a chain cannot be offered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainError {
+    /// A filter is unknown here, or the description is too long.
+    Unknown,
+    /// Every chain number is still in use by bytes not acknowledged yet.
+    Busy,
+    /// The connection is over.
+    Closed,
+}
+
+/// A chain in effect for this side's stream from an offset on.
+#[derive(Debug)]
+struct TxChain {
+    id: u8,
+    from: u64,
+    chain: Chain,
 }
 
 /// Why `send` took nothing.
@@ -203,6 +237,17 @@ pub struct Connection {
     closed: Option<CloseReason>,
     events: VecDeque<Event>,
     was_blocked: bool,
+    // Filter chains.
+    /// Chains for our stream, by starting offset (the first: none, from 0).
+    tx_chains: Vec<TxChain>,
+    /// Chains offered, not answered yet: (number, chain).
+    offered: Vec<(u8, Chain)>,
+    /// Offers to (re)send.
+    offers_owed: VecDeque<u8>,
+    /// The peer's chains this side took, by number (0: none).
+    rx_chains: Vec<Option<Chain>>,
+    /// Answers to send: (number, taken).
+    answers_owed: VecDeque<(u8, bool)>,
 }
 
 impl Connection {
@@ -231,7 +276,54 @@ impl Connection {
             closed: None,
             events: VecDeque::new(),
             was_blocked: false,
+            tx_chains: vec![TxChain { id: 0, from: 0, chain: Chain::default() }],
+            offered: Vec::new(),
+            offers_owed: VecDeque::new(),
+            rx_chains: std::iter::once(Some(Chain::default())).chain((1..16).map(|_| None)).collect(),
+            answers_owed: VecDeque::new(),
         }
+    }
+
+    /// The description of the chain this side's new bytes go through.
+    pub fn chain(&self) -> &str {
+        &self.tx_chains.last().expect("never empty").chain.spec
+    }
+
+    /// Offers the peer a new chain of filters for this side's stream (`spec`: filter names
+    /// separated by commas; `""` for none). It applies from the next new frame once the peer
+    /// takes it (`Event::ChainChanged`), or not at all (`Event::ChainRefused`). Returns the
+    /// chain's number.
+    pub fn offer_chain(&mut self, spec: &str) -> Result<u8, ChainError> {
+        if self.closed.is_some() {
+            return Err(ChainError::Closed);
+        }
+        let chain = Chain::build(spec).ok_or(ChainError::Unknown)?;
+        if chain.spec.len() > MAX_CHAIN_SPEC as usize {
+            return Err(ChainError::Unknown);
+        }
+        // Chains whose bytes are all acknowledged are not needed any more.
+        while self.tx_chains.len() > 1 && self.tx_chains[1].from <= self.acked {
+            self.tx_chains.remove(0);
+        }
+        let used =
+            |id: u8| self.tx_chains.iter().any(|c| c.id == id) || self.offered.iter().any(|(o, _)| *o == id);
+        let id = (1..16u8).find(|&i| !used(i)).ok_or(ChainError::Busy)?;
+        self.offered.push((id, chain));
+        self.offers_owed.push_back(id);
+        Ok(id)
+    }
+
+    /// Attaches filter `name` after the current chain (see [`Connection::offer_chain`]).
+    pub fn attach_filter(&mut self, name: &str) -> Result<u8, ChainError> {
+        let cur = self.chain().to_string();
+        let spec = if cur.is_empty() { name.to_string() } else { format!("{cur},{name}") };
+        self.offer_chain(&spec)
+    }
+
+    /// Detaches filter `name` from the current chain (see [`Connection::offer_chain`]).
+    pub fn detach_filter(&mut self, name: &str) -> Result<u8, ChainError> {
+        let spec: Vec<&str> = self.chain().split(',').filter(|n| !n.is_empty() && *n != name).collect();
+        self.offer_chain(&spec.join(","))
     }
 
     /// Where the connection stands.
@@ -435,6 +527,12 @@ impl Connection {
             }
         }
         self.again.make_contiguous().sort_by_key(|f| f.seq);
+        // Offers and answers in flight on it may be lost: they go again (both are idempotent).
+        for (id, _) in &self.offered {
+            if !self.offers_owed.contains(id) {
+                self.offers_owed.push_back(*id);
+            }
+        }
         self.events.push_back(Event::LinkDown(id));
         if self.links.is_empty() && self.closed.is_none() {
             self.link_state = Links::Down { since: now };
@@ -470,7 +568,26 @@ impl Connection {
             }
             return None;
         }
-        let max = (room - HEADER_LEN).min(self.cfg.max_frame as usize) as u64;
+        if let Some((id, taken)) = self.answers_owed.pop_front() {
+            let mut h = FrameHeader::control(FrameKind::ChainAnswer, id as u64, ack);
+            h.chain = u8::from(taken);
+            return Some(h.encode().to_vec());
+        }
+        while let Some(id) = self.offers_owed.pop_front() {
+            let Some((_, c)) = self.offered.iter().find(|(o, _)| *o == id) else { continue };
+            let spec = if c.spec.is_empty() { "-".to_string() } else { c.spec.clone() };
+            if room < HEADER_LEN + spec.len() {
+                self.offers_owed.push_front(id);
+                break;
+            }
+            let mut h = FrameHeader::control(FrameKind::ChainOffer, id as u64, ack);
+            h.len = spec.len() as u32;
+            let mut out = h.encode().to_vec();
+            out.extend_from_slice(spec.as_bytes());
+            return Some(out);
+        }
+        let wire_max = (room - HEADER_LEN).min(self.cfg.max_frame as usize);
+        let max = wire_max as u64;
         let mut link_room = self.links[li].room();
         if link_room > 0 && self.another_is_sooner(li, link_room.min(max)) {
             // Data waits for the link that delivers it first; control frames still go.
@@ -506,20 +623,48 @@ impl Connection {
                 self.sent_hi += len;
             }
         }
-        if let Some((seq, len)) = frame {
-            let start = (seq - self.acked) as usize;
-            let mut out = Vec::with_capacity(HEADER_LEN + len as usize);
-            out.extend_from_slice(&FrameHeader::data(len as u32, seq, ack).encode());
-            let (a, b) = self.tx.as_slices();
-            let end = start + len as usize;
-            if end <= a.len() {
-                out.extend_from_slice(&a[start..end]);
-            } else if start >= a.len() {
-                out.extend_from_slice(&b[start - a.len()..end - a.len()]);
-            } else {
-                out.extend_from_slice(&a[start..]);
-                out.extend_from_slice(&b[..end - a.len()]);
+        if let Some((seq, mut len)) = frame {
+            // The chain of these offsets: a frame never spans two chains, and fits the room
+            // once encoded.
+            let ci = self.tx_chains.iter().rposition(|c| c.from <= seq).expect("chain 0 starts at 0");
+            if let Some(next) = self.tx_chains.get(ci + 1) {
+                len = len.min(next.from - seq);
             }
+            len = len.min(self.tx_chains[ci].chain.fit(wire_max) as u64).max(1);
+            let give_back = |this: &mut Self, rest: u64| {
+                if rest > 0 {
+                    // Not in this frame after all: back where it came from.
+                    if seq + len + rest == this.sent_hi && this.again.is_empty() {
+                        this.sent_hi -= rest;
+                    } else {
+                        this.again.push_front(InFlight { seq: seq + len, len: rest, fin: false });
+                    }
+                }
+            };
+            let planned = match frame {
+                Some((_, l)) => l,
+                None => len,
+            };
+            give_back(self, planned - len);
+            let start = (seq - self.acked) as usize;
+            let end = start + len as usize;
+            let mut plain = Vec::with_capacity(len as usize);
+            let (a, b) = self.tx.as_slices();
+            if end <= a.len() {
+                plain.extend_from_slice(&a[start..end]);
+            } else if start >= a.len() {
+                plain.extend_from_slice(&b[start - a.len()..end - a.len()]);
+            } else {
+                plain.extend_from_slice(&a[start..]);
+                plain.extend_from_slice(&b[..end - a.len()]);
+            }
+            let c = &mut self.tx_chains[ci];
+            let payload = if c.chain.is_empty() { plain } else { c.chain.encode(seq, &plain) };
+            let mut h = FrameHeader::data(payload.len() as u32, seq, ack);
+            h.chain = c.id;
+            let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+            out.extend_from_slice(&h.encode());
+            out.extend_from_slice(&payload);
             self.links[li].sent(InFlight { seq, len, fin: false });
             self.ack_sent = ack;
             self.ack_waiting_since = None;
@@ -573,7 +718,55 @@ impl Connection {
     fn on_frame(&mut self, h: FrameHeader, payload: Vec<u8>) -> Result<(), ProtoError> {
         self.on_ack(h.ack)?;
         match h.kind {
-            FrameKind::Data => self.on_data(h.seq, payload),
+            FrameKind::Data => {
+                let have = self.delivered + self.ready.len() as u64;
+                let Some(c) = self.rx_chains.get_mut(h.chain as usize).and_then(Option::as_mut) else {
+                    return Err(ProtoError::Frame(crate::wire::frame::FrameError::BadFlags(h.chain as u16)));
+                };
+                let plain = if c.is_empty() {
+                    payload
+                } else {
+                    match c.decode(h.seq, payload) {
+                        Ok(p) => p,
+                        // A late copy of bytes already here, from a chain since replaced.
+                        Err(_) if h.seq < have => return Ok(()),
+                        Err(_) => return Err(ProtoError::OutOfOrder { got: h.seq, expected: have }),
+                    }
+                };
+                if plain.is_empty() {
+                    return Err(ProtoError::OutOfOrder { got: h.seq, expected: have });
+                }
+                self.on_data(h.seq, plain)
+            }
+            FrameKind::ChainOffer => {
+                let id = h.seq;
+                if !(1..16).contains(&id) {
+                    return Err(ProtoError::Frame(crate::wire::frame::FrameError::BadFlags(0)));
+                }
+                let spec = std::str::from_utf8(&payload).unwrap_or("?");
+                let spec = if spec == "-" { "" } else { spec };
+                let taken = Chain::build(spec);
+                let ok = taken.is_some();
+                if let Some(c) = taken {
+                    self.rx_chains[id as usize] = Some(c);
+                }
+                self.answers_owed.push_back((id as u8, ok));
+                Ok(())
+            }
+            FrameKind::ChainAnswer => {
+                let Some(i) = self.offered.iter().position(|(o, _)| *o as u64 == h.seq) else {
+                    return Ok(());
+                };
+                let (id, chain) = self.offered.remove(i);
+                if h.chain == 1 {
+                    let from = self.sent_hi.max(self.tx_chains.last().expect("never empty").from);
+                    self.tx_chains.push(TxChain { id, from, chain });
+                    self.events.push_back(Event::ChainChanged { id, from });
+                } else {
+                    self.events.push_back(Event::ChainRefused { id });
+                }
+                Ok(())
+            }
             FrameKind::Fin => {
                 let end = h.seq;
                 if self.peer_end.is_some_and(|e| e != end) || end < self.delivered + self.ready.len() as u64 {
@@ -769,6 +962,69 @@ mod tests {
         }
         let mut buf = vec![0u8; 10_000];
         assert_eq!(b.recv(&mut buf), Recv::Data(9000));
+    }
+
+    #[test]
+    fn a_doubling_filter_attached_then_detached_at_frame_boundaries() {
+        let (mut a, mut b) = pair();
+        a.send(&[1u8; 3000]).unwrap();
+        let id = a.attach_filter("double").unwrap();
+        a.send(&[2u8; 3000]).unwrap();
+        // Offer, answer, then frames: the bytes given before the answer stay plain.
+        let mut wire = 0;
+        for _ in 0..4 {
+            while let Some(f) = a.poll_transmit(0, LinkId(1), 1 << 20) {
+                wire += f.len();
+                b.handle_link_bytes(0, LinkId(1), &f).unwrap();
+            }
+            pump(&mut b, &mut a);
+        }
+        assert!(std::iter::from_fn(|| a.poll_event())
+            .any(|e| matches!(e, Event::ChainChanged { id: i, .. } if i == id)));
+        assert_eq!(a.chain(), "double");
+        a.send(&[3u8; 3000]).unwrap();
+        let before = wire;
+        while let Some(f) = a.poll_transmit(0, LinkId(1), 1 << 20) {
+            wire += f.len();
+            b.handle_link_bytes(0, LinkId(1), &f).unwrap();
+        }
+        assert!(wire - before >= 6000, "doubled bytes on the wire: {}", wire - before);
+        a.detach_filter("double").unwrap();
+        for _ in 0..3 {
+            pump(&mut a, &mut b);
+            pump(&mut b, &mut a);
+        }
+        assert_eq!(a.chain(), "");
+        a.send(&[4u8; 100]).unwrap();
+        pump(&mut a, &mut b);
+        let mut buf = vec![0u8; 20_000];
+        let mut got = Vec::new();
+        while let Recv::Data(n) = b.recv(&mut buf) {
+            got.extend_from_slice(&buf[..n]);
+        }
+        let want: Vec<u8> = [vec![1u8; 3000], vec![2; 3000], vec![3; 3000], vec![4; 100]].concat();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn an_unknown_filter_is_refused_here_and_there() {
+        let (mut a, mut b) = pair();
+        assert_eq!(a.offer_chain("zstd"), Err(ChainError::Unknown));
+        // A peer that does not know a filter refuses the offer; the stream goes on plain.
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, 3, 0);
+        h.len = 4;
+        let mut f = h.encode().to_vec();
+        f.extend_from_slice(b"zstd");
+        b.handle_link_bytes(0, LinkId(1), &f).unwrap();
+        let answer = b.poll_transmit(0, LinkId(1), 1 << 20).unwrap();
+        let h = FrameHeader::decode(answer[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!((h.kind, h.seq, h.chain), (FrameKind::ChainAnswer, 3, 0));
+        // Data under a chain the receiver never took closes the connection.
+        let mut d = FrameHeader::data(2, 0, 0);
+        d.chain = 5;
+        let mut f = d.encode().to_vec();
+        f.extend_from_slice(b"xx");
+        assert!(b.handle_link_bytes(0, LinkId(1), &f).is_err());
     }
 
     #[test]

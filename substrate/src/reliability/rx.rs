@@ -264,6 +264,13 @@ impl RxState {
             FrameKind::Resync => return Err(ProtoError::UnexpectedResync),
             _ if first => return Err(ProtoError::MissingResync),
             FrameKind::Abort => return Err(ProtoError::PeerAborted),
+            // Filter chains belong to the connection core; this data path has none.
+            FrameKind::ChainOffer | FrameKind::ChainAnswer => {
+                return Err(ProtoError::Frame(crate::wire::frame::FrameError::UnknownKind(h.kind as u8)))
+            }
+            FrameKind::Data if h.chain != 0 => {
+                return Err(ProtoError::Frame(crate::wire::frame::FrameError::BadFlags(h.chain as u16)))
+            }
             FrameKind::Data | FrameKind::Ack | FrameKind::Fin => {}
         }
         if h.seq != self.delivered {

@@ -4,7 +4,7 @@
 //! ```text
 //!  0        1        2                4                                8
 //! +--------+--------+----------------+--------------------------------+
-//! | magic  |  kind  |  flags (0)     |  len (payload bytes, LE u32)   |
+//! | magic  |  kind  |  flags         |  len (payload bytes, LE u32)   |
 //! +--------+--------+----------------+--------------------------------+
 //! |  seq: stream offset of the first payload byte (LE u64)            |
 //! +-------------------------------------------------------------------+
@@ -16,8 +16,13 @@
 //! * `Ack` carries no payload; only `ack` matters (`seq` is the sender's next offset).
 //! * `Resync` is the first frame on a rebuilt link: `ack` says how many bytes of the peer's
 //!   stream this side has delivered, so the peer replays from there.
+//! * `ChainOffer` (connection core) proposes a chain of filters for this side's stream:
+//!   `seq` numbers the chain (1..=15), the payload (at most [`MAX_CHAIN_SPEC`] bytes) names
+//!   its filters. `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it.
+//! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
+//!   (0: none); every other bit, and any flag of other kinds but `ChainAnswer`'s, is an error.
 //!
-//! All integers are little endian. Anything else (bad magic, unknown kind, non-zero flags,
+//! All integers are little endian. Anything else (bad magic, unknown kind, reserved flags,
 //! a length out of bounds) is a [`FrameError`]: the connection is closed, never guessed at.
 
 /// Length of every frame header in bytes.
@@ -26,6 +31,8 @@ pub const HEADER_LEN: usize = 24;
 pub const MAGIC: u8 = 0xA7;
 /// Largest payload one data frame may carry.
 pub const MAX_PAYLOAD: u32 = 1 << 20;
+/// Largest chain description in a `ChainOffer`.
+pub const MAX_CHAIN_SPEC: u32 = 256;
 
 /// What a frame is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +48,10 @@ pub enum FrameKind {
     Abort = 4,
     /// The peer's program shut its sending side down: end of stream (acks still flow).
     Fin = 5,
+    /// A chain of filters proposed for the sender's stream (connection core).
+    ChainOffer = 6,
+    /// The answer to a `ChainOffer` (connection core).
+    ChainAnswer = 7,
 }
 
 /// A decoded frame header.
@@ -54,6 +65,9 @@ pub struct FrameHeader {
     pub seq: u64,
     /// Cumulative count of the peer's bytes this side has delivered.
     pub ack: u64,
+    /// `Data`: the chain that transformed the payload (0: none); `ChainAnswer`: 1 when
+    /// taken. Zero otherwise.
+    pub chain: u8,
 }
 
 /// Why a header was refused.
@@ -85,12 +99,12 @@ impl std::error::Error for FrameError {}
 impl FrameHeader {
     /// A data header.
     pub fn data(len: u32, seq: u64, ack: u64) -> Self {
-        FrameHeader { kind: FrameKind::Data, len, seq, ack }
+        FrameHeader { kind: FrameKind::Data, len, seq, ack, chain: 0 }
     }
 
     /// A control header (no payload).
     pub fn control(kind: FrameKind, seq: u64, ack: u64) -> Self {
-        FrameHeader { kind, len: 0, seq, ack }
+        FrameHeader { kind, len: 0, seq, ack, chain: 0 }
     }
 
     /// Writes the header into its 24-byte wire form.
@@ -98,6 +112,7 @@ impl FrameHeader {
         let mut b = [0u8; HEADER_LEN];
         b[0] = MAGIC;
         b[1] = self.kind as u8;
+        b[2] = self.chain;
         b[4..8].copy_from_slice(&self.len.to_le_bytes());
         b[8..16].copy_from_slice(&self.seq.to_le_bytes());
         b[16..24].copy_from_slice(&self.ack.to_le_bytes());
@@ -115,15 +130,23 @@ impl FrameHeader {
             3 => FrameKind::Resync,
             4 => FrameKind::Abort,
             5 => FrameKind::Fin,
+            6 => FrameKind::ChainOffer,
+            7 => FrameKind::ChainAnswer,
             k => return Err(FrameError::UnknownKind(k)),
         };
         let flags = u16::from_le_bytes([b[2], b[3]]);
-        if flags != 0 {
+        let allowed = match kind {
+            FrameKind::Data => 0x000f,
+            FrameKind::ChainAnswer => 0x0001,
+            _ => 0,
+        };
+        if flags & !allowed != 0 {
             return Err(FrameError::BadFlags(flags));
         }
         let len = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
         let ok = match kind {
             FrameKind::Data => (1..=MAX_PAYLOAD).contains(&len),
+            FrameKind::ChainOffer => (1..=MAX_CHAIN_SPEC).contains(&len),
             _ => len == 0,
         };
         if !ok {
@@ -134,6 +157,7 @@ impl FrameHeader {
             len,
             seq: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             ack: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+            chain: flags as u8,
         })
     }
 }
