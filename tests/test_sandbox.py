@@ -308,12 +308,17 @@ def test_landlocked_client_keeps_its_connection_through_a_failover(procs, sandbo
     addr = f"{H1_IP}:{port}"
     echo = procs.server(H1, python_prog("echo_server.py", "--bind", addr), port, layer=True,
                         name="echo-server", env={"VMI_LOG": "info"})
-    cli = procs.start(H2, [sandboxed_bin, "landlock-client", addr, 512 * MIB], layer=True,
-                      name="landlock-client", env={"VMI_LOG": "info"})
-    time.sleep(1.0)
+    with Watcher(H2) as w:
+        cli = procs.start(H2, [sandboxed_bin, "landlock-client", addr, 512 * MIB], layer=True,
+                          name="landlock-client", env={"VMI_LOG": "info"})
+        time.sleep(1.0)
+        if not BASELINE:
+            faults.link_down(H2, ETH0)
+        cli.wait(timeout=90)
     if not BASELINE:
-        faults.link_down(H2, ETH0)
-    cli.wait(timeout=90)
+        # vmictl shows the process's sandbox (Landlock needs no_new_privs).
+        seen = w.processes[H2].get(cli.pid, {}).get("sandbox", "")
+        assert "no_new_privs" in seen, f"vmictl said sandbox {seen!r} for the landlocked client"
     assert cli.last_json()["ok"], cli.stdout()
     assert_virtual_logged(cli, echo)
     if not BASELINE:

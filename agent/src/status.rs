@@ -163,6 +163,25 @@ struct ProcJson {
     pid: u32,
     name: String,
     connections: usize,
+    /// The process's sandbox, from `/proc/PID/status`: "seccomp filter" (with how many),
+    /// "seccomp strict", "no_new_privs"; empty for none.
+    sandbox: String,
+}
+
+/// What `/proc/PID/status` says of a process's sandbox (see `ProcJson::sandbox`).
+fn sandbox_of(pid: u32) -> String {
+    let Ok(text) = std::fs::read(format!("/proc/{pid}/status")) else { return String::new() };
+    let st = substrate::procfs::parse_status(&text);
+    let mut parts = Vec::new();
+    match st.seccomp {
+        Some(1) => parts.push("seccomp strict".to_string()),
+        Some(2) => parts.push(format!("seccomp filter x{}", st.seccomp_filters.unwrap_or(1))),
+        _ => {}
+    }
+    if st.no_new_privs == Some(true) {
+        parts.push("no_new_privs".to_string());
+    }
+    parts.join(", ")
 }
 
 #[derive(Serialize)]
@@ -262,6 +281,7 @@ pub fn report(agent: &Agent) -> String {
             pid: p.pid,
             name: p.name.clone(),
             connections: conns.iter().filter(|c| c.pid == p.pid).count(),
+            sandbox: sandbox_of(p.pid),
         })
         .collect();
     processes.sort_by_key(|p| p.pid);

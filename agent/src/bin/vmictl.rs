@@ -58,11 +58,13 @@ fn print_table(v: &Value) {
     let procs = v["processes"].as_array().cloned().unwrap_or_default();
     println!("\nprocesses under the layer: {}", procs.len());
     for p in &procs {
+        let sandbox = p["sandbox"].as_str().unwrap_or("");
         println!(
-            "  {:>7}  {:<20} {} virtual connections",
+            "  {:>7}  {:<20} {} virtual connections{}",
             p["pid"],
             p["name"].as_str().unwrap_or(""),
-            p["connections"]
+            p["connections"],
+            if sandbox.is_empty() { String::new() } else { format!("  [{sandbox}]") }
         );
     }
     let ls = v["listeners"].as_array().cloned().unwrap_or_default();
