@@ -53,8 +53,34 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     let pid = crate::pid();
     let _ = write!(line, "vmi[{pid}]: {tag}: {args}");
     line.buf[line.len] = b'\n';
+    if !fits_file_limit(line.len + 1) {
+        return;
+    }
     // SAFETY: writes a valid buffer to fd 2 through the real write.
     unsafe { crate::real::write(2, line.buf.as_ptr() as *const _, line.len + 1) };
+}
+
+/// False when fd 2 is a regular file that `n` more bytes would take past the process's
+/// file size limit: the kernel kills a writer that goes past it with SIGXFSZ (OpenSSH's
+/// sandboxed child sets the limit to zero, with stderr on a log file). Also false where a
+/// sandbox forbids asking.
+fn fits_file_limit(n: usize) -> bool {
+    if !crate::sandbox::allows_all(&[libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_prlimit64]) {
+        return false;
+    }
+    // SAFETY: zeroed stat is valid; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer.
+    if unsafe { libc::fstat(2, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return true;
+    }
+    // SAFETY: zeroed rlimit is valid; getrlimit fills it.
+    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } != 0 {
+        return false;
+    }
+    lim.rlim_cur == libc::RLIM_INFINITY || (st.st_size as u64).saturating_add(n as u64) <= lim.rlim_cur
 }
 
 /// Logs an error.

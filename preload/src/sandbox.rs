@@ -512,6 +512,12 @@ pub fn before_install(filter: Option<Result<Filter, String>>, strict: bool, tsyn
         None => None,
     };
     let inst = Install { filter, strict, tsync };
+    // (Said now: once the filter is in, writing to stderr may be refused.)
+    log::info(format_args!(
+        "{} going in{}: the layer keeps to the calls it allows",
+        if strict { "seccomp strict mode" } else { "a seccomp filter" },
+        if tsync { " for every thread" } else { "" }
+    ));
     let setup_after = may_set_up()
         && !strict
         && inst.filter.as_ref().is_some_and(|f| {
