@@ -245,33 +245,32 @@ def test_openssh(procs, tmp_path, where):
 # ---------------------------------------------------------------------------------------------
 # Programs that restrict themselves
 
+def seccomp_run(procs, sandboxed_bin, how, mode, nbytes, port, server_argv):
+    """A server under the layer in H1 (`server_argv(addr)`), the sandboxed program in H2 in
+    `mode`, filter installed `how`: every byte checked, virtual at both ends, server idle."""
+    addr = f"{H1_IP}:{port}"
+    srv = procs.server(H1, server_argv(addr), port, layer=True, name="server", env={"VMI_LOG": "info"})
+    args = [sandboxed_bin, mode, addr, nbytes] + (["tsync"] if how == "tsync" else [])
+    cli = procs.run(H2, args, layer=True, name=mode, timeout=60, env={"VMI_LOG": "info"})
+    r = cli.last_json()
+    assert r["ok"] and r["bytes"] == nbytes, r
+    assert_virtual_logged(cli, srv)
+    assert_idle([srv.pid])
+
+
 @pytest.mark.parametrize("how", ["prctl", "tsync"])
 def test_seccomp_client_streams_both_ways(procs, sandboxed_bin, how):
-    port = PORTS["sandbox_echo"] + (how == "tsync")
-    addr = f"{H1_IP}:{port}"
-    echo = procs.server(H1, python_prog("echo_server.py", "--bind", addr), port, layer=True,
-                        name="echo-server", env={"VMI_LOG": "info"})
-    args = [sandboxed_bin, "seccomp-client", addr, 24 * MIB] + (["tsync"] if how == "tsync" else [])
-    cli = procs.run(H2, args, layer=True, name="seccomp-client", timeout=60, env={"VMI_LOG": "info"})
-    r = cli.last_json()
-    assert r["ok"] and r["bytes"] == 24 * MIB, r
-    assert_virtual_logged(cli, echo)
-    assert_idle([echo.pid])
+    seccomp_run(procs, sandboxed_bin, how, "seccomp-client", 24 * MIB,
+                PORTS["sandbox_echo"] + (how == "tsync"),
+                lambda addr: python_prog("echo_server.py", "--bind", addr))
 
 
 @pytest.mark.parametrize("how", ["prctl", "tsync"])
 def test_seccomp_reader_gets_everything(procs, sandboxed_bin, how):
     """A sandboxed thread that only reads: the peer's window must still open (acks)."""
-    port = PORTS["sandbox_reader"] + (how == "tsync")
-    addr = f"{H1_IP}:{port}"
-    srv = procs.server(H1, [sandboxed_bin, "stream-server", addr, 48 * MIB], port, layer=True,
-                       name="stream-server", env={"VMI_LOG": "info"})
-    args = [sandboxed_bin, "seccomp-reader", addr, 48 * MIB] + (["tsync"] if how == "tsync" else [])
-    cli = procs.run(H2, args, layer=True, name="seccomp-reader", timeout=60, env={"VMI_LOG": "info"})
-    r = cli.last_json()
-    assert r["ok"] and r["bytes"] == 48 * MIB, r
-    assert_virtual_logged(cli, srv)
-    assert_idle([srv.pid])
+    seccomp_run(procs, sandboxed_bin, how, "seccomp-reader", 48 * MIB,
+                PORTS["sandbox_reader"] + (how == "tsync"),
+                lambda addr: [sandboxed_bin, "stream-server", addr, 48 * MIB])
 
 
 def test_chrooted_server_drops_privileges_and_fails_over(procs, sandboxed_bin, tmp_path, faults):

@@ -639,10 +639,3 @@ pub fn init() {
 pub fn read_proc_status() -> Option<Vec<u8>> {
     std::fs::read("/proc/self/status").ok()
 }
-
-/// Forgets everything (tests only).
-#[cfg(test)]
-pub fn reset_for_test() {
-    STATE.store(0, SeqCst);
-    N_FILTERS.store(0, SeqCst);
-}

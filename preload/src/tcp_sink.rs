@@ -443,7 +443,7 @@ pub fn send(
                 if h == Harvest::Opened {
                     continue;
                 }
-                let nb = *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd));
+                let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
                 // The ring's spare room is for acks stuck behind data the program has not read
                 // (waiting could deadlock it), and for non-blocking senders, which must not be
                 // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
@@ -475,7 +475,7 @@ pub fn send(
                         let e = sys::errno();
                         tx.commit(&p, 0, &[], ring);
                         if e == libc::EAGAIN {
-                            if *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd)) {
+                            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
                                 relink::owed_later();
                                 return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                             }
@@ -513,7 +513,7 @@ pub fn send(
             // The kernel took part of the frame; the rest is in the ring. A blocking sender
             // pushes it out now (below); a non-blocking one returns, and the control thread
             // pushes it if the program does not call again.
-            if *nonblock.get_or_insert_with(|| sandbox::nonblocking(fd)) {
+            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
                 relink::owed_later();
                 return Ok(total);
             }
