@@ -203,7 +203,8 @@ impl Vc {
     ) -> Result<usize, IrbError> {
         loop {
             self.prepare();
-            match call() {
+            let gen = self.my_gen.load(Relaxed);
+            match relink::on_generation(gen, &mut call) {
                 Err(IrbError::Os(relink::LINK_DOWN)) => {
                     if flags & libc::MSG_DONTWAIT != 0 || crate::sys::nonblocking(fd) {
                         return Err(IrbError::WouldBlock);

@@ -30,6 +30,7 @@ use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
 use crate::{agent, config, log, real, sys};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
@@ -72,13 +73,44 @@ pub fn link_broken(mem: ConnMem, why: &str) -> bool {
     if c.broken.load(Acquire) != 0 {
         return false;
     }
+    let call_gen = CALL_GEN.with(|g| g.get());
+    if call_gen.is_some_and(|g| g != c.link_gen.load(Acquire)) {
+        // The program's call used a socket another process (after fork) has already
+        // replaced: the old socket's error says nothing about the new link. The caller
+        // takes the new one (`Vc::prepare`) and tries again.
+        log::debug(format_args!(
+            "virtual connection {:032x}: {why} on a link another process already replaced",
+            c.gid
+        ));
+        return false;
+    }
     if c.link_down.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+        if call_gen.is_some_and(|g| g != c.link_gen.load(Acquire)) {
+            // Replaced between the look and the mark: undo.
+            c.link_down.store(0, Release);
+            return false;
+        }
         c.down_since_ms.store(sys::now_ms(), Release);
         log::info(format_args!("virtual connection {:032x}: link lost ({why}); rebuilding it", c.gid));
         wake();
         return true;
     }
     false
+}
+
+thread_local! {
+    /// The link generation the program's current call runs on (set by `Vc::with_link`), so
+    /// that an error from a socket another process already replaced does not mark the new
+    /// link down. `None` outside such calls (the control thread, lingering closes).
+    static CALL_GEN: Cell<Option<u32>> = const { Cell::new(None) };
+}
+
+/// Runs `f` as a call on link generation `gen` (see `CALL_GEN`).
+pub fn on_generation<R>(gen: u32, f: impl FnOnce() -> R) -> R {
+    let before = CALL_GEN.with(|g| g.replace(Some(gen)));
+    let r = f();
+    CALL_GEN.with(|g| g.set(before));
+    r
 }
 
 /// True if `e` from the physical socket means the link (not the peer's program) failed.
