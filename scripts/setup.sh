@@ -26,6 +26,11 @@ APT_PACKAGES=(
     nftables
     python3-pip
     gcc
+    openmpi-bin
+    libopenmpi-dev
+    mpich
+    libmpich-dev
+    netpipe-openmpi
 )
 
 missing=()

@@ -298,3 +298,19 @@ def test_abandoned_offer_is_removed(topology, tmp_path):
             agent.stop()
         for p in (dead, live, taken):
             p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_send_before_the_peer_accepts(procs, nonblocking):
+    """A program that connects to its own listener and sends before it accepts, on one
+    thread (UCX does): natively the kernel takes the bytes. The layer waits a little for the
+    shared-memory answer, then withdraws its offer and the connection uses TCP: the bytes
+    arrive and come back whole, and the layer says why it did not use shared memory."""
+    port = PORTS["shm_send_before_accept_nb" if nonblocking else "shm_send_before_accept"]
+    args = ["--bind", f"{H1_IP}:{port}", "--bytes", 3000] + (["--nonblocking"] if nonblocking else [])
+    p = procs.run(H1, python_prog("self_connect.py", *args), layer=True, name="self-connect",
+                  env={**ON, "VMI_LOG": "info"}, timeout=30)
+    r = p.last_json()
+    assert "error" not in r and r["same"] and r["received"] == r["echoed"] == 3000, r
+    assert "shared memory not used: the program sends" in p.stderr(), p.stderr()[-2000:]
+

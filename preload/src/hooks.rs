@@ -239,7 +239,7 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
         if let (Some(l), true) = (vc.shm_now(), how == libc::SHUT_WR || how == libc::SHUT_RDWR) {
             quietly(|| {
                 let nonblock = sys::nonblocking(fd);
-                let _ = l.settle(fd, !nonblock);
+                let _ = l.settle(fd, !nonblock, true);
                 Some(())
             });
             if vc.shm_now().is_some() {

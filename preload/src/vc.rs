@@ -358,7 +358,7 @@ impl Vc {
     /// through the link's substrate. True when nothing is left. The caller holds the tx lock.
     pub fn replay_now(&self, fd: i32) -> bool {
         if let Some(l) = self.shm_now() {
-            if l.mode() == shm_sink::Mode::Pending && l.settle(fd, false).is_err() {
+            if l.mode() == shm_sink::Mode::Pending && l.settle(fd, false, false).is_err() {
                 return false;
             }
             if l.mode() == shm_sink::Mode::Shm {

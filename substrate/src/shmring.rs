@@ -41,7 +41,7 @@ use std::sync::atomic::{fence, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 pub struct RegionHead {
     /// [`REGION_MAGIC`] once initialised.
     pub magic: u64,
-    /// [`OFFERED`], [`ACCEPTED`] or [`REFUSED`].
+    /// [`OFFERED`], [`ACCEPTED`], [`REFUSED`] or [`WITHDRAWN`].
     pub state: AtomicU32,
     /// 1 once a process of the connecting side took the answer (after a fork, the others
     /// adopt it).
@@ -61,6 +61,10 @@ pub const OFFERED: u32 = 0;
 pub const ACCEPTED: u32 = 1;
 /// Refused by the accepting side.
 pub const REFUSED: u32 = 2;
+/// Withdrawn by the connecting side before an answer came: its program sent before the
+/// peer's program accepted (natively such bytes wait in the kernel), so the connection
+/// uses TCP. Set and answered with compare-and-swap from [`OFFERED`]: exactly one wins.
+pub const WITHDRAWN: u32 = 3;
 
 /// Whether a region file whose first bytes are `head` is an offer nobody will take: still
 /// OFFERED and its maker is not alive (`alive(pid)`). Anything else, or too short, is left.

@@ -13,14 +13,19 @@
 //!                                                  open + map the file, unlink it
 //!                                                  bind @vmi-shm-<hash>-a
 //!                                                  its socket ──SCM_RIGHTS──► @...-c
-//!                                                  state ACCEPTED, a bell through its socket
-//!  first call after that: take the bell, take
-//!  the peer's socket (checked: it is the other
-//!  end of ours), send ours ──SCM_RIGHTS──► @...-a
+//!                                                  state ACCEPTED (futex wake; no byte on
+//!                                                  the socket, which must not look readable)
+//!  first call after that: take the peer's
+//!  socket (checked: it is the other end of
+//!  ours), send ours ──SCM_RIGHTS──► @...-a
 //! ```
 //!
 //! The connecting side waits for that answer before its first byte (a non-blocking call says
-//! `EAGAIN`), so nothing ever sits in a ring the other side will not read. If the accepting
+//! `EAGAIN`), so nothing ever sits in a ring the other side will not read. The wait is
+//! bounded (`OFFER_WAIT_MS` from the offer): natively a connected socket takes bytes before
+//! the peer's program accepts, and programs rely on it (UCX connects to its own listener,
+//! sends, and only then accepts, on one thread); past the bound a send withdraws the offer
+//! (WITHDRAWN, by compare-and-swap against the answer) and the connection uses TCP. If the accepting
 //! layer cannot use the memory it answers REFUSED and both sides use TCP frames, with a log
 //! line saying why.
 //!
@@ -36,7 +41,7 @@ use std::sync::{Arc, Mutex};
 use substrate::irb::IrbError;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbKind};
 use substrate::shmring::{Bell, Ring, RingError, Sleep};
-use substrate::shmring::{RegionHead as Head, ACCEPTED, OFFERED, REFUSED, REGION_MAGIC as MAGIC};
+use substrate::shmring::{RegionHead as Head, ACCEPTED, OFFERED, REFUSED, REGION_MAGIC as MAGIC, WITHDRAWN};
 
 mod moves;
 mod setup;
@@ -87,6 +92,9 @@ pub struct ShmLink {
     bases: (u64, u64),
     /// The connection's `shm_epoch` this link belongs to (set when it is installed).
     epoch: AtomicU32,
+    /// When the offer was made (ms, `sys::now_ms`; connecting side only): a send still
+    /// without an answer `OFFER_WAIT_MS` later withdraws it.
+    offered_ms: u64,
 }
 
 // SAFETY: the mapping is shared memory used through atomics and the rings' protocol; the
@@ -300,7 +308,12 @@ impl ShmLink {
                 if self.rx.before_sleep() == Ok(Sleep::Ready) {
                     continue;
                 }
-                if self.rx.bell_pending() {
+                if got == 0 {
+                    // The program will wait on the descriptor: no byte may be left in the
+                    // socket, or it polls readable for ever over an empty ring (a bell the
+                    // peer rang to wake a writer, say; Open MPI's progress loop then spins
+                    // and never sends what its peer waits for). The socket carries only
+                    // bells now, so whatever is there is taken.
                     self.take_bells(fd);
                     if self.rx.readable().unwrap_or(0) > 0 || self.eof.load(Acquire) {
                         continue;
@@ -505,7 +518,7 @@ impl Device for ShmSink {
         }
         let nonblock = || flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
         if mode == Mode::Pending {
-            match link.settle(fd, !nonblock()) {
+            match link.settle(fd, !nonblock(), irb.kind() == IrbKind::Send) {
                 Ok(Mode::Tcp) => {
                     if let Some(s) = self.slot {
                         s.set_substrate(1);

@@ -92,6 +92,9 @@ pub(super) fn rings(base: *mut u8, active: bool) -> Result<(Ring, Ring), RingErr
     Ok(if active { (a, b) } else { (b, a) })
 }
 
+/// How long a send waits for the answer to a shared-memory offer before it withdraws it.
+pub const OFFER_WAIT_MS: u64 = 20;
+
 impl ShmLink {
     /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
     /// before its proof): `None` when it cannot. `bases`: the stream offsets where the
@@ -159,6 +162,7 @@ impl ShmLink {
             active: true,
             tag,
             path: Some(path),
+            offered_ms: sys::now_ms(),
             dgram: AtomicI32::new(dgram),
             peer_sock: AtomicI32::new(-1),
             mode: AtomicU32::new(0),
@@ -196,15 +200,26 @@ impl ShmLink {
         let refuse = |why: &str, base: Option<*mut u8>| {
             // SAFETY: our descriptor.
             unsafe { real::close(f) };
-            log::warn(format_args!(
-                "virtual connection {gid:032x}: shared memory refused ({why}); using TCP"
-            ));
+            let mut withdrawn = false;
             if let Some(b) = base {
                 // SAFETY: the header of a mapping we checked.
-                unsafe { (*(b as *const Head)).state.store(REFUSED, Release) };
-                let _ = bell(fd);
+                let head = unsafe { &*(b as *const Head) };
+                // A withdrawn offer needs no answer (and its rendezvous socket is gone).
+                match head.state.compare_exchange(OFFERED, REFUSED, AcqRel, Acquire) {
+                    Ok(_) => sys::futex_wake(&head.state, i32::MAX),
+                    Err(st) => withdrawn = st == WITHDRAWN,
+                }
                 // SAFETY: our mapping.
                 unsafe { libc::munmap(b as *mut _, REGION) };
+            }
+            if withdrawn {
+                log::debug(format_args!(
+                    "virtual connection {gid:032x}: the connecting side withdrew its shared-memory offer; using TCP"
+                ));
+            } else {
+                log::warn(format_args!(
+                    "virtual connection {gid:032x}: shared memory refused ({why}); using TCP"
+                ));
             }
             None
         };
@@ -225,10 +240,27 @@ impl ShmLink {
             unsafe { real::close(dgram) };
             return refuse("the connecting layer's rendezvous socket is gone", Some(base));
         }
-        bells_undelayed(fd);
         // SAFETY: the first page of the mapping.
-        unsafe { (*(base as *const Head)).state.store(ACCEPTED, Release) };
-        let _ = bell(fd);
+        let head = unsafe { &*(base as *const Head) };
+        if head.state.compare_exchange(OFFERED, ACCEPTED, AcqRel, Acquire).is_err() {
+            // The connecting program sent before ours accepted: the offer was withdrawn.
+            // SAFETY: our descriptors and mapping.
+            unsafe {
+                real::close(dgram);
+                real::close(f);
+                libc::munmap(base as *mut _, REGION);
+            }
+            log::debug(format_args!(
+                "virtual connection {gid:032x}: the connecting side withdrew its shared-memory offer (it sent before this accept); using TCP"
+            ));
+            return None;
+        }
+        bells_undelayed(fd);
+        // No bell: a byte on the socket would make the connecting program's descriptor
+        // readable before any data (Open MPI then spins in a blocking read for data that
+        // the other rank, doing the same, never sends). A layer waiting for the answer
+        // sleeps on the state word.
+        sys::futex_wake(&head.state, i32::MAX);
         Some(ShmLink {
             base,
             region: AtomicI32::new(f),
@@ -237,6 +269,7 @@ impl ShmLink {
             active: false,
             tag,
             path: None,
+            offered_ms: 0,
             dgram: AtomicI32::new(dgram),
             peer_sock: AtomicI32::new(-1),
             mode: AtomicU32::new(1),
@@ -248,7 +281,24 @@ impl ShmLink {
 
     /// The connecting side: the answer, if it came (`Ok(mode)`), taking the peer's socket
     /// and giving ours. `Err(WouldBlock)` while none came and `wait` is false.
-    pub fn settle(&self, fd: i32, wait: bool) -> Result<Mode, IrbError> {
+    /// The offer was withdrawn (WITHDRAWN): the rendezvous is over and nobody will take the
+    /// file; the connection uses TCP.
+    fn withdrawn(&self) {
+        let d = self.dgram.swap(-1, AcqRel);
+        if d >= 0 {
+            // SAFETY: our socket.
+            unsafe { real::close(d) };
+        }
+        if let Some(p) = &self.path {
+            // SAFETY: the offer's file (ENOENT if the accepting side had opened it).
+            unsafe { libc::unlink(p.as_ptr()) };
+        }
+        self.mode.store(2, Release);
+    }
+
+    /// `withdraw`: the caller is about to send; once `OFFER_WAIT_MS` passed since the offer
+    /// without an answer, the offer is withdrawn and the connection uses TCP.
+    pub fn settle(&self, fd: i32, wait: bool, withdraw: bool) -> Result<Mode, IrbError> {
         loop {
             match self.mode() {
                 Mode::Pending => {}
@@ -282,17 +332,7 @@ impl ShmLink {
                     self.mode.store(1, Release);
                 }
                 REFUSED => {
-                    // Exactly the one bell: TCP frames may follow it at once.
-                    // (The state is stored before the bell is sent: wait for it.)
-                    let mut b = [0u8; 1];
-                    for _ in 0..50 {
-                        // SAFETY: reads one byte into a local.
-                        let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, 1, libc::MSG_DONTWAIT) };
-                        if r >= 0 || sys::errno() != libc::EAGAIN {
-                            break;
-                        }
-                        sys::wait_fd(fd, libc::POLLIN, 20);
-                    }
+                    // (No bell comes with the answer: TCP frames follow at once.)
                     let d = self.dgram.swap(-1, AcqRel);
                     if d >= 0 {
                         // SAFETY: our socket.
@@ -301,10 +341,27 @@ impl ShmLink {
                     log::info(format_args!("shared memory refused by the accepting side: TCP"));
                     self.mode.store(2, Release);
                 }
+                WITHDRAWN => {
+                    // This process or another one sharing the connection withdrew it.
+                    self.withdrawn();
+                }
                 _ if self.moving() => return Err(IrbError::Os(relink::LINK_DOWN)),
+                _ if withdraw && self.offered_ms > 0 && sys::now_ms() >= self.offered_ms + OFFER_WAIT_MS => {
+                    if self.head().state.compare_exchange(OFFERED, WITHDRAWN, AcqRel, Acquire).is_ok() {
+                        log::info(format_args!(
+                            "shared memory not used: the program sends and the peer's program has not accepted after {OFFER_WAIT_MS} ms (TCP takes the bytes, as natively)"
+                        ));
+                        self.withdrawn();
+                    }
+                }
                 _ if !wait => return Err(IrbError::WouldBlock),
                 _ => {
-                    sys::wait_fd(fd, libc::POLLIN, 200);
+                    let left = if withdraw && self.offered_ms > 0 {
+                        (self.offered_ms + OFFER_WAIT_MS).saturating_sub(sys::now_ms()).clamp(1, 200)
+                    } else {
+                        200
+                    };
+                    sys::futex_wait(&self.head().state, OFFERED, left as i64);
                 }
             }
         }
@@ -314,7 +371,7 @@ impl ShmLink {
     /// descriptor:peer socket descriptor:side`), with those descriptors left open across the
     /// exec. The connecting side takes the answer first.
     pub fn handover(&self, fd: i32) -> Option<String> {
-        if matches!(self.mode(), Mode::Tcp | Mode::Moved) || self.settle(fd, true).ok()? != Mode::Shm {
+        if matches!(self.mode(), Mode::Tcp | Mode::Moved) || self.settle(fd, true, true).ok()? != Mode::Shm {
             return None;
         }
         let p = self.peer_socket(fd);
@@ -377,6 +434,7 @@ impl ShmLink {
             active,
             tag: String::new(),
             path: None,
+            offered_ms: 0,
             dgram: AtomicI32::new(-1),
             peer_sock: AtomicI32::new(peer),
             mode: AtomicU32::new(1),
