@@ -158,9 +158,10 @@ def test_mpich_across_two_hosts(procs, mpich_check):
 
 
 def test_openmpi_on_one_host_over_shared_memory(procs, openmpi_check):
-    """Two Open MPI ranks on one host with VMI_SHM=1, every byte checked. Open MPI sends its
-    connection acknowledgement before the other rank accepts, so the layer may withdraw its
-    shared-memory offer (the connections are then carried by TCP, checked virtual)."""
+    """Two Open MPI ranks on one host with VMI_SHM=1, every byte checked. Both ranks connect
+    to each other at once and send their acknowledgement before accepting, so the offers are
+    often withdrawn (each rank waits in its send while the other, also sending, cannot
+    accept): the connections are virtual, over shared memory or TCP."""
     hosts = [H1, H1]
     env = rank_env({} if BASELINE else {"VMI_SHM": "1"})
     argv = openmpi_argv(openmpi_check, [f"{H1}:2"], env)
@@ -170,10 +171,11 @@ def test_openmpi_on_one_host_over_shared_memory(procs, openmpi_check):
 
 
 def test_mpich_on_one_host_over_shared_memory(procs, mpich_check):
-    """Two MPICH ranks on one host, UCX over TCP, VMI_SHM=1. UCX sends on a new connection
-    before the other rank accepts it, so the layer may withdraw its shared-memory offer
-    (see test_shm.py::test_send_before_the_peer_accepts): the connections are virtual and
-    every byte is right whichever substrate carries them."""
+    """Two MPICH ranks on one host, UCX over TCP, VMI_SHM=1. UCX sends on new connections
+    before the other rank accepts them (the rank is itself busy sending on its connection to
+    its own listener), so the layer withdraws its shared-memory offers (see
+    test_shm.py::test_send_before_the_peer_accepts): the connections are virtual and every
+    byte is right, on TCP."""
     hosts = [H1, H1]
     env = rank_env({} if BASELINE else {"VMI_SHM": "1"})
     w, pids = run_ranks(procs, "mpich-one-host", mpich_argv(mpich_check, hosts, env), hosts)

@@ -58,6 +58,7 @@ QUICK_SIZES = [64, 512, 4096, 32768, 65000]
 TARGET_LATENCY_RATIO = 1.05      # layer median latency <= 105 % of native, every size
 TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
+TARGET_MPI_RATIO = 0.95          # MPI 1 MiB bandwidth and native/layer 8 B latency >= 0.95
 TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
 TARGET_NONTCP_RATIO = 1.05       # calls on descriptors the layer does not manage: <= 105 %
 # With --local both ends share a host and the layer uses shared memory: it must beat loopback
@@ -74,7 +75,7 @@ TARGET_FAILOVER_SILENT_MS = 100.0  # longest receive stall after a silent path f
                                    # the layer no worse than MPTCP for either kind of failure)
 
 BENCHMARKS = ["latency", "throughput", "redis", "connrate", "idle", "nontcp", "calls", "hockney",
-              "irb", "failover"]
+              "irb", "mpi", "failover"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
@@ -84,6 +85,7 @@ ALIASES = {
     "non-tcp": "nontcp", "nontcp_calls": "nontcp", "unmanaged": "nontcp",
     "vc_calls": "calls", "percall": "calls",
     "irb-cost": "irb",
+    "netpipe": "mpi", "openmpi": "mpi",
     "mptcp": "failover", "stall": "failover", "failure": "failover",
 }
 
@@ -690,6 +692,19 @@ def parse_redis_csv(text: str) -> dict:
     return out
 
 
+def parse_netpipe(text: str) -> dict[int, tuple[float, float]]:
+    """NetPIPE's output file: {bytes: (Mbit/s, seconds one way)} per line."""
+    out: dict[int, tuple[float, float]] = {}
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 3:
+            try:
+                out[int(f[0])] = (float(f[1]), float(f[2]))
+            except ValueError:
+                continue
+    return out
+
+
 def last_json_line(text: str) -> dict:
     for line in reversed(text.strip().splitlines()):
         line = line.strip()
@@ -961,6 +976,53 @@ class Harness:
                         b["runs"].append({"mode": mode, "rep": rep, "size": size, **res})
                     except BenchError as e:
                         self.error(name, f"{mode} rep {rep + 1} size {size}", str(e))
+
+    # ---------------------------------------------------------------- MPI (NetPIPE)
+    def b_mpi(self) -> None:
+        """NetPIPE's Open MPI build between the two hosts (or two ranks on one host), ranks
+        layered with `-x LD_PRELOAD` while mpirun and its daemons stay plain: one-way time
+        of the 8-byte ping-pong and bandwidth at 1 MiB, native and layered alternating."""
+        name = "mpi"
+        a = self.args
+        b = self.bench(name)
+        rsh = REPO / "tests" / "programs" / "nsrsh.sh"
+        one = self.client.name == self.server.name
+        hosts = f"{self.client.name}:2" if one else f"{self.client.name},{self.server.name}"
+        net = f"{self.client.ip.rsplit('.', 1)[0]}.0/24"
+        upper = 1 << 20
+        b["params"] = {"sizes": [8, upper], "hosts": hosts}
+        k = 0
+        for rep in range(a.reps):
+            for mode in self.order(k):
+                k += 1
+                tag = f"{mode}-r{rep}"
+                out = self.logs / f"mpi-{tag}.np"
+                argv = ["mpirun.openmpi", "--allow-run-as-root", "--mca", "plm_rsh_agent", str(rsh),
+                        "--host", hosts, "-np", "2", "--bind-to", "none", "--mca", "rtc", "^hwloc",
+                        "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
+                        "--mca", "oob_tcp_if_include", net]
+                if mode == LAYER:
+                    argv += ["-x", f"LD_PRELOAD={self.bins['preload'].resolve()}"]
+                    if LOCAL_MODE:
+                        argv += ["-x", "VMI_SHM=1"]
+                argv += ["NPopenmpi", "-p", "0", "-l", "8", "-u", str(upper), "-o", str(out)]
+                log(f"mpi {mode} rep {rep + 1}/{a.reps}")
+                seen = b["seen"][mode]
+                plain = self.env(NATIVE)
+                try:
+                    with Poller(self.agents, [self.client] if one else [self.client, self.server], seen):
+                        r = run(self.client.wrap(argv), timeout=120, env=plain,
+                                log_path=self.logs / f"mpi-{tag}.log")
+                    if r.timed_out or r.rc != 0:
+                        raise BenchError(f"rc={r.rc}{' (timed out)' if r.timed_out else ''}: "
+                                         f"{(r.stderr or r.stdout).strip()[-300:]}")
+                    res = parse_netpipe(out.read_text() if out.exists() else "")
+                    if 8 not in res or upper not in res:
+                        raise BenchError(f"NetPIPE output lacks 8 B or {upper} B rows")
+                    b["runs"].append({"mode": mode, "rep": rep, "lat8_us": res[8][1] * 1e6,
+                                      "bw1m_mbps": res[upper][0]})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
 
     # ---------------------------------------------------------------- 2. throughput
     def b_throughput(self) -> None:
@@ -1545,7 +1607,7 @@ class Harness:
             order = [("latency", self.b_latency), ("throughput", self.b_throughput),
                      ("redis", self.b_redis), ("connrate", self.b_connrate),
                      ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("calls", self.b_calls),
-                     ("irb", self.b_irb),
+                     ("irb", self.b_irb), ("mpi", self.b_mpi),
                      ("failover", self.b_failover)]
             for bname, fn in order:
                 want = bname in selected or (bname == "latency" and "hockney" in selected)
@@ -1580,7 +1642,8 @@ class Harness:
     @staticmethod
     def missing_tools(bname: str) -> list[str]:
         need = {"latency": ["sockperf"], "throughput": ["iperf3"],
-                "redis": ["redis-server", "redis-benchmark"], "failover": ["tc"]}.get(bname, [])
+                "redis": ["redis-server", "redis-benchmark"], "failover": ["tc"],
+                "mpi": ["mpirun.openmpi", "NPopenmpi"]}.get(bname, [])
         return [t for t in need if shutil.which(t) is None]
 
 
@@ -1792,6 +1855,22 @@ class Report:
             lay = [r["conns_per_sec"] for r in self.by("connrate", LAYER)]
             add("connrate", "connection set-up, sequential (conn/s)", nat, lay, None, 0)
             rows += self.check_rows("connrate", len(hdr)) + self.error_rows("connrate", len(hdr))
+        if self.b("mpi"):
+            nat = [r["bw1m_mbps"] for r in self.by("mpi", NATIVE)]
+            lay = [r["bw1m_mbps"] for r in self.by("mpi", LAYER)]
+            add("mpi_bw1m", "Open MPI NetPIPE 1 MiB (Mbit/s)", nat, lay, TARGET_MPI_RATIO, 0)
+            # Latency: lower is better; the ratio shown is native/layer so >= target passes.
+            nat = [r["lat8_us"] for r in self.by("mpi", NATIVE)]
+            lay = [r["lat8_us"] for r in self.by("mpi", LAYER)]
+            r8 = ratio(med(nat), med(lay))
+            v8 = verdict(r8, TARGET_MPI_RATIO, True)
+            summ["mpi_lat8"] = {"native": med(nat), "layer": med(lay), "ratio": r8,
+                                "target": TARGET_MPI_RATIO, "verdict": v8,
+                                "native_reps": nat, "layer_reps": lay}
+            rows.append(["Open MPI NetPIPE 8 B one way (us; ratio native/layer)",
+                         fmt_spread(nat, 1), fmt_spread(lay, 1), fmt(r8, 3),
+                         f">= {TARGET_MPI_RATIO:.2f}", v8])
+            rows += self.check_rows("mpi", len(hdr)) + self.error_rows("mpi", len(hdr))
         if not rows:
             return
         self.lines += ["## Throughput and rates",

@@ -233,6 +233,34 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     unsafe { real::close(fd) }
 }
 
+/// `epoll_ctl`: forwarded; only when a change of a virtual connection's registration fails
+/// with `ENOENT` (its link is being rebuilt and the layer keeps the registration aside until
+/// the new socket is in place) is the change made to the kept registration. UCX treats a
+/// failed `EPOLL_CTL_MOD` as fatal.
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
+    // SAFETY: forwarding the program's arguments.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    if r == 0 || (op != libc::EPOLL_CTL_MOD && op != libc::EPOLL_CTL_DEL) || sys::errno() != libc::ENOENT {
+        return r;
+    }
+    let Some(vc) = fdtable::vc(fd) else { return r };
+    let (events, data) = if ev.is_null() {
+        (0, 0)
+    } else {
+        // SAFETY: the program's epoll_event, readable for a MOD (the kernel read it too).
+        let e = unsafe { std::ptr::read_unaligned(ev) };
+        (e.events, e.u64)
+    };
+    let kept = quietly(|| Some(vc.change_kept_epoll(epfd, fd, op, events, data))).unwrap_or(false);
+    if kept {
+        return 0;
+    }
+    // The registration may have come back on the new socket meanwhile: once more.
+    // SAFETY: as above.
+    unsafe { real::epoll_ctl(epfd, op, fd, ev) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     if let Some(vc) = fdtable::vc(fd) {

@@ -156,6 +156,21 @@ impl Vc {
         self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()).extend(regs);
     }
 
+    /// The program changes a registration of `fd` with `epfd` while the link is rebuilt and
+    /// the registration is kept aside (the socket is out of its epoll instances): the change
+    /// goes to the kept one. True if there was one to change.
+    pub fn change_kept_epoll(&self, epfd: i32, fd: i32, op: i32, events: u32, data: u64) -> bool {
+        let mut kept = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = kept.iter().position(|r| r.0 == epfd && r.1 == fd) else { return false };
+        if op == libc::EPOLL_CTL_DEL {
+            kept.remove(i);
+        } else {
+            kept[i].2 = events;
+            kept[i].3 = data;
+        }
+        true
+    }
+
     /// The epoll registrations to make again.
     pub fn take_epoll(&self) -> Vec<relink::EpollReg> {
         std::mem::take(&mut *self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()))

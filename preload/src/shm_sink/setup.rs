@@ -93,7 +93,7 @@ pub(super) fn rings(base: *mut u8, active: bool) -> Result<(Ring, Ring), RingErr
 }
 
 /// How long a send waits for the answer to a shared-memory offer before it withdraws it.
-pub const OFFER_WAIT_MS: u64 = 20;
+pub const OFFER_WAIT_MS: u64 = 100;
 
 impl ShmLink {
     /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
