@@ -22,10 +22,11 @@ otherwise take its shared-memory transport between "hosts" it believes to be one
 import itertools
 import shutil
 import subprocess
+import time
 
 import pytest
 
-from helpers import (BASELINE, H1, H2, H3, NET0, PROGRAMS, Agent, Watcher, host_ip,
+from helpers import (BASELINE, ETH0, H1, H2, H3, NET0, PROGRAMS, Agent, Watcher, host_ip,
                      layer_env)
 
 SECONDS = 3
@@ -181,3 +182,37 @@ def test_mpich_on_one_host_over_shared_memory(procs, mpich_check):
     w, pids = run_ranks(procs, "mpich-one-host", mpich_argv(mpich_check, hosts, env), hosts)
     assert_ranks_virtual(w, pids, hosts)
 
+
+
+@pytest.mark.skipif(BASELINE, reason="failover is the layer's work")
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_failover_under_mpi(procs, faults, openmpi_check, mpich_check, mpi):
+    """`vmictl net down eth0` on the first host while two ranks (one per host) exchange and
+    check their bytes: the rank connections move to eth1 and the job ends with every byte
+    right; eth0 comes back for the tests that follow."""
+    hosts = [H1, H2]
+    prog, argv_of = (openmpi_check, openmpi_argv) if mpi == "openmpi" else (mpich_check, mpich_argv)
+    argv = argv_of(prog, hosts, rank_env())
+    argv[-1] = "8"                       # seconds of traffic
+    with Watcher(H1, H2) as w:
+        p = procs.start(H1, argv, layer=False, name=f"{mpi}-failover")
+        peer = host_ip(H2)
+        deadline = time.monotonic() + 30
+        while not any(c["peer"].split(":")[0] == peer and c.get("bytes_sent", 0) > 0
+                      for c in w.connections(H1)):
+            assert time.monotonic() < deadline and p.alive(), \
+                f"no rank connection from {H1} to {H2} seen:\n{w.summary(H1)}"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        faults.net_down(H1, ETH0)
+        time.sleep(2.0)
+        faults.net_up(H1, ETH0)
+        p.wait(timeout=RUN_TIMEOUT)
+    lines = p.json_lines()
+    assert len(lines) == 2 and all(r["errors"] == 0 and r["checked_bytes"] > 0 for r in lines), \
+        (lines, p.stderr()[-2000:])
+    pids = {r["pid"] for r in lines}
+    moved = [c for c in w.connections(H1)
+             if c.get("pid") in pids and c["peer"].split(":")[0] == peer
+             and c.get("failovers", 0) >= 1]
+    assert moved, f"no rank connection failed over:\n{w.summary(H1)}"
