@@ -314,3 +314,28 @@ def test_send_before_the_peer_accepts(procs, nonblocking):
     assert "error" not in r and r["same"] and r["received"] == r["echoed"] == 3000, r
     assert "shared memory not used: the program sends" in p.stderr(), p.stderr()[-2000:]
 
+
+def test_nonblocking_message_stream_through_moves(procs):
+    """Framed messages both ways over non-blocking sockets (asyncio), every message checked,
+    while the operator moves the connection to TCP, back to shared memory and to TCP again."""
+    port = PORTS["shm_move_nonblocking"]
+    addr = f"{H1_IP}:{port}"
+    srv = procs.server(H1, python_prog("nb_stream.py", "server", "--addr", addr, "--seconds", 6),
+                       port, layer=True, name="nb-stream-server", env=ON)
+    cli = procs.start(H1, python_prog("nb_stream.py", "client", "--addr", addr, "--seconds", 6),
+                      layer=True, name="nb-stream-client", env=ON)
+    c0, _ = wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT, "messages over shared memory")
+    past = c0["bytes_sent"]
+    for target in ("tcp", "shm", "tcp"):
+        r = vmictl(H1, "move", c0["gid"], target)
+        assert r.returncode == 0, f"vmictl move {target}: {r.stderr}{r.stdout}"
+        c, _ = wait_status(H1, both_ends_on(addr, target, past), MOVE_TIMEOUT,
+                           f"both ends on {target}, messages still flowing")
+        past = c["bytes_sent"]
+        time.sleep(0.5)
+    cli.wait(timeout=40)
+    srv.wait(timeout=20)
+    c, s = cli.last_json(), srv.last_json()
+    assert "error" not in c and "error" not in s and c["errors"] == s["errors"] == 0, (c, s)
+    assert c["sent"] == s["received"] > 0 and s["sent"] == c["received"] > 0, (c, s)
+
