@@ -10,6 +10,7 @@ vmictl assertions are not evaluated (the report header says so). It tells a harn
 environment problem from a layer problem; it is never how the suite is run for real.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -819,6 +820,18 @@ class Agent:
 # ---------------------------------------------------------------------------------------------
 # Link failure: faults injected into the topology, and what vmictl says about networks, paths
 # and the physical links of virtual connections
+
+@contextlib.contextmanager
+def extra_agent(host, logdir, name, args=()):
+    """An agent in host beyond the session's two (for a test or a module), ready; stopped
+    when the block ends."""
+    agent = Agent(host, logdir, name=name, args=args)
+    try:
+        agent.wait_ready()
+        yield agent
+    finally:
+        agent.stop()
+
 
 def ip_cmd(*args):
     """`ip ARGS` on the machine (pass "-n", HOST to act inside a host); its stdout."""

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
-                     PORTS, PROGRAMS, Agent, assert_same_stream, link_down, link_up, python_prog,
-                     vmictl_status, wait_status)
+                     PORTS, PROGRAMS, assert_same_stream, extra_agent, link_down, link_up,
+                     python_prog, vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
 
@@ -42,12 +42,8 @@ def third_agent(topology, tmp_path_factory):
     if not Path(CRIU).exists():
         pytest.fail(f"{CRIU} is missing: run scripts/setup.sh (it installs CRIU 4.2)",
                     pytrace=False)
-    agent = Agent(H3, tmp_path_factory.mktemp("agent3"), name="agent-vmit3")
-    try:
-        agent.wait_ready()
+    with extra_agent(H3, tmp_path_factory.mktemp("agent3"), "agent-vmit3") as agent:
         yield agent
-    finally:
-        agent.stop()
 
 
 def migrate(proc, to, *extra, expect_ok=True):

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from helpers import (BASELINE, ETH0, H1, H2, H3, NET0, PROGRAMS, Agent, Watcher, host_ip,
+from helpers import (BASELINE, ETH0, H1, H2, H3, NET0, PROGRAMS, Watcher, extra_agent, host_ip,
                      layer_env)
 
 SECONDS = 3
@@ -65,12 +65,8 @@ def third_agent(topology, tmp_path_factory):
     if BASELINE:
         yield None
         return
-    agent = Agent(H3, tmp_path_factory.mktemp("agent-mpi"), name="agent-vmit3-mpi")
-    try:
-        agent.wait_ready()
+    with extra_agent(H3, tmp_path_factory.mktemp("agent-mpi"), "agent-vmit3-mpi") as agent:
         yield agent
-    finally:
-        agent.stop()
 
 
 def rank_env(extra=None):

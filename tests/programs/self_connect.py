@@ -18,6 +18,17 @@ import socket
 import time
 
 
+def recv_upto(sock, n):
+    """Reads until n bytes came or the stream ended."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bind", required=True)
@@ -52,20 +63,10 @@ def main():
         out["sent"] = len(data)
         s, _ = ls.accept()
         s.settimeout(30)
-        got = b""
-        while len(got) < len(data):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            got += chunk
+        got = recv_upto(s, len(data))
         out["received"] = len(got)
         s.sendall(got)
-        back = b""
-        while len(back) < len(data):
-            chunk = c.recv(65536)
-            if not chunk:
-                break
-            back += chunk
+        back = recv_upto(c, len(data))
         out["echoed"] = len(back)
         out["same"] = got == data and back == data
         c.close()
