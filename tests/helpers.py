@@ -199,6 +199,7 @@ PORT_BLOCKS = {
     "semantics_layer": 17500,
     "semantics_native": 17550,
     "hostile": 17600,
+    "ready": 19100,
 }
 
 

@@ -215,6 +215,9 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
         // does not know it; keep it.
         return 0;
     }
+    if crate::ready::tracking(fd) || fdtable::is_managed(fd) {
+        crate::ready::note_close(fd);
+    }
     if fdtable::is_managed(fd) && !crate::vforked() {
         if let Some(vc) = forget(fd) {
             if let Some(l) = vc.shm_now() {
@@ -241,6 +244,27 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
     // SAFETY: forwarding the program's arguments.
     let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    // SAFETY: the program's arguments, as forwarded above.
+    let r = unsafe { epoll_ctl_kept(epfd, op, fd, ev, r) };
+    if r == 0 && (fdtable::is_managed(fd) || crate::ready::tracking(epfd)) {
+        let (events, data) = if ev.is_null() || op == libc::EPOLL_CTL_DEL {
+            (0, 0)
+        } else {
+            // SAFETY: the program's epoll_event (the kernel read it too).
+            let e = unsafe { std::ptr::read_unaligned(ev) };
+            (e.events, e.u64)
+        };
+        quietly(|| {
+            crate::ready::note_ctl(epfd, op, fd, events, data);
+            Some(())
+        });
+    }
+    r
+}
+
+/// A change of a virtual connection's registration that failed with `ENOENT` while its link
+/// is rebuilt is made to the kept registration; `r` is the real call's result.
+unsafe fn epoll_ctl_kept(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event, r: c_int) -> c_int {
     if r == 0 || (op != libc::EPOLL_CTL_MOD && op != libc::EPOLL_CTL_DEL) || sys::errno() != libc::ENOENT {
         return r;
     }
@@ -259,6 +283,171 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut l
     // The registration may have come back on the new socket meanwhile: once more.
     // SAFETY: as above.
     unsafe { real::epoll_ctl(epfd, op, fd, ev) }
+}
+
+/// `epoll_wait`: readable reports of virtual connections are checked ([`crate::ready`]).
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    if !crate::ready::tracking(epfd) {
+        // SAFETY: forwarding.
+        return unsafe { real::epoll_wait(epfd, ev, max, timeout) };
+    }
+    // SAFETY: forwarding; the kernel writes at most `max` events.
+    unsafe {
+        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_us(timeout), |first, left| {
+            real::epoll_wait(epfd, ev, max, crate::ready::ms_for(first, timeout, left))
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    if !crate::ready::tracking(epfd) {
+        // SAFETY: forwarding.
+        return unsafe { real::epoll_pwait(epfd, ev, max, timeout, sigmask) };
+    }
+    // SAFETY: as epoll_wait.
+    unsafe {
+        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_us(timeout), |first, left| {
+            real::epoll_pwait(epfd, ev, max, crate::ready::ms_for(first, timeout, left), sigmask)
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    ev: *mut libc::epoll_event,
+    max: c_int,
+    ts: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    if !crate::ready::tracking(epfd) {
+        // SAFETY: forwarding.
+        return unsafe { real::epoll_pwait2(epfd, ev, max, ts, sigmask) };
+    }
+    // SAFETY: as epoll_wait; `ts` is the program's.
+    unsafe {
+        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ts_us(ts), |first, left| {
+            if first || left < 0 {
+                real::epoll_pwait2(epfd, ev, max, ts, sigmask)
+            } else {
+                let t = crate::ready::us_ts(left);
+                real::epoll_pwait2(epfd, ev, max, &t, sigmask)
+            }
+        })
+    }
+}
+
+/// `poll`: readable reports of virtual connections are checked ([`crate::ready`]).
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    // SAFETY: forwarding; `fds` holds `n` entries.
+    unsafe {
+        crate::ready::poll(fds, n, crate::ready::ms_us(timeout), |first, left| {
+            real::poll(fds, n, crate::ready::ms_for(first, timeout, left))
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if (fdslen / std::mem::size_of::<libc::pollfd>()) < n as usize {
+        // SAFETY: forwarding (libc reports the overflow).
+        return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
+    }
+    // SAFETY: as poll.
+    unsafe { poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: forwarding; `fds` holds `n` entries, `ts` is the program's.
+    unsafe {
+        crate::ready::poll(fds, n, crate::ready::ts_us(ts), |first, left| {
+            if first || left < 0 {
+                real::ppoll(fds, n, ts, sigmask)
+            } else {
+                let t = crate::ready::us_ts(left);
+                real::ppoll(fds, n, &t, sigmask)
+            }
+        })
+    }
+}
+
+/// `select`: readable reports of virtual connections are checked ([`crate::ready`]).
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> c_int {
+    let timeout_us = if tv.is_null() {
+        -1
+    } else {
+        // SAFETY: the program's timeval.
+        let t = unsafe { *tv };
+        t.tv_sec.saturating_mul(1_000_000).saturating_add(t.tv_usec).max(0)
+    };
+    // SAFETY: forwarding; the sets and `tv` are the program's.
+    unsafe {
+        crate::ready::select(nfds, [rd, wr, ex], timeout_us, |first, left| {
+            if first || left < 0 {
+                real::select(nfds, rd, wr, ex, tv)
+            } else {
+                let mut t =
+                    libc::timeval { tv_sec: (left / 1_000_000) as _, tv_usec: (left % 1_000_000) as _ };
+                let r = real::select(nfds, rd, wr, ex, &mut t);
+                *tv = t;
+                r
+            }
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    ts: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: forwarding; the sets and `ts` are the program's.
+    unsafe {
+        crate::ready::select(nfds, [rd, wr, ex], crate::ready::ts_us(ts), |first, left| {
+            if first || left < 0 {
+                real::pselect(nfds, rd, wr, ex, ts, sigmask)
+            } else {
+                let t = crate::ready::us_ts(left);
+                real::pselect(nfds, rd, wr, ex, &t, sigmask)
+            }
+        })
+    }
 }
 
 #[no_mangle]

@@ -26,6 +26,7 @@ pub mod hooks_proc;
 pub mod lifetime;
 pub mod linger;
 pub mod log;
+pub mod ready;
 pub mod real;
 pub mod relink;
 pub mod relisten;

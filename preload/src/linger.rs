@@ -184,7 +184,7 @@ fn reaper() {
             })
             .collect();
         // SAFETY: valid pollfd array.
-        if unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 100) } < 0 && sys::errno() != libc::EINTR {
+        if unsafe { real::poll(p.as_mut_ptr(), p.len() as _, 100) } < 0 && sys::errno() != libc::EINTR {
             // (A descriptor limit below the list's length, say: never a loop that spins.)
             fails += 1;
             std::thread::sleep(std::time::Duration::from_millis((10u64 << fails.min(4)).min(100)));
@@ -303,7 +303,7 @@ pub fn at_exit() {
             })
             .collect();
         // SAFETY: valid pollfd array.
-        unsafe { libc::poll(p.as_mut_ptr(), p.len() as _, 20) };
+        unsafe { real::poll(p.as_mut_ptr(), p.len() as _, 20) };
         socks.retain(|(fd, v)| {
             let ready = peer_fin(v.mem()) || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             if ready && drain_closed(v.mem(), *fd) != Drained::Open {

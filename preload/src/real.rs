@@ -71,6 +71,14 @@ real! {
     getsockname: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     getpeername: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     epoll_ctl: fn(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
+    epoll_wait: fn(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int;
+    epoll_pwait: fn(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, sigmask: *const libc::sigset_t) -> c_int;
+    epoll_pwait2: fn(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
+    poll: fn(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int;
+    __poll_chk: fn(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
+    ppoll: fn(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
+    select: fn(nfds: c_int, rd: *mut libc::fd_set, wr: *mut libc::fd_set, ex: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int;
+    pselect: fn(nfds: c_int, rd: *mut libc::fd_set, wr: *mut libc::fd_set, ex: *mut libc::fd_set, ts: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
     fork: fn() -> libc::pid_t;
     prctl: fn(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int;
     pthread_exit: fn(ret: *mut c_void) -> !;

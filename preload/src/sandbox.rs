@@ -395,7 +395,7 @@ pub fn poll_one(fd: c_int, events: i16, ms: c_int) -> Option<i16> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
     let r = if allows(libc::SYS_poll, [0, 1, ms as u64, 0, 0, 0]) {
         // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut p, 1, ms) }
+        unsafe { real::poll(&mut p, 1, ms) }
     } else if allows_nr(libc::SYS_ppoll) {
         let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _ };
         let tsp = if ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };

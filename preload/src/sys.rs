@@ -331,7 +331,7 @@ pub fn wait_fd(fd: c_int, events: i16, ms: c_int) -> i16 {
     }
     let mut p = libc::pollfd { fd, events, revents: 0 };
     // SAFETY: one valid pollfd.
-    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    let r = unsafe { crate::real::poll(&mut p, 1, ms) };
     if r > 0 {
         p.revents
     } else {

@@ -11,6 +11,7 @@
 //! them, it uses the spare room of its ring instead of waiting for the program to read, so
 //! the layer never deadlocks a program that native TCP would not.
 
+use crate::ready::Truth;
 use crate::shm::ConnMem;
 use crate::stats::Slot;
 use crate::{log, real, relink, sandbox, sys};
@@ -934,6 +935,72 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
         if rx.ingest(rx.header_only_plan(), r as usize, &mut []).is_err() {
             return Drained::DataArrived;
         }
+    }
+}
+
+/// True when the layer's own frames may be what makes the socket readable: a rebuilt link
+/// since `checked_gen` (its first frame), our end of stream sent (the peer acknowledges it
+/// alone), or enough of our stream unacknowledged that the peer may send an ack alone (it
+/// does at a quarter of our window; an eighth leaves a margin). Otherwise acks ride on
+/// data and every readable report is payload or the end.
+#[inline]
+pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
+    let c = mem.conn();
+    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 {
+        return true;
+    }
+    // SAFETY: a racy read of a plain integer that changes only at set-up and exec.
+    let window = unsafe { (*c.tx.get()).soft_window };
+    c.wire_hi.load(Relaxed).saturating_sub(c.peer_ack.load(Relaxed)) >= window / 8
+}
+
+/// What a readable report of the connection's socket means: the layer's frames at its head
+/// (acknowledgements, a rebuilt link's first frame) are taken, as the program's `recv` would
+/// take them, and what is left says. The caller holds the rx lock.
+pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
+    let c = mem.conn();
+    // SAFETY: the caller holds rx_lock.
+    let rx = unsafe { &mut *c.rx.get() };
+    let mut took = false;
+    loop {
+        if rx.frame_rem > 0 {
+            if !took {
+                // Mid-frame since an earlier call: what made it readable is payload.
+                return Truth::Readable;
+            }
+            // We took a data frame's header: is any of its payload here yet?
+            let mut b = [0u8; 1];
+            let r = sock_recv(fd, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+            return if r < 0 && matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
+                Truth::Spurious
+            } else {
+                Truth::Readable
+            };
+        }
+        if rx.fin != 0 {
+            return Truth::Readable;
+        }
+        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
+        if r < 0 {
+            return if matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
+                Truth::Spurious
+            } else {
+                Truth::Readable
+            };
+        }
+        if r == 0 {
+            return Truth::Readable;
+        }
+        took = true;
+        let fin_before = rx.fin;
+        if let Err(e) =
+            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+        {
+            // The program's next call reports it.
+            let _ = fail(mem, slot, fd, e);
+            return Truth::Readable;
+        }
+        fin_check(mem, fd, fin_before, rx);
     }
 }
 

@@ -58,6 +58,11 @@ pub struct Vc {
     links: Arc<LinkSlot>,
     /// The statistics slot was freed at an exec (see [`Vc::exec_hold`]).
     slot_freed: std::sync::atomic::AtomicBool,
+    /// The link generation whose first frames a readiness check has taken (see
+    /// [`Vc::readable_truth`]).
+    truth_gen: AtomicU32,
+    /// A wait reported the connection readable and no receive followed yet.
+    told_readable: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
@@ -135,6 +140,8 @@ impl Vc {
             recv_chain: UnsafeCell::new(chain_for(m, slot, &links)),
             my_gen: AtomicU32::new(0),
             parked: AtomicI32::new(-1),
+            truth_gen: AtomicU32::new(m.conn().link_gen.load(Acquire)),
+            told_readable: std::sync::atomic::AtomicBool::new(false),
             parked_epoll: std::sync::Mutex::new(Vec::new()),
             links,
             slot_freed: std::sync::atomic::AtomicBool::new(false),
@@ -319,15 +326,137 @@ impl Vc {
     pub fn recv(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
-        let p = buf.as_mut_ptr();
-        let n = buf.len();
-        self.with_link(fd, flags, || {
-            let _g = c.rx_lock.lock();
-            // SAFETY: the receive chain is only used under rx_lock, which we hold; the
-            // buffer is the caller's, borrowed for this call only.
-            let (chain, b) = unsafe { (&mut *self.recv_chain.get(), std::slice::from_raw_parts_mut(p, n)) };
-            Self::run(chain, Irb::receive(b, flags).with_handle(fd as i64))
-        })
+        // A wait told the program this descriptor is readable: this receive must find data.
+        let told = self.told_readable.load(Relaxed) && self.told_readable.swap(false, Relaxed);
+        let gen = c.link_gen.load(Acquire);
+        let r = self.with_link(fd, flags, || self.recv_once(fd, buf, flags));
+        if told && matches!(r, Err(IrbError::WouldBlock)) && self.relinked_since(gen) {
+            return self.recv_promised(fd, buf, flags);
+        }
+        r
+    }
+
+    fn recv_once(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+        let _g = self.mem.conn().rx_lock.lock();
+        // SAFETY: the receive chain is only used under rx_lock, which we hold.
+        let chain = unsafe { &mut *self.recv_chain.get() };
+        Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64))
+    }
+
+    /// True when the link broke or was rebuilt since generation `gen`.
+    fn relinked_since(&self, gen: u32) -> bool {
+        let c = self.mem.conn();
+        c.link_down.load(Acquire) != 0 || c.link_gen.load(Acquire) != gen
+    }
+
+    /// A non-blocking receive after a readable report, whose data went with a link that
+    /// broke in between (the peer sends it again on the new link): waits for the link and
+    /// the data, as the report promised (at most `PROMISE_WAIT_MS`; then `EAGAIN`). UCX (MPICH)
+    /// frees its receive buffer on an `EAGAIN` in the middle of a message.
+    #[cold]
+    fn recv_promised(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+        const PROMISE_WAIT_MS: u64 = 3_000;
+        let deadline = crate::sys::now_ms() + PROMISE_WAIT_MS;
+        loop {
+            if self.mem.conn().link_down.load(Acquire) != 0 {
+                relink::wait_link(self).map_err(IrbError::Os)?;
+            }
+            match self.with_link(fd, flags | libc::MSG_DONTWAIT, || {
+                self.recv_once(fd, buf, flags | libc::MSG_DONTWAIT)
+            }) {
+                Err(IrbError::WouldBlock) if crate::sys::now_ms() < deadline => {
+                    crate::sys::wait_fd(fd, libc::POLLIN, 50);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// A wait reported `fd` readable to the program (see [`Vc::recv`]).
+    pub fn told_readable(&self) {
+        if !self.told_readable.load(Relaxed) {
+            self.told_readable.store(true, Relaxed);
+        }
+    }
+
+    /// What the kernel's "readable" for `fd` means (see [`crate::ready`]): payload or the
+    /// end waits, or only the layer's own bytes did (now taken). While a link is being put
+    /// in place (its registration is back before the relinking thread lets go of the
+    /// connection) or another thread holds the receive half for a moment, it waits for that
+    /// (at most `TRUTH_WAIT_US`): the rebuilt link's first frame is exactly what must not be
+    /// reported. Past that the answer is `Unknown`.
+    pub fn readable_truth(&self, fd: i32) -> crate::ready::Truth {
+        use crate::ready::Truth;
+        const TRUTH_WAIT_US: u64 = 5_000;
+        let c = self.mem.conn();
+        let mut deadline = 0;
+        let mut later = || {
+            let now = crate::sys::now_us();
+            if deadline == 0 {
+                deadline = now + TRUTH_WAIT_US;
+            }
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+            true
+        };
+        loop {
+            if c.broken.load(Acquire) != 0 {
+                return Truth::Readable;
+            }
+            if self.behind() && c.link_down.load(Acquire) == 0 {
+                // Another process of the connection rebuilt it: take the new link now.
+                self.prepare();
+            }
+            if c.link_down.load(Acquire) != 0 || self.behind() {
+                if later() {
+                    continue;
+                }
+                return Truth::Relinking;
+            }
+            if let Some(l) = self.shm_now() {
+                if l.mode() != shm_sink::Mode::Shm {
+                    return Truth::Unknown;
+                }
+                if l.moving() {
+                    if later() {
+                        continue;
+                    }
+                    return Truth::Relinking;
+                }
+                let Some(_g) = c.rx_lock.try_lock() else {
+                    if later() {
+                        continue;
+                    }
+                    return Truth::Unknown;
+                };
+                let mut b = [0u8; 1];
+                return match l.recv(fd, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
+                    Err(IrbError::WouldBlock) => Truth::Spurious,
+                    Err(IrbError::Os(relink::LINK_DOWN)) => Truth::Relinking,
+                    _ => Truth::Readable,
+                };
+            }
+            if !crate::tcp_sink::stray_frames_possible(self.mem(), self.truth_gen.load(Relaxed)) {
+                return Truth::Readable;
+            }
+            let Some(_g) = c.rx_lock.try_lock() else {
+                if later() {
+                    continue;
+                }
+                return Truth::Unknown;
+            };
+            if c.link_down.load(Acquire) != 0 || self.behind() {
+                continue;
+            }
+            let gen = c.link_gen.load(Acquire);
+            let t = crate::tcp_sink::truth(self.mem(), self.slot, fd);
+            if t != Truth::Unknown {
+                self.truth_gen.store(gen, Relaxed);
+            }
+            return t;
+        }
     }
 
     /// The connection's shared-memory link in this process, whatever it carries now.

@@ -524,7 +524,7 @@ fn backoff(fails: &mut u32) {
 /// `select`, which that limit does not bound. Returns the system call's result.
 fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
     // SAFETY: two valid pollfds (negative fds are ignored by poll).
-    let r = unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout) };
+    let r = unsafe { real::poll(pfds.as_mut_ptr(), 2, timeout) };
     if r >= 0 || sys::errno() != libc::EINVAL {
         return r;
     }

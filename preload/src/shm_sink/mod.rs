@@ -20,9 +20,11 @@
 //!  ours), send ours ──SCM_RIGHTS──► @...-a
 //! ```
 //!
-//! The connecting side waits for that answer before its first byte (a non-blocking call says
-//! `EAGAIN`), so nothing ever sits in a ring the other side will not read. The wait is
-//! bounded (`OFFER_WAIT_MS` from the offer): natively a connected socket takes bytes before
+//! The connecting side waits for that answer before its first byte (a non-blocking receive
+//! says `EAGAIN`; a non-blocking send waits in the call, at most `OFFER_WAIT_NONBLOCKING_MS`
+//! from the offer, because its socket stays writable and a program waiting for an edge of
+//! writability would never hear again), so nothing ever sits in a ring the other side will
+//! not read. The wait is bounded (`OFFER_WAIT_MS` from the offer): natively a connected socket takes bytes before
 //! the peer's program accepts, and programs rely on it (UCX connects to its own listener,
 //! sends, and only then accepts, on one thread); past the bound a send withdraws the offer
 //! (WITHDRAWN, by compare-and-swap against the answer) and the connection uses TCP. If the accepting

@@ -94,6 +94,10 @@ pub(super) fn rings(base: *mut u8, active: bool) -> Result<(Ring, Ring), RingErr
 
 /// How long a send waits for the answer to a shared-memory offer before it withdraws it.
 pub const OFFER_WAIT_MS: u64 = 100;
+/// The same for a non-blocking send, which waits in the call: it cannot say `EAGAIN`, since
+/// the kernel socket under it stays writable and a program waiting for an edge of
+/// writability (`EPOLLET`) would never be woken again.
+pub const OFFER_WAIT_NONBLOCKING_MS: u64 = 50;
 
 impl ShmLink {
     /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
@@ -297,8 +301,15 @@ impl ShmLink {
     }
 
     /// `withdraw`: the caller is about to send; once `OFFER_WAIT_MS` passed since the offer
-    /// without an answer, the offer is withdrawn and the connection uses TCP.
+    /// without an answer, the offer is withdrawn and the connection uses TCP. A send that
+    /// must not block waits too, at most `OFFER_WAIT_NONBLOCKING_MS` from the offer: an
+    /// `EAGAIN` from a writable socket would never be followed by an edge of writability.
     pub fn settle(&self, fd: i32, wait: bool, withdraw: bool) -> Result<Mode, IrbError> {
+        let (wait, limit) = match (wait, withdraw && self.offered_ms > 0) {
+            (_, false) => (wait, OFFER_WAIT_MS),
+            (true, true) => (true, OFFER_WAIT_MS),
+            (false, true) => (true, OFFER_WAIT_NONBLOCKING_MS),
+        };
         loop {
             match self.mode() {
                 Mode::Pending => {}
@@ -346,10 +357,10 @@ impl ShmLink {
                     self.withdrawn();
                 }
                 _ if self.moving() => return Err(IrbError::Os(relink::LINK_DOWN)),
-                _ if withdraw && self.offered_ms > 0 && sys::now_ms() >= self.offered_ms + OFFER_WAIT_MS => {
+                _ if withdraw && self.offered_ms > 0 && sys::now_ms() >= self.offered_ms + limit => {
                     if self.head().state.compare_exchange(OFFERED, WITHDRAWN, AcqRel, Acquire).is_ok() {
                         log::info(format_args!(
-                            "shared memory not used: the program sends and the peer's program has not accepted after {OFFER_WAIT_MS} ms (TCP takes the bytes, as natively)"
+                            "shared memory not used: the program sends and the peer's program has not accepted after {limit} ms (TCP takes the bytes, as natively)"
                         ));
                         self.withdrawn();
                     }
@@ -357,7 +368,7 @@ impl ShmLink {
                 _ if !wait => return Err(IrbError::WouldBlock),
                 _ => {
                     let left = if withdraw && self.offered_ms > 0 {
-                        (self.offered_ms + OFFER_WAIT_MS).saturating_sub(sys::now_ms()).clamp(1, 200)
+                        (self.offered_ms + limit).saturating_sub(sys::now_ms()).clamp(1, 200)
                     } else {
                         200
                     };

@@ -1,0 +1,590 @@
+//! Readiness that tells the truth. The program waits on its descriptor, a kernel socket, and
+//! the kernel calls it readable when *bytes* wait there; under the layer some of those bytes
+//! are the layer's own: an acknowledgement sent alone, the first frame of a rebuilt link, a
+//! bell that woke a writer of shared memory. A native socket that polls readable always has
+//! data or the end for `recv`; some programs depend on it (UCX's TCP transport, under MPICH,
+//! frees its receive buffer on a `recv` that says `EAGAIN` in the middle of a message and
+//! then follows a null pointer).
+//!
+//! So `epoll_wait`, `poll` and `select` (and their variants) check each readable virtual
+//! connection they report when the layer's own frames may be what made it readable: the
+//! layer takes its frames off the socket (as the program's `recv` would have) and drops
+//! the readable bit when no payload and no end is left. A wait left with no event goes on
+//! waiting for the rest of its time-out.
+//!
+//! The check costs nothing on the paths where such frames cannot be there: a connection on
+//! TCP whose peer cannot owe it an acknowledgement alone (less than a quarter of the window
+//! unacknowledged, acknowledgements riding on data) and no rebuilt link since the last check
+//! is reported as the kernel says. On shared memory the ring is looked at (no system call when
+//! bytes are there).
+//!
+//! For `epoll`, the layer keeps which registration (epoll instance, data) is which virtual
+//! connection, from the program's `epoll_ctl` calls; registrations it did not see (made before
+//! the socket became a virtual connection, or inherited across `exec`) are reported as the
+//! kernel says, as before.
+
+use crate::fdtable;
+use crate::real;
+use crate::sys;
+use libc::c_int;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::RwLock;
+
+/// What a readable report of a virtual connection means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Truth {
+    /// Payload, the end of the stream or an error waits: report it.
+    Readable,
+    /// Only the layer's own bytes were there (now taken): readable is not true.
+    Spurious,
+    /// Cannot tell without waiting (another thread reads it): report what the kernel says.
+    Unknown,
+    /// The link is being rebuilt: what the kernel says is about a socket on its way out (shut
+    /// down to wake threads blocked on it); nothing is reported until the new one is in
+    /// place, whose registration brings its own events.
+    Relinking,
+}
+
+const EPFD_BITS: usize = 1 << 16;
+
+/// Epoll instances with at least one registration of a virtual connection (one load in
+/// the hooks of every other instance).
+static TRACKED_EPFD: [AtomicU64; EPFD_BITS / 64] = [const { AtomicU64::new(0) }; EPFD_BITS / 64];
+/// Registrations known, for programs with descriptors beyond the bitmap.
+static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// One registration: the descriptor and the events the program asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reg {
+    fd: c_int,
+    events: u32,
+}
+
+/// A data value used by two registrations of one instance: the event cannot be told apart.
+const AMBIGUOUS: c_int = -1;
+
+/// The registrations of virtual connections, three ways.
+#[derive(Default)]
+struct Regs {
+    /// (epoll fd, data) -> registration, and how many registrations use that data.
+    by_data: HashMap<(c_int, u64), (Reg, u32)>,
+    /// (epoll fd, fd) -> data.
+    by_fd: HashMap<(c_int, c_int), u64>,
+    /// fd -> the epoll instances it is registered with.
+    instances: HashMap<c_int, Vec<c_int>>,
+}
+
+impl Regs {
+    /// Records a successful `EPOLL_CTL_ADD`/`MOD` of virtual connection `fd`.
+    fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64) {
+        if self.by_fd.get(&(epfd, fd)) == Some(&data) {
+            if let Some((g, _)) = self.by_data.get_mut(&(epfd, data)) {
+                if g.fd == fd {
+                    g.events = events;
+                }
+            }
+            return;
+        }
+        self.forget(epfd, fd);
+        let (g, n) = self.by_data.entry((epfd, data)).or_insert((Reg { fd, events }, 0));
+        *n += 1;
+        if *n > 1 {
+            g.fd = AMBIGUOUS;
+        }
+        self.by_fd.insert((epfd, fd), data);
+        self.instances.entry(fd).or_default().push(epfd);
+    }
+
+    /// Forgets the registration of `fd` with `epfd` (`EPOLL_CTL_DEL`, a close, or a
+    /// descriptor number now used by something else); true if there was one.
+    fn forget(&mut self, epfd: c_int, fd: c_int) -> bool {
+        let Some(data) = self.by_fd.remove(&(epfd, fd)) else { return false };
+        if let Some(v) = self.instances.get_mut(&fd) {
+            v.retain(|&e| e != epfd);
+            if v.is_empty() {
+                self.instances.remove(&fd);
+            }
+        }
+        if let Some((g, n)) = self.by_data.get_mut(&(epfd, data)) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_data.remove(&(epfd, data));
+            } else if *n == 1 && g.fd == AMBIGUOUS {
+                // One registration is left with that data: it is known again.
+                if let Some((&(_, f), _)) = self.by_fd.iter().find(|&(&(e, _), &d)| e == epfd && d == data) {
+                    g.fd = f;
+                }
+            }
+        }
+        true
+    }
+
+    /// `fd` is closed: its registrations go; if it was an epoll instance, everything
+    /// registered with it goes too. Returns how many went.
+    fn close(&mut self, fd: c_int) -> usize {
+        let mut gone = 0;
+        for e in self.instances.get(&fd).cloned().unwrap_or_default() {
+            gone += usize::from(self.forget(e, fd));
+        }
+        let members: Vec<c_int> = self.by_fd.keys().filter(|&&(e, _)| e == fd).map(|&(_, f)| f).collect();
+        for f in members {
+            gone += usize::from(self.forget(fd, f));
+        }
+        gone
+    }
+
+    /// The registration behind an event of `epfd`.
+    fn lookup(&self, epfd: c_int, data: u64) -> Option<Reg> {
+        self.by_data.get(&(epfd, data)).map(|&(g, _)| g).filter(|g| g.fd != AMBIGUOUS)
+    }
+
+    fn len(&self) -> usize {
+        self.by_fd.len()
+    }
+}
+
+static REGS: RwLock<Option<Regs>> = RwLock::new(None);
+
+fn epfd_bit(epfd: c_int) -> Option<(usize, u64)> {
+    (epfd >= 0 && (epfd as usize) < EPFD_BITS).then(|| (epfd as usize / 64, 1u64 << (epfd as usize % 64)))
+}
+
+/// True when `epfd` may report virtual connections (one atomic load).
+#[inline]
+pub fn tracking(epfd: c_int) -> bool {
+    match epfd_bit(epfd) {
+        Some((w, b)) => TRACKED_EPFD[w].load(Relaxed) & b != 0,
+        None => REG_COUNT.load(Relaxed) > 0,
+    }
+}
+
+fn with_regs<T>(f: impl FnOnce(&mut Regs) -> T) -> T {
+    let mut g = REGS.write().unwrap_or_else(|e| e.into_inner());
+    let r = g.get_or_insert_with(Regs::default);
+    let out = f(r);
+    REG_COUNT.store(r.len(), Relaxed);
+    out
+}
+
+/// The program changed a registration (the call succeeded): remembers it when `fd` is a
+/// virtual connection, forgets it otherwise.
+pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
+    let virtual_fd = fdtable::vc(fd).is_some();
+    if !virtual_fd && !tracking(epfd) {
+        return;
+    }
+    if virtual_fd && op != libc::EPOLL_CTL_DEL {
+        // The same registration again (UCX changes its events at every send): one read lock.
+        let g = REGS.read().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_some_and(|r| {
+            r.by_fd.get(&(epfd, fd)) == Some(&data) && r.lookup(epfd, data) == Some(Reg { fd, events })
+        }) {
+            return;
+        }
+    }
+    with_regs(|r| match op {
+        libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
+            r.set(epfd, fd, events, data);
+            if let Some((w, b)) = epfd_bit(epfd) {
+                TRACKED_EPFD[w].fetch_or(b, Relaxed);
+            }
+        }
+        _ => {
+            r.forget(epfd, fd);
+        }
+    });
+}
+
+/// A descriptor is closed: its registrations go (the kernel drops them with the last
+/// reference; a registration that survives through a duplicate is then simply not
+/// checked), and so does everything of an epoll instance closed.
+pub fn note_close(fd: c_int) {
+    if REG_COUNT.load(Relaxed) == 0 {
+        return;
+    }
+    with_regs(|r| r.close(fd));
+    if let Some((w, b)) = epfd_bit(fd) {
+        TRACKED_EPFD[w].fetch_and(!b, Relaxed);
+    }
+}
+
+/// What a readable report of `fd` means (never blocks; a panic counts as "report it").
+fn truth(fd: c_int) -> Truth {
+    let Some(vc) = fdtable::vc(fd) else { return Truth::Unknown };
+    // (The program's wait succeeds: the layer's calls leave its errno as it was.)
+    let errno = sys::errno();
+    let t = crate::error::quietly(|| Some(vc.readable_truth(fd))).unwrap_or(Truth::Unknown);
+    sys::set_errno(errno);
+    if matches!(t, Truth::Readable | Truth::Unknown) {
+        vc.told_readable();
+    }
+    t
+}
+
+const IN_BITS: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
+const END_BITS: u32 = (libc::EPOLLERR | libc::EPOLLHUP | libc::EPOLLRDHUP) as u32;
+
+/// Drops the readable bit of events that are not true; returns how many events are left
+/// (compacted to the front).
+///
+/// # Safety
+/// `events` points at `n` events the kernel just wrote.
+unsafe fn filter_epoll(epfd: c_int, events: *mut libc::epoll_event, n: usize) -> usize {
+    // SAFETY: the caller's contract.
+    let evs = unsafe { std::slice::from_raw_parts_mut(events, n) };
+    // The registrations behind readable events, found under one read lock (on the stack for
+    // the usual few; the rest on the heap).
+    let mut near = [(0usize, Reg { fd: 0, events: 0 }); 16];
+    let mut far: Vec<(usize, Reg)> = Vec::new();
+    let mut found = 0;
+    {
+        let g = REGS.read().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = g.as_ref() else { return n };
+        for (i, e) in evs.iter().enumerate() {
+            let ev = e.events;
+            if ev & (IN_BITS | END_BITS) != 0 {
+                if let Some(reg) = r.lookup(epfd, e.u64) {
+                    if found < near.len() {
+                        near[found] = (i, reg);
+                    } else {
+                        far.push((i, reg));
+                    }
+                    found += 1;
+                }
+            }
+        }
+    }
+    if found == 0 {
+        return n;
+    }
+    let mut drop = false;
+    for &(i, reg) in near[..found.min(near.len())].iter().chain(far.iter()) {
+        let e = &mut evs[i];
+        let left = match truth(reg.fd) {
+            Truth::Spurious if e.events & END_BITS == 0 => e.events & !IN_BITS,
+            Truth::Relinking => 0,
+            _ => continue,
+        };
+        e.events = left;
+        if left == 0 {
+            drop = true;
+            if reg.events & libc::EPOLLONESHOT as u32 != 0 {
+                // The kernel disarmed it for an event we take away: arm it again.
+                let mut again = libc::epoll_event { events: reg.events, u64: e.u64 };
+                // SAFETY: the program's own registration, as it made it.
+                unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, reg.fd, &mut again) };
+            }
+        }
+    }
+    if !drop {
+        return n;
+    }
+    let mut k = 0;
+    for i in 0..n {
+        if evs[i].events != 0 {
+            evs[k] = evs[i];
+            k += 1;
+        }
+    }
+    k
+}
+
+/// The end of a wait of `us` microseconds (negative: no end).
+struct Deadline(Option<u64>);
+
+impl Deadline {
+    fn us(us: i64) -> Self {
+        Deadline((us > 0).then(|| sys::now_us() + us as u64))
+    }
+
+    /// Microseconds left for a wait of `us` given at the start (`None`: the time is up;
+    /// negative: no end).
+    fn left_us(&self, us: i64) -> Option<i64> {
+        if us < 0 {
+            return Some(us);
+        }
+        let end = self.0?;
+        let now = sys::now_us();
+        (now < end).then(|| (end - now) as i64)
+    }
+}
+
+fn ms_to_us(ms: c_int) -> i64 {
+    if ms < 0 {
+        -1
+    } else {
+        ms as i64 * 1000
+    }
+}
+
+fn us_to_ms(us: i64) -> c_int {
+    if us < 0 {
+        -1
+    } else {
+        ((us + 999) / 1000).min(c_int::MAX as i64) as c_int
+    }
+}
+
+/// A time-out given as a timespec (null: none) in microseconds (negative: none).
+///
+/// # Safety
+/// `ts` is null or valid.
+pub unsafe fn ts_us(ts: *const libc::timespec) -> i64 {
+    if ts.is_null() {
+        return -1;
+    }
+    // SAFETY: the caller's contract.
+    let t = unsafe { *ts };
+    t.tv_sec.saturating_mul(1_000_000).saturating_add((t.tv_nsec + 999) / 1000).max(0)
+}
+
+/// A timespec of `us` microseconds (>= 0).
+pub fn us_ts(us: i64) -> libc::timespec {
+    libc::timespec { tv_sec: (us / 1_000_000) as _, tv_nsec: ((us % 1_000_000) * 1000) as _ }
+}
+
+/// Runs `wait(first, left)` (`first`: the call with the program's own time-out; `left`:
+/// microseconds left, negative for none) and `filter(n)` on what it reports, again for the
+/// rest of the time while the filter leaves nothing.
+fn wait_loop(
+    timeout_us: i64,
+    mut wait: impl FnMut(bool, i64) -> c_int,
+    mut filter: impl FnMut(c_int) -> c_int,
+) -> c_int {
+    let deadline = Deadline::us(timeout_us);
+    let mut first = true;
+    let mut left = timeout_us;
+    loop {
+        let n = wait(first, left);
+        first = false;
+        if n <= 0 || crate::sandbox::active() {
+            return n;
+        }
+        let k = filter(n);
+        if k > 0 || timeout_us == 0 {
+            return k;
+        }
+        match deadline.left_us(timeout_us) {
+            Some(l) => left = l,
+            None => return 0,
+        }
+    }
+}
+
+/// `epoll_wait` and its variants: `wait(first, us_left)` is the real call.
+///
+/// # Safety
+/// `events` holds `max` events.
+pub unsafe fn epoll_wait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    max: c_int,
+    timeout_us: i64,
+    wait: impl FnMut(bool, i64) -> c_int,
+) -> c_int {
+    wait_loop(timeout_us, wait, |n| {
+        if max <= 0 {
+            return n;
+        }
+        // SAFETY: the kernel wrote `n` <= `max` events.
+        (unsafe { filter_epoll(epfd, events, n as usize) }) as c_int
+    })
+}
+
+/// Milliseconds for a real call: the program's own at first, then what is left.
+pub fn ms_for(first: bool, timeout_ms: c_int, left_us: i64) -> c_int {
+    if first {
+        timeout_ms
+    } else {
+        us_to_ms(left_us)
+    }
+}
+
+/// `ms_to_us` for the hooks.
+pub fn ms_us(ms: c_int) -> i64 {
+    ms_to_us(ms)
+}
+
+/// `poll` and `ppoll`: `wait(first, us_left)` is the real call.
+///
+/// # Safety
+/// `fds` holds `n` pollfds.
+pub unsafe fn poll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout_us: i64,
+    mut wait: impl FnMut(bool, i64) -> c_int,
+) -> c_int {
+    if !fdtable::any() || fds.is_null() || n == 0 {
+        return wait(true, timeout_us);
+    }
+    wait_loop(timeout_us, wait, |r| {
+        // SAFETY: the caller's contract.
+        let p = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+        let mut left = r;
+        const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
+        const END: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLRDHUP;
+        for f in p.iter_mut() {
+            let bits = f.revents;
+            if bits & (IN | END) == 0 || bits & libc::POLLNVAL != 0 || !fdtable::is_managed(f.fd) {
+                continue;
+            }
+            f.revents = match truth(f.fd) {
+                Truth::Spurious if bits & END == 0 => bits & !IN,
+                Truth::Relinking => 0,
+                _ => continue,
+            };
+            if f.revents == 0 {
+                left -= 1;
+            }
+        }
+        left
+    })
+}
+
+/// The program's descriptor sets, kept to give each repeated call the sets it asked about.
+struct Sets([Option<libc::fd_set>; 3]);
+
+impl Sets {
+    /// # Safety
+    /// Each pointer is null or valid.
+    unsafe fn save(s: [*mut libc::fd_set; 3]) -> Self {
+        // SAFETY: the caller's contract.
+        Sets(s.map(|p| (!p.is_null()).then(|| unsafe { *p })))
+    }
+
+    /// # Safety
+    /// The pointers `save` was given.
+    unsafe fn restore(&self, s: [*mut libc::fd_set; 3]) {
+        for (p, c) in s.iter().zip(&self.0) {
+            if let Some(c) = c {
+                // SAFETY: the caller's contract.
+                unsafe { **p = *c };
+            }
+        }
+    }
+}
+
+/// `select` and `pselect`: `wait(first, us_left)` is the real call on the sets.
+///
+/// # Safety
+/// The sets are null or valid for `nfds` descriptors.
+pub unsafe fn select(
+    nfds: c_int,
+    sets: [*mut libc::fd_set; 3],
+    timeout_us: i64,
+    mut wait: impl FnMut(bool, i64) -> c_int,
+) -> c_int {
+    let rd = sets[0];
+    if !fdtable::any() || rd.is_null() || nfds <= 0 {
+        return wait(true, timeout_us);
+    }
+    // SAFETY: the caller's contract.
+    let saved = unsafe { Sets::save(sets) };
+    let nfds = nfds.min(libc::FD_SETSIZE as c_int);
+    let mut again = false;
+    wait_loop(
+        timeout_us,
+        |first, left| {
+            if std::mem::replace(&mut again, true) {
+                // SAFETY: the program's sets.
+                unsafe { saved.restore(sets) };
+            }
+            wait(first, left)
+        },
+        |r| {
+            let mut left = r;
+            for fd in 0..nfds {
+                // SAFETY: `rd` is valid for FD_SETSIZE descriptors.
+                if !unsafe { libc::FD_ISSET(fd, rd) } || !fdtable::is_managed(fd) {
+                    continue;
+                }
+                match truth(fd) {
+                    Truth::Spurious => {}
+                    Truth::Relinking => {
+                        // Not writable nor exceptional either until the new link is in place.
+                        for s in [sets[1], sets[2]] {
+                            // SAFETY: null or valid for FD_SETSIZE descriptors.
+                            if !s.is_null() && unsafe { libc::FD_ISSET(fd, s) } {
+                                // SAFETY: as above.
+                                unsafe { libc::FD_CLR(fd, s) };
+                                left -= 1;
+                            }
+                        }
+                    }
+                    _ => continue,
+                }
+                // SAFETY: as above.
+                unsafe { libc::FD_CLR(fd, rd) };
+                left -= 1;
+            }
+            left
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_are_found_by_their_data_and_forgotten_with_their_descriptor() {
+        let mut r = Regs::default();
+        r.set(5, 10, 1, 0xa);
+        r.set(5, 11, 1, 0xb);
+        r.set(6, 10, 4, 0xa);
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: 1 }));
+        assert_eq!(r.lookup(6, 0xa), Some(Reg { fd: 10, events: 4 }));
+        // MOD with other events, then with other data.
+        r.set(5, 10, 5, 0xa);
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: 5 }));
+        r.set(5, 10, 5, 0xc);
+        assert_eq!(r.lookup(5, 0xa), None);
+        assert_eq!(r.lookup(5, 0xc), Some(Reg { fd: 10, events: 5 }));
+        assert_eq!(r.len(), 3);
+        // Closing fd 10 forgets it in both instances.
+        assert_eq!(r.close(10), 2);
+        assert_eq!(r.lookup(5, 0xc), None);
+        assert_eq!(r.lookup(6, 0xa), None);
+        assert_eq!(r.lookup(5, 0xb), Some(Reg { fd: 11, events: 1 }));
+        // Closing the epoll instance forgets what it held.
+        assert_eq!(r.close(5), 1);
+        assert_eq!(r.len(), 0);
+        assert!(r.by_data.is_empty() && r.instances.is_empty());
+    }
+
+    #[test]
+    fn one_data_value_for_two_descriptors_is_not_trusted_until_one_goes() {
+        let mut r = Regs::default();
+        r.set(5, 10, 1, 7);
+        r.set(5, 11, 1, 7);
+        assert_eq!(r.lookup(5, 7), None, "an event with data 7 could be either");
+        assert!(r.forget(5, 10));
+        assert_eq!(r.lookup(5, 7), Some(Reg { fd: 11, events: 1 }));
+        assert!(r.forget(5, 11));
+        assert!(!r.forget(5, 11));
+        assert!(r.by_data.is_empty());
+        // The same data used again later is known.
+        r.set(5, 12, 1, 7);
+        assert_eq!(r.lookup(5, 7), Some(Reg { fd: 12, events: 1 }));
+    }
+
+    #[test]
+    fn deadlines_count_down_and_never_end_for_negative_time_outs() {
+        assert_eq!(ms_for(true, 250, 0), 250);
+        assert_eq!(ms_for(false, 250, 1_001), 2);
+        assert_eq!(ms_for(false, -1, -1), -1);
+        let d = Deadline::us(-1);
+        assert_eq!(d.left_us(-1), Some(-1));
+        let d = Deadline::us(1);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert_eq!(d.left_us(1), None);
+        let t = us_ts(1_500_000);
+        assert_eq!((t.tv_sec, t.tv_nsec), (1, 500_000_000));
+        // SAFETY: a valid timespec.
+        assert_eq!(unsafe { ts_us(&t) }, 1_500_000);
+        // SAFETY: null is allowed.
+        assert_eq!(unsafe { ts_us(std::ptr::null()) }, -1);
+    }
+}
