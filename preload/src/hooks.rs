@@ -299,7 +299,7 @@ pub unsafe extern "C" fn epoll_wait(
     }
     // SAFETY: forwarding; the kernel writes at most `max` events.
     unsafe {
-        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_us(timeout), |first, left| {
+        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_to_us(timeout), |first, left| {
             real::epoll_wait(epfd, ev, max, crate::ready::ms_for(first, timeout, left))
         })
     }
@@ -319,7 +319,7 @@ pub unsafe extern "C" fn epoll_pwait(
     }
     // SAFETY: as epoll_wait.
     unsafe {
-        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_us(timeout), |first, left| {
+        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_to_us(timeout), |first, left| {
             real::epoll_pwait(epfd, ev, max, crate::ready::ms_for(first, timeout, left), sigmask)
         })
     }
@@ -355,7 +355,7 @@ pub unsafe extern "C" fn epoll_pwait2(
 pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
     // SAFETY: forwarding; `fds` holds `n` entries.
     unsafe {
-        crate::ready::poll(fds, n, crate::ready::ms_us(timeout), |first, left| {
+        crate::ready::poll(fds, n, crate::ready::ms_to_us(timeout), |first, left| {
             real::poll(fds, n, crate::ready::ms_for(first, timeout, left))
         })
     }

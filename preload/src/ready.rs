@@ -345,7 +345,8 @@ impl Deadline {
     }
 }
 
-fn ms_to_us(ms: c_int) -> i64 {
+/// A time-out in milliseconds (negative: none) in microseconds.
+pub fn ms_to_us(ms: c_int) -> i64 {
     if ms < 0 {
         -1
     } else {
@@ -434,11 +435,6 @@ pub fn ms_for(first: bool, timeout_ms: c_int, left_us: i64) -> c_int {
     } else {
         us_to_ms(left_us)
     }
-}
-
-/// `ms_to_us` for the hooks.
-pub fn ms_us(ms: c_int) -> i64 {
-    ms_to_us(ms)
 }
 
 /// `poll` and `ppoll`: `wait(first, us_left)` is the real call.

@@ -328,7 +328,8 @@ impl Vc {
         let c = self.mem.conn();
         // A wait told the program this descriptor is readable: this receive must find data.
         let told = self.told_readable.load(Relaxed) && self.told_readable.swap(false, Relaxed);
-        let gen = c.link_gen.load(Acquire);
+        // (Read only then: the common receive pays one relaxed load for all this.)
+        let gen = if told { c.link_gen.load(Acquire) } else { 0 };
         let r = self.with_link(fd, flags, || self.recv_once(fd, buf, flags));
         if told && matches!(r, Err(IrbError::WouldBlock)) && self.relinked_since(gen) {
             return self.recv_promised(fd, buf, flags);
@@ -452,9 +453,8 @@ impl Vc {
             }
             let gen = c.link_gen.load(Acquire);
             let t = crate::tcp_sink::truth(self.mem(), self.slot, fd);
-            if t != Truth::Unknown {
-                self.truth_gen.store(gen, Relaxed);
-            }
+            // Whatever it found, the frames at the head of this link's socket were looked at.
+            self.truth_gen.store(gen, Relaxed);
             return t;
         }
     }
