@@ -414,7 +414,9 @@ impl Vc {
                 if later() {
                     continue;
                 }
-                return Truth::Relinking;
+                // Only a link really down has its socket on the way out; otherwise report
+                // what the kernel says rather than risk hiding data for good.
+                return if c.link_down.load(Acquire) != 0 { Truth::Relinking } else { Truth::Unknown };
             }
             if let Some(l) = self.shm_now() {
                 if l.mode() != shm_sink::Mode::Shm {
@@ -424,7 +426,7 @@ impl Vc {
                     if later() {
                         continue;
                     }
-                    return Truth::Relinking;
+                    return Truth::Unknown;
                 }
                 let Some(_g) = c.rx_lock.try_lock() else {
                     if later() {
