@@ -49,9 +49,10 @@ say "two hosts ($H1 $VMI_NET0.1, $H2 $VMI_NET0.2), two networks each"
 scripts/topo.sh down-all "$PREFIX" >/dev/null 2>&1 || true
 scripts/topo.sh up 2 "$PREFIX"
 
-say "one vmi-agent per host"
+say "one vmi-agent per host, sharing a new cluster key"
+target/release/vmi-agent --init --key "$LOG/cluster.key"
 for h in $H1 $H2; do
-    VMI_LOG=info in_host "$h" target/release/vmi-agent >"$LOG/agent-$h.log" 2>&1 &
+    VMI_CLUSTER_KEY="$LOG/cluster.key" VMI_LOG=info in_host "$h" target/release/vmi-agent >"$LOG/agent-$h.log" 2>&1 &
 done
 for h in $H1 $H2; do
     for _ in $(seq 50); do in_host "$h" target/release/vmictl status --json >/dev/null 2>&1 && break; sleep 0.1; done

@@ -790,13 +790,36 @@ def topo_down():
     topo("down-all", PREFIX)
 
 
-class Agent:
-    """vmi-agent running in the foreground inside one host."""
+_CLUSTER_KEYS = {}
 
-    def __init__(self, host, logdir, name=None, args=()):
+
+def cluster_key(name="cluster"):
+    """A cluster key file made with `vmi-agent --init` for this test session (one per
+    name: agents given another name's key are strangers to the session's cluster); removed
+    at exit."""
+    if name not in _CLUSTER_KEYS:
+        import atexit
+        import shutil
+        import tempfile
+        d = Path(tempfile.mkdtemp(prefix="vmit-key-"))
+        atexit.register(shutil.rmtree, d, True)
+        path = d / f"{name}.key"
+        subprocess.run([str(AGENT_BIN), "--init", "--key", str(path)], check=True,
+                       capture_output=True, timeout=10)
+        _CLUSTER_KEYS[name] = path
+    return _CLUSTER_KEYS[name]
+
+
+class Agent:
+    """vmi-agent running in the foreground inside one host, with the session's cluster key
+    unless `key` names another."""
+
+    def __init__(self, host, logdir, name=None, args=(), key="cluster"):
         self.host = host
+        self.key = cluster_key(key)
         self.proc = Proc(name or f"agent-{host}", host, [AGENT_BIN, *map(str, args)], layer=False,
-                         env={"VMI_LOG": AGENT_LOG}, logdir=logdir)
+                         env={"VMI_LOG": AGENT_LOG, "VMI_CLUSTER_KEY": str(self.key)},
+                         logdir=logdir)
 
     def wait_ready(self, timeout=AGENT_READY_TIMEOUT):
         deadline = time.monotonic() + timeout
@@ -823,10 +846,10 @@ class Agent:
 # and the physical links of virtual connections
 
 @contextlib.contextmanager
-def extra_agent(host, logdir, name, args=()):
+def extra_agent(host, logdir, name, args=(), key="cluster"):
     """An agent in host beyond the session's two (for a test or a module), ready; stopped
     when the block ends."""
-    agent = Agent(host, logdir, name=name, args=args)
+    agent = Agent(host, logdir, name=name, args=args, key=key)
     try:
         agent.wait_ready()
         yield agent

@@ -13,11 +13,13 @@
 //! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
 //! * [`status`]: the processes' statistics tables and the JSON report.
 //! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
+//! * [`mesh`]: the cluster key, the encrypted agent channel, sealed heartbeats.
 //! * [`wire`]: reading and writing agent messages on a stream.
 
 pub mod directory;
 pub mod events;
 pub mod local;
+pub mod mesh;
 pub mod net;
 pub mod paths;
 pub mod peer;

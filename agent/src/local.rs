@@ -3,6 +3,7 @@
 
 use crate::directory::Directory;
 use crate::events::Events;
+use crate::mesh::{ClusterKey, Refusals, Refused};
 use crate::paths::Health;
 use crate::peer::PeerClient;
 use crate::status::Procs;
@@ -34,6 +35,10 @@ pub struct Agent {
     pub events: Arc<Events>,
     /// The node's networks and path health.
     pub health: Arc<Health>,
+    /// The cluster key (agent channels and heartbeats).
+    pub key: ClusterKey,
+    /// What was refused to strangers and to local users without the right.
+    pub refusals: Arc<Refusals>,
     next_client: AtomicU64,
 }
 
@@ -57,16 +62,32 @@ pub struct Announce {
 }
 
 impl Agent {
-    /// A new agent.
-    pub fn new(port: u16, node: String, probe_interval: Duration, dead_after: Duration) -> Self {
+    /// A new agent of the cluster whose key is `key`.
+    pub fn new(
+        port: u16,
+        node: String,
+        probe_interval: Duration,
+        dead_after: Duration,
+        key: ClusterKey,
+    ) -> Self {
+        let refusals = Arc::new(Refusals::default());
         Agent {
             dir: Mutex::new(Directory::default()),
             procs: Mutex::new(Procs::default()),
-            peers: PeerClient::default(),
+            peers: PeerClient::new(key.clone()),
             port,
             events: Arc::new(Events::default()),
-            health: Arc::new(Health::new(node.clone(), port, probe_interval, dead_after)),
+            health: Arc::new(Health::new(
+                node.clone(),
+                port,
+                probe_interval,
+                dead_after,
+                key.clone(),
+                refusals.clone(),
+            )),
             node,
+            key,
+            refusals,
             next_client: AtomicU64::new(1),
         }
     }
@@ -194,8 +215,8 @@ pub const NOT_HERE: &str = "not under the layer here";
 /// How long a process may take to get ready for a checkpoint.
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// True if the client on `s` may checkpoint process `pid`: root, or the process's owner.
-fn may_manage(s: &UnixStream, pid: u32) -> bool {
+/// The user id of the client on `s` (`None` if the kernel does not say).
+pub fn peer_uid(s: &UnixStream) -> Option<u32> {
     // SAFETY: zeroed ucred is valid; the kernel fills at most `len` bytes.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -209,14 +230,27 @@ fn may_manage(s: &UnixStream, pid: u32) -> bool {
             &mut len,
         )
     };
-    if r != 0 {
-        return false;
-    }
-    if cred.uid == 0 {
-        return true;
-    }
+    (r == 0).then_some(cred.uid)
+}
+
+/// True if user `uid` may change the whole node (take a network out of service): root, or
+/// the user the agent runs as.
+pub fn may_run_node(uid: Option<u32>) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    uid.is_some_and(|u| u == 0 || u == unsafe { libc::geteuid() })
+}
+
+/// The owner of process `pid`.
+pub fn owner_of(pid: u32) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(format!("/proc/{pid}")).is_ok_and(|m| m.uid() == cred.uid)
+    std::fs::metadata(format!("/proc/{pid}")).ok().map(|m| m.uid())
+}
+
+/// True if the client on `s` may manage process `pid` (checkpoint it, move its
+/// connections): whoever may run the node, or the process's owner.
+fn may_manage(s: &UnixStream, pid: u32) -> bool {
+    let uid = peer_uid(s);
+    may_run_node(uid) || (uid.is_some() && owner_of(pid) == uid)
 }
 
 /// Serves the node's layers and `vmictl` on `listener`.
@@ -295,7 +329,12 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     None => Msg::Plain,
                 }
             }
-            Msg::Status => Msg::StatusReply { json: status::report(agent) },
+            Msg::Status => {
+                // Other users see the node, and only their own processes in detail.
+                let uid = peer_uid(&s);
+                let only = if may_run_node(uid) { None } else { Some(uid.unwrap_or(u32::MAX)) };
+                Msg::StatusReply { json: status::report(agent, only) }
+            }
             Msg::Events { pid } => {
                 // From now on this connection is the process's event channel.
                 agent.events.serve(id, pid, s);
@@ -308,6 +347,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::WhereAmI => Msg::Here { addrs: agent.health.advertised() },
             Msg::Freeze { pid } if !may_manage(&s, pid) => {
+                agent.refusals.note(Refused::Local, || {
+                    format!("user {:?} asked to checkpoint another user's process {pid}", peer_uid(&s))
+                });
                 Msg::Error { reason: format!("not allowed to checkpoint process {pid}") }
             }
             Msg::Freeze { pid } => {
@@ -342,6 +384,12 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 if pids.is_empty() {
                     Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
                 } else if !pids.iter().all(|p| may_manage(&s, *p)) {
+                    agent.refusals.note(Refused::Local, || {
+                        format!(
+                            "user {:?} asked to move connection {gid:032x} of another user's process",
+                            peer_uid(&s)
+                        )
+                    });
                     Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
                 } else if shm && pids.len() < 2 {
                     Msg::Error {
@@ -356,11 +404,21 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
                 }
             }
+            Msg::Net { name, up } if !may_run_node(peer_uid(&s)) => {
+                let uid = peer_uid(&s);
+                agent.refusals.note(Refused::Local, || {
+                    format!(
+                        "user {uid:?} asked to take network {name} {}; only root or the agent's user may",
+                        if up { "back into service" } else { "out of service" }
+                    )
+                });
+                Msg::Error { reason: format!("not allowed to change network {name}: run as root") }
+            }
             Msg::Net { name, up } => match agent.health.set_admin(&name, up, &agent.events) {
                 Ok(_) => Msg::Ok,
                 Err(reason) => Msg::Error { reason },
             },
-            other => Msg::Error { reason: format!("unexpected message: {other:?}") },
+            other => Msg::Error { reason: format!("unexpected message: {}", other.name()) },
         };
         write_msg(&mut s, &answer)?;
     }

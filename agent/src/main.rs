@@ -2,11 +2,13 @@
 //! level from `VMI_LOG` (tracing filter syntax, default `info`).
 //!
 //! ```text
-//! vmi-agent [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+//! vmi-agent [--key FILE] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
 //!           [--probe-interval MS] [--dead-after MS]
+//! vmi-agent --init [--key FILE]
 //! ```
 
 use agent::local::{self, Agent};
+use agent::mesh::ClusterKey;
 use agent::{net, paths, peer, DEFAULT_PORT, DEFAULT_SOCKET};
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
@@ -15,8 +17,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{error, info};
 
-const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+const USAGE: &str = "usage: vmi-agent [--key FILE] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
+       vmi-agent --init [--key FILE]
+
+  --init         make a new cluster key at FILE and exit (an existing file is never
+                 overwritten); copy it to every node of the cluster, mode 0600
+  --key FILE     the cluster key (default $VMI_CLUSTER_KEY, else /etc/vmi/cluster.key).
+                 Agents talk only to agents holding the same key: their channel is
+                 authenticated and encrypted with it (Noise NNpsk0), heartbeats are sealed
+                 with it; anything else is refused and logged. `vmictl status` shows its
+                 fingerprint, equal on every node of one cluster
 
   --socket NAME  abstract Unix socket the node's layers use (default vmi-agent; the layer
                  reads VMI_AGENT_SOCKET). Abstract sockets belong to the network namespace,
@@ -33,6 +44,8 @@ const USAGE: &str = "usage: vmi-agent [--socket NAME] [--port PORT] [--bind ADDR
 Logging: VMI_LOG=error|warn|info|debug (default info).";
 
 struct Args {
+    init: bool,
+    key: Option<std::path::PathBuf>,
     socket: String,
     port: u16,
     bind: IpAddr,
@@ -44,6 +57,8 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
+        init: false,
+        key: None,
         socket: DEFAULT_SOCKET.into(),
         port: DEFAULT_PORT,
         bind: "0.0.0.0".parse().expect("ip"),
@@ -56,6 +71,8 @@ fn parse_args() -> Result<Args, String> {
     while let Some(k) = it.next() {
         let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
         match k.as_str() {
+            "--init" => a.init = true,
+            "--key" => a.key = Some(val("--key")?.into()),
             "--socket" => a.socket = val("--socket")?,
             "--port" => a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?,
             "--bind" => a.bind = val("--bind")?.parse().map_err(|e| format!("--bind: {e}"))?,
@@ -102,6 +119,30 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let key_path = ClusterKey::path(args.key.clone());
+    if args.init {
+        match ClusterKey::create(&key_path) {
+            Ok(k) => {
+                println!(
+                    "cluster key written to {} (fingerprint {}); copy it to every node of the cluster (mode 0600)",
+                    key_path.display(),
+                    k.fingerprint
+                );
+                std::process::exit(0);
+            }
+            Err(e) => {
+                eprintln!("vmi-agent: cannot make a cluster key: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    let key = match ClusterKey::load(&key_path) {
+        Ok(k) => k,
+        Err(e) => {
+            error!("{e}");
+            std::process::exit(1);
+        }
+    };
     let node = args.node.clone().unwrap_or_else(net::node_name);
     let unix = match UnixAddr::from_abstract_name(args.socket.as_bytes())
         .and_then(|a| UnixListener::bind_addr(&a))
@@ -127,14 +168,15 @@ fn main() {
         }
     };
     info!(
-        "vmi-agent for node {node}: local socket @{}, agents on {}:{} (TCP, UDP probes every {} ms, dead after {} ms)",
-        args.socket, args.bind, args.port, args.probe_interval, args.dead_after
+        "vmi-agent for node {node}: local socket @{}, agents on {}:{} (TCP, UDP probes every {} ms, dead after {} ms), cluster key {} ({})",
+        args.socket, args.bind, args.port, args.probe_interval, args.dead_after, key.fingerprint, key_path.display()
     );
     let agent = Arc::new(Agent::new(
         args.port,
         node,
         Duration::from_millis(args.probe_interval),
         Duration::from_millis(args.dead_after),
+        key,
     ));
     paths::run(agent.health.clone(), agent.events.clone(), udp);
     agent::sweep::run("/dev/shm".into(), Duration::from_millis(args.sweep_every));

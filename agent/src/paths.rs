@@ -10,8 +10,16 @@
 //!
 //! A network an administrator took out of service (`vmictl net down`) sends no probes and
 //! ignores the ones that arrive, so both ends see its paths die and connections move off it.
+//!
+//! Heartbeats are sealed with the cluster's key ([`crate::mesh`]) and bound to their path
+//! (both addresses are authenticated with them). Each carries the last heartbeat number the
+//! sender heard from the receiver on that path; a heartbeat counts only when that number is
+//! one of the receiver's last [`FRESH_ROUNDS`] (so a path lives only while both directions
+//! work), and a heartbeat number is taken once. A stranger cannot forge one, and one recorded
+//! earlier cannot keep a dead path alive.
 
 use crate::events::Events;
+use crate::mesh::{ClusterKey, Refusals, Refused};
 use crate::net::{self, Iface};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
@@ -26,6 +34,9 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(10);
 /// Silence after which a path is dead, by default (five probes missed: a silent failure is
 /// noticed 40-50 ms after it happens; a link that goes down on this node, at the next probe).
 pub const DEFAULT_DEAD_AFTER: Duration = Duration::from_millis(50);
+/// How many of its own latest heartbeat numbers a receiver takes as an echo: at least 16
+/// rounds, and twice the silence that kills a path.
+pub const FRESH_ROUNDS: u64 = 16;
 
 #[derive(Debug)]
 struct Peer {
@@ -34,6 +45,15 @@ struct Peer {
     last_seen: Option<Instant>,
     /// What the processes were last told (true = dead).
     dead: bool,
+    /// The last heartbeat heard from it on this path (start-up number, heartbeat number):
+    /// echoed in ours.
+    heard: (u64, u64),
+}
+
+impl Peer {
+    fn new(node: String, port: u16) -> Self {
+        Peer { node, port, last_seen: None, dead: false, heard: (0, 0) }
+    }
 }
 
 #[derive(Default)]
@@ -42,6 +62,8 @@ struct State {
     refreshed: Option<Instant>,
     admin_down: HashSet<String>,
     peers: HashMap<IpAddr, Peer>,
+    /// This agent's latest heartbeat number.
+    seq: u64,
 }
 
 impl State {
@@ -70,6 +92,11 @@ pub struct Health {
     pub dead_after: Duration,
     node: String,
     port: u16,
+    key: ClusterKey,
+    refusals: Arc<Refusals>,
+    /// This agent's start-up number (random, never 0).
+    boot: u64,
+    fresh: u64,
 }
 
 /// A network as `vmictl status` shows it.
@@ -101,9 +128,31 @@ pub struct PathJson {
 }
 
 impl Health {
-    /// Path health for the agent of `node`, whose agents use `port`.
-    pub fn new(node: String, port: u16, interval: Duration, dead_after: Duration) -> Self {
-        Health { state: Mutex::new(State::default()), interval, dead_after, node, port }
+    /// Path health for the agent of `node`, whose agents use `port` and share `key`.
+    pub fn new(
+        node: String,
+        port: u16,
+        interval: Duration,
+        dead_after: Duration,
+        key: ClusterKey,
+        refusals: Arc<Refusals>,
+    ) -> Self {
+        let mut b = [0u8; 8];
+        let _ = getrandom::fill(&mut b);
+        let boot = u64::from_le_bytes(b).max(1);
+        let fresh =
+            FRESH_ROUNDS.max(2 * dead_after.as_nanos() as u64 / interval.as_nanos().max(1) as u64 + 2);
+        Health {
+            state: Mutex::new(State::default()),
+            interval,
+            dead_after,
+            node,
+            port,
+            key,
+            refusals,
+            boot,
+            fresh,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -127,7 +176,7 @@ impl Health {
             }
             st.peers.entry(a.ip()).or_insert_with(|| {
                 debug!("probing {a}");
-                Peer { node: String::new(), port: a.port(), last_seen: None, dead: false }
+                Peer::new(String::new(), a.port())
             });
         }
     }
@@ -275,18 +324,42 @@ impl Health {
         v
     }
 
-    /// A probe from `from` arrived.
-    fn heard(&self, from: SocketAddr, node: String, events: &Events) {
+    /// A datagram from `from` arrived on the heartbeat port.
+    fn received(&self, from: SocketAddr, d: &[u8], events: &Events) {
         let mut st = self.lock();
         let now = Instant::now();
         st.refresh(now);
+        // A network out of service ignores heartbeats (and never answers strangers).
         let Some(i) = st.usable(from.ip()).cloned() else { return };
+        let Some(Msg::Probe { node, seq, boot, echo_boot, echo_seq }) =
+            self.key.open_probe(d, from.ip(), i.addr)
+        else {
+            drop(st);
+            self.refusals.note(Refused::Forged, || {
+                format!("a heartbeat from {from} that is not sealed with this cluster's key (a stranger, or a node with another key)")
+            });
+            return;
+        };
+        let mine = st.seq;
         let p = st.peers.entry(from.ip()).or_insert_with(|| {
             info!("node {node} heard at {}", from.ip());
-            Peer { node: node.clone(), port: from.port(), last_seen: None, dead: false }
+            Peer::new(node.clone(), from.port())
         });
+        if boot == p.heard.0 && seq <= p.heard.1 {
+            drop(st);
+            self.refusals.note(Refused::Replayed, || {
+                format!("heartbeat {seq} of node {node} from {from} came again (recorded and replayed?)")
+            });
+            return;
+        }
+        p.heard = (boot, seq);
         p.node = node;
         p.port = from.port();
+        // Alive only if the sender heard one of our latest heartbeats: both ways work, and
+        // the heartbeat is new.
+        if echo_boot != self.boot || echo_seq > mine || mine - echo_seq > self.fresh {
+            return;
+        }
         p.last_seen = Some(now);
         if p.dead {
             p.dead = false;
@@ -303,21 +376,30 @@ impl Health {
     fn tick(&self, sock: &UdpSocket, seq: u64, late: bool, events: &Events) {
         // Heartbeats that arrived while the receiver thread waited for the CPU count too:
         // a busy machine must not look like a dead network.
-        let mut buf = [0u8; 512];
+        let mut buf = [0u8; crate::mesh::PROBE_MAX];
         while let Some((n, from)) = recv_now(sock, &mut buf) {
-            if let Ok(Msg::Probe { node, .. }) = Msg::decode_framed(&buf[..n]) {
-                self.heard(from, node, events);
-            }
+            self.received(from, &buf[..n], events);
         }
-        let probe = Msg::Probe { node: self.node.clone(), seq }.encode();
         let mut st = self.lock();
         let now = Instant::now();
         st.refresh(now);
+        st.seq = seq;
         let mut died = Vec::new();
-        let targets: Vec<(IpAddr, u16, Option<Iface>)> =
-            st.peers.iter().map(|(ip, p)| (*ip, p.port, st.usable(*ip).cloned())).collect();
-        for (ip, port, iface) in targets {
+        let targets: Vec<(IpAddr, u16, (u64, u64), Option<Iface>)> =
+            st.peers.iter().map(|(ip, p)| (*ip, p.port, p.heard, st.usable(*ip).cloned())).collect();
+        for (ip, port, heard, iface) in targets {
             let Some(i) = iface else { continue };
+            let probe = self.key.seal_probe(
+                &Msg::Probe {
+                    node: self.node.clone(),
+                    seq,
+                    boot: self.boot,
+                    echo_boot: heard.0,
+                    echo_seq: heard.1,
+                },
+                i.addr,
+                ip,
+            );
             // A link that went down on this node fails the send itself: the path is dead now,
             // without waiting for the silence.
             let refused = match sock.send_to(&probe, SocketAddr::new(ip, port)) {
@@ -427,14 +509,10 @@ pub fn run(health: Arc<Health>, events: Arc<Events>, sock: UdpSocket) {
         .name("probe-rx".into())
         .spawn(move || {
             urgent();
-            let mut buf = [0u8; 512];
+            let mut buf = [0u8; crate::mesh::PROBE_MAX];
             loop {
                 match rsock.recv_from(&mut buf) {
-                    Ok((n, from)) => match Msg::decode_framed(&buf[..n]) {
-                        Ok(Msg::Probe { node, .. }) => h2.heard(from, node, &e2),
-                        Ok(other) => debug!("unexpected datagram from {from}: {other:?}"),
-                        Err(e) => debug!("malformed datagram from {from}: {e}"),
-                    },
+                    Ok((n, from)) => h2.received(from, &buf[..n], &e2),
                     Err(e) => {
                         warn!("probe socket: {e}");
                         std::thread::sleep(Duration::from_millis(100));
@@ -447,7 +525,7 @@ pub fn run(health: Arc<Health>, events: Arc<Events>, sock: UdpSocket) {
         .name("probe-tx".into())
         .spawn(move || {
             urgent();
-            let mut seq = 0u64;
+            let mut seq = 1u64;
             let mut last = Instant::now();
             loop {
                 let now = Instant::now();

@@ -1,14 +1,18 @@
 //! Agent-to-agent traffic over TCP: the server that answers other nodes' agents, and a
-//! client with one cached connection per remote node.
+//! client with one cached channel per remote node. Agents speak only through channels
+//! authenticated and encrypted with the cluster key ([`crate::mesh`]); the same port takes
+//! the layers' own dials that rebuild a link (`Resume`, in clear, proven by the connection's
+//! secret), and nothing else in clear.
 
-use crate::wire::{read_msg, write_msg};
+use crate::mesh::{Channel, ClusterKey, Refused, HANDSHAKE_TIMEOUT, MESH_MAGIC};
+use crate::wire::{read_msg, read_msg_limited, write_msg};
 use crate::{
     events::Events,
     local::{Agent, Announce},
     net,
 };
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Read};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -19,17 +23,25 @@ use tracing::{debug, info, warn};
 /// Error reason for a connection whose process is being moved away (the layer knows it).
 pub const MOVED: &str = "moved";
 
+/// Largest message taken in clear (a `Resume` is about 40 bytes).
+const CLEAR_MAX: usize = 1024;
+
 /// Time allowed for reaching another node's agent.
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// Connections to other nodes' agents.
-#[derive(Default)]
+/// Channels to other nodes' agents.
 pub struct PeerClient {
-    conns: Mutex<HashMap<IpAddr, Arc<Mutex<Option<TcpStream>>>>>,
+    key: ClusterKey,
+    conns: Mutex<HashMap<IpAddr, Arc<Mutex<Option<Channel>>>>>,
     down: Mutex<HashMap<IpAddr, Instant>>,
 }
 
 impl PeerClient {
+    /// A client of the agents that share `key`.
+    pub fn new(key: ClusterKey) -> Self {
+        PeerClient { key, conns: Mutex::default(), down: Mutex::default() }
+    }
+
     /// Sends `m` to the agent of the node at `ip` and returns its answer.
     pub fn ask(&self, ip: IpAddr, port: u16, m: &Msg) -> io::Result<Msg> {
         if let Some(t) = self.down.lock().unwrap_or_else(|e| e.into_inner()).get(&ip) {
@@ -41,14 +53,19 @@ impl PeerClient {
         let mut conn = slot.lock().unwrap_or_else(|e| e.into_inner());
         for attempt in 0..2 {
             if conn.is_none() {
-                match TcpStream::connect_timeout(&SocketAddr::new(ip, port), PEER_TIMEOUT) {
-                    Ok(s) => {
+                let opened =
+                    TcpStream::connect_timeout(&SocketAddr::new(ip, port), PEER_TIMEOUT).and_then(|s| {
                         s.set_read_timeout(Some(Duration::from_secs(2)))?;
                         s.set_write_timeout(Some(Duration::from_secs(2)))?;
                         s.set_nodelay(true)?;
-                        *conn = Some(s);
-                    }
+                        Channel::dial(s, &self.key)
+                    });
+                match opened {
+                    Ok(c) => *conn = Some(c),
                     Err(e) => {
+                        if e.kind() == io::ErrorKind::PermissionDenied {
+                            warn!("agent at {ip} is not of this cluster: {e}");
+                        }
                         self.down.lock().unwrap_or_else(|e| e.into_inner()).insert(ip, Instant::now());
                         return Err(e);
                     }
@@ -92,12 +109,37 @@ pub fn serve(agent: Arc<Agent>, listener: TcpListener) {
 
 fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
     s.set_nodelay(true)?;
+    let from = s.peer_addr().ok();
+    // Whoever does not speak within the time-out is dropped (a stranger holding
+    // connections open must not hold threads for ever).
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut first = [0u8; 4];
+    s.read_exact(&mut first)?;
+    if first == MESH_MAGIC {
+        let mut c = match Channel::answer(s, &agent.key) {
+            Ok(c) => c,
+            Err(e) => {
+                agent.refusals.note(Refused::Channel, || {
+                    format!("agent channel from {from:?}: {e}; it does not hold this cluster's key")
+                });
+                return Ok(());
+            }
+        };
+        c.stream().set_read_timeout(None)?;
+        return serve_agent(agent, &mut c, from);
+    }
+    let first = read_msg_limited(first, &mut s, CLEAR_MAX);
+    s.set_read_timeout(None)?;
+    serve_link(agent, s, first, from)
+}
+
+/// Serves another agent of the cluster on its channel.
+fn serve_agent(agent: &Agent, c: &mut Channel, from: Option<SocketAddr>) -> io::Result<()> {
     loop {
-        let m = match read_msg(&mut s) {
+        let m = match read_msg(c) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                warn!("malformed message from agent {:?}: {e}; closing", s.peer_addr().ok());
-                let _ = write_msg(&mut s, &Msg::Error { reason: e.to_string() });
+                warn!("agent channel from {from:?}: {e}; closing");
                 return Ok(());
             }
             Err(e) => return Err(e),
@@ -107,6 +149,35 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                 agent.expect_here(Announce { src, dst, gid, secret, window, aim, agents })
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
+            other => Msg::Error { reason: format!("unexpected message from an agent: {}", other.name()) },
+        };
+        write_msg(c, &answer)?;
+    }
+}
+
+/// Serves a dial in clear: only a layer's `Resume` (a new link of a connection) is taken.
+fn serve_link(
+    agent: &Agent,
+    mut s: TcpStream,
+    first: io::Result<Msg>,
+    from: Option<SocketAddr>,
+) -> io::Result<()> {
+    let mut next = Some(first);
+    loop {
+        let m = match next.take().unwrap_or_else(|| {
+            let mut pre = [0u8; 4];
+            s.read_exact(&mut pre)?;
+            read_msg_limited(pre, &mut s, CLEAR_MAX)
+        }) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                warn!("malformed message from {from:?}: {e}; closing");
+                let _ = write_msg(&mut s, &Msg::Error { reason: e.to_string() });
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let answer = match m {
             Msg::Resume { gid, nonce, from_active } => {
                 // A new link for a connection of this node: the process holding it takes the
                 // socket and authenticates the dialer itself. (Both ends may live on this
@@ -127,7 +198,17 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
                     }
                 }
             }
-            other => Msg::Error { reason: format!("unexpected message from an agent: {other:?}") },
+            other => {
+                agent.refusals.note(Refused::Clear, || {
+                    format!(
+                        "a {} message in clear from {from:?}: agents speak only through the cluster's channel",
+                        other.name()
+                    )
+                });
+                let _ =
+                    write_msg(&mut s, &Msg::Error { reason: "refused: not an agent of this cluster".into() });
+                return Ok(());
+            }
         };
         write_msg(&mut s, &answer)?;
     }

@@ -220,10 +220,13 @@ struct Report {
     networks: Vec<crate::paths::NetJson>,
     paths: Vec<crate::paths::PathJson>,
     connections: Vec<ConnJson>,
+    mesh: serde_json::Value,
 }
 
-/// The JSON status report.
-pub fn report(agent: &Agent) -> String {
+/// The JSON status report; with `only`, the processes, connections and listeners of that
+/// user alone (what a user who may not run the node sees).
+pub fn report(agent: &Agent, only: Option<u32>) -> String {
+    let mine = |pid: u32| only.is_none() || crate::local::owner_of(pid) == only;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -237,7 +240,7 @@ pub fn report(agent: &Agent) -> String {
         let owner_alive =
             procs.live.values().any(|p| alive(p.pid) && p.table.as_ref().is_some_and(|x| x.inode == t.inode));
         for s in t.slots() {
-            if !owner_alive && !alive(s.pid) {
+            if (!owner_alive && !alive(s.pid)) || !mine(s.pid) {
                 continue;
             }
             conns.push(ConnJson {
@@ -276,7 +279,7 @@ pub fn report(agent: &Agent) -> String {
     let mut processes: Vec<ProcJson> = procs
         .live
         .values()
-        .filter(|p| alive(p.pid))
+        .filter(|p| alive(p.pid) && mine(p.pid))
         .map(|p| ProcJson {
             pid: p.pid,
             name: p.name.clone(),
@@ -286,15 +289,16 @@ pub fn report(agent: &Agent) -> String {
         .collect();
     processes.sort_by_key(|p| p.pid);
     processes.dedup_by_key(|p| p.pid);
-    drop(procs);
     let listeners = agent
         .dir
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .listeners()
         .iter()
+        .filter(|l| only.is_none() || procs.pid_of(l.owner).is_some_and(mine))
         .map(|l| ListenerJson { addr: l.addr.to_string() })
         .collect();
+    drop(procs);
     serde_json::to_string(&Report {
         node: agent.node.clone(),
         processes,
@@ -302,6 +306,10 @@ pub fn report(agent: &Agent) -> String {
         networks: agent.health.networks(),
         paths: agent.health.paths(),
         connections: conns,
+        mesh: serde_json::json!({
+            "key": agent.key.fingerprint,
+            "refused": agent.refusals.json(),
+        }),
     })
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

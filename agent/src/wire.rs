@@ -9,10 +9,7 @@ use substrate::wire::agent::Msg;
 pub fn read_msg(r: &mut impl Read) -> io::Result<Msg> {
     let mut pre = [0u8; 4];
     r.read_exact(&mut pre)?;
-    let n = Msg::body_len(pre).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body)?;
-    Msg::decode(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+    read_msg_after(pre, r)
 }
 
 /// Writes one message.
@@ -66,4 +63,24 @@ pub fn read_msg_fd(fd: RawFd) -> io::Result<(Msg, Option<OwnedFd>)> {
     f.read_exact(&mut body)?;
     let m = Msg::decode(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
     Ok((m, passed))
+}
+
+/// Reads the rest of one message whose 4-byte length prefix was read already.
+pub fn read_msg_after(pre: [u8; 4], r: &mut impl Read) -> io::Result<Msg> {
+    read_msg_limited(pre, r, usize::MAX)
+}
+
+/// Reads the rest of one message whose 4-byte length prefix was read already, refusing a
+/// body over `max` bytes before reading it.
+pub fn read_msg_limited(pre: [u8; 4], r: &mut impl Read, max: usize) -> io::Result<Msg> {
+    let n = Msg::body_len(pre).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
+    if n > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a {n}-byte message where at most {max} are taken"),
+        ));
+    }
+    let mut body = vec![0u8; n];
+    r.read_exact(&mut body)?;
+    Msg::decode(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
 }

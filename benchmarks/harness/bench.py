@@ -491,6 +491,11 @@ class Agents:
         self.extra = extra_args
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
+        # The agents of one run share a cluster key made for it.
+        self.key = logdir / "cluster.key"
+        if not self.key.exists():
+            subprocess.run([str(bins["vmi-agent"]), "--init", "--key", str(self.key)], check=True,
+                           capture_output=True, timeout=10)
 
     def status(self, host: Host, timeout: float = 5.0) -> dict | None:
         try:
@@ -513,7 +518,8 @@ class Agents:
         if old is not None:
             PROCS.stop(old)
         logf = open(self.logdir / f"agent-{h.name}.log", "ab")
-        p = PROCS.start(h.wrap([str(self.bins["vmi-agent"]), *self.extra]), stdout=logf,
+        p = PROCS.start(h.wrap(["env", f"VMI_CLUSTER_KEY={self.key}", str(self.bins["vmi-agent"]),
+                                *self.extra]), stdout=logf,
                         stderr=subprocess.STDOUT)
         logf.close()
         self.procs[h.name] = p

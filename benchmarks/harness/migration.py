@@ -208,10 +208,13 @@ def main():
     rows = []
     try:
         topo("up", "3", PREFIX)
+        key = logdir / "cluster.key"
+        key.unlink(missing_ok=True)
+        subprocess.run([str(AGENT), "--init", "--key", str(key)], check=True, capture_output=True)
         for i in (1, 2, 3):
             agents.append(start(host(i), [AGENT], logdir / f"agent{i}.out",
                                 logdir / f"agent{i}.err", layer=False,
-                                extra_env={"VMI_LOG": "info"}))
+                                extra_env={"VMI_LOG": "info", "VMI_CLUSTER_KEY": key}))
         time.sleep(1.0)
         for size in [int(s) for s in a.sizes.split(",")]:
             for rep in range(a.reps):

@@ -266,12 +266,20 @@ pub enum Msg {
         /// Shared memory (true) or TCP (false).
         shm: bool,
     },
-    /// Agent → agent over UDP, on every network path: a heartbeat.
+    /// Agent → agent over UDP, on every network path: a heartbeat (sealed with the
+    /// cluster's key on the wire).
     Probe {
         /// The sender's node name.
         node: String,
         /// Heartbeat number.
         seq: u64,
+        /// The sender's random start-up number (heartbeat numbers restart with it).
+        boot: u64,
+        /// The last `boot` heard from the receiver on this path (0: none yet).
+        echo_boot: u64,
+        /// The last `seq` heard from the receiver on this path: proves the heartbeat is
+        /// new, not a recording.
+        echo_seq: u64,
     },
 }
 
@@ -425,6 +433,47 @@ pub fn addrs_bytes(v: &[SocketAddr]) -> Vec<u8> {
 }
 
 impl Msg {
+    /// The message's kind, for log lines (which must never show a connection's secret, as
+    /// `Debug` of a `Connect` or `Virtual` would).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Hello { .. } => "Hello",
+            Msg::Listen { .. } => "Listen",
+            Msg::Unlisten { .. } => "Unlisten",
+            Msg::Connect { .. } => "Connect",
+            Msg::Accept { .. } => "Accept",
+            Msg::Virtual { .. } => "Virtual",
+            Msg::Plain => "Plain",
+            Msg::Ok => "Ok",
+            Msg::Error { .. } => "Error",
+            Msg::Status => "Status",
+            Msg::StatusReply { .. } => "StatusReply",
+            Msg::Resume { .. } => "Resume",
+            Msg::Challenge { .. } => "Challenge",
+            Msg::Proof { .. } => "Proof",
+            Msg::Ready { .. } => "Ready",
+            Msg::Events { .. } => "Events",
+            Msg::Hold { .. } => "Hold",
+            Msg::Release { .. } => "Release",
+            Msg::Path { .. } => "Path",
+            Msg::Handover { .. } => "Handover",
+            Msg::Paths { .. } => "Paths",
+            Msg::PathList { .. } => "PathList",
+            Msg::Net { .. } => "Net",
+            Msg::Linger { .. } => "Linger",
+            Msg::Freeze { .. } => "Freeze",
+            Msg::Frozen { .. } => "Frozen",
+            Msg::Thaw { .. } => "Thaw",
+            Msg::Thawed { .. } => "Thawed",
+            Msg::Moved { .. } => "Moved",
+            Msg::Unfreeze { .. } => "Unfreeze",
+            Msg::WhereAmI => "WhereAmI",
+            Msg::Here { .. } => "Here",
+            Msg::Move { .. } => "Move",
+            Msg::Probe { .. } => "Probe",
+        }
+    }
+
     /// Encodes the message with its length prefix.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = W(vec![0; 4]);
@@ -543,10 +592,13 @@ impl Msg {
                 w.str(name);
                 w.u8(*up as u8);
             }
-            Msg::Probe { node, seq } => {
+            Msg::Probe { node, seq, boot, echo_boot, echo_seq } => {
                 w.u8(24);
                 w.str(node);
                 w.u64(*seq);
+                w.u64(*boot);
+                w.u64(*echo_boot);
+                w.u64(*echo_seq);
             }
             Msg::Linger { gid } => {
                 w.u8(25);
@@ -662,7 +714,13 @@ impl Msg {
                 Msg::PathList { pairs }
             }
             23 => Msg::Net { name: r.str()?, up: r.bool()? },
-            24 => Msg::Probe { node: r.str()?, seq: r.u64()? },
+            24 => Msg::Probe {
+                node: r.str()?,
+                seq: r.u64()?,
+                boot: r.u64()?,
+                echo_boot: r.u64()?,
+                echo_seq: r.u64()?,
+            },
             25 => Msg::Linger { gid: r.u128()? },
             26 => Msg::Freeze { pid: r.u32()? },
             27 => Msg::Frozen { listeners: r.addrs()? },
@@ -737,7 +795,7 @@ mod tests {
             Msg::Paths { peers: vec![a] },
             Msg::PathList { pairs: vec![(a, b), (b, a)] },
             Msg::Net { name: "eth0".into(), up: false },
-            Msg::Probe { node: "n".into(), seq: 13 },
+            Msg::Probe { node: "n".into(), seq: 13, boot: 131, echo_boot: 132, echo_seq: 133 },
             Msg::Linger { gid: 14 },
             Msg::Freeze { pid: 15 },
             Msg::Frozen { listeners: vec![a] },
