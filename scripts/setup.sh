@@ -24,6 +24,7 @@ APT_PACKAGES=(
     openssh-server
     openssh-client
     nftables
+    tcpdump
     python3-pip
     gcc
     openmpi-bin

@@ -200,6 +200,7 @@ PORT_BLOCKS = {
     "semantics_native": 17550,
     "hostile": 17600,
     "ready": 19100,
+    "trust": 19200,
 }
 
 

@@ -153,6 +153,17 @@ impl ClusterKey {
             .expect("psk set once")
     }
 
+    /// Reads a dialer's first handshake message (from outside: anything may come), as the
+    /// side that was dialed; the handshake state to answer with if the dialer holds this key.
+    pub fn hello(&self, msg: &[u8]) -> io::Result<snow::HandshakeState> {
+        let mut hs = self.noise().build_responder().map_err(refused)?;
+        let mut scratch = vec![0u8; NOISE_MAX];
+        // The dialer's payload is empty: nothing in the first message is acted on (it could
+        // be a recording); the dialer proves itself with its first transport message.
+        hs.read_message(msg, &mut scratch).map_err(refused)?;
+        Ok(hs)
+    }
+
     /// Seals a heartbeat on the path from `src` to `dst` (both are authenticated with it).
     pub fn seal_probe(&self, m: &Msg, src: IpAddr, dst: IpAddr) -> Vec<u8> {
         let mut nonce = [0u8; XNONCE];
@@ -245,7 +256,13 @@ impl Channel {
         first.extend_from_slice(&(n as u16).to_be_bytes());
         first.extend_from_slice(&buf[..n]);
         s.write_all(&first)?;
-        let n = read_frame(&mut s, &mut buf)?;
+        let n = read_frame(&mut s, &mut buf).map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "it closed the channel in the handshake (another cluster key, or not an agent)",
+            ),
+            _ => e,
+        })?;
         let mut scratch = Box::new([0u8; NOISE_MAX]);
         hs.read_message(&buf[..n], &mut scratch[..]).map_err(refused)?;
         let noise = hs.into_transport_mode().map_err(refused)?;
@@ -255,13 +272,9 @@ impl Channel {
     /// Completes a channel whose [`MESH_MAGIC`] was read already, as the side that was
     /// dialed. Fails (and nothing else happens) unless the dialer holds the cluster key.
     pub fn answer(mut s: TcpStream, key: &ClusterKey) -> io::Result<Channel> {
-        let mut hs = key.noise().build_responder().map_err(refused)?;
         let mut buf = Box::new([0u8; NOISE_MAX]);
-        let mut scratch = Box::new([0u8; NOISE_MAX]);
         let n = read_frame(&mut s, &mut buf)?;
-        // The dialer's payload is empty: nothing in the first message is acted on (it could
-        // be a recording); the dialer proves itself with its first transport message.
-        hs.read_message(&buf[..n], &mut scratch[..]).map_err(refused)?;
+        let mut hs = key.hello(&buf[..n])?;
         let n = hs.write_message(&[], &mut buf[..]).map_err(refused)?;
         write_frame(&mut s, &buf[..n])?;
         let noise = hs.into_transport_mode().map_err(refused)?;
@@ -450,7 +463,7 @@ mod tests {
     fn key_files_parse_strictly() {
         let hex = "ab".repeat(32);
         assert!(ClusterKey::parse(format!("{hex}\n").as_bytes()).is_ok());
-        assert!(ClusterKey::parse(hex[..62].as_bytes()).is_err());
+        assert!(ClusterKey::parse(&hex.as_bytes()[..62]).is_err());
         assert!(ClusterKey::parse(format!("{}zz", &hex[..62]).as_bytes()).is_err());
         assert!(ClusterKey::parse(&[0xff; 64]).is_err());
         assert_eq!(ClusterKey::parse(hex.as_bytes()).unwrap().fingerprint, key(0xab).fingerprint);

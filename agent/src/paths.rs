@@ -385,7 +385,7 @@ impl Health {
         st.refresh(now);
         st.seq = seq;
         let mut died = Vec::new();
-        let targets: Vec<(IpAddr, u16, (u64, u64), Option<Iface>)> =
+        let targets: Vec<Target> =
             st.peers.iter().map(|(ip, p)| (*ip, p.port, p.heard, st.usable(*ip).cloned())).collect();
         for (ip, port, heard, iface) in targets {
             let Some(i) = iface else { continue };
@@ -441,6 +441,9 @@ impl Health {
         }
     }
 }
+
+/// A peer address to probe: its port, what it was last heard to say, the local network.
+type Target = (IpAddr, u16, (u64, u64), Option<Iface>);
 
 /// One datagram waiting on `sock`, without blocking.
 fn recv_now(sock: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {

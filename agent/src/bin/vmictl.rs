@@ -20,16 +20,20 @@ const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
   --json         the same as one JSON object:
-                 {node, processes[], listeners[], networks[], paths[], connections[]}
+                 {node, processes[], listeners[], networks[], paths[], connections[], mesh}
                  each connection has gid, pid, local, peer (what the program sees),
                  substrate, direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
                  unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
-                 physical link now), failovers, link (up, relinking or failed)
+                 physical link now), failovers, link (up, relinking or failed); mesh has
+                 the cluster key's fingerprint (key) and counts of what was refused
+                 (channel, clear, forged_heartbeats, replayed_heartbeats, local). A user
+                 other than root (or the agent's user) sees only their own processes,
+                 listeners and connections
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
-  net up NET     put it back in service
+  net up NET     put it back in service (both need root or the agent's user)
   move GID tcp   move a connection off shared memory onto TCP, without loss, and keep it
-                 there (through later link rebuilds too)
+                 there (through later link rebuilds too); root or the owner of its processes
   move GID shm   move it back onto shared memory (when both ends are on this node)
   --socket NAME  the agent's abstract socket (default vmi-agent, or VMI_AGENT_SOCKET)";
 
@@ -55,6 +59,19 @@ fn human(n: u64) -> String {
 
 fn print_table(v: &Value) {
     println!("node {}", v["node"].as_str().unwrap_or("?"));
+    if let Some(m) = v.get("mesh") {
+        let r = &m["refused"];
+        let n = |k: &str| r[k].as_u64().unwrap_or(0);
+        println!(
+            "cluster key {} (refused: {} agent channels, {} messages in clear, {} forged and {} replayed heartbeats, {} local commands)",
+            m["key"].as_str().unwrap_or("?"),
+            n("channel"),
+            n("clear"),
+            n("forged_heartbeats"),
+            n("replayed_heartbeats"),
+            n("local")
+        );
+    }
     let procs = v["processes"].as_array().cloned().unwrap_or_default();
     println!("\nprocesses under the layer: {}", procs.len());
     for p in &procs {
