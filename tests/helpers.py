@@ -201,6 +201,7 @@ PORT_BLOCKS = {
     "hostile": 17600,
     "ready": 19100,
     "trust": 19200,
+    "cluster": 19250,
 }
 
 
@@ -858,6 +859,26 @@ def extra_agent(host, logdir, name, args=(), key="cluster"):
         agent.stop()
 
 
+NOBODY = 65534   # the unprivileged user of tests that check who may do what
+
+
+@contextlib.contextmanager
+def public_copies(*files):
+    """A folder (removed afterwards) with copies of files that any user may read and run
+    (the build folder may not be open to other users)."""
+    import shutil
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="vmit-public-"))
+    try:
+        os.chmod(d, 0o755)
+        for f in files:
+            shutil.copy(f, d / Path(f).name)
+            os.chmod(d / Path(f).name, 0o755)
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def ip_cmd(*args):
     """`ip ARGS` on the machine (pass "-n", HOST to act inside a host); its stdout."""
     argv = ["ip", *[str(a) for a in args]]
@@ -1173,13 +1194,16 @@ def failover_problems(status):
 
 
 def paths_alive(host):
-    """True if host's agent answers and lists every path it knows as alive."""
+    """True if host's agent answers and lists every path it knows toward the session's agent
+    hosts as alive (an agent also keeps the dead paths toward agents that tests started and
+    stopped in other hosts)."""
     try:
         status = vmictl_status(host)
     except VmictlError:
         return False
+    ours = {host_ip(h, n) for h in AGENT_HOSTS for n in (0, 1)}
     return all(isinstance(p, dict) and p.get("state") == "alive"
-               for p in status.get("paths") or [])
+               for p in status.get("paths") or [] if p.get("peer") in ours)
 
 
 def wait_paths_alive(hosts, timeout=PATH_RECOVERY_TIMEOUT):

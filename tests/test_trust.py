@@ -16,23 +16,21 @@
 
 import json
 import os
-import shutil
 import signal
 import struct
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import (AGENT_BIN, AGENT_PORT, ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, PRELOAD_LIB,
-                     PYTHON, VMICTL_BIN, Watcher, assert_plain, assert_same_stream,
-                     assert_virtual, block_port, extra_agent, host_argv, python_prog,
+                     NOBODY, PYTHON, VMICTL_BIN, Watcher, assert_plain, assert_same_stream,
+                     assert_virtual, block_port, extra_agent, host_argv, public_copies,
+                     python_prog,
                      vmictl_status, wait_status)
 
 MiB = 1 << 20
-NOBODY = 65534
 
 
 def refused(host):
@@ -222,20 +220,14 @@ def as_nobody(host, argv, env=None):
 
 
 @pytest.fixture
-def public_copies():
+def copies():
     """vmictl, the layer and stream.py where user nobody can read them."""
-    d = Path(tempfile.mkdtemp(prefix="vmit-trust-"))
-    os.chmod(d, 0o755)
-    here = Path(__file__).parent / "programs" / "stream.py"
-    for f in (VMICTL_BIN, PRELOAD_LIB, here):
-        shutil.copy(f, d / Path(f).name)
-        os.chmod(d / Path(f).name, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with public_copies(VMICTL_BIN, PRELOAD_LIB, Path(__file__).parent / "programs" / "stream.py") as d:
+        yield d
 
 
-def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, public_copies):
-    ctl = public_copies / "vmictl"
+def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, copies):
+    ctl = copies / "vmictl"
     r = as_nobody(H1, [ctl, "net", "down", ETH0])
     assert r.returncode != 0 and "not allowed" in r.stderr + r.stdout, r
     assert all(n["admin"] == "up" for n in vmictl_status(H1)["networks"])
@@ -245,9 +237,9 @@ def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, public_
     procs.server(H1, python_prog("stream.py", "server", "--bind", root_addr), p, layer=True,
                  name="root-server")
     argv = host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                          "/usr/bin/python3", public_copies / "stream.py", "server", "--bind",
+                          "/usr/bin/python3", copies / "stream.py", "server", "--bind",
                           f"{H1_IP}:{mine}"],
-                     {"LD_PRELOAD": str(public_copies / "libvmi_preload.so")})
+                     {"LD_PRELOAD": str(copies / "libvmi_preload.so")})
     theirs = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:

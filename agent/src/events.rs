@@ -3,13 +3,14 @@
 //! agent tells it when a network path dies or comes back, and hands it the sockets of links
 //! other nodes rebuilt for its connections.
 
+use crate::journal::Journal;
 use crate::wire::read_msg_fd;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use substrate::wire::agent::Msg;
 use substrate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN};
@@ -40,6 +41,8 @@ pub struct Events {
     /// opened its event channel: `(client, pid, gid, active)`, moved to the channel when it
     /// opens, dropped when the request socket closes first.
     early: Mutex<Vec<(u64, u32, u128, bool)>>,
+    /// Where what happens is recorded.
+    pub journal: Arc<Journal>,
 }
 
 fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
@@ -143,6 +146,11 @@ fn linger(gid: u128, fd: OwnedFd) {
 }
 
 impl Events {
+    /// Event channels that record what happens in `journal`.
+    pub fn new(journal: Arc<Journal>) -> Self {
+        Events { journal, ..Default::default() }
+    }
+
     /// Serves the event channel `id` of process `pid` until it closes.
     pub fn serve(&self, id: u64, pid: u32, s: UnixStream) {
         let out = match s.try_clone() {
@@ -191,6 +199,11 @@ impl Events {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.remove(&gid);
                     }
+                    self.journal.record(
+                        "closed",
+                        Some(pid),
+                        serde_json::json!({ "gid": format!("{gid:032x}") }),
+                    );
                 }
                 Ok((other, _)) => {
                     warn!("process {pid} sent {other:?} on its event channel; closing it");
@@ -204,7 +217,16 @@ impl Events {
                 }
             }
         }
-        self.lock().remove(&id);
+        let gone = self.lock().remove(&id);
+        if let Some(c) = gone {
+            for gid in c.holds.keys() {
+                self.journal.record(
+                    "closed",
+                    Some(pid),
+                    serde_json::json!({ "gid": format!("{gid:032x}"), "reason": "its process ended" }),
+                );
+            }
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Chan>> {
@@ -260,6 +282,11 @@ impl Events {
             match send_with_fd(&c.out, &body, Some(fd)) {
                 Ok(()) => {
                     debug!("link for {gid:032x} handed to process {}", c.pid);
+                    self.journal.record(
+                        "relink",
+                        Some(c.pid),
+                        serde_json::json!({ "gid": format!("{gid:032x}") }),
+                    );
                     return true;
                 }
                 Err(e) => info!("handing a link to process {}: {e}", c.pid),
@@ -314,6 +341,11 @@ impl Events {
             return Err(why);
         }
         info!("process {pid} is ready for its checkpoint");
+        self.journal.record(
+            "migration",
+            Some(pid),
+            serde_json::json!({ "phase": "frozen for its checkpoint" }),
+        );
         Ok(true)
     }
 

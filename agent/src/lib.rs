@@ -5,21 +5,27 @@
 //! accepted connection virtual?") and the agents of other nodes, and reports every virtual
 //! connection of the node to `vmictl` from the statistics tables the processes share with it.
 //!
+//! * [`cluster`]: commands run on other nodes, and the status of the whole cluster.
 //! * [`directory`]: listeners and expected connections, no I/O (unit-tested).
 //! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
 //!   network namespace has its own agent).
 //! * [`peer`]: the TCP port other nodes' agents talk to, and the client side of it.
 //! * [`paths`]: the node's networks and the health of every path to other nodes.
 //! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
+//! * [`journal`]: the node's events (`vmictl events`).
 //! * [`status`]: the processes' statistics tables and the JSON report.
 //! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
 //! * [`mesh`]: the cluster key, the encrypted agent channel, sealed heartbeats.
+//! * [`metrics`]: Prometheus metrics (`--metrics`).
 //! * [`wire`]: reading and writing agent messages on a stream.
 
+pub mod cluster;
 pub mod directory;
 pub mod events;
+pub mod journal;
 pub mod local;
 pub mod mesh;
+pub mod metrics;
 pub mod net;
 pub mod paths;
 pub mod peer;

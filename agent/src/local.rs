@@ -3,6 +3,7 @@
 
 use crate::directory::Directory;
 use crate::events::Events;
+use crate::journal::Journal;
 use crate::mesh::{ClusterKey, Refusals, Refused};
 use crate::paths::Health;
 use crate::peer::PeerClient;
@@ -39,6 +40,8 @@ pub struct Agent {
     pub key: ClusterKey,
     /// What was refused to strangers and to local users without the right.
     pub refusals: Arc<Refusals>,
+    /// What happened on the node.
+    pub journal: Arc<Journal>,
     next_client: AtomicU64,
 }
 
@@ -70,13 +73,14 @@ impl Agent {
         dead_after: Duration,
         key: ClusterKey,
     ) -> Self {
-        let refusals = Arc::new(Refusals::default());
+        let journal = Arc::new(Journal::default());
+        let refusals = Arc::new(Refusals::new(journal.clone()));
         Agent {
             dir: Mutex::new(Directory::default()),
             procs: Mutex::new(Procs::default()),
             peers: PeerClient::new(key.clone()),
             port,
-            events: Arc::new(Events::default()),
+            events: Arc::new(Events::new(journal.clone())),
             health: Arc::new(Health::new(
                 node.clone(),
                 port,
@@ -84,10 +88,12 @@ impl Agent {
                 dead_after,
                 key.clone(),
                 refusals.clone(),
+                journal.clone(),
             )),
             node,
             key,
             refusals,
+            journal,
             next_client: AtomicU64::new(1),
         }
     }
@@ -249,8 +255,140 @@ pub fn owner_of(pid: u32) -> Option<u32> {
 /// True if the client on `s` may manage process `pid` (checkpoint it, move its
 /// connections): whoever may run the node, or the process's owner.
 fn may_manage(s: &UnixStream, pid: u32) -> bool {
-    let uid = peer_uid(s);
-    may_run_node(uid) || (uid.is_some() && owner_of(pid) == uid)
+    Asker::local(s).may_manage(pid)
+}
+
+/// Who asks for a command: a user of this node (as the kernel says), or a user of another
+/// node of the cluster (as that node's agent says, over the cluster's channel).
+#[derive(Clone, Copy, Debug)]
+pub struct Asker {
+    /// The user, if known.
+    pub uid: Option<u32>,
+    /// Asked through another node's agent.
+    pub remote: bool,
+}
+
+impl Asker {
+    /// The user on the other end of a local socket.
+    pub fn local(s: &UnixStream) -> Self {
+        Asker { uid: peer_uid(s), remote: false }
+    }
+
+    /// May change the whole node: root (of any node of the cluster), or locally the
+    /// agent's own user.
+    pub fn may_run_node(&self) -> bool {
+        match self.uid {
+            Some(0) => true,
+            Some(_) if !self.remote => may_run_node(self.uid),
+            _ => false,
+        }
+    }
+
+    /// May manage process `pid`: whoever may run the node, or the process's owner.
+    pub fn may_manage(&self, pid: u32) -> bool {
+        self.may_run_node() || (self.uid.is_some() && owner_of(pid) == self.uid)
+    }
+
+    fn describe(&self) -> String {
+        let who = self.uid.map_or("an unknown user".to_string(), |u| format!("user {u}"));
+        if self.remote {
+            format!("{who} of another node")
+        } else {
+            who
+        }
+    }
+}
+
+/// Runs a command that may also come from another node (`Status`, `Net`, `Move`) for
+/// `asker`.
+pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
+    match m {
+        Msg::Status => {
+            // Other users see the node, and only their own processes in detail.
+            let only = if asker.may_run_node() { None } else { Some(asker.uid.unwrap_or(u32::MAX)) };
+            Msg::StatusReply { json: status::report(agent, only) }
+        }
+        Msg::Net { name, up } if !asker.may_run_node() => {
+            agent.refusals.note(Refused::Local, || {
+                format!(
+                    "{} asked to take network {name} {}; only root or the agent's user may",
+                    asker.describe(),
+                    if up { "back into service" } else { "out of service" }
+                )
+            });
+            Msg::Error { reason: format!("not allowed to change network {name}: run as root") }
+        }
+        Msg::Net { name, up } => {
+            if asker.remote {
+                info!(
+                    "{} of the cluster takes network {name} {}",
+                    asker.describe(),
+                    if up { "back into service" } else { "out of service" }
+                );
+            }
+            match agent.health.set_admin(&name, up, &agent.events) {
+                Ok(_) => Msg::Ok,
+                Err(reason) => Msg::Error { reason },
+            }
+        }
+        Msg::Move { gid, shm } => {
+            let pids = agent.events.holders(gid);
+            if pids.is_empty() {
+                Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
+            } else if !pids.iter().all(|p| asker.may_manage(*p)) {
+                agent.refusals.note(Refused::Local, || {
+                    format!(
+                        "{} asked to move connection {gid:032x} of another user's process",
+                        asker.describe()
+                    )
+                });
+                Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
+            } else if shm && pids.len() < 2 {
+                Msg::Error {
+                    reason: format!(
+                        "the other end of connection {gid:032x} is not on this node: it stays on TCP"
+                    ),
+                }
+            } else if agent.events.move_conn(gid, shm) {
+                info!("connection {gid:032x}: moving to {}", if shm { "shared memory" } else { "TCP" });
+                agent.journal.record(
+                    "move",
+                    pids.first().copied(),
+                    serde_json::json!({ "gid": format!("{gid:032x}"), "to": if shm { "shm" } else { "tcp" } }),
+                );
+                Msg::Ok
+            } else {
+                Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
+            }
+        }
+        other => Msg::Error { reason: format!("{} cannot be run from another node", other.name()) },
+    }
+}
+
+/// Sends the node's events after number `after` to `vmictl` on `s` (those `asker` may see),
+/// then `Ok`; with `follow`, every later one as it happens, until `vmictl` goes away.
+fn watch(agent: &Agent, asker: Asker, mut s: UnixStream, mut after: u64, follow: bool) -> io::Result<()> {
+    let only = if asker.may_run_node() { None } else { Some(asker.uid.unwrap_or(u32::MAX)) };
+    loop {
+        let wait = if follow { Duration::from_millis(500) } else { Duration::ZERO };
+        let (events, last) = agent.journal.since(after, only, wait);
+        for e in events {
+            write_msg(&mut s, &Msg::Happened { json: e.json.to_string() })?;
+        }
+        after = last;
+        if !follow {
+            return write_msg(&mut s, &Msg::Ok);
+        }
+        // Gone? (It sends nothing more: end of stream or an error.)
+        let mut b = [0u8; 1];
+        // SAFETY: a one-byte peek into a local buffer.
+        let r = unsafe {
+            libc::recv(s.as_raw_fd(), b.as_mut_ptr() as *mut _, 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        if r == 0 || (r < 0 && io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock) {
+            return Ok(());
+        }
+    }
 }
 
 /// Serves the node's layers and `vmictl` on `listener`.
@@ -304,8 +442,14 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
                 let answer = agent.connect(src, dst, gid, secret, window);
-                if let (Msg::Virtual { .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
+                if let (Msg::Virtual { alias, .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
                     agent.events.hold(id, pid, gid, true);
+                    let peer = if *alias != NO_ADDR { *alias } else { dst };
+                    agent.journal.record(
+                        "connection",
+                        Some(pid),
+                        serde_json::json!({ "gid": format!("{gid:032x}"), "side": "out", "peer": peer.to_string() }),
+                    );
                 }
                 answer
             }
@@ -315,6 +459,11 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let found = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer);
                 if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
                     agent.events.hold(id, pid, e.gid, false);
+                    agent.journal.record(
+                        "connection",
+                        Some(pid),
+                        serde_json::json!({ "gid": format!("{:032x}", e.gid), "side": "in", "local": local.to_string(), "peer": peer.to_string() }),
+                    );
                 }
                 match found {
                     Some(e) => Msg::Virtual {
@@ -329,12 +478,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     None => Msg::Plain,
                 }
             }
-            Msg::Status => {
-                // Other users see the node, and only their own processes in detail.
-                let uid = peer_uid(&s);
-                let only = if may_run_node(uid) { None } else { Some(uid.unwrap_or(u32::MAX)) };
-                Msg::StatusReply { json: status::report(agent, only) }
-            }
+            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. }) => command(agent, Asker::local(&s), m),
+            Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
+            Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
+            Msg::Watch { after, follow } => return watch(agent, Asker::local(&s), s, after, follow),
             Msg::Events { pid } => {
                 // From now on this connection is the process's event channel.
                 agent.events.serve(id, pid, s);
@@ -369,55 +516,26 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Unfreeze { pid } if may_manage(&s, pid) => {
                 agent.events.unfreeze(pid);
+                agent.journal.record(
+                    "migration",
+                    Some(pid),
+                    serde_json::json!({ "phase": "stays here (checkpoint failed)" }),
+                );
                 Msg::Ok
             }
             Msg::Moved { pid, listeners, to } if may_manage(&s, pid) => {
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
+                agent.journal.record(
+                    "migration",
+                    Some(pid),
+                    serde_json::json!({ "phase": "moved away", "to": to.iter().map(|a| a.to_string()).collect::<Vec<_>>() }),
+                );
                 for l in listeners {
                     info!("listener {l} of process {pid} moved to the node at {to:?}");
                     d.forward(l, to.clone());
                 }
                 Msg::Ok
             }
-            Msg::Move { gid, shm } => {
-                let pids = agent.events.holders(gid);
-                if pids.is_empty() {
-                    Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
-                } else if !pids.iter().all(|p| may_manage(&s, *p)) {
-                    agent.refusals.note(Refused::Local, || {
-                        format!(
-                            "user {:?} asked to move connection {gid:032x} of another user's process",
-                            peer_uid(&s)
-                        )
-                    });
-                    Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
-                } else if shm && pids.len() < 2 {
-                    Msg::Error {
-                        reason: format!(
-                            "the other end of connection {gid:032x} is not on this node: it stays on TCP"
-                        ),
-                    }
-                } else if agent.events.move_conn(gid, shm) {
-                    info!("connection {gid:032x}: moving to {}", if shm { "shared memory" } else { "TCP" });
-                    Msg::Ok
-                } else {
-                    Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
-                }
-            }
-            Msg::Net { name, up } if !may_run_node(peer_uid(&s)) => {
-                let uid = peer_uid(&s);
-                agent.refusals.note(Refused::Local, || {
-                    format!(
-                        "user {uid:?} asked to take network {name} {}; only root or the agent's user may",
-                        if up { "back into service" } else { "out of service" }
-                    )
-                });
-                Msg::Error { reason: format!("not allowed to change network {name}: run as root") }
-            }
-            Msg::Net { name, up } => match agent.health.set_admin(&name, up, &agent.events) {
-                Ok(_) => Msg::Ok,
-                Err(reason) => Msg::Error { reason },
-            },
             other => Msg::Error { reason: format!("unexpected message: {}", other.name()) },
         };
         write_msg(&mut s, &answer)?;

@@ -2,7 +2,7 @@
 //! level from `VMI_LOG` (tracing filter syntax, default `info`).
 //!
 //! ```text
-//! vmi-agent [--key FILE] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+//! vmi-agent [--key FILE] [--peers A,B..] [--metrics ADDR:PORT] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
 //!           [--probe-interval MS] [--dead-after MS]
 //! vmi-agent --init [--key FILE]
 //! ```
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{error, info};
 
-const USAGE: &str = "usage: vmi-agent [--key FILE] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+const USAGE: &str = "usage: vmi-agent [--key FILE] [--peers A,B..] [--metrics ADDR:PORT] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
        vmi-agent --init [--key FILE]
 
@@ -33,6 +33,11 @@ const USAGE: &str = "usage: vmi-agent [--key FILE] [--socket NAME] [--port PORT]
                  reads VMI_AGENT_SOCKET). Abstract sockets belong to the network namespace,
                  so hosts made of namespaces need no per-host paths.
   --port PORT    TCP port for other nodes' agents (default 7787)
+  --metrics ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics (off by default;
+                 nothing secret is in them, but keep ADDR local or firewalled)
+  --peers A,B..  other nodes of the cluster (their addresses, one per node is enough): probed
+                 from the start, so `vmictl --cluster status` and `vmictl --node` know them
+                 before any connection does
   --bind ADDR    address to listen on for other agents (default 0.0.0.0)
   --node NAME    name shown in reports (default: first IPv4 address)
   --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on
@@ -46,6 +51,8 @@ Logging: VMI_LOG=error|warn|info|debug (default info).";
 struct Args {
     init: bool,
     key: Option<std::path::PathBuf>,
+    peers: Vec<IpAddr>,
+    metrics: Option<SocketAddr>,
     socket: String,
     port: u16,
     bind: IpAddr,
@@ -59,6 +66,8 @@ fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         init: false,
         key: None,
+        peers: Vec::new(),
+        metrics: None,
         socket: DEFAULT_SOCKET.into(),
         port: DEFAULT_PORT,
         bind: "0.0.0.0".parse().expect("ip"),
@@ -73,6 +82,15 @@ fn parse_args() -> Result<Args, String> {
         match k.as_str() {
             "--init" => a.init = true,
             "--key" => a.key = Some(val("--key")?.into()),
+            "--metrics" => {
+                a.metrics =
+                    Some(val("--metrics")?.parse().map_err(|e| format!("--metrics: {e} (ADDR:PORT)"))?)
+            }
+            "--peers" => {
+                for p in val("--peers")?.split(',').filter(|p| !p.is_empty()) {
+                    a.peers.push(p.trim().parse().map_err(|e| format!("--peers: {p}: {e}"))?);
+                }
+            }
             "--socket" => a.socket = val("--socket")?,
             "--port" => a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?,
             "--bind" => a.bind = val("--bind")?.parse().map_err(|e| format!("--bind: {e}"))?,
@@ -178,6 +196,14 @@ fn main() {
         Duration::from_millis(args.dead_after),
         key,
     ));
+    let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
+    agent.health.learn(&peers);
+    if let Some(m) = args.metrics {
+        if let Err(e) = agent::metrics::serve(agent.clone(), m) {
+            error!("{e}");
+            std::process::exit(1);
+        }
+    }
     paths::run(agent.health.clone(), agent.events.clone(), udp);
     agent::sweep::run("/dev/shm".into(), Duration::from_millis(args.sweep_every));
     let a2 = agent.clone();

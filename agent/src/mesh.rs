@@ -18,6 +18,7 @@
 //! connection's secret, [`substrate::auth`]). The two are told apart by their first four
 //! bytes: [`MESH_MAGIC`] is no valid length prefix of a plain message.
 
+use crate::journal::Journal;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use sha2::{Digest, Sha256};
@@ -25,7 +26,7 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use substrate::wire::agent::Msg;
 use tracing::warn;
@@ -339,6 +340,7 @@ pub struct Refusals {
     /// Local commands refused for want of rights.
     pub local: AtomicU64,
     last: Mutex<[Option<Instant>; 5]>,
+    journal: Arc<Journal>,
 }
 
 /// A kind of refusal.
@@ -357,6 +359,11 @@ pub enum Refused {
 }
 
 impl Refusals {
+    /// Refusals recorded in `journal` too (at the rate they are logged).
+    pub fn new(journal: Arc<Journal>) -> Self {
+        Refusals { journal, ..Default::default() }
+    }
+
     /// Counts one refusal and logs `what` unless one of its kind was logged in the last second.
     pub fn note(&self, kind: Refused, what: impl FnOnce() -> String) {
         let (c, i) = match kind {
@@ -371,7 +378,15 @@ impl Refusals {
         let now = Instant::now();
         if last[i].is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
             last[i] = Some(now);
-            warn!("refused: {} ({n} of this kind so far)", what());
+            let what = what();
+            warn!("refused: {what} ({n} of this kind so far)");
+            drop(last);
+            let kind = ["channel", "clear", "forged_heartbeat", "replayed_heartbeat", "local"][i];
+            self.journal.record(
+                "refused",
+                None,
+                serde_json::json!({ "what": kind, "detail": what, "count": n }),
+            );
         }
     }
 

@@ -19,6 +19,7 @@
 //! earlier cannot keep a dead path alive.
 
 use crate::events::Events;
+use crate::journal::Journal;
 use crate::mesh::{ClusterKey, Refusals, Refused};
 use crate::net::{self, Iface};
 use serde::Serialize;
@@ -94,6 +95,7 @@ pub struct Health {
     port: u16,
     key: ClusterKey,
     refusals: Arc<Refusals>,
+    journal: Arc<Journal>,
     /// This agent's start-up number (random, never 0).
     boot: u64,
     fresh: u64,
@@ -108,6 +110,17 @@ pub struct NetJson {
     pub addr: String,
     /// "up" or "down" (taken out of service).
     pub admin: &'static str,
+}
+
+/// Another node as this agent knows it.
+#[derive(Clone, Debug)]
+pub struct NodeInfo {
+    /// Its name in reports (from its heartbeats), or its address before it was heard.
+    pub name: String,
+    /// Its addresses this agent probes.
+    pub addrs: Vec<IpAddr>,
+    /// One of them on a working path.
+    pub reach: Option<IpAddr>,
 }
 
 /// A path as `vmictl status` shows it.
@@ -136,6 +149,7 @@ impl Health {
         dead_after: Duration,
         key: ClusterKey,
         refusals: Arc<Refusals>,
+        journal: Arc<Journal>,
     ) -> Self {
         let mut b = [0u8; 8];
         let _ = getrandom::fill(&mut b);
@@ -150,6 +164,7 @@ impl Health {
             port,
             key,
             refusals,
+            journal,
             boot,
             fresh,
         }
@@ -242,6 +257,42 @@ impl Health {
             .next()
     }
 
+    /// Where the node that has address `ip` is reached now: `ip`, or another address of the
+    /// same node when the path to `ip` is dead.
+    pub fn reach(&self, ip: IpAddr) -> Option<IpAddr> {
+        self.alternative(ip).or(Some(ip))
+    }
+
+    /// Every other node this agent probes, by name (a node not heard yet is named by its
+    /// address), with its addresses and one reached over a working path if any.
+    pub fn nodes(&self) -> Vec<NodeInfo> {
+        let mut st = self.lock();
+        let now = Instant::now();
+        st.refresh(now);
+        let mut out: Vec<NodeInfo> = Vec::new();
+        let mut ips: Vec<&IpAddr> = st.peers.keys().collect();
+        ips.sort();
+        for ip in ips {
+            let p = &st.peers[ip];
+            let name = if p.node.is_empty() { ip.to_string() } else { p.node.clone() };
+            let works = !p.dead
+                && p.last_seen.is_some_and(|t| now.duration_since(t) < self.dead_after)
+                && st.usable(*ip).is_some();
+            let i = match out.iter().position(|n| n.name == name) {
+                Some(i) => i,
+                None => {
+                    out.push(NodeInfo { name, addrs: Vec::new(), reach: None });
+                    out.len() - 1
+                }
+            };
+            out[i].addrs.push(*ip);
+            if works && out[i].reach.is_none() {
+                out[i].reach = Some(*ip);
+            }
+        }
+        out
+    }
+
     /// Takes network `name` (an interface name or one of its addresses) out of service, or
     /// puts it back. Returns the interface name.
     pub fn set_admin(&self, name: &str, up: bool, events: &Events) -> Result<String, String> {
@@ -255,9 +306,19 @@ impl Health {
         if up {
             if st.admin_down.remove(&i.name) {
                 info!("network {} ({}) back in service", i.name, i.addr);
+                self.journal.record(
+                    "network",
+                    None,
+                    serde_json::json!({"network": i.name, "addr": i.addr.to_string(), "admin": "up"}),
+                );
             }
         } else if st.admin_down.insert(i.name.clone()) {
             info!("network {} ({}) taken out of service", i.name, i.addr);
+            self.journal.record(
+                "network",
+                None,
+                serde_json::json!({"network": i.name, "addr": i.addr.to_string(), "admin": "down"}),
+            );
             // Its paths are dead for this node's processes at once.
             let ips: Vec<IpAddr> = st.peers.keys().copied().filter(|p| i.contains(*p)).collect();
             for ip in ips {
@@ -364,6 +425,11 @@ impl Health {
         if p.dead {
             p.dead = false;
             info!("path {} -> {} ({}) works again", i.addr, from.ip(), i.name);
+            self.journal.record(
+                "path",
+                None,
+                serde_json::json!({"local": i.addr.to_string(), "peer": from.ip().to_string(), "node": p.node, "network": i.name, "state": "alive"}),
+            );
             events.broadcast(&Msg::Path {
                 local: SocketAddr::new(i.addr, 0),
                 peer: SocketAddr::new(from.ip(), 0),
@@ -423,6 +489,17 @@ impl Health {
         }
         drop(st);
         for (i, ip, refused) in died {
+            self.journal.record(
+                "path",
+                None,
+                serde_json::json!({
+                    "local": i.addr.to_string(),
+                    "peer": ip.to_string(),
+                    "network": i.name,
+                    "state": "dead",
+                    "reason": if refused { "this node cannot send on it".to_string() } else { format!("silent for {} ms", self.dead_after.as_millis()) },
+                }),
+            );
             if refused {
                 warn!("path {} -> {ip} ({}) is dead: this node cannot send on it", i.addr, i.name);
             } else {

@@ -13,9 +13,12 @@ use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
 use std::time::Duration;
 use substrate::wire::agent::Msg;
 
-const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
-       vmictl [--socket NAME] net down|up NET
-       vmictl [--socket NAME] move GID shm|tcp
+const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
+       vmictl [--socket NAME] [--node NODE] net down|up NET
+       vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+       vmictl [--socket NAME] --cluster status [--json]
+       vmictl [--socket NAME] where GID [--json]
+       vmictl [--socket NAME] events [--follow] [--json]
 
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
@@ -35,6 +38,19 @@ const USAGE: &str = "usage: vmictl [--socket NAME] status [--json]
   move GID tcp   move a connection off shared memory onto TCP, without loss, and keep it
                  there (through later link rebuilds too); root or the owner of its processes
   move GID shm   move it back onto shared memory (when both ends are on this node)
+  --node NODE    run the command on another node of the cluster (its name in reports, or
+                 one of its addresses), through this node's agent and the cluster's
+                 encrypted channel; changes need root there
+  --cluster status  every node this node's agent knows (nodes it has connections with and
+                 its --peers): a line per node, the paths between them, unreachable nodes;
+                 --json: {node, nodes: [status report of each node], unreachable: []}
+  where GID      on which node(s) and in which process(es) connection GID lives now
+  events         what happened on the node (the last 4096 events): connections made and
+                 closed, paths dead and alive, networks out of and back in service, links
+                 rebuilt (relink), moves between substrates, checkpoint phases, refusals;
+                 --follow: then every new one as it happens; --json: one object a line
+                 {seq, ms, kind, pid?, ...}. Users other than root see the node's events
+                 and those of their own processes
   --socket NAME  the agent's abstract socket (default vmi-agent, or VMI_AGENT_SOCKET)";
 
 fn fail(msg: &str) -> ! {
@@ -146,15 +162,151 @@ fn print_table(v: &Value) {
     }
 }
 
+/// Every end of connection `gid` in a cluster report, with its node.
+fn where_is(v: &Value, gid: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        for c in n["connections"].as_array().into_iter().flatten() {
+            if c["gid"].as_str() == Some(gid) {
+                let mut c = c.clone();
+                c["node"] = n["node"].clone();
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
+fn print_cluster(v: &Value) {
+    let nodes = v["nodes"].as_array().cloned().unwrap_or_default();
+    let bad = v["unreachable"].as_array().cloned().unwrap_or_default();
+    println!(
+        "cluster seen from node {}: {} nodes answered, {} unreachable",
+        v["node"].as_str().unwrap_or("?"),
+        nodes.len(),
+        bad.len()
+    );
+    println!(
+        "\n  {:<16} {:<16} {:>9} {:>11} {:>9} {:>11} {:>9} {:>8}",
+        "NODE", "KEY", "NETWORKS", "PATHS UP", "PROCS", "CONNS", "TCP/SHM", "FAILOVERS"
+    );
+    for n in &nodes {
+        let arr = |k: &str| n[k].as_array().cloned().unwrap_or_default();
+        let (nets, paths, conns) = (arr("networks"), arr("paths"), arr("connections"));
+        let up_nets = nets.iter().filter(|x| x["admin"] == "up").count();
+        let alive = paths.iter().filter(|p| p["state"] == "alive").count();
+        let shm = conns.iter().filter(|c| c["substrate"] == "shm").count();
+        let failovers: u64 = conns.iter().map(|c| c["failovers"].as_u64().unwrap_or(0)).sum();
+        println!(
+            "  {:<16} {:<16} {:>9} {:>11} {:>9} {:>11} {:>9} {:>8}",
+            n["node"].as_str().unwrap_or("?"),
+            n["mesh"]["key"].as_str().unwrap_or("?"),
+            format!("{up_nets}/{}", nets.len()),
+            format!("{alive}/{}", paths.len()),
+            arr("processes").len(),
+            conns.len(),
+            format!("{}/{shm}", conns.len() - shm),
+            failovers
+        );
+    }
+    println!("\npaths between nodes:");
+    for n in &nodes {
+        for p in n["paths"].as_array().into_iter().flatten() {
+            println!(
+                "  {:<16} {:<16} -> {:<16} {:<8} {}",
+                n["node"].as_str().unwrap_or("?"),
+                p["local"].as_str().unwrap_or(""),
+                p["peer"].as_str().unwrap_or(""),
+                p["network"].as_str().unwrap_or(""),
+                p["state"].as_str().unwrap_or("")
+            );
+        }
+    }
+    for b in &bad {
+        println!(
+            "\nunreachable: node {} ({}): {}",
+            b["node"].as_str().unwrap_or("?"),
+            b["addrs"],
+            b["error"].as_str().unwrap_or("")
+        );
+    }
+}
+
+/// Prints the node's events (and with `follow`, every new one) until the agent stops.
+fn watch(socket: &str, follow: bool, json: bool) {
+    use std::io::Write;
+    let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
+    let mut s = UnixStream::connect_addr(&addr)
+        .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
+    write_msg(&mut s, &Msg::Watch { after: 0, follow }).unwrap_or_else(|e| fail(&e.to_string()));
+    let out = std::io::stdout();
+    loop {
+        match read_msg(&mut s) {
+            Ok(Msg::Happened { json: text }) => {
+                let mut o = out.lock();
+                if json {
+                    let _ = writeln!(o, "{text}");
+                } else if let Ok(v) = serde_json::from_str::<Value>(&text) {
+                    let _ = writeln!(o, "{}", event_line(&v));
+                }
+                let _ = o.flush();
+            }
+            Ok(Msg::Ok) => return,
+            Ok(Msg::Error { reason }) => fail(&reason),
+            Ok(other) => fail(&format!("unexpected answer {}", other.name())),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => fail("the agent went away"),
+            Err(e) => fail(&e.to_string()),
+        }
+    }
+}
+
+/// One event as a line: UTC time, kind, its fields.
+fn event_line(v: &Value) -> String {
+    let ms = v["ms"].as_u64().unwrap_or(0);
+    let (s, m) = (ms / 1000, ms % 1000);
+    let mut line = format!(
+        "{:02}:{:02}:{:02}.{m:03}  {:<10}",
+        (s / 3600) % 24,
+        (s / 60) % 60,
+        s % 60,
+        v["kind"].as_str().unwrap_or("?")
+    );
+    if let Some(o) = v.as_object() {
+        for (k, x) in o {
+            if matches!(k.as_str(), "ms" | "kind" | "seq") {
+                continue;
+            }
+            match x {
+                Value::String(t) => line.push_str(&format!(" {k}={t}")),
+                other => line.push_str(&format!(" {k}={other}")),
+            }
+        }
+    }
+    line
+}
+
 fn main() {
     let mut socket = std::env::var("VMI_AGENT_SOCKET").unwrap_or_else(|_| DEFAULT_SOCKET.into());
     let mut json = false;
     let mut cmd: Option<Msg> = None;
+    let mut node: Option<String> = None;
+    let mut cluster = false;
+    let mut whereis: Option<String> = None;
+    let mut follow = false;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--socket" => socket = it.next().unwrap_or_else(|| fail("--socket needs a value")),
             "--json" => json = true,
+            "--node" => node = Some(it.next().unwrap_or_else(|| fail("--node needs a value"))),
+            "--cluster" => cluster = true,
+            "--follow" => follow = true,
+            "events" => cmd = Some(Msg::Watch { after: 0, follow: false }),
+            "where" => {
+                let gid = it.next().unwrap_or_else(|| fail(&format!("where needs a GID\n{USAGE}")));
+                whereis = Some(gid.trim_start_matches("0x").to_ascii_lowercase());
+                cmd = Some(Msg::ClusterStatus);
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return;
@@ -183,12 +335,35 @@ fn main() {
             other => fail(&format!("unknown argument {other}\n{USAGE}")),
         }
     }
-    let Some(cmd) = cmd else { fail(USAGE) };
+    let Some(mut cmd) = cmd else { fail(USAGE) };
+    if cluster {
+        if cmd != Msg::Status {
+            fail(&format!("--cluster goes with status\n{USAGE}"));
+        }
+        cmd = Msg::ClusterStatus;
+    }
+    if let Msg::Watch { .. } = cmd {
+        if node.is_some() || cluster {
+            fail("events are read on the node itself");
+        }
+        watch(&socket, follow, json);
+        return;
+    }
+    if let Some(to) = node {
+        if cluster || whereis.is_some() {
+            fail("--node does not go with --cluster or where");
+        }
+        cmd = Msg::Remote { to, cmd: cmd.encode() };
+    }
+    let inner = match &cmd {
+        Msg::Remote { cmd, .. } => Msg::decode_framed(cmd).unwrap_or(Msg::Status),
+        c => c.clone(),
+    };
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
     let mut s = UnixStream::connect_addr(&addr)
         .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-    let done = match &cmd {
+    let done = match &inner {
         Msg::Net { name, up } => {
             Some(format!("network {name} {}", if *up { "back in service" } else { "out of service" }))
         }
@@ -215,10 +390,32 @@ fn main() {
         Ok(other) => fail(&format!("unexpected answer {other:?}")),
         Err(e) => fail(&e.to_string()),
     };
-    if json {
+    let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| fail(&format!("bad report: {e}")));
+    if let Some(gid) = whereis {
+        let ends = where_is(&v, &gid);
+        if json {
+            println!("{}", Value::Array(ends));
+        } else if ends.is_empty() {
+            fail(&format!("no node of the cluster lists connection {gid}"));
+        } else {
+            for e in &ends {
+                println!(
+                    "node {:<16} pid {:>7}  {:<22} {} {:<22} {:<4} {}",
+                    e["node"].as_str().unwrap_or(""),
+                    e["pid"],
+                    e["local"].as_str().unwrap_or(""),
+                    if e["direction"] == "out" { "->" } else { "<-" },
+                    e["peer"].as_str().unwrap_or(""),
+                    e["substrate"].as_str().unwrap_or(""),
+                    e["link"].as_str().unwrap_or("")
+                );
+            }
+        }
+    } else if json {
         println!("{json_text}");
+    } else if cluster {
+        print_cluster(&v);
     } else {
-        let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| fail(&format!("bad report: {e}")));
         print_table(&v);
     }
 }

@@ -266,6 +266,37 @@ pub enum Msg {
         /// Shared memory (true) or TCP (false).
         shm: bool,
     },
+    /// `vmictl` → its node's agent: pass the command `cmd` (an encoded message) to the agent
+    /// of node `to` (a node name or an address) and answer with what that agent answered.
+    Remote {
+        /// The node: its name in reports, or one of its addresses.
+        to: String,
+        /// The command, encoded with its length prefix.
+        cmd: Vec<u8>,
+    },
+    /// Agent → agent (cluster channel): run `cmd` for the user `uid` of the asking node (the
+    /// asking agent read it from the kernel); root there is root here.
+    AsUser {
+        /// The user on the asking node.
+        uid: u32,
+        /// The command, encoded with its length prefix.
+        cmd: Vec<u8>,
+    },
+    /// `vmictl` → agent: the status of every node this agent knows, as one JSON report.
+    ClusterStatus,
+    /// `vmictl` → agent: the node's events after number `after`, each as a `Happened`; then
+    /// `Ok`, or (with `follow`) every later event as it happens.
+    Watch {
+        /// Events after this number (0: all kept).
+        after: u64,
+        /// Keep sending new events.
+        follow: bool,
+    },
+    /// Agent → `vmictl`: one event, as JSON.
+    Happened {
+        /// The event.
+        json: String,
+    },
     /// Agent → agent over UDP, on every network path: a heartbeat (sealed with the
     /// cluster's key on the wire).
     Probe {
@@ -343,6 +374,10 @@ impl W {
         self.u32(s.len() as u32);
         self.0.extend_from_slice(s.as_bytes())
     }
+    fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+    }
     fn addrs(&mut self, v: &[SocketAddr]) {
         self.u32(v.len() as u32);
         for a in v {
@@ -394,6 +429,10 @@ impl<'a> R<'a> {
         let n = self.u32()? as usize;
         let b = self.take(n)?;
         String::from_utf8(b.to_vec()).map_err(|_| AgentWireError::BadString)
+    }
+    fn bytes(&mut self) -> Result<Vec<u8>, AgentWireError> {
+        let n = self.u32()? as usize;
+        Ok(self.take(n)?.to_vec())
     }
     fn bool(&mut self) -> Result<bool, AgentWireError> {
         match self.u8()? {
@@ -470,6 +509,11 @@ impl Msg {
             Msg::WhereAmI => "WhereAmI",
             Msg::Here { .. } => "Here",
             Msg::Move { .. } => "Move",
+            Msg::Remote { .. } => "Remote",
+            Msg::AsUser { .. } => "AsUser",
+            Msg::ClusterStatus => "ClusterStatus",
+            Msg::Watch { .. } => "Watch",
+            Msg::Happened { .. } => "Happened",
             Msg::Probe { .. } => "Probe",
         }
     }
@@ -641,6 +685,26 @@ impl Msg {
                 w.u128(*gid);
                 w.u8(*shm as u8);
             }
+            Msg::Remote { to, cmd } => {
+                w.u8(35);
+                w.str(to);
+                w.bytes(cmd);
+            }
+            Msg::AsUser { uid, cmd } => {
+                w.u8(36);
+                w.u32(*uid);
+                w.bytes(cmd);
+            }
+            Msg::ClusterStatus => w.u8(37),
+            Msg::Watch { after, follow } => {
+                w.u8(38);
+                w.u64(*after);
+                w.u8(*follow as u8);
+            }
+            Msg::Happened { json } => {
+                w.u8(39);
+                w.str(json);
+            }
             Msg::Here { addrs } => {
                 w.u8(33);
                 w.addrs(addrs);
@@ -738,6 +802,11 @@ impl Msg {
             32 => Msg::WhereAmI,
             33 => Msg::Here { addrs: r.addrs()? },
             34 => Msg::Move { gid: r.u128()?, shm: r.bool()? },
+            35 => Msg::Remote { to: r.str()?, cmd: r.bytes()? },
+            36 => Msg::AsUser { uid: r.u32()?, cmd: r.bytes()? },
+            37 => Msg::ClusterStatus,
+            38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
+            39 => Msg::Happened { json: r.str()? },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -806,6 +875,11 @@ mod tests {
             Msg::WhereAmI,
             Msg::Here { addrs: vec![b] },
             Msg::Move { gid: 24, shm: true },
+            Msg::Remote { to: "n2".into(), cmd: Msg::Status.encode() },
+            Msg::AsUser { uid: 25, cmd: Msg::Net { name: "eth1".into(), up: true }.encode() },
+            Msg::ClusterStatus,
+            Msg::Watch { after: 26, follow: true },
+            Msg::Happened { json: "{}".into() },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
