@@ -37,6 +37,9 @@ def test_events_follow_a_failover(procs, faults):
     faults.link_down(H2, ETH0)
     wait_status(H1, lambda s: any(c["gid"] == gid and c["failovers"] >= 1
                                   for c in s["connections"]), 10, "the connection failed over")
+    # Host 2 sees its link go at once; host 1 after 50 ms of silence.
+    wait_status(H1, lambda s: "dead" in [p["state"] for p in s["paths"] if p["peer"] == H2_IP],
+                10, f"the path to {H2_IP} dead")
     faults.link_up(H2, ETH0)
     assert wait_paths_alive([H1, H2]), "paths did not come back"
     cli.wait(timeout=40)

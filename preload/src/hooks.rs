@@ -242,10 +242,12 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 /// failed `EPOLL_CTL_MOD` as fatal.
 #[no_mangle]
 pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
-    // SAFETY: forwarding the program's arguments.
-    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
-    // SAFETY: the program's arguments, as forwarded above.
-    let r = unsafe { epoll_ctl_kept(epfd, op, fd, ev, r) };
+    let r = match fdtable::vc(fd) {
+        // SAFETY: the program's arguments.
+        Some(vc) => unsafe { vc.epoll_ctl(epfd, op, fd, ev) },
+        // SAFETY: forwarding the program's arguments.
+        None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
+    };
     if r == 0 && (fdtable::is_managed(fd) || crate::ready::tracking(epfd)) {
         let (events, data) = if ev.is_null() || op == libc::EPOLL_CTL_DEL {
             (0, 0)
@@ -260,29 +262,6 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut l
         });
     }
     r
-}
-
-/// A change of a virtual connection's registration that failed with `ENOENT` while its link
-/// is rebuilt is made to the kept registration; `r` is the real call's result.
-unsafe fn epoll_ctl_kept(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event, r: c_int) -> c_int {
-    if r == 0 || (op != libc::EPOLL_CTL_MOD && op != libc::EPOLL_CTL_DEL) || sys::errno() != libc::ENOENT {
-        return r;
-    }
-    let Some(vc) = fdtable::vc(fd) else { return r };
-    let (events, data) = if ev.is_null() {
-        (0, 0)
-    } else {
-        // SAFETY: the program's epoll_event, readable for a MOD (the kernel read it too).
-        let e = unsafe { std::ptr::read_unaligned(ev) };
-        (e.events, e.u64)
-    };
-    let kept = quietly(|| Some(vc.change_kept_epoll(epfd, fd, op, events, data))).unwrap_or(false);
-    if kept {
-        return 0;
-    }
-    // The registration may have come back on the new socket meanwhile: once more.
-    // SAFETY: as above.
-    unsafe { real::epoll_ctl(epfd, op, fd, ev) }
 }
 
 /// `epoll_wait`: readable reports of virtual connections are checked ([`crate::ready`]).

@@ -32,6 +32,16 @@ const ADOPT_CALLS: &[libc::c_long] = &[
     libc::SYS_epoll_ctl,
 ];
 
+/// The program's epoll registrations of a connection's descriptors while its link is
+/// rebuilt.
+#[derive(Default)]
+struct ParkedEpoll {
+    /// (epoll fd, fd, events, data), registered again at install.
+    regs: Vec<relink::EpollReg>,
+    /// Between taking them off the old socket and registering them on the new one.
+    parked: bool,
+}
+
 /// A virtual connection.
 pub struct Vc {
     mem: Mapping,
@@ -53,7 +63,7 @@ pub struct Vc {
     /// While the link is down: the placeholder socket under this process's descriptors.
     parked: AtomicI32,
     /// While the link is down: the program's epoll registrations of the old socket.
-    parked_epoll: std::sync::Mutex<Vec<relink::EpollReg>>,
+    parked_epoll: std::sync::Mutex<ParkedEpoll>,
     /// Shared memory with a peer on this node, when the two layers set it up.
     links: Arc<LinkSlot>,
     /// The statistics slot was freed at an exec (see [`Vc::exec_hold`]).
@@ -142,7 +152,7 @@ impl Vc {
             parked: AtomicI32::new(-1),
             truth_gen: AtomicU32::new(m.conn().link_gen.load(Acquire)),
             told_readable: std::sync::atomic::AtomicBool::new(false),
-            parked_epoll: std::sync::Mutex::new(Vec::new()),
+            parked_epoll: std::sync::Mutex::new(ParkedEpoll::default()),
             links,
             slot_freed: std::sync::atomic::AtomicBool::new(false),
         })
@@ -158,29 +168,80 @@ impl Vc {
         self.parked.swap(fd, AcqRel)
     }
 
-    /// Keeps the epoll registrations taken off the old socket.
-    pub fn keep_epoll(&self, regs: Vec<relink::EpollReg>) {
-        self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()).extend(regs);
+    /// Takes the sockets under `fds` out of the program's epoll instances and keeps their
+    /// registrations aside until [`Vc::unpark_epoll`]. The lock is held from reading them
+    /// until they are kept, so a change the program makes meanwhile ([`Vc::epoll_ctl`])
+    /// lands before or after, never in between.
+    pub fn park_epoll(&self, fds: &[i32]) {
+        let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
+        let regs = relink::epoll_detach(fds);
+        p.regs.extend(regs);
+        p.parked = true;
     }
 
-    /// The program changes a registration of `fd` with `epfd` while the link is rebuilt and
-    /// the registration is kept aside (the socket is out of its epoll instances): the change
-    /// goes to the kept one. True if there was one to change.
-    pub fn change_kept_epoll(&self, epfd: i32, fd: i32, op: i32, events: u32, data: u64) -> bool {
-        let mut kept = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(i) = kept.iter().position(|r| r.0 == epfd && r.1 == fd) else { return false };
-        if op == libc::EPOLL_CTL_DEL {
-            kept.remove(i);
-        } else {
-            kept[i].2 = events;
-            kept[i].3 = data;
+    /// Registers the kept registrations again (on the socket now under their descriptors),
+    /// under the same lock.
+    pub fn unpark_epoll(&self) {
+        let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
+        relink::epoll_attach(&std::mem::take(&mut p.regs));
+        p.parked = false;
+    }
+
+    /// The program's `epoll_ctl` on `fd`, a descriptor of this connection (`ev` as it passed
+    /// it), under the lock that moving registrations between sockets holds. While the
+    /// registrations are kept aside (the link is rebuilt; a placeholder or a socket not yet
+    /// registered is under `fd`), a change of this descriptor's registration with `epfd`
+    /// is made to the kept one, and a new one is kept too (`EPOLL_CTL_ADD`: on the
+    /// placeholder it would be lost at install, and asyncio adds again after removing a
+    /// reader and a writer); install registers them on the new socket.
+    ///
+    /// # Safety
+    /// `ev` is the program's argument to `epoll_ctl`.
+    pub unsafe fn epoll_ctl(&self, epfd: i32, op: i32, fd: i32, ev: *mut libc::epoll_event) -> i32 {
+        let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
+        if p.parked {
+            let i = p.regs.iter().position(|r| r.0 == epfd && r.1 == fd);
+            let e = if ev.is_null() {
+                None
+            } else {
+                // SAFETY: the program's epoll_event (the kernel reads it for ADD and MOD).
+                Some(unsafe { std::ptr::read_unaligned(ev) })
+            };
+            let kept = match (op, i, e) {
+                (libc::EPOLL_CTL_DEL, Some(i), _) => {
+                    p.regs.remove(i);
+                    Ok(())
+                }
+                (libc::EPOLL_CTL_MOD, Some(i), Some(e)) => {
+                    p.regs[i].2 = e.events;
+                    p.regs[i].3 = e.u64;
+                    Ok(())
+                }
+                (libc::EPOLL_CTL_ADD, Some(_), _) => Err(libc::EEXIST),
+                (libc::EPOLL_CTL_ADD, None, Some(e)) => {
+                    p.regs.push((epfd, fd, e.events, e.u64));
+                    Ok(())
+                }
+                // Not about a kept registration (another epoll instance, a bad argument):
+                // the kernel answers.
+                _ => Err(0),
+            };
+            match kept {
+                Ok(()) => return 0,
+                Err(e) if e != 0 => {
+                    drop(p);
+                    crate::sys::set_errno(e);
+                    return -1;
+                }
+                Err(_) => {}
+            }
         }
-        true
-    }
-
-    /// The epoll registrations to make again.
-    pub fn take_epoll(&self) -> Vec<relink::EpollReg> {
-        std::mem::take(&mut *self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner()))
+        // SAFETY: the program's arguments, forwarded.
+        let r = unsafe { crate::real::epoll_ctl(epfd, op, fd, ev) };
+        let errno = crate::sys::errno();
+        drop(p);
+        crate::sys::set_errno(errno);
+        r
     }
 
     /// The statistics slot.

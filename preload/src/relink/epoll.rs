@@ -57,7 +57,7 @@ pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
 
 /// Takes the sockets under `fds` out of the program's epoll instances; returns what to
 /// register again later.
-pub(super) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
+pub(crate) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
     let regs = epoll_regs(fds);
     for r in &regs {
         // SAFETY: removes the old socket from the program's epoll instance.
@@ -67,7 +67,7 @@ pub(super) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
 }
 
 /// Registers the descriptors again, with the program's events and data.
-pub(super) fn epoll_attach(regs: &[EpollReg]) {
+pub(crate) fn epoll_attach(regs: &[EpollReg]) {
     for &(epfd, fd, events, data) in regs {
         let mut ev = libc::epoll_event { events, u64: data };
         // SAFETY: registers the socket now under `fd` with the program's events and data.

@@ -45,7 +45,7 @@ mod handshake;
 mod swap;
 
 pub use epoll::EpollReg;
-use epoll::*;
+pub(crate) use epoll::{epoll_attach, epoll_detach};
 use freeze::*;
 pub use freeze::{thaw_name, FROZEN};
 pub use handshake::MOVED;
@@ -969,7 +969,7 @@ fn give_up(v: &Vc, e: i32, why: &str) {
     // call reports the failure.
     kick(v);
     unpark(v);
-    epoll_attach(&v.take_epoll());
+    v.unpark_epoll();
     c.link_gen.fetch_add(1, AcqRel);
     sys::futex_wake(&c.link_gen, i32::MAX);
 }

@@ -14,7 +14,7 @@ pub(super) fn kick(v: &Vc) {
         return;
     }
     let fds = fdtable::fds_of(v);
-    v.keep_epoll(epoll_detach(&fds));
+    v.park_epoll(&fds);
     let Some(&fd0) = fds.first() else { return };
     // SAFETY: F_DUPFD_CLOEXEC with an integer argument: our own handle on the old socket.
     let old = unsafe { real::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700) };
@@ -149,7 +149,7 @@ pub(super) fn install(v: &Vc, nfd: i32) {
     // SAFETY: our copy; the program's descriptors keep the socket.
     unsafe { real::close(nfd) };
     unpark(v);
-    epoll_attach(&v.take_epoll());
+    v.unpark_epoll();
     if let Some(&fd) = fds.first() {
         if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {
             s.set_link(&l, &p);
