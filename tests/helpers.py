@@ -862,6 +862,18 @@ def extra_agent(host, logdir, name, args=(), key="cluster"):
 NOBODY = 65534   # the unprivileged user of tests that check who may do what
 
 
+def rated_stream(procs, server_host, server_ip, client_host, port, nbytes, rate):
+    """A layered stream.py server (one connection) and a client sending nbytes at rate bytes
+    per second, so the connection stays open a while; (client Proc, server address)."""
+    addr = f"{server_ip}:{port}"
+    procs.server(server_host, python_prog("stream.py", "server", "--bind", addr, "--count", "1"),
+                 port, layer=True, name=f"server-{port}")
+    cli = procs.start(client_host, python_prog("stream.py", "client", "--connect", addr,
+                                               "--bytes", nbytes, "--seed", port, "--rate", rate),
+                      layer=True, name=f"client-{port}")
+    return cli, addr
+
+
 @contextlib.contextmanager
 def public_copies(*files):
     """A folder (removed afterwards) with copies of files that any user may read and run

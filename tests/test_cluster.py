@@ -8,7 +8,8 @@ import subprocess
 import time
 
 from helpers import (ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP, NOBODY, VMICTL_BIN, block_port,
-                     extra_agent, host_argv, public_copies, python_prog, vmictl, wait_status)
+                     extra_agent, host_argv, public_copies, python_prog, rated_stream, vmictl,
+                     wait_status)
 
 MiB = 1 << 20
 
@@ -77,13 +78,7 @@ def test_cluster_status_and_where_a_connection_lives(procs, agent_control, tmp_p
     with extra_agent(H3, tmp_path, "agent-h3", args=["--peers", f"{H1_IP},{H2_IP}"]):
         names = {h: node_name(h) for h in (H1, H2, H3)}
         # A connection between hosts 1 and 2, alive while the cluster is looked at.
-        p = port(1)
-        addr = f"{H1_IP}:{p}"
-        procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1"),
-                     p, layer=True, name="server")
-        cli = procs.start(H2, python_prog("stream.py", "client", "--connect", addr, "--bytes",
-                                          32 * MiB, "--seed", p, "--rate", 4 * MiB),
-                          layer=True, name="client")
+        cli, addr = rated_stream(procs, H1, H1_IP, H2, port(1), 32 * MiB, 4 * MiB)
         gid = wait_status(H1, lambda s: next((c["gid"] for c in s["connections"]
                                               if c["local"] == addr), None), 10, "connection")
         # Host 3 knows hosts 1 and 2 from --peers only (no connection of its own).
@@ -133,13 +128,7 @@ def test_metrics_for_prometheus(procs, tmp_path):
         assert text.rstrip().endswith("# EOF"), text[-200:]
         assert "# TYPE vmi_refused counter" in text and "# TYPE vmi_processes gauge" in text
         assert metric(text, "vmi_processes") == 0
-        p = port(2)
-        addr = f"{H3_IP}:{p}"
-        procs.server(H3, python_prog("stream.py", "server", "--bind", addr, "--count", "1"),
-                     p, layer=True, name="server")
-        cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes",
-                                          16 * MiB, "--seed", p, "--rate", 8 * MiB),
-                          layer=True, name="client")
+        cli, addr = rated_stream(procs, H3, H3_IP, H1, port(2), 16 * MiB, 8 * MiB)
         wait_status(H3, lambda s: any(c["local"] == addr for c in s["connections"]), 10,
                     "the connection")
         procs.run(H2, python_prog("stranger.py", "clear-connect", "--target", f"{H3_IP}:7787",

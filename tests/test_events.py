@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from helpers import (ETH0, H1, H1_IP, H2, H2_IP, NOBODY, VMICTL_BIN, block_port, host_argv,
-                     public_copies, python_prog, vmictl, wait_paths_alive, wait_status)
+                     public_copies, rated_stream, vmictl, wait_paths_alive, wait_status)
 
 MiB = 1 << 20
 
@@ -22,15 +22,9 @@ def lines(proc):
 
 
 def test_events_follow_a_failover(procs, faults):
-    p = block_port("cluster", 10)
-    addr = f"{H1_IP}:{p}"
     followers = {h: follow(procs, h) for h in (H1, H2)}
     time.sleep(0.5)
-    procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1"), p,
-                 layer=True, name="server")
-    cli = procs.start(H2, python_prog("stream.py", "client", "--connect", addr, "--bytes",
-                                      48 * MiB, "--seed", p, "--rate", 8 * MiB),
-                      layer=True, name="client")
+    cli, addr = rated_stream(procs, H1, H1_IP, H2, block_port("cluster", 10), 48 * MiB, 8 * MiB)
     gid = wait_status(H1, lambda s: next((c["gid"] for c in s["connections"]
                                           if c["local"] == addr), None), 10, "connection")
     time.sleep(1.0)
