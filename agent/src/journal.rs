@@ -16,8 +16,10 @@ pub const KEEP: usize = 4096;
 pub struct Event {
     /// Its number on this node (from 1).
     pub seq: u64,
-    /// The user whose process it concerns (`None`: the node's own, seen by everyone).
-    pub uid: Option<u32>,
+    /// The process it concerns (`None`: the node's own, seen by everyone); its owner is
+    /// looked up when a user other than root reads the journal, not on the connection's
+    /// path (a process gone by then is seen by root only).
+    pub pid: Option<u32>,
     /// The event as `vmictl events --json` prints it.
     pub json: Value,
 }
@@ -61,7 +63,6 @@ impl Journal {
                 o.insert("pid".into(), p.into());
             }
         }
-        let uid = pid.and_then(owner);
         let mut log = self.lock();
         *log.counts.entry(kind.to_string()).or_default() += 1;
         log.next += 1;
@@ -69,11 +70,7 @@ impl Journal {
         if let Some(o) = j.as_object_mut() {
             o.insert("seq".into(), seq.into());
         }
-        log.events.push_back(Event {
-            seq,
-            uid: if pid.is_some() { Some(uid.unwrap_or(u32::MAX)) } else { None },
-            json: j,
-        });
+        log.events.push_back(Event { seq, pid, json: j });
         while log.events.len() > KEEP {
             log.events.pop_front();
         }
@@ -85,16 +82,19 @@ impl Journal {
     /// to `wait` for one if there is none yet; and the number of the latest event (seen or
     /// not), to ask from next time.
     pub fn since(&self, after: u64, only: Option<u32>, wait: Duration) -> (Vec<Event>, u64) {
-        let visible = |e: &Event| match (only, e.uid) {
+        let visible = |e: &Event| match (only, e.pid) {
             (None, _) | (_, None) => true,
-            (Some(u), Some(o)) => u == o,
+            (Some(u), Some(p)) => owner(p) == Some(u),
         };
         let mut log = self.lock();
         if log.next <= after && !wait.is_zero() {
             log = self.more.wait_timeout(log, wait).unwrap_or_else(|e| e.into_inner()).0;
         }
-        let got = log.events.iter().filter(|e| e.seq > after && visible(e)).cloned().collect();
-        (got, log.next.max(after))
+        let newer: Vec<Event> = log.events.iter().filter(|e| e.seq > after).cloned().collect();
+        let last = log.next.max(after);
+        drop(log);
+        // (Owners are looked up without the lock: recording must not wait for /proc.)
+        (newer.into_iter().filter(visible).collect(), last)
     }
 
     /// How many events of each kind were recorded since start-up.

@@ -222,9 +222,12 @@ fn probe_aad(src: IpAddr, dst: IpAddr) -> [u8; 36] {
 pub struct Channel {
     s: TcpStream,
     noise: snow::TransportState,
-    /// Decrypted bytes not read yet.
-    plain: Vec<u8>,
+    /// Decrypted bytes of the last message; `plain[at..len]` not read yet.
+    plain: Box<[u8; NOISE_MAX]>,
     at: usize,
+    len: usize,
+    /// A message as it comes off the wire, or goes on it (with its length first).
+    wire: Box<[u8; NOISE_MAX + 2]>,
 }
 
 fn write_frame(s: &mut TcpStream, m: &[u8]) -> io::Result<()> {
@@ -234,7 +237,7 @@ fn write_frame(s: &mut TcpStream, m: &[u8]) -> io::Result<()> {
     s.write_all(&buf)
 }
 
-fn read_frame(s: &mut impl Read, buf: &mut [u8; NOISE_MAX]) -> io::Result<usize> {
+fn read_frame(s: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     let mut len = [0u8; 2];
     s.read_exact(&mut len)?;
     let n = u16::from_be_bytes(len) as usize;
@@ -257,7 +260,7 @@ impl Channel {
         first.extend_from_slice(&(n as u16).to_be_bytes());
         first.extend_from_slice(&buf[..n]);
         s.write_all(&first)?;
-        let n = read_frame(&mut s, &mut buf).map_err(|e| match e.kind() {
+        let n = read_frame(&mut s, &mut buf[..]).map_err(|e| match e.kind() {
             io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 "it closed the channel in the handshake (another cluster key, or not an agent)",
@@ -267,19 +270,30 @@ impl Channel {
         let mut scratch = Box::new([0u8; NOISE_MAX]);
         hs.read_message(&buf[..n], &mut scratch[..]).map_err(refused)?;
         let noise = hs.into_transport_mode().map_err(refused)?;
-        Ok(Channel { s, noise, plain: Vec::new(), at: 0 })
+        Ok(Channel::new(s, noise))
+    }
+
+    fn new(s: TcpStream, noise: snow::TransportState) -> Channel {
+        Channel {
+            s,
+            noise,
+            plain: Box::new([0; NOISE_MAX]),
+            at: 0,
+            len: 0,
+            wire: Box::new([0; NOISE_MAX + 2]),
+        }
     }
 
     /// Completes a channel whose [`MESH_MAGIC`] was read already, as the side that was
     /// dialed. Fails (and nothing else happens) unless the dialer holds the cluster key.
     pub fn answer(mut s: TcpStream, key: &ClusterKey) -> io::Result<Channel> {
         let mut buf = Box::new([0u8; NOISE_MAX]);
-        let n = read_frame(&mut s, &mut buf)?;
+        let n = read_frame(&mut s, &mut buf[..])?;
         let mut hs = key.hello(&buf[..n])?;
         let n = hs.write_message(&[], &mut buf[..]).map_err(refused)?;
         write_frame(&mut s, &buf[..n])?;
         let noise = hs.into_transport_mode().map_err(refused)?;
-        Ok(Channel { s, noise, plain: Vec::new(), at: 0 })
+        Ok(Channel::new(s, noise))
     }
 
     /// The TCP stream under the channel.
@@ -290,17 +304,15 @@ impl Channel {
 
 impl Read for Channel {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        if self.at == self.plain.len() {
-            let mut buf = Box::new([0u8; NOISE_MAX]);
-            let n = read_frame(&mut self.s, &mut buf)?;
-            self.plain.resize(NOISE_MAX, 0);
-            let m = self.noise.read_message(&buf[..n], &mut self.plain).map_err(|e| {
+        if self.at == self.len {
+            let n = read_frame(&mut self.s, &mut self.wire[..NOISE_MAX])?;
+            let m = self.noise.read_message(&self.wire[..n], &mut self.plain[..]).map_err(|e| {
                 io::Error::new(io::ErrorKind::InvalidData, format!("a message failed authentication ({e})"))
             })?;
-            self.plain.truncate(m);
+            self.len = m;
             self.at = 0;
         }
-        let n = out.len().min(self.plain.len() - self.at);
+        let n = out.len().min(self.len - self.at);
         out[..n].copy_from_slice(&self.plain[self.at..self.at + n]);
         self.at += n;
         Ok(n)
@@ -309,13 +321,13 @@ impl Read for Channel {
 
 impl Write for Channel {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        let mut out = vec![0u8; NOISE_MAX];
         for chunk in data.chunks(NOISE_MAX - TAG) {
             let n = self
                 .noise
-                .write_message(chunk, &mut out)
+                .write_message(chunk, &mut self.wire[2..])
                 .map_err(|e| io::Error::other(format!("encrypting for another agent: {e}")))?;
-            write_frame(&mut self.s, &out[..n])?;
+            self.wire[..2].copy_from_slice(&(n as u16).to_be_bytes());
+            self.s.write_all(&self.wire[..2 + n])?;
         }
         Ok(data.len())
     }

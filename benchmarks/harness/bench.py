@@ -491,10 +491,11 @@ class Agents:
         self.extra = extra_args
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts = 0
-        # The agents of one run share a cluster key made for it.
+        # The agents of one run share a cluster key made for it (an agent from before the
+        # cluster key has no --init and needs none).
         self.key = logdir / "cluster.key"
         if not self.key.exists():
-            subprocess.run([str(bins["vmi-agent"]), "--init", "--key", str(self.key)], check=True,
+            subprocess.run([str(bins["vmi-agent"]), "--init", "--key", str(self.key)],
                            capture_output=True, timeout=10)
 
     def status(self, host: Host, timeout: float = 5.0) -> dict | None:
