@@ -17,13 +17,13 @@
 import json
 import os
 import signal
-import struct
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from programs.stranger import pcap_packets
 from helpers import (AGENT_BIN, AGENT_PORT, ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, PRELOAD_LIB,
                      NOBODY, PYTHON, VMICTL_BIN, Watcher, assert_plain, assert_same_stream,
                      assert_virtual, block_port, extra_agent, host_argv, public_copies,
@@ -152,32 +152,6 @@ def test_forged_and_replayed_heartbeats_do_not_keep_a_dead_path_alive(procs, age
     agent_control.restore()
     wait_status(H1, lambda s: "alive" in path_state(s, H2_IP), 10,
                 f"path to {H2_IP} alive with the real agent back")
-
-
-def pcap_packets(data):
-    """(proto, src, sport, dst, dport, tcp_flags, payload) of each IPv4 packet in a pcap."""
-    magic = struct.unpack("<I", data[:4])[0]
-    order = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
-    link = struct.unpack(order + "I", data[20:24])[0]
-    skip = {1: 14, 113: 16, 276: 20}[link]
-    off = 24
-    while off + 16 <= len(data):
-        incl = struct.unpack(order + "I", data[off + 8:off + 12])[0]
-        pkt = data[off + 16:off + 16 + incl]
-        off += 16 + incl
-        ip = pkt[skip:]
-        if len(ip) < 20 or ip[0] >> 4 != 4:
-            continue
-        ihl = (ip[0] & 15) * 4
-        tot = struct.unpack(">H", ip[2:4])[0]
-        src, dst = ".".join(map(str, ip[12:16])), ".".join(map(str, ip[16:20]))
-        t = ip[ihl:tot]
-        sport, dport = struct.unpack(">HH", t[:4])
-        if ip[9] == 6:
-            doff = (t[12] >> 4) * 4
-            yield "tcp", src, sport, dst, dport, t[13], t[doff:]
-        elif ip[9] == 17:
-            yield "udp", src, sport, dst, dport, 0, t[8:]
 
 
 def test_agent_traffic_carries_no_secret_and_no_message_in_clear(procs, tmp_path):

@@ -92,28 +92,36 @@ def forge(a):
     return {"sent": a.count}
 
 
-def pcap_udp_payloads(path, src_ip, dport):
-    """UDP payloads from src_ip to dport in a classic pcap file (Ethernet, Linux cooked v1
-    or v2 link types)."""
-    data = open(path, "rb").read()
+def pcap_packets(data):
+    """(proto, src, sport, dst, dport, tcp_flags, payload) of each IPv4 TCP or UDP packet of a
+    classic pcap file's bytes (Ethernet, Linux cooked v1 or v2 link types)."""
     magic = struct.unpack("<I", data[:4])[0]
     order = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
     link = struct.unpack(order + "I", data[20:24])[0]
     skip = {1: 14, 113: 16, 276: 20}[link]
-    off, out = 24, []
-    want = socket.inet_aton(src_ip)
+    off = 24
     while off + 16 <= len(data):
         incl = struct.unpack(order + "I", data[off + 8:off + 12])[0]
         pkt = data[off + 16:off + 16 + incl]
         off += 16 + incl
         ip = pkt[skip:]
-        if len(ip) < 20 or ip[0] >> 4 != 4 or ip[9] != 17 or ip[12:16] != want:
+        if len(ip) < 20 or ip[0] >> 4 != 4:
             continue
         ihl = (ip[0] & 15) * 4
-        u = ip[ihl:]
-        if struct.unpack(">H", u[2:4])[0] == dport:
-            out.append(u[8:])
-    return out
+        tot = struct.unpack(">H", ip[2:4])[0]
+        src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
+        t = ip[ihl:tot]
+        sport, dport = struct.unpack(">HH", t[:4])
+        if ip[9] == 6:
+            yield "tcp", src, sport, dst, dport, t[13], t[(t[12] >> 4) * 4:]
+        elif ip[9] == 17:
+            yield "udp", src, sport, dst, dport, 0, t[8:]
+
+
+def pcap_udp_payloads(path, src_ip, dport):
+    """UDP payloads from src_ip to dport in a pcap file."""
+    return [p for proto, src, _, _, dp, _, p in pcap_packets(open(path, "rb").read())
+            if proto == "udp" and src == src_ip and dp == dport]
 
 
 def replay(a):

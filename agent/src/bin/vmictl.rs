@@ -232,12 +232,17 @@ fn print_cluster(v: &Value) {
     }
 }
 
+/// The node's agent on its abstract socket `socket`, or the end with why not.
+fn connect(socket: &str) -> UnixStream {
+    let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
+    UnixStream::connect_addr(&addr)
+        .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")))
+}
+
 /// Prints the node's events (and with `follow`, every new one) until the agent stops.
 fn watch(socket: &str, follow: bool, json: bool) {
     use std::io::Write;
-    let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
-    let mut s = UnixStream::connect_addr(&addr)
-        .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
+    let mut s = connect(socket);
     write_msg(&mut s, &Msg::Watch { after: 0, follow }).unwrap_or_else(|e| fail(&e.to_string()));
     let out = std::io::stdout();
     loop {
@@ -359,9 +364,7 @@ fn main() {
         Msg::Remote { cmd, .. } => Msg::decode_framed(cmd).unwrap_or(Msg::Status),
         c => c.clone(),
     };
-    let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
-    let mut s = UnixStream::connect_addr(&addr)
-        .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")));
+    let mut s = connect(&socket);
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let done = match &inner {
         Msg::Net { name, up } => {
