@@ -4,7 +4,7 @@
 //! agent is not asked again for a second.
 
 use crate::fdtable::{self, OWN_AGENT, OWN_STATS};
-use crate::{log, real, sys};
+use crate::{log, sys};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -65,8 +65,7 @@ pub fn after_fork_child() {
     });
     let fd = fdtable::unprotect(OWN_AGENT);
     if fd >= 0 {
-        // SAFETY: the child's copy of our own socket.
-        unsafe { real::close(fd) };
+        sys::fd::close(fd);
     }
 }
 
@@ -79,33 +78,22 @@ pub fn lost_socket() {
 }
 
 /// The address of the abstract Unix socket `name` (scoped by network namespace).
-pub(crate) fn abstract_addr(name: &str) -> (libc::sockaddr_un, libc::socklen_t) {
-    // SAFETY: zeroed sockaddr_un is valid.
-    let mut sun: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    sun.sun_family = libc::AF_UNIX as _;
-    let nb = name.as_bytes();
-    let n = nb.len().min(sun.sun_path.len() - 1);
-    for (i, b) in nb[..n].iter().enumerate() {
-        sun.sun_path[i + 1] = *b as libc::c_char;
-    }
-    (sun, (std::mem::size_of::<libc::sa_family_t>() + 1 + n) as libc::socklen_t)
+pub(crate) fn abstract_addr(name: &str) -> sys::fd::RawAddr {
+    let mut b = vec![0u8];
+    b.extend_from_slice(&name.as_bytes()[..name.len().min(100)]);
+    sys::fd::RawAddr::unix(&b).unwrap_or_else(sys::fd::RawAddr::unspec)
 }
 
 /// Opens a new connection to the node agent, kept as the layer's own descriptor `role`.
 pub(crate) fn open_socket(role: usize) -> Option<i32> {
     let name = SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET);
-    // SAFETY: plain socket creation.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = sys::fd::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
     if fd < 0 {
         return None;
     }
-    let (sun, len) = abstract_addr(name);
     sys::set_timeouts(fd, 1000);
-    // SAFETY: a valid pointer to a local address.
-    let ok = unsafe { real::connect(fd, &sun as *const _ as *const libc::sockaddr, len) == 0 };
-    if !ok {
-        // SAFETY: our socket.
-        unsafe { real::close(fd) };
+    if sys::fd::connect(fd, &abstract_addr(name)) != 0 {
+        sys::fd::close(fd);
         return None;
     }
     let fd = fdtable::move_high(fd);
@@ -116,17 +104,10 @@ pub(crate) fn open_socket(role: usize) -> Option<i32> {
 pub(crate) fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
     let mut first = true;
     while !b.is_empty() {
-        let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut _, iov_len: b.len() };
-        // SAFETY: zeroed msghdr is valid; fields set below point at live locals.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        let mut cbuf: sys::FdCmsg = [0; 4];
-        if let (true, Some(pfd)) = (first, pass_fd) {
-            sys::attach_fd(&mut msg, &mut cbuf, pfd);
-        }
-        // SAFETY: msg is fully initialised.
-        let r = unsafe { real::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        let r = match (first, pass_fd) {
+            (true, Some(pfd)) => sys::fd::send_with_fd(fd, b, pfd, None, libc::MSG_NOSIGNAL),
+            _ => sys::fd::send_parts(fd, &[b], libc::MSG_NOSIGNAL),
+        };
         if r < 0 {
             if sys::errno() == libc::EINTR {
                 continue;
@@ -141,8 +122,7 @@ pub(crate) fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
 
 pub(crate) fn read_exact(fd: i32, mut b: &mut [u8]) -> bool {
     while !b.is_empty() {
-        // SAFETY: reads into the rest of `b`.
-        let r = unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), 0) };
+        let r = sys::fd::recv(fd, b, 0);
         if r < 0 && sys::errno() == libc::EINTR {
             continue;
         }
@@ -232,8 +212,7 @@ pub fn quiesce() {
     let mut st = lock();
     let fd = fdtable::unprotect(OWN_AGENT);
     if fd >= 0 {
-        // SAFETY: our own socket.
-        unsafe { real::close(fd) };
+        sys::fd::close(fd);
     }
     st.said_hello = false;
 }
@@ -286,8 +265,7 @@ pub fn request(m: &Msg) -> Option<Msg> {
 fn fail<T>(st: &mut State, now: u64) -> Option<T> {
     let fd = fdtable::unprotect(OWN_AGENT);
     if fd >= 0 {
-        // SAFETY: our own socket.
-        unsafe { real::close(fd) };
+        sys::fd::close(fd);
     }
     st.said_hello = false;
     st.down_until = now + RETRY_NS;

@@ -14,56 +14,27 @@
 
 use crate::fdtable::{self, Entry};
 use crate::vc::{Setup, Vc};
-use crate::{config, log, real};
-use std::ffi::{CStr, CString};
-use std::fmt::Write as _;
-use std::net::SocketAddr;
+use crate::{config, log};
+use std::ffi::CString;
 use std::sync::Arc;
+use substrate::handover::ExecRecord;
 use substrate::reliability::{ring_slices, RxState, TxState};
 
 const VAR: &str = "VMI_INHERIT";
 
-fn hex(b: &[u8]) -> String {
-    let mut s = String::with_capacity(b.len() * 2);
-    for x in b {
-        let _ = write!(s, "{x:02x}");
-    }
-    s
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
-}
-
-fn bytes_of<T: Copy>(v: &T) -> Vec<u8> {
-    // SAFETY: T is a plain repr(C) Copy struct; we read its bytes.
-    unsafe { std::slice::from_raw_parts(v as *const T as *const u8, std::mem::size_of::<T>()) }.to_vec()
-}
-
-fn from_bytes<T: Copy>(b: &[u8]) -> Option<T> {
-    // SAFETY: the length is checked; the bytes came from `bytes_of::<T>` of the same library
-    // build (the sizes are part of the record, so another build's record is refused).
-    (b.len() == std::mem::size_of::<T>()).then(|| unsafe { std::ptr::read_unaligned(b.as_ptr() as *const T) })
-}
-
 /// Writes the unacknowledged bytes of a connection (`tx.acked..tx.next_seq` of its replay
 /// ring) into a memory file that stays open across the exec; its descriptor, or -1 when
 /// there is nothing to carry or no memory file could be made. The caller holds the tx lock.
-fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
+fn save_unacked(ring: &[u8], tx: &TxState) -> i32 {
     use std::io::Write as _;
-    use std::os::fd::{FromRawFd, IntoRawFd};
+    use std::os::fd::IntoRawFd;
     let n = (tx.next_seq - tx.acked) as usize;
     if n == 0 {
         return -1;
     }
-    // SAFETY: the caller holds the tx lock: nobody writes the ring meanwhile.
-    let ring = unsafe { v.mem().ring() };
     let (a, b) = ring_slices(ring, tx.acked, n);
-    // SAFETY: a fresh memory file, without close-on-exec.
-    let fd = unsafe { libc::memfd_create(c"vmi-unacked".as_ptr(), 0) };
+    // A fresh memory file, without close-on-exec.
+    let fd = crate::sys::fd::memfd_create(c"vmi-unacked", 0);
     if fd < 0 {
         log::warn(format_args!(
             "cannot make a memory file for the bytes in flight across exec (errno {}); they are \
@@ -73,8 +44,7 @@ fn save_unacked(v: &Vc, tx: &TxState) -> i32 {
         return -1;
     }
     // Out of the way of the descriptor numbers the new program may expect to be free.
-    // SAFETY: a descriptor we just made and own.
-    let mut f = unsafe { std::fs::File::from_raw_fd(fdtable::move_high_inherited(fd)) };
+    let mut f = crate::sys::fd::into_file(fdtable::move_high_inherited(fd));
     match f.write_all(a).and_then(|_| f.write_all(b)) {
         Ok(()) => f.into_raw_fd(),
         Err(_) => -1,
@@ -94,23 +64,21 @@ fn our_memfd(fd: i32) -> bool {
 
 /// Closes the memory file a record that cannot be used names, if it is one of ours.
 fn drop_unacked(r: &str) {
-    if let Some(fd) = r.rsplit(',').next().and_then(|f| f.parse::<i32>().ok()) {
+    if let (_, _, Some(fd)) = ExecRecord::names(r) {
         if our_memfd(fd) {
-            // SAFETY: the previous image's memory file, which nobody will read.
-            unsafe { real::close(fd) };
+            crate::sys::fd::close(fd);
         }
     }
 }
 
 /// Reads the `n` bytes a previous image saved in memory file `fd`, and closes it.
 fn load_unacked(fd: i32, n: u64) -> Option<Vec<u8>> {
-    use std::os::fd::FromRawFd;
     use std::os::unix::fs::FileExt;
     if !our_memfd(fd) {
         return None;
     }
-    // SAFETY: the memory file the previous image left us; closed when `f` goes.
-    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    // The memory file the previous image left us; closed when `f` goes.
+    let f = crate::sys::fd::into_file(fd);
     let mut buf = vec![0u8; n as usize];
     f.read_exact_at(&mut buf, 0).ok().map(|_| buf)
 }
@@ -123,16 +91,14 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>, Vec<i32>)> {
     let mut files = Vec::new();
     for (fd, e) in fdtable::snapshot() {
         let Entry::Vc(v) = e else { continue };
-        // SAFETY: F_GETFD has no pointer argument.
-        let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+        let fl = crate::sys::fd::fcntl(fd, libc::F_GETFD, 0);
         if fl < 0 || fl & libc::FD_CLOEXEC != 0 {
             continue;
         }
         let c = v.mem().conn();
-        let _tg = c.tx_lock.lock();
+        let mut tg = c.tx_lock.lock();
         let _rg = c.rx_lock.lock();
-        // SAFETY: both locks held.
-        let (tx, rx) = unsafe { (*c.tx.get(), *c.rx.get()) };
+        let rx = c.with_rx_held(|rx| *rx);
         // One connection on several descriptors (sshd's re-exec passes it as 0 and 1): the
         // first record carries its state; the others only name the descriptor (the new
         // image gives them the same connection).
@@ -142,61 +108,61 @@ fn inherit_value() -> Option<(String, Vec<Arc<Vc>>, Vec<i32>)> {
         }
         let shm =
             if first { v.shm_now().and_then(|l| l.handover(fd)).unwrap_or_default() } else { String::new() };
-        let unacked = if first { save_unacked(&v, &tx) } else { -1 };
+        let (tx, unacked) =
+            v.mem().with_tx_ring(&mut tg, |tx, ring| (*tx, if first { save_unacked(ring, tx) } else { -1 }));
         if unacked >= 0 {
             files.push(unacked);
         }
-        recs.push(format!(
-            "{fd},{:032x},{:032x},{},{},{},{},{},{},{},{},{shm},{unacked}",
-            c.gid,
-            c.secret,
-            c.peer_window,
-            tx.soft_window,
-            v.local,
-            v.peer,
-            u8::from(v.active),
-            hex(&bytes_of(&tx)),
-            hex(&bytes_of(&rx)),
-            c.peer_agents().iter().map(|a| a.to_string()).collect::<Vec<_>>().join(" "),
-        ));
+        let rec = ExecRecord {
+            fd,
+            gid: c.gid,
+            secret: c.secret,
+            peer_window: c.peer_window,
+            window: tx.soft_window,
+            local: v.local,
+            peer: v.peer,
+            active: v.active,
+            tx,
+            rx,
+            peer_agents: c.peer_agents(),
+            shm,
+            unacked,
+        };
+        match rec.encode() {
+            Some(r) => recs.push(r),
+            None => log::warn(format_args!("fd {fd}: shared-memory hand-over not encodable; not carried")),
+        }
     }
     (!recs.is_empty()).then(|| (recs.join(";"), done, files))
 }
 
 fn parse_rec(r: &str) -> Option<(i32, Setup, TxState, RxState, i32)> {
-    let f: Vec<&str> = r.split(',').collect();
-    if f.len() != 13 {
-        return None;
-    }
+    let rec = ExecRecord::parse(r)?;
     let s = Setup {
-        gid: u128::from_str_radix(f[1], 16).ok()?,
-        secret: u128::from_str_radix(f[2], 16).ok()?,
-        peer_window: f[3].parse().ok()?,
-        window: f[4].parse().ok()?,
-        local: f[5].parse::<SocketAddr>().ok()?,
-        peer: f[6].parse::<SocketAddr>().ok()?,
-        active: f[7] == "1",
-        peer_agents: f[10].split(' ').filter_map(|a| a.parse().ok()).collect(),
+        gid: rec.gid,
+        secret: rec.secret,
+        peer_window: rec.peer_window,
+        window: rec.window,
+        local: rec.local,
+        peer: rec.peer,
+        active: rec.active,
+        peer_agents: rec.peer_agents,
         renamed: true,
-        shm: if f[11].is_empty() { None } else { Some(crate::shm_sink::ShmLink::adopt(f[11])?) },
+        shm: if rec.shm.is_empty() { None } else { Some(crate::shm_sink::ShmLink::adopt(&rec.shm)?) },
     };
-    Some((f[0].parse().ok()?, s, from_bytes(&unhex(f[8])?)?, from_bytes(&unhex(f[9])?)?, f[12].parse().ok()?))
+    Some((rec.fd, s, rec.tx, rec.rx, rec.unacked))
 }
 
 /// At start: rebuild the connections the previous image handed over.
 pub fn adopt() {
     let Ok(v) = std::env::var(VAR) else { return };
-    // SAFETY: runs in the library constructor, before the program's threads.
-    unsafe { std::env::remove_var(VAR) };
+    // (In the library constructor, before the program's threads.)
+    crate::sys::process::env_remove(VAR);
     let mut adopted = false;
     let mut by_gid: Vec<(u128, Arc<Vc>)> = Vec::new();
     for r in v.split(';') {
         // Another descriptor of a connection already rebuilt: the same connection.
-        let mut f = r.split(',');
-        let (fd, gid) = (
-            f.next().and_then(|x| x.parse::<i32>().ok()),
-            f.next().and_then(|x| u128::from_str_radix(x, 16).ok()),
-        );
+        let (fd, gid, _) = ExecRecord::names(r);
         if let (Some(fd), Some(gid)) = (fd, gid) {
             if let Some((_, vc)) = by_gid.iter().find(|(g, _)| *g == gid) {
                 if crate::sys::tcp_family(fd).is_some() {
@@ -217,8 +183,7 @@ pub fn adopt() {
                         ));
                         if vc.mem().conn().broken.load(std::sync::atomic::Ordering::Acquire) != 0 {
                             // Reset (see `Vc::restore`): the peer sees the end too.
-                            // SAFETY: shutdown of the connection's own socket.
-                            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+                            crate::sys::fd::shutdown(fd, libc::SHUT_RDWR);
                         }
                         let vc = Arc::new(vc);
                         by_gid.push((gid, vc.clone()));
@@ -242,14 +207,7 @@ pub fn adopt() {
 }
 
 fn own_path() -> Option<String> {
-    // SAFETY: dladdr on an address inside this library.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::dladdr(adopt as *const libc::c_void, &mut info) } == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dladdr returned a C string.
-    Some(unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
+    crate::sys::process::library_path()
 }
 
 /// What an exec hands over: the new image's environment, and the connections it carries.
@@ -271,6 +229,7 @@ impl Handover {
     /// In a vfork child the connections are not held through `Arc`s of our own across the
     /// exec: a successful exec never drops them, and they live in the parent's memory (which
     /// keeps its own, and is suspended until the exec).
+    #[allow(unsafe_code)]
     pub fn exec(mut self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
         let vcs: Vec<*const Vc> = self.vcs.iter().map(Arc::as_ptr).collect();
         let own = !crate::vforked();
@@ -290,19 +249,16 @@ impl Handover {
             }
         });
         for &fd in &self.files {
-            // SAFETY: our memory files; the exec that would have taken them failed.
-            unsafe { real::close(fd) };
+            crate::sys::fd::close(fd);
         }
         crate::sys::set_errno(e);
         r
     }
 }
 
-/// The hand-over for an exec with environment `envp`; `None` when nothing is handed over.
-///
-/// # Safety
-/// `envp` is a valid NULL-terminated array of C strings (or null).
-pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover> {
+/// The hand-over for an exec with the environment `envp` gives (called only when there is
+/// something to hand over); `None` when nothing is handed over.
+pub fn env_for_exec(envp: impl FnOnce() -> Vec<CString>) -> Option<Handover> {
     if config::disabled() || !fdtable::any() {
         return None;
     }
@@ -310,15 +266,7 @@ pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover>
     let mut out: Vec<CString> = Vec::new();
     let mut preload_seen = false;
     let me = own_path().unwrap_or_default();
-    let mut p = envp;
-    while !p.is_null() {
-        // SAFETY: walking the caller's array until its NULL.
-        let s = unsafe { *p };
-        if s.is_null() {
-            break;
-        }
-        // SAFETY: each entry is a C string.
-        let e = unsafe { CStr::from_ptr(s) }.to_owned();
+    for e in envp() {
         let b = e.as_bytes();
         if b.starts_with(b"VMI_INHERIT=") {
             // replaced below
@@ -333,8 +281,6 @@ pub unsafe fn env_for_exec(envp: *const *const libc::c_char) -> Option<Handover>
         } else {
             out.push(e);
         }
-        // SAFETY: next entry.
-        p = unsafe { p.add(1) };
     }
     if !preload_seen && !me.is_empty() {
         out.push(CString::new(format!("LD_PRELOAD={me}")).ok()?);

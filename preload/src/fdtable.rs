@@ -144,11 +144,9 @@ pub fn move_high_inherited(fd: i32) -> i32 {
 }
 
 fn move_to_high(fd: i32, cmd: i32) -> i32 {
-    // SAFETY: F_DUPFD and F_DUPFD_CLOEXEC take an integer argument.
-    let n = unsafe { crate::real::fcntl(fd, cmd, 700) };
+    let n = crate::sys::fd::fcntl(fd, cmd, 700);
     if n >= 0 {
-        // SAFETY: our own descriptor.
-        unsafe { crate::real::close(fd) };
+        crate::sys::fd::close(fd);
         n
     } else {
         fd
@@ -184,31 +182,30 @@ pub fn unprotect(role: usize) -> i32 {
 /// Per-connection descriptors of the layer's own (shared memory: region file, the peer's
 /// socket, the rendezvous socket), each with the place that names it, so that a program
 /// closing everything or `dup2`-ing onto one of them does not take it.
-static EXTRA: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+static EXTRA: std::sync::Mutex<Vec<Arc<AtomicI32>>> = std::sync::Mutex::new(Vec::new());
 static EXTRA_N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-fn extra() -> std::sync::MutexGuard<'static, Vec<usize>> {
+fn extra() -> std::sync::MutexGuard<'static, Vec<Arc<AtomicI32>>> {
     EXTRA.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Protects the descriptor `slot` names (and whatever it names later) until
-/// [`unprotect_slot`]. `slot` must stay where it is until then.
-pub fn protect_slot(slot: &AtomicI32) {
+/// [`unprotect_slot`].
+pub fn protect_slot(slot: &Arc<AtomicI32>) {
     let mut x = extra();
-    x.push(slot as *const AtomicI32 as usize);
+    x.push(slot.clone());
     EXTRA_N.store(x.len(), Release);
 }
 
 /// Stops protecting `slot`'s descriptor.
-pub fn unprotect_slot(slot: &AtomicI32) {
+pub fn unprotect_slot(slot: &Arc<AtomicI32>) {
     let mut x = extra();
-    x.retain(|&p| p != slot as *const AtomicI32 as usize);
+    x.retain(|p| !Arc::ptr_eq(p, slot));
     EXTRA_N.store(x.len(), Release);
 }
 
-fn extra_fds() -> Vec<(i32, usize)> {
-    // SAFETY: every registered address is a live AtomicI32 (see `protect_slot`).
-    extra().iter().map(|&p| (unsafe { &*(p as *const AtomicI32) }.load(Acquire), p)).collect()
+fn extra_fds() -> Vec<(i32, Arc<AtomicI32>)> {
+    extra().iter().map(|p| (p.load(Acquire), p.clone())).collect()
 }
 
 /// True if `fd` is one of the layer's own.
@@ -216,7 +213,7 @@ fn extra_fds() -> Vec<(i32, usize)> {
 pub fn is_protected(fd: i32) -> bool {
     fd >= 0
         && (PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
-            || (EXTRA_N.load(Relaxed) > 0 && extra_fds().iter().any(|&(f, _)| f == fd)))
+            || (EXTRA_N.load(Relaxed) > 0 && extra().iter().any(|p| p.load(Acquire) == fd)))
 }
 
 /// The protected descriptors.
@@ -239,8 +236,7 @@ pub fn evict(fd: i32) -> Option<(i32, i32)> {
     }
     for (f, p) in extra_fds() {
         if f == fd {
-            // SAFETY: a registered, live AtomicI32 (see `protect_slot`).
-            let _ = unsafe { &*(p as *const AtomicI32) }.compare_exchange(fd, n, AcqRel, Relaxed);
+            let _ = p.compare_exchange(fd, n, AcqRel, Relaxed);
         }
     }
     Some((fd, n))

@@ -6,8 +6,9 @@
 
 use crate::error::{guarded, quietly};
 use crate::fdtable::{self, Entry};
+use crate::sys::real;
 use crate::vc::Vc;
-use crate::{agent, real, setup, sys};
+use crate::{agent, setup, sys};
 use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 use std::sync::Arc;
 use substrate::irb::IrbError;
@@ -243,8 +244,15 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int {
     let r = match fdtable::vc(fd) {
-        // SAFETY: the program's arguments.
-        Some(vc) => unsafe { vc.epoll_ctl(epfd, op, fd, ev) },
+        Some(vc) => vc.epoll_ctl(
+            epfd,
+            op,
+            fd,
+            // SAFETY: the program's epoll_event, if any (the kernel reads it for ADD and MOD).
+            || (!ev.is_null()).then(|| unsafe { std::ptr::read_unaligned(ev) }),
+            // SAFETY: forwarding the program's arguments.
+            || unsafe { real::epoll_ctl(epfd, op, fd, ev) },
+        ),
         // SAFETY: forwarding the program's arguments.
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     };
@@ -953,6 +961,27 @@ extern "C" {
     static environ: *const *const libc::c_char;
 }
 
+/// The entries of a C environment array, copied.
+///
+/// # Safety
+/// `envp` is a NULL-terminated array of C strings, or null.
+unsafe fn env_vec(envp: *const *const libc::c_char) -> Vec<std::ffi::CString> {
+    let mut out = Vec::new();
+    let mut p = envp;
+    while !p.is_null() {
+        // SAFETY: walking the caller's array until its NULL.
+        let s = unsafe { *p };
+        if s.is_null() {
+            break;
+        }
+        // SAFETY: each entry is a C string.
+        out.push(unsafe { std::ffi::CStr::from_ptr(s) }.to_owned());
+        // SAFETY: the next entry (the array goes on to its NULL).
+        p = unsafe { p.add(1) };
+    }
+    out
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn execve(
     path: *const libc::c_char,
@@ -961,7 +990,7 @@ pub unsafe extern "C" fn execve(
 ) -> c_int {
     let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: the program's environment array.
-    match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
+    match quietly(|| crate::exec::env_for_exec(|| unsafe { env_vec(envp) })) {
         // SAFETY: forwarding with the extended environment.
         Some(h) => h.exec(|e| unsafe { real::execve(path, argv, e) }),
         // SAFETY: forwarding.
@@ -977,7 +1006,7 @@ pub unsafe extern "C" fn execvpe(
 ) -> c_int {
     let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: as in execve.
-    match quietly(|| unsafe { crate::exec::env_for_exec(envp) }) {
+    match quietly(|| crate::exec::env_for_exec(|| unsafe { env_vec(envp) })) {
         // SAFETY: forwarding with the extended environment.
         Some(h) => h.exec(|e| unsafe { real::execvpe(file, argv, e) }),
         // SAFETY: forwarding.
@@ -989,7 +1018,7 @@ pub unsafe extern "C" fn execvpe(
 pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
     let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: `environ` is the process environment.
-    match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
+    match quietly(|| crate::exec::env_for_exec(|| unsafe { env_vec(environ) })) {
         // SAFETY: forwarding to execve with the extended environment.
         Some(h) => h.exec(|e| unsafe { real::execve(path, argv, e) }),
         // SAFETY: forwarding.
@@ -1001,7 +1030,7 @@ pub unsafe extern "C" fn execv(path: *const libc::c_char, argv: *const *const li
 pub unsafe extern "C" fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
     let _quiet = crate::relink::quiet_for_exec();
     // SAFETY: `environ` is the process environment.
-    match quietly(|| unsafe { crate::exec::env_for_exec(environ) }) {
+    match quietly(|| crate::exec::env_for_exec(|| unsafe { env_vec(environ) })) {
         // SAFETY: forwarding to execvpe with the extended environment.
         Some(h) => h.exec(|e| unsafe { real::execvpe(file, argv, e) }),
         // SAFETY: forwarding.

@@ -5,7 +5,8 @@
 
 #![allow(clippy::missing_safety_doc)]
 
-use crate::{real, sandbox};
+use crate::sandbox;
+use crate::sys::real;
 use libc::{c_int, c_long, c_ulong, c_void};
 
 const SECCOMP_MODE_STRICT: c_ulong = 1;

@@ -17,10 +17,8 @@
 //!   killed, the control thread leaves with the bare `exit` system call, so the process ends
 //!   with the main thread's status (killed by `SIGSYS`, say), as it would have alone.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering::*};
 
-/// The word the kernel clears when the main thread ends.
-static MAIN_TID_WORD: AtomicPtr<i32> = AtomicPtr::new(std::ptr::null_mut());
 /// The main thread called `pthread_exit`.
 static MAIN_PTHREAD_EXIT: AtomicBool = AtomicBool::new(false);
 /// The main thread's `pthread_t`.
@@ -33,21 +31,14 @@ static LAYER_THREADS: AtomicU32 = AtomicU32::new(0);
 /// Called in the main thread at start-up and in a forked child (whose only thread is its
 /// main thread now).
 pub fn init_main_thread() {
-    let mut addr: *mut i32 = std::ptr::null_mut();
-    // SAFETY: PR_GET_TID_ADDRESS writes one pointer into `addr`.
-    let r = unsafe {
-        libc::prctl(libc::PR_GET_TID_ADDRESS, &mut addr as *mut *mut i32 as libc::c_ulong, 0, 0, 0)
-    };
-    MAIN_TID_WORD.store(if r == 0 { addr } else { std::ptr::null_mut() }, Release);
-    // SAFETY: no arguments.
-    MAIN_THREAD.store(unsafe { libc::pthread_self() } as usize, Release);
+    crate::sys::process::remember_main_tid_word();
+    MAIN_THREAD.store(crate::sys::process::pthread_self(), Release);
     MAIN_PTHREAD_EXIT.store(false, Release);
     LAYER_THREADS.store(0, Release);
     STATUS_FD.store(-1, Release);
     let old = crate::fdtable::unprotect(crate::fdtable::OWN_STATUS);
     if old >= 0 {
-        // SAFETY: our own descriptor (a parent's copy, after fork).
-        unsafe { crate::real::close(old) };
+        crate::sys::fd::close(old);
     }
 }
 
@@ -57,8 +48,7 @@ pub fn open_status() {
     if STATUS_FD.load(Acquire) >= 0 || !crate::sandbox::allows_nr(libc::SYS_openat) {
         return;
     }
-    // SAFETY: a NUL-terminated path.
-    let fd = unsafe { libc::open(c"/proc/self/status".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    let fd = crate::sys::fd::open(c"/proc/self/status", libc::O_RDONLY | libc::O_CLOEXEC);
     if fd >= 0 {
         let fd = crate::fdtable::move_high(fd);
         crate::fdtable::protect(crate::fdtable::OWN_STATUS, fd);
@@ -68,8 +58,7 @@ pub fn open_status() {
 
 /// True when the calling thread is the program's main thread.
 pub fn is_main_thread() -> bool {
-    // SAFETY: no arguments.
-    MAIN_THREAD.load(Acquire) == unsafe { libc::pthread_self() } as usize
+    MAIN_THREAD.load(Acquire) == crate::sys::process::pthread_self()
 }
 
 /// The main thread is calling `pthread_exit`.
@@ -79,10 +68,9 @@ pub fn main_pthread_exit() {
 
 /// True once the main thread ended (only for a process whose main thread registered a word).
 pub fn main_gone() -> bool {
-    let p = MAIN_TID_WORD.load(Acquire);
-    // SAFETY: the word is in the main thread's descriptor, which stays mapped for the life of
-    // the process; the kernel writes it, so it is read as an atomic.
-    !p.is_null() && unsafe { (*(p as *const AtomicI32)).load(Acquire) } == 0
+    // (The word is in the main thread's descriptor, which stays mapped for the life of the
+    // process.)
+    crate::sys::process::main_tid_word_cleared()
 }
 
 /// One of the layer's threads starts (or, with `false`, ends).
@@ -102,8 +90,7 @@ fn program_threads_left() -> Option<u32> {
         return None;
     }
     let mut buf = [0u8; 4096];
-    // SAFETY: reads into a local buffer from our own descriptor.
-    let n = unsafe { libc::pread(fd, buf.as_mut_ptr() as *mut _, buf.len(), 0) };
+    let n = crate::sys::fd::pread(fd, &mut buf, 0);
     if n <= 0 {
         return None;
     }
@@ -139,8 +126,5 @@ pub fn verdict() -> Verdict {
 
 /// Ends the calling thread only (not the process), with no clean-up of the program's.
 pub fn exit_thread_bare() -> ! {
-    loop {
-        // SAFETY: SYS_exit ends the calling thread; nothing after it runs.
-        unsafe { libc::syscall(libc::SYS_exit, 0) };
-    }
+    crate::sys::process::exit_thread(0)
 }

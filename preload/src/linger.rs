@@ -15,9 +15,9 @@
 //! has everything up to our FIN (at most 5 s).
 
 use crate::fdtable::{self, Entry};
+use crate::sys;
 use crate::tcp_sink::{drain_closed, peer_fin, unread_payload, Drained};
 use crate::vc::Vc;
-use crate::{real, sys};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -49,8 +49,7 @@ fn lock() -> MutexGuard<'static, Lingering> {
 /// Closes `fd` with a reset (SO_LINGER 0); returns the close's result.
 fn reset(fd: i32) -> i32 {
     crate::sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
-    // SAFETY: closes the socket being reset.
-    unsafe { real::close(fd) }
+    sys::fd::close(fd)
 }
 
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
@@ -58,8 +57,7 @@ fn reset(fd: i32) -> i32 {
 pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
     if !crate::sandbox::allows_all(LINGER_CALLS) || !crate::sandbox::may_spawn() {
         // A sandbox forbids what lingering needs: the program's close, as it asked.
-        // SAFETY: the program's close.
-        return unsafe { real::close(fd) };
+        return sys::fd::close(fd);
     }
     // After the peer's Fin frame the socket's receive side is shut: a FIN from us now would
     // put it where the kernel resets the connection on the peer's next ack. The end of stream
@@ -75,17 +73,14 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
         crate::tcp_sink::send_control(vc.mem(), vc.slot(), fd, substrate::wire::frame::FrameKind::Abort);
         return reset(fd);
     }
-    // SAFETY: duplicates the program's descriptor for our own use.
-    let keep = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700) };
-    // SAFETY: the program's close.
-    let r = unsafe { real::close(fd) };
+    let keep = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700);
+    let r = sys::fd::close(fd);
     let e = sys::errno();
     if keep >= 0 {
         if fin_mode {
             crate::tcp_sink::send_fin(vc.mem(), keep);
         } else {
-            // SAFETY: our duplicate.
-            unsafe { real::shutdown(keep, libc::SHUT_WR) };
+            crate::sys::fd::shutdown(keep, libc::SHUT_WR);
         }
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
@@ -107,8 +102,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
             if !l.thread {
                 // No thread: give up lingering rather than leak the socket.
                 for (f, _, _) in l.socks.drain(..) {
-                    // SAFETY: our duplicates.
-                    unsafe { real::close(f) };
+                    crate::sys::fd::close(f);
                 }
             }
         }
@@ -138,9 +132,10 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
     // What the program wrote last may still wait in the ring (the rest of a frame, or the
     // Fin frame behind it): it goes out first.
     let c = vc.mem().conn();
-    // SAFETY: a racy read of a plain integer, only to choose whether to look.
-    if c.fin_owed.load(std::sync::atomic::Ordering::Acquire) != 0 || unsafe { (*c.tx.get()).replaying() } {
-        if let Some(_g) = c.tx_lock.try_lock() {
+    if let Some(mut g) = c.tx_lock.try_lock() {
+        if c.fin_owed.load(std::sync::atomic::Ordering::Acquire) != 0
+            || c.with_tx(&mut g, |tx| tx.replaying())
+        {
             crate::tcp_sink::replay_now(vc.mem(), vc.slot(), fd);
         }
     }
@@ -153,8 +148,7 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
         Drained::Open if !expired => false,
         d @ (Drained::Finished | Drained::Open) => {
             crate::log::debug(format_args!("linger of fd {fd} ends: {d:?}"));
-            // SAFETY: our duplicate.
-            unsafe { real::close(fd) };
+            crate::sys::fd::close(fd);
             true
         }
     }
@@ -183,8 +177,7 @@ fn reaper() {
                 revents: 0,
             })
             .collect();
-        // SAFETY: valid pollfd array.
-        if unsafe { real::poll(p.as_mut_ptr(), p.len() as _, 100) } < 0 && sys::errno() != libc::EINTR {
+        if sys::fd::poll(&mut p, 100) < 0 && sys::errno() != libc::EINTR {
             // (A descriptor limit below the list's length, say: never a loop that spins.)
             fails += 1;
             std::thread::sleep(std::time::Duration::from_millis((10u64 << fails.min(4)).min(100)));
@@ -228,8 +221,7 @@ pub fn at_exit() {
                 if peer_fin(v.mem()) {
                     crate::tcp_sink::send_fin(v.mem(), fd);
                 } else {
-                    // SAFETY: the process is exiting; its sockets close anyway.
-                    unsafe { real::shutdown(fd, libc::SHUT_WR) };
+                    crate::sys::fd::shutdown(fd, libc::SHUT_WR);
                 }
                 socks.push((fd, v));
             }
@@ -275,19 +267,20 @@ pub fn at_exit() {
             }
             Drained::Finished => {
                 crate::log::debug(format_args!("exit: fd {fd} finished"));
-                // SAFETY: our descriptor; the peer closed too.
-                unsafe { real::close(*fd) };
+                crate::sys::fd::close(*fd);
                 return false;
             }
             Drained::Open => {}
         }
-        // SAFETY: racy reads of plain integers: the program is exiting and the reaper is idle.
-        let boundary = unsafe { (*c.rx.get()).frame_rem == 0 && (*c.rx.get()).header_len == 0 };
+        // (The program is exiting and the reaper is idle: the lock is free.)
+        let boundary = c
+            .rx_lock
+            .try_lock()
+            .is_some_and(|mut g| c.with_rx(&mut g, |rx| rx.frame_rem == 0 && rx.header_len == 0));
         let handed = boundary && crate::relink::hand_over_linger(c.gid, *fd);
         crate::log::debug(format_args!("exit: fd {fd} handed to the agent: {handed}"));
         if handed {
-            // SAFETY: the agent has its own copy now.
-            unsafe { real::close(*fd) };
+            crate::sys::fd::close(*fd);
             return false;
         }
         true
@@ -302,8 +295,7 @@ pub fn at_exit() {
                 revents: 0,
             })
             .collect();
-        // SAFETY: valid pollfd array.
-        unsafe { real::poll(p.as_mut_ptr(), p.len() as _, 20) };
+        sys::fd::poll(&mut p, 20);
         socks.retain(|(fd, v)| {
             let ready = peer_fin(v.mem()) || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             if ready && drain_closed(v.mem(), *fd) != Drained::Open {
@@ -341,8 +333,7 @@ pub fn after_fork_child() {
     FORK_GUARD.with(|f| {
         if let Some((_b, mut g)) = f.borrow_mut().take() {
             for (fd, _, _) in g.socks.drain(..) {
-                // SAFETY: the child's copies of the parent's lingering sockets.
-                unsafe { real::close(fd) };
+                crate::sys::fd::close(fd);
             }
             g.thread = false;
         }

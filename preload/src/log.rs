@@ -56,8 +56,7 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
     if !fits_file_limit(line.len + 1) {
         return;
     }
-    // SAFETY: writes a valid buffer to fd 2 through the real write.
-    unsafe { crate::real::write(2, line.buf.as_ptr() as *const _, line.len + 1) };
+    crate::sys::fd::write(2, &line.buf[..line.len + 1]);
 }
 
 /// False when fd 2 is a regular file that `n` more bytes would take past the process's
@@ -68,18 +67,11 @@ fn fits_file_limit(n: usize) -> bool {
     if !crate::sandbox::allows_all(&[libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_prlimit64]) {
         return false;
     }
-    // SAFETY: zeroed stat is valid; fstat fills it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid pointer.
-    if unsafe { libc::fstat(2, &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+    let Some(st) = crate::sys::fd::fstat(2) else { return true };
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return true;
     }
-    // SAFETY: zeroed rlimit is valid; getrlimit fills it.
-    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid pointer.
-    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } != 0 {
-        return false;
-    }
+    let Some(lim) = crate::sys::process::getrlimit(libc::RLIMIT_FSIZE) else { return false };
     lim.rlim_cur == libc::RLIM_INFINITY || (st.st_size as u64).saturating_add(n as u64) <= lim.rlim_cur
 }
 

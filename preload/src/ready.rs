@@ -24,8 +24,8 @@
 //! kernel says, as before.
 
 use crate::fdtable;
-use crate::real;
 use crate::sys;
+use crate::sys::real;
 use libc::c_int;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};

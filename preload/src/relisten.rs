@@ -12,7 +12,7 @@
 //! on the placeholder is woken and accepts on the new listener (the hook retries).
 
 use crate::fdtable::{self, Entry};
-use crate::{log, real, sys};
+use crate::{log, sys};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
@@ -37,8 +37,7 @@ pub static GEN: AtomicU32 = AtomicU32::new(0);
 fn listener_on(at: SocketAddr, backlog: i32, like: i32) -> Result<i32, i32> {
     let v6 = at.is_ipv6();
     let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
-    // SAFETY: plain socket creation.
-    let s = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let s = sys::fd::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
     if s < 0 {
         return Err(sys::errno());
     }
@@ -47,18 +46,15 @@ fn listener_on(at: SocketAddr, backlog: i32, like: i32) -> Result<i32, i32> {
         let only = sys::sockopt_int(like, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY).unwrap_or(0);
         sys::set_sockopt_int(s, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, only);
     }
-    let (st, len) = sys::to_raw(&at, v6);
-    // SAFETY: binds and listens on our own socket; copies the file status flags (O_NONBLOCK
-    // above all) of the program's descriptor.
-    let ok = unsafe {
-        libc::bind(s, &st as *const _ as *const libc::sockaddr, len) == 0
-            && real::listen(s, backlog) == 0
-            && libc::fcntl(s, libc::F_SETFL, real::fcntl(like, libc::F_GETFL, 0)) == 0
-    };
+    let addr = sys::fd::RawAddr::ip(&at, v6);
+    // Binds and listens; copies the file status flags (O_NONBLOCK above all) of the
+    // program's descriptor.
+    let ok = sys::fd::bind(s, &addr) == 0
+        && sys::fd::listen(s, backlog) == 0
+        && sys::fd::fcntl(s, libc::F_SETFL, sys::fd::fcntl(like, libc::F_GETFL, 0) as libc::c_ulong) == 0;
     if !ok {
         let e = sys::errno();
-        // SAFETY: our socket.
-        unsafe { real::close(s) };
+        crate::sys::fd::close(s);
         return Err(e);
     }
     Ok(s)
@@ -90,18 +86,13 @@ pub fn before_checkpoint() -> Vec<(i32, SocketAddr)> {
 /// True when this node has `ip` (a socket can be bound to it).
 fn is_local(ip: IpAddr) -> bool {
     let fam = if ip.is_ipv6() { libc::AF_INET6 } else { libc::AF_INET };
-    // SAFETY: plain socket creation.
-    let s = unsafe { libc::socket(fam, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    let s = sys::fd::socket(fam, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
     if s < 0 {
         return true;
     }
-    let (st, len) = sys::to_raw(&SocketAddr::new(ip, 0), ip.is_ipv6());
-    // SAFETY: binds our own socket to a well-formed address, then closes it.
-    unsafe {
-        let ok = libc::bind(s, &st as *const _ as *const libc::sockaddr, len) == 0;
-        real::close(s);
-        ok
-    }
+    let ok = sys::fd::bind(s, &sys::fd::RawAddr::ip(&SocketAddr::new(ip, 0), ip.is_ipv6())) == 0;
+    sys::fd::close(s);
+    ok
 }
 
 /// After the thaw: a real listener back under each placeholder, on the old address if this
@@ -128,16 +119,14 @@ pub fn after_thaw(swapped: &[(i32, SocketAddr)]) -> Vec<SocketAddr> {
                 continue;
             }
         };
-        // SAFETY: a copy of the placeholder, to wake threads blocked on it once it is replaced.
-        let ph = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        // A copy of the placeholder, to wake threads blocked on it once it is replaced.
+        let ph = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
         crate::relink::swap_socket(s, fd);
         GEN.fetch_add(1, SeqCst);
         if ph >= 0 {
-            // SAFETY: our copy of the placeholder: shutting it down ends any accept on it.
-            unsafe {
-                real::shutdown(ph, libc::SHUT_RDWR);
-                real::close(ph);
-            }
+            // Our copy of the placeholder: shutting it down ends any accept on it.
+            sys::fd::shutdown(ph, libc::SHUT_RDWR);
+            sys::fd::close(ph);
         }
         if !here {
             everywhere.push(at);

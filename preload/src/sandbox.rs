@@ -27,7 +27,8 @@
 //!
 //! Everything here is cheap when no filter exists: one relaxed load.
 
-use crate::{log, real};
+use crate::log;
+use crate::sys::real;
 use libc::{c_int, c_long};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};

@@ -42,9 +42,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
         } else {
             SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
         };
-        let (st, len) = sys::to_raw(&any, fam == libc::AF_INET6);
-        // SAFETY: binds our own socket to a well-formed address.
-        if unsafe { libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) } != 0 {
+        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&any, fam == libc::AF_INET6)) != 0 {
             log::debug(format_args!("cannot bind before connect ({}): plain TCP", sys::errno()));
             return None;
         }
@@ -193,8 +191,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
         None => {
             log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));
             crate::relink::released(gid, false);
-            // SAFETY: shuts down the socket we just accepted.
-            unsafe { crate::real::shutdown(fd, libc::SHUT_RDWR) };
+            crate::sys::fd::shutdown(fd, libc::SHUT_RDWR);
         }
     }
 }

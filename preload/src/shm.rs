@@ -3,7 +3,7 @@
 //! a parent and a child that both use an inherited socket keep one sequence space.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use substrate::reliability::{RxState, TxState};
 
 /// A lock that works across processes sharing the memory (no `FUTEX_PRIVATE_FLAG`). If its
@@ -12,6 +12,51 @@ use substrate::reliability::{RxState, TxState};
 pub struct FutexLock {
     state: AtomicU32,
     owner: AtomicI32,
+    /// The holding thread (`pthread_self`, with `owner` naming its process).
+    holder: AtomicUsize,
+    /// 1 while the data this lock guards is lent out (see [`SharedConn::with_tx_held`]).
+    lent: AtomicU32,
+}
+
+impl FutexLock {
+    const fn new() -> FutexLock {
+        FutexLock {
+            state: AtomicU32::new(0),
+            owner: AtomicI32::new(0),
+            holder: AtomicUsize::new(0),
+            lent: AtomicU32::new(0),
+        }
+    }
+
+    /// True when the calling thread holds the lock.
+    pub fn held_here(&self) -> bool {
+        self.state.load(Relaxed) != 0
+            && self.owner.load(Relaxed) == crate::pid()
+            && self.holder.load(Relaxed) == crate::sys::process::pthread_self()
+    }
+
+    /// Lends the guarded data to the calling thread, which must hold the lock, for one
+    /// borrow at a time (checked: a second, nested borrow would alias the first).
+    fn lend<T, R>(&self, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
+        assert!(self.held_here(), "connection state used without its lock");
+        lend_once(&self.lent, cell, f)
+    }
+}
+
+/// Lends `cell`'s data for the length of `f`, once at a time (`lent` is the flag; a
+/// nested borrow panics). The caller has checked that this thread holds the data's lock.
+fn lend_once<T, R>(lent: &AtomicU32, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
+    assert!(lent.swap(1, Acquire) == 0, "connection state borrowed twice");
+    struct Back<'a>(&'a AtomicU32);
+    impl Drop for Back<'_> {
+        fn drop(&mut self) {
+            self.0.store(0, Release);
+        }
+    }
+    let _back = Back(lent);
+    // SAFETY: this thread holds the data's lock (checked by the caller), so no other thread
+    // or process touches the data, and no other borrow of it is live (the flag, checked).
+    f(unsafe { &mut *cell.get() })
 }
 
 /// Holds a [`FutexLock`]; unlocks on drop.
@@ -29,6 +74,7 @@ impl FutexLock {
         loop {
             if self.state.swap(2, Acquire) == 0 {
                 self.owner.store(crate::pid(), Relaxed);
+                self.holder.store(crate::sys::process::pthread_self(), Relaxed);
                 return FutexGuard(self);
             }
             crate::sys::futex_wait(&self.state, 2, 200);
@@ -40,6 +86,7 @@ impl FutexLock {
     pub fn try_lock(&self) -> Option<FutexGuard<'_>> {
         if self.state.compare_exchange(0, 1, Acquire, Relaxed).is_ok() {
             self.owner.store(crate::pid(), Relaxed);
+            self.holder.store(crate::sys::process::pthread_self(), Relaxed);
             Some(FutexGuard(self))
         } else {
             None
@@ -52,16 +99,53 @@ impl FutexLock {
         if owner > 0 && unsafe { libc::kill(owner, 0) } != 0 && crate::sys::errno() == libc::ESRCH {
             crate::log::warn(format_args!("process {owner} died holding a connection lock; taking it over"));
             self.owner.store(0, Relaxed);
+            self.lent.store(0, Relaxed);
             self.state.store(0, Release);
         }
     }
 }
 
+impl FutexGuard<'_> {
+    /// True if this guard holds `lock`.
+    pub fn holds(&self, lock: &FutexLock) -> bool {
+        std::ptr::eq(self.0, lock)
+    }
+}
+
 impl Drop for FutexGuard<'_> {
     fn drop(&mut self) {
+        self.0.holder.store(0, Relaxed);
         if self.0.state.swap(0, Release) == 2 {
             crate::sys::futex_wake(&self.0.state, 1);
         }
+    }
+}
+
+/// Data of this process's that one of a connection's shared locks guards (a send or
+/// receive chain): lent to the thread holding that lock, one borrow at a time.
+pub struct Guarded<T> {
+    cell: UnsafeCell<T>,
+    /// Address of the guarding lock.
+    lock: usize,
+    lent: AtomicU32,
+}
+
+// SAFETY: the data is reached only by the thread holding the guarding lock (checked in
+// `with`), so sharing the cell between threads is sharing a mutex-protected value.
+unsafe impl<T: Send> Sync for Guarded<T> {}
+
+impl<T> Guarded<T> {
+    /// `v`, guarded by `lock`.
+    pub fn new(v: T, lock: &FutexLock) -> Guarded<T> {
+        Guarded { cell: UnsafeCell::new(v), lock: lock as *const FutexLock as usize, lent: AtomicU32::new(0) }
+    }
+
+    /// Runs `f` on the data. `lock` must be the guarding lock, held by this thread, and no
+    /// other borrow of the data live (all checked).
+    pub fn with<R>(&self, lock: &FutexLock, f: impl FnOnce(&mut T) -> R) -> R {
+        assert!(std::ptr::eq(lock, self.lock as *const FutexLock), "chain under the wrong lock");
+        assert!(lock.held_here(), "chain used without its lock");
+        lend_once(&self.lent, &self.cell, f)
     }
 }
 
@@ -200,8 +284,8 @@ impl Mapping {
             return None;
         }
         let sc = SharedConn {
-            tx_lock: FutexLock { state: AtomicU32::new(0), owner: AtomicI32::new(0) },
-            rx_lock: FutexLock { state: AtomicU32::new(0), owner: AtomicI32::new(0) },
+            tx_lock: FutexLock::new(),
+            rx_lock: FutexLock::new(),
             procs: AtomicU32::new(1),
             broken: AtomicI32::new(0),
             delivered: AtomicU64::new(0),
@@ -268,7 +352,69 @@ impl SharedConn {
     }
 }
 
+impl SharedConn {
+    /// Runs `f` on the send half. `g` must hold this connection's `tx_lock` (checked): the
+    /// guard is borrowed for the call, so no other access to the half can overlap it.
+    pub fn with_tx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState) -> R) -> R {
+        assert!(g.holds(&self.tx_lock), "send half without its lock");
+        self.tx_lock.lend(&self.tx, f)
+    }
+
+    /// Runs `f` on the receive half; `g` must hold `rx_lock` (checked).
+    pub fn with_rx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut RxState) -> R) -> R {
+        assert!(g.holds(&self.rx_lock), "receive half without its lock");
+        self.rx_lock.lend(&self.rx, f)
+    }
+
+    /// Runs `f` on the send half, whose lock a caller of this thread took (checked, as is
+    /// that no other borrow of the half is live).
+    pub fn with_tx_held<R>(&self, f: impl FnOnce(&mut TxState) -> R) -> R {
+        self.tx_lock.lend(&self.tx, f)
+    }
+
+    /// Runs `f` on the receive half, whose lock a caller of this thread took (checked).
+    pub fn with_rx_held<R>(&self, f: impl FnOnce(&mut RxState) -> R) -> R {
+        self.rx_lock.lend(&self.rx, f)
+    }
+
+    /// A look at the send half without its lock: a racy read that may see a value a
+    /// moment old, taken only to choose whether and how to wait or look again (never to
+    /// change anything). Goes away when the connection's state moves into atomics.
+    pub fn peek_tx<R>(&self, f: impl FnOnce(&TxState) -> R) -> R {
+        // SAFETY: a volatile copy; TxState is plain integers only (it lives in memory shared
+        // across processes), so any bytes are a valid value, and a torn or stale one only
+        // makes the caller look again.
+        let copy = unsafe { std::ptr::read_volatile(self.tx.get()) };
+        f(&copy)
+    }
+
+    /// As [`peek_tx`](Self::peek_tx), for the receive half.
+    pub fn peek_rx<R>(&self, f: impl FnOnce(&RxState) -> R) -> R {
+        // SAFETY: as for `peek_tx`.
+        let copy = unsafe { std::ptr::read_volatile(self.rx.get()) };
+        f(&copy)
+    }
+}
+
 impl ConnMem {
+    /// Runs `f` on the send half and the replay ring; `g` must hold `tx_lock` (checked).
+    pub fn with_tx_ring<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState, &mut [u8]) -> R) -> R {
+        assert!(g.holds(&self.conn().tx_lock), "send half without its lock");
+        self.with_tx_ring_held(f)
+    }
+
+    /// Runs `f` on the send half and the replay ring, whose lock a caller of this thread
+    /// took (checked, as is that no other borrow of the half is live).
+    pub fn with_tx_ring_held<R>(&self, f: impl FnOnce(&mut TxState, &mut [u8]) -> R) -> R {
+        let c = self.conn();
+        c.tx_lock.lend(&c.tx, |tx| {
+            // SAFETY: the ring is mapped for `len - HEAD` bytes after HEAD and only touched
+            // by the holder of the send half, lent out once (checked by `lend`).
+            let ring = unsafe { std::slice::from_raw_parts_mut(self.base.add(HEAD), self.len - HEAD) };
+            f(tx, ring)
+        })
+    }
+
     /// The shared state.
     pub fn conn(&self) -> &'static SharedConn {
         // SAFETY: initialised in `new`, mapped for the life of `self`.

@@ -34,7 +34,7 @@ fn create() -> Option<Table> {
     // SAFETY: plain syscalls on our own memfd.
     let base = unsafe {
         if libc::ftruncate(fd, TABLE_BYTES as libc::off_t) != 0 {
-            crate::real::close(fd);
+            crate::sys::real::close(fd);
             return None;
         }
         libc::mmap(
@@ -47,8 +47,7 @@ fn create() -> Option<Table> {
         )
     };
     if base == libc::MAP_FAILED {
-        // SAFETY: our fd.
-        unsafe { crate::real::close(fd) };
+        crate::sys::fd::close(fd);
         return None;
     }
     let base = base as *mut u8;

@@ -14,8 +14,8 @@
 use crate::ready::Truth;
 use crate::shm::ConnMem;
 use crate::stats::Slot;
-use crate::{log, real, relink, sandbox, sys};
-use libc::{c_int, iovec};
+use crate::{log, relink, sandbox, sys};
+use libc::c_int;
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
@@ -93,8 +93,7 @@ fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError 
             s.set_error(libc::ECONNRESET);
         }
         if sandbox::allows_nr(libc::SYS_shutdown) {
-            // SAFETY: shutdown on the connection's own socket.
-            unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+            crate::sys::fd::shutdown(fd, libc::SHUT_RDWR);
         }
     }
     IrbError::Os(libc::ECONNRESET)
@@ -154,32 +153,17 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
     let live = parts.iter().filter(|p| !p.is_empty()).count();
     if live <= 1 {
         let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
-        // SAFETY: the one part is live for the call.
-        return unsafe { real::send(fd, one.as_ptr() as *const _, one.len(), flags) };
+        return sys::fd::send(fd, one, flags);
     }
     if plan.payload <= FLAT_SEND {
-        let mut buf = std::mem::MaybeUninit::<[u8; FLAT_SEND + HEADER_LEN]>::uninit();
-        let p = buf.as_mut_ptr() as *mut u8;
-        let mut n = 0;
-        for part in parts {
-            // SAFETY: the parts add up to at most HEADER_LEN + FLAT_SEND bytes (a header, and
-            // a payload of at most FLAT_SEND in one or two pieces), the buffer's size.
-            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), p.add(n), part.len()) };
-            n += part.len();
-        }
-        // SAFETY: the first `n` bytes of the buffer were written just above.
-        return unsafe { real::send(fd, p as *const _, n, flags) };
+        // A header, and a payload of at most FLAT_SEND in one or two pieces.
+        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, &parts, flags);
     }
-    let mut iov = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 3];
-    for (v, p) in iov.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
-        *v = iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
+    let mut live_parts = [&[][..]; 3];
+    for (v, p) in live_parts.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
+        *v = p;
     }
-    // SAFETY: zeroed msghdr is valid; the iovecs point at live buffers.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_ptr() as *mut _;
-    msg.msg_iovlen = live;
-    // SAFETY: msg is initialised and its buffers outlive the call.
-    unsafe { real::sendmsg(fd, &msg, flags) }
+    sys::fd::send_parts(fd, &live_parts[..live], flags)
 }
 
 /// A send under a sandbox: the first form of the call its filters allow. With none, a call
@@ -203,8 +187,7 @@ fn sandboxed_send(fd: c_int, parts: &[&[u8]], flags: c_int) -> isize {
 /// `recv` on the connection's socket, in a form the sandbox allows (`EAGAIN` when none).
 fn sock_recv(fd: c_int, buf: &mut [u8], flags: c_int) -> isize {
     if !sandbox::active() {
-        // SAFETY: `buf` is writable for its length.
-        return unsafe { real::recv(fd, buf.as_mut_ptr() as *mut _, buf.len(), flags) };
+        return sys::fd::recv(fd, buf, flags);
     }
     sandbox::recv_into(fd, buf, flags).unwrap_or_else(|| {
         sys::set_errno(libc::EAGAIN);
@@ -234,8 +217,8 @@ fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int) -> IrbErr
 fn raise_sigpipe() {
     if sandbox::allows_all(&[libc::SYS_tgkill, libc::SYS_rt_sigprocmask, libc::SYS_getpid, libc::SYS_gettid])
     {
-        // SAFETY: raising a signal in the calling thread, as the kernel would have.
-        unsafe { libc::raise(libc::SIGPIPE) };
+        // In the calling thread, as the kernel would have.
+        sys::process::raise(libc::SIGPIPE);
     }
 }
 
@@ -256,8 +239,7 @@ fn errno_name(e: c_int) -> String {
 fn fin_check(mem: ConnMem, fd: c_int, fin_before: u32, rx: &RxState) {
     if fin_before == 0 && rx.fin != 0 {
         if sandbox::allows_nr(libc::SYS_shutdown) {
-            // SAFETY: shutdown of the receive side of the connection's own socket.
-            unsafe { real::shutdown(fd, libc::SHUT_RD) };
+            crate::sys::fd::shutdown(fd, libc::SHUT_RD);
         }
         // Acknowledge everything now: the peer, done sending, may be waiting for nothing
         // else before it lets go of the connection.
@@ -278,9 +260,7 @@ fn check_link(mem: ConnMem) -> Result<(), IrbError> {
 /// lock. True when nothing remains to replay.
 pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
     let c = mem.conn();
-    // SAFETY: the caller holds tx_lock.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    loop {
+    mem.with_tx_ring_held(|tx, ring| loop {
         let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
             if c.fin_owed.load(Acquire) != 0 {
                 if let Some(p) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
@@ -310,7 +290,7 @@ pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
         if (r as usize) < plan.header_len + plan.payload {
             return false;
         }
-    }
+    })
 }
 
 /// The program shuts its sending side down: a Fin frame says so to the peer's layer (the
@@ -326,44 +306,43 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
         c.fin_owed.store(1, Release);
         return 0;
     }
-    // SAFETY: we hold tx_lock.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    if tx.replaying() {
-        c.fin_owed.store(1, Release);
-        relink::poke();
-        return 0;
-    }
-    let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
-        // A frame is half on the wire (a write the kernel cut short): end it the plain way.
-        // SAFETY: shutdown on the connection's own socket.
-        return unsafe { real::shutdown(fd, libc::SHUT_WR) };
-    };
-    let mut done = 0;
-    while done < plan.header_len {
-        let part = Plan { header_len: plan.header_len - done, ..plan };
-        let r = write_plan(fd, &part, &[], ring, 0);
-        if r < 0 {
-            let e = sys::errno();
-            if e == libc::EAGAIN {
-                sys::wait_fd(fd, libc::POLLOUT, 100);
-                continue;
-            }
-            if e == libc::EINTR {
-                continue;
-            }
-            tx.commit(&part, 0, &[], ring);
-            if relink::is_link_error(e) {
-                c.fin_owed.store(1, Release);
-                relink::link_broken(mem, &errno_name(e));
-                return 0;
-            }
-            sys::set_errno(e);
-            return -1;
+    mem.with_tx_ring_held(|tx, ring| {
+        if tx.replaying() {
+            c.fin_owed.store(1, Release);
+            relink::poke();
+            return 0;
         }
-        tx.commit(&part, r as usize, &[], ring);
-        done += r as usize;
-    }
-    0
+        let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
+            // A frame is half on the wire (a write the kernel cut short): end it the plain way.
+            return sys::fd::shutdown(fd, libc::SHUT_WR);
+        };
+        let mut done = 0;
+        while done < plan.header_len {
+            let part = Plan { header_len: plan.header_len - done, ..plan };
+            let r = write_plan(fd, &part, &[], ring, 0);
+            if r < 0 {
+                let e = sys::errno();
+                if e == libc::EAGAIN {
+                    sys::wait_fd(fd, libc::POLLOUT, 100);
+                    continue;
+                }
+                if e == libc::EINTR {
+                    continue;
+                }
+                tx.commit(&part, 0, &[], ring);
+                if relink::is_link_error(e) {
+                    c.fin_owed.store(1, Release);
+                    relink::link_broken(mem, &errno_name(e));
+                    return 0;
+                }
+                sys::set_errno(e);
+                return -1;
+            }
+            tx.commit(&part, r as usize, &[], ring);
+            done += r as usize;
+        }
+        0
+    })
 }
 
 /// Sends a control frame (ack, abort) acknowledging what was delivered, if a frame can start
@@ -371,17 +350,17 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
 pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
     let c = mem.conn();
     let Some(_g) = c.tx_lock.try_lock() else { return };
-    // SAFETY: we hold tx_lock.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
-    let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
-    tx.commit(&plan, r.max(0) as usize, &[], ring);
-    publish_tx(mem, tx, slot);
-    if r < 0 && kind == FrameKind::Ack && sandbox::active() && sys::errno() == libc::EAGAIN {
-        // The sandbox may have forbidden it: the control thread sends it.
-        c.ctl_owed.fetch_or(crate::shm::CTL_ACK, AcqRel);
-        relink::poke_work();
-    }
+    mem.with_tx_ring_held(|tx, ring| {
+        let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
+        let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+        tx.commit(&plan, r.max(0) as usize, &[], ring);
+        publish_tx(mem, tx, slot);
+        if r < 0 && kind == FrameKind::Ack && sandbox::active() && sys::errno() == libc::EAGAIN {
+            // The sandbox may have forbidden it: the control thread sends it.
+            c.ctl_owed.fetch_or(crate::shm::CTL_ACK, AcqRel);
+            relink::poke_work();
+        }
+    })
 }
 
 /// Reads acknowledgements waiting on the socket for a sender that cannot read them itself
@@ -417,117 +396,117 @@ pub fn send(
     if data.is_empty() {
         return Ok(0);
     }
-    // SAFETY: the caller holds tx_lock: the send half and the ring are ours.
-    let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-    let kflags = flags & (libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | libc::MSG_MORE);
-    let mut nonblock = (flags & libc::MSG_DONTWAIT != 0).then_some(true);
-    let mut total = 0;
-    loop {
-        if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
-            return Err(fail(mem, slot, fd, e));
-        }
-        if c.peer_eof.load(Acquire) != 0 {
-            tx.peer_finished();
-        }
-        if let Err(e) = check_link(mem) {
-            return if total > 0 { Ok(total) } else { Err(e) };
-        }
-        if total == data.len() && !tx.in_frame() {
-            return Ok(total);
-        }
-        let rest = &data[total..];
-        let delivered = c.delivered.load(Acquire);
-        let plan = match tx.plan_send(rest.len(), delivered, false) {
-            Ok(p) => p,
-            Err(Blocked::Window) => {
-                let h = harvest(mem, slot, fd)?;
-                if h == Harvest::Opened {
-                    continue;
-                }
-                let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
-                // The ring's spare room is for acks stuck behind data the program has not read
-                // (waiting could deadlock it), and for non-blocking senders, which must not be
-                // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
-                // would wait for a writability edge that never comes).
-                let spare = if h == Harvest::Stuck || nb {
-                    tx.plan_send(rest.len(), delivered, true).ok()
-                } else {
-                    None
-                };
-                match spare {
-                    Some(p) => p,
-                    None => {
-                        if total > 0 {
-                            return Ok(total);
-                        }
-                        if nb {
-                            return Err(IrbError::WouldBlock);
-                        }
-                        wait_for_acks(mem, fd);
+    mem.with_tx_ring_held(|tx, ring| {
+        let kflags = flags & (libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | libc::MSG_MORE);
+        let mut nonblock = (flags & libc::MSG_DONTWAIT != 0).then_some(true);
+        let mut total = 0;
+        loop {
+            if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
+                return Err(fail(mem, slot, fd, e));
+            }
+            if c.peer_eof.load(Acquire) != 0 {
+                tx.peer_finished();
+            }
+            if let Err(e) = check_link(mem) {
+                return if total > 0 { Ok(total) } else { Err(e) };
+            }
+            if total == data.len() && !tx.in_frame() {
+                return Ok(total);
+            }
+            let rest = &data[total..];
+            let delivered = c.delivered.load(Acquire);
+            let plan = match tx.plan_send(rest.len(), delivered, false) {
+                Ok(p) => p,
+                Err(Blocked::Window) => {
+                    let h = harvest(mem, slot, fd)?;
+                    if h == Harvest::Opened {
                         continue;
                     }
-                }
-            }
-            Err(Blocked::Replaying) => {
-                // A rebuilt link: what the peer did not deliver goes first.
-                if let Some(p) = tx.plan_replay(delivered) {
-                    let r = write_plan(fd, &p, &[], ring, kflags);
-                    if r < 0 {
-                        let e = sys::errno();
-                        tx.commit(&p, 0, &[], ring);
-                        if e == libc::EAGAIN {
-                            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                                relink::owed_later();
-                                return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
+                    let nb = *nonblock.get_or_insert_with(|| sys::nonblocking(fd));
+                    // The ring's spare room is for acks stuck behind data the program has not read
+                    // (waiting could deadlock it), and for non-blocking senders, which must not be
+                    // told EAGAIN while the kernel would take the bytes (an edge-triggered poller
+                    // would wait for a writability edge that never comes).
+                    let spare = if h == Harvest::Stuck || nb {
+                        tx.plan_send(rest.len(), delivered, true).ok()
+                    } else {
+                        None
+                    };
+                    match spare {
+                        Some(p) => p,
+                        None => {
+                            if total > 0 {
+                                return Ok(total);
                             }
-                            sys::wait_fd(fd, libc::POLLOUT, 50);
+                            if nb {
+                                return Err(IrbError::WouldBlock);
+                            }
+                            wait_for_acks(mem, fd);
                             continue;
                         }
-                        let err = physical_error(mem, e, true, flags);
-                        return if total > 0 { Ok(total) } else { Err(err) };
                     }
-                    tx.commit(&p, r as usize, &[], ring);
-                    publish_tx(mem, tx, slot);
+                }
+                Err(Blocked::Replaying) => {
+                    // A rebuilt link: what the peer did not deliver goes first.
+                    if let Some(p) = tx.plan_replay(delivered) {
+                        let r = write_plan(fd, &p, &[], ring, kflags);
+                        if r < 0 {
+                            let e = sys::errno();
+                            tx.commit(&p, 0, &[], ring);
+                            if e == libc::EAGAIN {
+                                if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                                    relink::owed_later();
+                                    return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
+                                }
+                                sys::wait_fd(fd, libc::POLLOUT, 50);
+                                continue;
+                            }
+                            let err = physical_error(mem, e, true, flags);
+                            return if total > 0 { Ok(total) } else { Err(err) };
+                        }
+                        tx.commit(&p, r as usize, &[], ring);
+                        publish_tx(mem, tx, slot);
+                    }
+                    continue;
+                }
+                Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
+            };
+            // Only the send half (under its lock) writes it; set before the bytes can reach the peer.
+            let hi = tx.next_seq + plan.payload as u64;
+            if hi > c.wire_hi.load(Relaxed) {
+                c.wire_hi.store(hi, Release);
+            }
+            let r = write_plan(fd, &plan, rest, ring, kflags);
+            if r < 0 {
+                let e = sys::errno();
+                tx.commit(&plan, 0, rest, ring);
+                if e == libc::EAGAIN || e == libc::EINTR {
+                    return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+                }
+                let err = physical_error(mem, e, true, flags);
+                return if total > 0 { Ok(total) } else { Err(err) };
+            }
+            total += tx.commit_with(&plan, r as usize, rest, ring, crate::sys::copy::to_ring);
+            publish_tx(mem, tx, slot);
+            if tx.in_frame() {
+                // The kernel took part of the frame; the rest is in the ring. A blocking sender
+                // pushes it out now (below); a non-blocking one returns, and the control thread
+                // pushes it if the program does not call again.
+                if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                    relink::owed_later();
+                    return Ok(total);
                 }
                 continue;
             }
-            Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
-        };
-        // Only the send half (under its lock) writes it; set before the bytes can reach the peer.
-        let hi = tx.next_seq + plan.payload as u64;
-        if hi > c.wire_hi.load(Relaxed) {
-            c.wire_hi.store(hi, Release);
-        }
-        let r = write_plan(fd, &plan, rest, ring, kflags);
-        if r < 0 {
-            let e = sys::errno();
-            tx.commit(&plan, 0, rest, ring);
-            if e == libc::EAGAIN || e == libc::EINTR {
-                return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
-            }
-            let err = physical_error(mem, e, true, flags);
-            return if total > 0 { Ok(total) } else { Err(err) };
-        }
-        total += tx.commit_with(&plan, r as usize, rest, ring, crate::copy::to_ring);
-        publish_tx(mem, tx, slot);
-        if tx.in_frame() {
-            // The kernel took part of the frame; the rest is in the ring. A blocking sender
-            // pushes it out now (below); a non-blocking one returns, and the control thread
-            // pushes it if the program does not call again.
-            if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                relink::owed_later();
+            if total == data.len() {
                 return Ok(total);
             }
-            continue;
+            if (r as usize) < plan.header_len + plan.payload && total > 0 {
+                // The kernel took less than offered (signal, or a full non-blocking buffer).
+                return Ok(total);
+            }
         }
-        if total == data.len() {
-            return Ok(total);
-        }
-        if (r as usize) < plan.header_len + plan.payload && total > 0 {
-            // The kernel took less than offered (signal, or a full non-blocking buffer).
-            return Ok(total);
-        }
-    }
+    })
 }
 
 /// What reading acks at the head of the socket gave.
@@ -546,46 +525,46 @@ enum Harvest {
 fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbError> {
     let c = mem.conn();
     let Some(_g) = c.rx_lock.try_lock() else { return Ok(Harvest::Empty) };
-    // SAFETY: we hold rx_lock.
-    let rx = unsafe { &mut *c.rx.get() };
-    let before = c.peer_ack.load(Acquire);
-    let mut may_block = true;
-    while rx.frame_rem == 0 {
-        let r = if sandbox::active() {
-            harvest_read(fd, rx.header_slot(), &mut may_block)
-        } else {
-            sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT)
-        };
-        if r == 0 {
-            check_link(mem)?;
-            if rx.fin != 0 {
-                // Our own SHUT_RD after the peer's Fin: nothing queued now.
+    c.with_rx_held(|rx| {
+        let before = c.peer_ack.load(Acquire);
+        let mut may_block = true;
+        while rx.frame_rem == 0 {
+            let r = if sandbox::active() {
+                harvest_read(fd, rx.header_slot(), &mut may_block)
+            } else {
+                sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT)
+            };
+            if r == 0 {
+                check_link(mem)?;
+                if rx.fin != 0 {
+                    // Our own SHUT_RD after the peer's Fin: nothing queued now.
+                    break;
+                }
+                if socket_gone(fd) {
+                    return Err(physical_error(mem, libc::ENOTCONN, false, 0));
+                }
+                // The peer half-closed: no ack will come again.
+                note_peer_eof(mem);
+                return Ok(Harvest::Opened);
+            }
+            if r < 0 {
                 break;
             }
-            if socket_gone(fd) {
-                return Err(physical_error(mem, libc::ENOTCONN, false, 0));
+            let fin_before = rx.fin;
+            if let Err(e) =
+                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+            {
+                return Err(fail(mem, slot, fd, e));
             }
-            // The peer half-closed: no ack will come again.
-            note_peer_eof(mem);
-            return Ok(Harvest::Opened);
+            fin_check(mem, fd, fin_before, rx);
         }
-        if r < 0 {
-            break;
-        }
-        let fin_before = rx.fin;
-        if let Err(e) =
-            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
-        {
-            return Err(fail(mem, slot, fd, e));
-        }
-        fin_check(mem, fd, fin_before, rx);
-    }
-    Ok(if c.peer_ack.load(Acquire) > before {
-        Harvest::Opened
-    } else if rx.frame_rem > 0 {
-        Harvest::Stuck
-    } else {
-        Harvest::Empty
+        Ok(if c.peer_ack.load(Acquire) > before {
+            Harvest::Opened
+        } else if rx.frame_rem > 0 {
+            Harvest::Stuck
+        } else {
+            Harvest::Empty
+        })
     })
 }
 
@@ -613,8 +592,8 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
     if c.peer_eof.load(Acquire) != 0 {
         return;
     }
-    // SAFETY: frame_rem and fin are read racily only to choose how to wait.
-    let (mid_frame, fin) = unsafe { ((*c.rx.get()).frame_rem > 0, (*c.rx.get()).fin != 0) };
+    // (Read racily, only to choose how to wait.)
+    let (mid_frame, fin) = c.peek_rx(|rx| (rx.frame_rem > 0, rx.fin != 0));
     if sandbox::active() {
         // The sender may not be allowed to read them itself: the control thread does.
         c.ctl_owed.fetch_or(crate::shm::CTL_HARVEST, AcqRel);
@@ -662,8 +641,8 @@ pub fn socket_gone(fd: c_int) -> bool {
 
 /// True when the peer's Fin frame arrived (the socket polls readable from then on).
 pub fn peer_fin(mem: ConnMem) -> bool {
-    // SAFETY: a racy read of a plain flag, only to choose how to wait.
-    unsafe { (*mem.conn().rx.get()).fin != 0 }
+    // (A racy read, only to choose how to wait.)
+    mem.conn().peek_rx(|rx| rx.fin != 0)
 }
 
 /// Reads of at most this many link bytes go through a buffer on the stack with one `read`
@@ -673,65 +652,34 @@ pub fn peer_fin(mem: ConnMem) -> bool {
 const STAGE: usize = 4096 + HEADER_LEN;
 
 /// Reads at most `want` (<= [`STAGE`]) link bytes into `stage` with one call.
-fn read_staged(
-    fd: c_int,
-    stage: &mut std::mem::MaybeUninit<[u8; STAGE]>,
-    want: usize,
-    flags: c_int,
-) -> isize {
+fn read_staged(fd: c_int, stage: &mut sys::fd::Stage<STAGE>, want: usize, flags: c_int) -> isize {
     debug_assert!(want <= STAGE);
-    let p = stage.as_mut_ptr() as *mut libc::c_void;
     if sandbox::active() {
-        // SAFETY: `stage` is writable for STAGE >= want bytes.
-        return sock_recv(fd, unsafe { std::slice::from_raw_parts_mut(p as *mut u8, want) }, flags);
+        return sock_recv(fd, stage.zeroed(want), flags);
     }
-    if flags == 0 {
-        // SAFETY: `stage` is writable for STAGE >= want bytes.
-        return unsafe { real::read(fd, p, want) };
-    }
-    // SAFETY: as above.
-    unsafe { real::recv(fd, p, want, flags) }
+    stage.read(fd, want, flags)
 }
 
 /// Reads as `plan` says, with one recvmsg.
 fn read_plan(fd: c_int, rx: &mut RxState, plan: ReadPlan, app: &mut [u8], flags: c_int) -> isize {
     let slot = rx.header_slot();
-    let hs = iovec { iov_base: slot.as_mut_ptr() as *mut _, iov_len: slot.len() };
-    let none = iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-    let mut iov = [none; 3];
-    let n = match plan {
-        ReadPlan::HeaderFirst { app_max, .. } => {
-            iov[0] = hs;
-            iov[1] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: app_max };
-            2
-        }
-        ReadPlan::PayloadFirst { payload, header, rest } => {
-            iov[0] = iovec { iov_base: app.as_mut_ptr() as *mut _, iov_len: payload };
-            if header == 0 {
-                1
-            } else {
-                iov[1] = hs;
-                let after = app[payload..].as_mut_ptr();
-                iov[2] = iovec { iov_base: after as *mut _, iov_len: rest };
-                if rest > 0 {
-                    3
-                } else {
-                    2
-                }
-            }
-        }
+    let (first, after) = match plan {
+        ReadPlan::HeaderFirst { app_max, .. } => (app_max, 0),
+        ReadPlan::PayloadFirst { payload, rest, .. } => (payload, rest),
     };
+    let (head, tail) = app.split_at_mut(first);
+    let tail = &mut tail[..after];
+    let mut parts: [&mut [u8]; 3] = match plan {
+        ReadPlan::HeaderFirst { .. } => [slot, head, tail],
+        ReadPlan::PayloadFirst { header: 0, .. } => [head, &mut [], &mut []],
+        ReadPlan::PayloadFirst { .. } => [head, slot, tail],
+    };
+    let n = parts.iter().rposition(|p| !p.is_empty()).map_or(1, |i| i + 1);
     if flags == 0 {
         // readv: the cheaper path through the kernel for the common case.
-        // SAFETY: the iovecs point at live buffers.
-        return unsafe { real::readv(fd, iov.as_ptr(), n as c_int) };
+        return sys::fd::read_parts(fd, &mut parts[..n]);
     }
-    // SAFETY: zeroed msghdr is valid; iovecs point at live buffers.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = n;
-    // SAFETY: as above.
-    unsafe { real::recvmsg(fd, &mut msg, flags) }
+    sys::fd::recv_parts(fd, &mut parts[..n], flags)
 }
 
 /// The receive path. The caller holds the rx lock. `small_reads` is the connection's hint
@@ -758,80 +706,79 @@ pub fn recv(
     if buf.is_empty() {
         return Ok(0);
     }
-    // SAFETY: the caller holds rx_lock.
-    let rx = unsafe { &mut *c.rx.get() };
-    let kflags = flags & libc::MSG_DONTWAIT;
-    if rx.fin != 0 && rx.frame_rem == 0 && sandbox::active() {
-        // The peer's end of stream arrived, and the sandbox may have kept us from shutting
-        // the socket's receive side: nothing more comes.
-        return Ok(0);
-    }
-    if flags & libc::MSG_PEEK != 0 {
-        return peek(mem, slot, rx, fd, buf, kflags);
-    }
-    let waitall = flags & libc::MSG_WAITALL != 0;
-    let mut total = 0;
-    loop {
-        let space = &mut buf[total..];
-        let plan = rx.plan_read(space.len());
-        let fin_before = rx.fin;
-        // Every plan reads at most as many payload bytes as `space` holds, so a staged read
-        // of `want <= plan.total()` link bytes never leaves payload behind in the layer.
-        let want = plan.total();
-        // (Under a sandbox: one plain read, the call the program's own read implies.)
-        let staged = want <= STAGE || *small_reads || sandbox::active();
-        let mut stage = std::mem::MaybeUninit::<[u8; STAGE]>::uninit();
-        let r = if staged {
-            read_staged(fd, &mut stage, want.min(STAGE), kflags)
-        } else {
-            read_plan(fd, rx, plan, space, kflags)
-        };
-        if r < 0 {
-            let e = sys::errno();
-            if total > 0 {
+    c.with_rx_held(|rx| {
+        let kflags = flags & libc::MSG_DONTWAIT;
+        if rx.fin != 0 && rx.frame_rem == 0 && sandbox::active() {
+            // The peer's end of stream arrived, and the sandbox may have kept us from shutting
+            // the socket's receive side: nothing more comes.
+            return Ok(0);
+        }
+        if flags & libc::MSG_PEEK != 0 {
+            return peek(mem, slot, rx, fd, buf, kflags);
+        }
+        let waitall = flags & libc::MSG_WAITALL != 0;
+        let mut total = 0;
+        loop {
+            let space = &mut buf[total..];
+            let plan = rx.plan_read(space.len());
+            let fin_before = rx.fin;
+            // Every plan reads at most as many payload bytes as `space` holds, so a staged read
+            // of `want <= plan.total()` link bytes never leaves payload behind in the layer.
+            let want = plan.total();
+            // (Under a sandbox: one plain read, the call the program's own read implies.)
+            let staged = want <= STAGE || *small_reads || sandbox::active();
+            let mut stage = sys::fd::Stage::<STAGE>::new();
+            let r = if staged {
+                read_staged(fd, &mut stage, want.min(STAGE), kflags)
+            } else {
+                read_plan(fd, rx, plan, space, kflags)
+            };
+            if r < 0 {
+                let e = sys::errno();
+                if total > 0 {
+                    return Ok(total);
+                }
+                if e == libc::EAGAIN || e == libc::EINTR {
+                    return Err(errno_result(e));
+                }
+                return Err(physical_error(mem, e, false, 0));
+            }
+            if r == 0 {
+                if c.link_down.load(Acquire) != 0 {
+                    return if total > 0 { Ok(total) } else { Err(IrbError::Os(relink::LINK_DOWN)) };
+                }
+                if rx.fin != 0 {
+                    return Ok(total);
+                }
+                if socket_gone(fd) {
+                    let err = physical_error(mem, libc::ENOTCONN, false, 0);
+                    return if total > 0 { Ok(total) } else { Err(err) };
+                }
+                note_peer_eof(mem);
                 return Ok(total);
             }
-            if e == libc::EAGAIN || e == libc::EINTR {
-                return Err(errno_result(e));
-            }
-            return Err(physical_error(mem, e, false, 0));
-        }
-        if r == 0 {
-            if c.link_down.load(Acquire) != 0 {
-                return if total > 0 { Ok(total) } else { Err(IrbError::Os(relink::LINK_DOWN)) };
-            }
-            if rx.fin != 0 {
+            *small_reads = 2 * r as usize <= STAGE;
+            let ingested = if staged {
+                let got = stage.filled(r as usize);
+                rx.parse_buffer(got).inspect(|i| space[..i.payload].copy_from_slice(&got[..i.payload]))
+            } else {
+                rx.ingest(plan, r as usize, space)
+            };
+            let got = match ingested.and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
+                Ok(n) => n,
+                Err(e) => {
+                    let err = fail(mem, slot, fd, e);
+                    return if total > 0 { Ok(total) } else { Err(err) };
+                }
+            };
+            total += got;
+            fin_check(mem, fd, fin_before, rx);
+            maybe_ack(mem, slot, fd, rx.delivered);
+            if total > 0 && (!waitall || total == buf.len()) {
                 return Ok(total);
             }
-            if socket_gone(fd) {
-                let err = physical_error(mem, libc::ENOTCONN, false, 0);
-                return if total > 0 { Ok(total) } else { Err(err) };
-            }
-            note_peer_eof(mem);
-            return Ok(total);
         }
-        *small_reads = 2 * r as usize <= STAGE;
-        let ingested = if staged {
-            // SAFETY: the kernel wrote the first `r` bytes of the stage.
-            let got = unsafe { std::slice::from_raw_parts_mut(stage.as_mut_ptr() as *mut u8, r as usize) };
-            rx.parse_buffer(got).inspect(|i| space[..i.payload].copy_from_slice(&got[..i.payload]))
-        } else {
-            rx.ingest(plan, r as usize, space)
-        };
-        let got = match ingested.and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
-            Ok(n) => n,
-            Err(e) => {
-                let err = fail(mem, slot, fd, e);
-                return if total > 0 { Ok(total) } else { Err(err) };
-            }
-        };
-        total += got;
-        fin_check(mem, fd, fin_before, rx);
-        maybe_ack(mem, slot, fd, rx.delivered);
-        if total > 0 && (!waitall || total == buf.len()) {
-            return Ok(total);
-        }
-    }
+    })
 }
 
 fn peek(
@@ -890,8 +837,8 @@ fn peek(
 /// True if payload the program never read waits on the socket (or is on its way, mid-frame):
 /// closing now must reset the connection, as native TCP does.
 pub fn unread_payload(mem: ConnMem, fd: c_int) -> bool {
-    // SAFETY: a racy read of a plain integer, only to choose how to close.
-    let mid_frame = unsafe { (*mem.conn().rx.get()).frame_rem } > 0;
+    // (A racy read, only to choose how to close.)
+    let mid_frame = mem.conn().peek_rx(|rx| rx.frame_rem > 0);
     mid_frame || readable_bytes(mem, fd).unwrap_or(0) > 0
 }
 
@@ -910,32 +857,32 @@ pub enum Drained {
 pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
     let c = mem.conn();
     let _g = c.rx_lock.lock();
-    // SAFETY: we hold rx_lock.
-    let rx = unsafe { &mut *c.rx.get() };
-    loop {
-        if rx.frame_rem > 0 {
-            return Drained::DataArrived;
-        }
-        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
-        if r == 0 {
-            // After the peer's Fin frame our own SHUT_RD reads as an end too: the peer is
-            // done when its FIN arrived, or when it acknowledged everything we sent (it has
-            // nothing more to send: no frame will follow).
-            if rx.fin != 0 && !peer_closed(fd) {
-                // SAFETY: a racy read of a plain integer; the program closed the connection.
-                let sent = unsafe { (*c.tx.get()).next_seq };
-                return if rx.peer_ack >= sent { Drained::Finished } else { Drained::Open };
+    c.with_rx_held(|rx| {
+        loop {
+            if rx.frame_rem > 0 {
+                return Drained::DataArrived;
             }
-            return Drained::Finished;
+            let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
+            if r == 0 {
+                // After the peer's Fin frame our own SHUT_RD reads as an end too: the peer is
+                // done when its FIN arrived, or when it acknowledged everything we sent (it has
+                // nothing more to send: no frame will follow).
+                if rx.fin != 0 && !peer_closed(fd) {
+                    // (A racy read; the program closed the connection.)
+                    let sent = c.peek_tx(|tx| tx.next_seq);
+                    return if rx.peer_ack >= sent { Drained::Finished } else { Drained::Open };
+                }
+                return Drained::Finished;
+            }
+            if r < 0 {
+                let e = sys::errno();
+                return if e == libc::EAGAIN || e == libc::EINTR { Drained::Open } else { Drained::Finished };
+            }
+            if rx.ingest(rx.header_only_plan(), r as usize, &mut []).is_err() {
+                return Drained::DataArrived;
+            }
         }
-        if r < 0 {
-            let e = sys::errno();
-            return if e == libc::EAGAIN || e == libc::EINTR { Drained::Open } else { Drained::Finished };
-        }
-        if rx.ingest(rx.header_only_plan(), r as usize, &mut []).is_err() {
-            return Drained::DataArrived;
-        }
-    }
+    })
 }
 
 /// True when the layer's own frames may be what makes the socket readable: a rebuilt link
@@ -949,8 +896,8 @@ pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
     if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 {
         return true;
     }
-    // SAFETY: a racy read of a plain integer that changes only at set-up and exec.
-    let window = unsafe { (*c.tx.get()).soft_window };
+    // (A racy read of a value that changes only at set-up and exec.)
+    let window = c.peek_tx(|tx| tx.soft_window);
     c.wire_hi.load(Relaxed).saturating_sub(c.peer_ack.load(Relaxed)) >= window / 8
 }
 
@@ -959,60 +906,57 @@ pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
 /// take them, and what is left says. The caller holds the rx lock.
 pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
     let c = mem.conn();
-    // SAFETY: the caller holds rx_lock.
-    let rx = unsafe { &mut *c.rx.get() };
-    let mut took = false;
-    loop {
-        if rx.frame_rem > 0 {
-            if !took {
-                // Mid-frame since an earlier call: what made it readable is payload.
+    c.with_rx_held(|rx| {
+        let mut took = false;
+        loop {
+            if rx.frame_rem > 0 {
+                if !took {
+                    // Mid-frame since an earlier call: what made it readable is payload.
+                    return Truth::Readable;
+                }
+                // We took a data frame's header: is any of its payload here yet?
+                let mut b = [0u8; 1];
+                let r = sock_recv(fd, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+                return if r < 0 && matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
+                    Truth::Spurious
+                } else {
+                    Truth::Readable
+                };
+            }
+            if rx.fin != 0 {
                 return Truth::Readable;
             }
-            // We took a data frame's header: is any of its payload here yet?
-            let mut b = [0u8; 1];
-            let r = sock_recv(fd, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT);
-            return if r < 0 && matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
-                Truth::Spurious
-            } else {
-                Truth::Readable
-            };
+            let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
+            if r < 0 {
+                return if matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
+                    Truth::Spurious
+                } else {
+                    Truth::Readable
+                };
+            }
+            if r == 0 {
+                return Truth::Readable;
+            }
+            took = true;
+            let fin_before = rx.fin;
+            if let Err(e) =
+                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+            {
+                // The program's next call reports it.
+                let _ = fail(mem, slot, fd, e);
+                return Truth::Readable;
+            }
+            fin_check(mem, fd, fin_before, rx);
         }
-        if rx.fin != 0 {
-            return Truth::Readable;
-        }
-        let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
-        if r < 0 {
-            return if matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
-                Truth::Spurious
-            } else {
-                Truth::Readable
-            };
-        }
-        if r == 0 {
-            return Truth::Readable;
-        }
-        took = true;
-        let fin_before = rx.fin;
-        if let Err(e) =
-            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
-        {
-            // The program's next call reports it.
-            let _ = fail(mem, slot, fd, e);
-            return Truth::Readable;
-        }
-        fin_check(mem, fd, fin_before, rx);
-    }
+    })
 }
 
 /// Payload bytes readable without blocking (FIONREAD / SIOCINQ). The caller holds the rx lock.
 pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
-    let mut n: c_int = 0;
-    // SAFETY: FIONREAD writes one int.
-    if unsafe { real::ioctl(fd, libc::FIONREAD, &mut n as *mut c_int as libc::c_ulong) } < 0 {
-        return Err(sys::errno());
-    }
-    // SAFETY: the caller holds rx_lock; we work on a copy.
-    let mut rx = unsafe { *mem.conn().rx.get() };
+    let Some(n) = sys::fd::fionread(fd) else { return Err(sys::errno()) };
+    // A copy to work on (the caller holds the rx lock, or the program closed the
+    // connection and no one reads it).
+    let mut rx = mem.conn().peek_rx(|rx| *rx);
     if n <= 0 || rx.frame_rem >= n as u64 {
         return Ok(n.max(0));
     }

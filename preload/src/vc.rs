@@ -3,11 +3,10 @@
 //! both chains is in [`crate::tcp_sink`].
 
 use crate::relink;
-use crate::shm::{ConnMem, Mapping};
+use crate::shm::{ConnMem, Guarded, Mapping};
 use crate::shm_sink::{self, LinkSlot, ShmLink, ShmSink};
 use crate::stats::{Slot, SlotInfo};
 use crate::tcp_sink::TcpSink;
-use std::cell::UnsafeCell;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
 use std::sync::Arc;
@@ -55,8 +54,8 @@ pub struct Vc {
     /// True when the physical link's addresses differ from what the program sees from the
     /// start (connected through another address of the peer's node).
     pub renamed: bool,
-    send_chain: UnsafeCell<Chain>,
-    recv_chain: UnsafeCell<Chain>,
+    send_chain: Guarded<Chain>,
+    recv_chain: Guarded<Chain>,
     /// The link generation this process's descriptors name (behind the shared one after
     /// another process rebuilt the link).
     my_gen: AtomicU32,
@@ -74,12 +73,6 @@ pub struct Vc {
     /// A wait reported the connection readable and no receive followed yet.
     told_readable: std::sync::atomic::AtomicBool,
 }
-
-// SAFETY: the chains are only touched under the shared tx/rx locks; everything else is
-// immutable or atomic.
-unsafe impl Send for Vc {}
-// SAFETY: as above.
-unsafe impl Sync for Vc {}
 
 /// What is needed to set up a virtual connection.
 pub struct Setup {
@@ -139,6 +132,9 @@ impl Vc {
             sl.set_link(&s.local, &s.peer);
             sl.set_substrate(code);
         }
+        let (tx_lock, rx_lock) = (&mem.conn().tx_lock, &mem.conn().rx_lock);
+        let send_chain = Guarded::new(chain_for(m, slot, &links), tx_lock);
+        let recv_chain = Guarded::new(chain_for(m, slot, &links), rx_lock);
         Some(Vc {
             mem,
             slot,
@@ -146,8 +142,8 @@ impl Vc {
             peer: s.peer,
             active: s.active,
             renamed: s.renamed,
-            send_chain: UnsafeCell::new(chain_for(m, slot, &links)),
-            recv_chain: UnsafeCell::new(chain_for(m, slot, &links)),
+            send_chain,
+            recv_chain,
             my_gen: AtomicU32::new(0),
             parked: AtomicI32::new(-1),
             truth_gen: AtomicU32::new(m.conn().link_gen.load(Acquire)),
@@ -193,20 +189,20 @@ impl Vc {
     /// registered is under `fd`), a change of this descriptor's registration with `epfd`
     /// is made to the kept one, and a new one is kept too (`EPOLL_CTL_ADD`: on the
     /// placeholder it would be lost at install, and asyncio adds again after removing a
-    /// reader and a writer); install registers them on the new socket.
-    ///
-    /// # Safety
-    /// `ev` is the program's argument to `epoll_ctl`.
-    pub unsafe fn epoll_ctl(&self, epfd: i32, op: i32, fd: i32, ev: *mut libc::epoll_event) -> i32 {
+    /// reader and a writer); install registers them on the new socket. `event` reads the
+    /// program's event (only then); `forward` makes the program's call.
+    pub fn epoll_ctl(
+        &self,
+        epfd: i32,
+        op: i32,
+        fd: i32,
+        event: impl FnOnce() -> Option<libc::epoll_event>,
+        forward: impl FnOnce() -> i32,
+    ) -> i32 {
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
         if p.parked {
             let i = p.regs.iter().position(|r| r.0 == epfd && r.1 == fd);
-            let e = if ev.is_null() {
-                None
-            } else {
-                // SAFETY: the program's epoll_event (the kernel reads it for ADD and MOD).
-                Some(unsafe { std::ptr::read_unaligned(ev) })
-            };
+            let e = event();
             let kept = match (op, i, e) {
                 (libc::EPOLL_CTL_DEL, Some(i), _) => {
                     p.regs.remove(i);
@@ -236,8 +232,7 @@ impl Vc {
                 Err(_) => {}
             }
         }
-        // SAFETY: the program's arguments, forwarded.
-        let r = unsafe { crate::real::epoll_ctl(epfd, op, fd, ev) };
+        let r = forward();
         let errno = crate::sys::errno();
         drop(p);
         crate::sys::set_errno(errno);
@@ -322,19 +317,17 @@ impl Vc {
         let mut lost = false;
         match unacked {
             Some(b) => {
-                // SAFETY: the connection is new and not shared yet; nobody else uses the ring.
-                substrate::reliability::ring_write(unsafe { vc.mem.ring() }, tx.acked, &b);
+                let mut g = c.tx_lock.lock();
+                vc.mem.with_tx_ring(&mut g, |_, ring| substrate::reliability::ring_write(ring, tx.acked, &b));
             }
             None => {
                 lost = tx.replaying() || tx.in_frame();
                 tx.acked = tx.next_seq;
             }
         }
-        // SAFETY: the connection is new and not shared yet; no lock is needed.
-        unsafe {
-            *c.tx.get() = tx;
-            *c.rx.get() = rx;
-        }
+        // (The connection is new and not shared yet: the locks are free.)
+        c.with_tx(&mut c.tx_lock.lock(), |t| *t = tx);
+        c.with_rx(&mut c.rx_lock.lock(), |r| *r = rx);
         c.delivered.store(rx.delivered, Release);
         c.peer_ack.store(rx.peer_ack, Release);
         c.ack_sent.store(tx.ack_sent, Release);
@@ -377,9 +370,8 @@ impl Vc {
         let c = self.mem.conn();
         self.with_link(fd, flags, || {
             let _g = c.tx_lock.lock();
-            // SAFETY: the send chain is only used under tx_lock, which we hold.
-            let chain = unsafe { &mut *self.send_chain.get() };
-            Self::run(chain, Irb::send(data, flags).with_handle(fd as i64))
+            self.send_chain
+                .with(&c.tx_lock, |chain| Self::run(chain, Irb::send(data, flags).with_handle(fd as i64)))
         })
     }
 
@@ -399,10 +391,10 @@ impl Vc {
     }
 
     fn recv_once(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
-        let _g = self.mem.conn().rx_lock.lock();
-        // SAFETY: the receive chain is only used under rx_lock, which we hold.
-        let chain = unsafe { &mut *self.recv_chain.get() };
-        Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64))
+        let c = self.mem.conn();
+        let _g = c.rx_lock.lock();
+        self.recv_chain
+            .with(&c.rx_lock, |chain| Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64)))
     }
 
     /// True when the link broke or was rebuilt since generation `gen`.
@@ -581,11 +573,9 @@ impl Vc {
     pub fn shm_close(&self, l: &ShmLink, fd: i32) {
         let c = self.mem.conn();
         {
-            let _g = c.tx_lock.lock();
+            let mut g = c.tx_lock.lock();
             let until = crate::sys::now_ms() + crate::config::grace_ms();
-            // SAFETY: we hold the tx lock (the send half is ours).
-            let owed = || unsafe { (*c.tx.get()).replaying() };
-            while owed() && crate::sys::now_ms() < until {
+            while c.with_tx(&mut g, |tx| tx.replaying()) && crate::sys::now_ms() < until {
                 match l.push_replay(self.mem(), fd) {
                     Ok(false) if l.wait_room().is_ok() => {}
                     _ => break,
@@ -599,10 +589,9 @@ impl Vc {
     /// stream follows the bytes (after a replay still being pushed, if there is one).
     pub fn shm_shut_send(&self, l: &ShmLink, fd: i32) {
         let c = self.mem.conn();
-        let _g = c.tx_lock.lock();
+        let mut g = c.tx_lock.lock();
         c.tx_shut.store(1, Release);
-        // SAFETY: we hold the tx lock.
-        if unsafe { (*c.tx.get()).replaying() } {
+        if c.with_tx(&mut g, |tx| tx.replaying()) {
             c.fin_owed.store(1, Release);
             relink::poke();
             return;
@@ -630,8 +619,7 @@ impl Vc {
     /// usual other holder) in the statistics slot instead of this process.
     pub fn hand_back_slot(&self) {
         if let Some(s) = self.slot {
-            // SAFETY: getppid has no preconditions.
-            s.set_pid(unsafe { libc::getppid() });
+            s.set_pid(crate::sys::process::getppid());
         }
     }
 

@@ -40,6 +40,7 @@ pub mod auth;
 pub mod connection;
 pub mod devices;
 pub mod gid;
+pub mod handover;
 pub mod irb;
 pub mod mx;
 pub mod procfs;

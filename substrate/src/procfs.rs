@@ -56,3 +56,75 @@ NoNewPrivs:\t1\nSeccomp:\t2\nSeccomp_filters:\t1\nSpeculation_Store_Bypass:\tthr
         assert_eq!(parse_status(b"Seccomp: 0").seccomp, Some(0));
     }
 }
+
+/// One target of an epoll instance, as `/proc/<pid>/fdinfo/<epfd>` lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpollTarget {
+    /// The registered descriptor (`tfd:`).
+    pub fd: i32,
+    /// Its events (`events:`, hexadecimal).
+    pub events: u32,
+    /// The program's data (`data:`, hexadecimal).
+    pub data: u64,
+    /// The inode of the file it was registered as (`ino:`, hexadecimal; missing in old
+    /// kernels).
+    pub ino: Option<u64>,
+}
+
+/// The targets listed in the fdinfo text of an epoll instance (lines such as
+/// `tfd:        5 events:       19 data:                5  pos:0 ino:2f8a sdev:8`). Lines
+/// that are not targets, or whose descriptor, events or data do not parse, are skipped.
+pub fn parse_epoll_fdinfo(text: &str) -> Vec<EpollTarget> {
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| l.starts_with("tfd:")) {
+        let mut it = line.split_whitespace();
+        let mut field = |name: &str| -> Option<String> {
+            while let Some(k) = it.next() {
+                if k == name {
+                    return it.next().map(str::to_string);
+                }
+                if let Some(v) = k.strip_prefix(name) {
+                    return Some(v.to_string());
+                }
+            }
+            None
+        };
+        let fd = field("tfd:").and_then(|v| v.parse::<i32>().ok());
+        let events = field("events:").and_then(|v| u32::from_str_radix(&v, 16).ok());
+        let data = field("data:").and_then(|v| u64::from_str_radix(&v, 16).ok());
+        let ino = field("ino:").and_then(|v| u64::from_str_radix(&v, 16).ok());
+        if let (Some(fd), Some(events), Some(data)) = (fd, events, data) {
+            out.push(EpollTarget { fd, events, data, ino });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod fdinfo_tests {
+    use super::*;
+
+    #[test]
+    fn targets_of_an_epoll_instance() {
+        let text = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n\
+                    tfd:        5 events:       19 data:                5  pos:0 ino:2f8a sdev:8\n\
+                    tfd:       12 events: 80000019 data: ffffffffffffffff  pos:0 ino:2f9b sdev:8\n";
+        let t = parse_epoll_fdinfo(text);
+        assert_eq!(
+            t,
+            vec![
+                EpollTarget { fd: 5, events: 0x19, data: 5, ino: Some(0x2f8a) },
+                EpollTarget { fd: 12, events: 0x8000_0019, data: u64::MAX, ino: Some(0x2f9b) },
+            ]
+        );
+    }
+
+    #[test]
+    fn old_kernels_and_garbage() {
+        assert_eq!(
+            parse_epoll_fdinfo("tfd: 7 events: 1 data: 0\n"),
+            vec![EpollTarget { fd: 7, events: 1, data: 0, ino: None }]
+        );
+        assert!(parse_epoll_fdinfo("tfd: x events: 1 data: 0\ntfd: 3 events: zz data: 0\ntfd:\n").is_empty());
+    }
+}

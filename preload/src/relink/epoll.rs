@@ -13,10 +13,7 @@ pub type EpollReg = (i32, i32, u32, u64);
 pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
     let mut inos = Vec::new();
     for &fd in fds {
-        // SAFETY: zeroed stat filled by fstat.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid pointer.
-        if unsafe { libc::fstat(fd, &mut st) } == 0 {
+        if let Some(st) = sys::fd::fstat(fd) {
             inos.push((fd, st.st_ino));
         }
     }
@@ -28,27 +25,9 @@ pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
             continue;
         }
         let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };
-        for line in info.lines().filter(|l| l.starts_with("tfd:")) {
-            let mut it = line.split_whitespace();
-            let mut field = |name: &str| -> Option<String> {
-                while let Some(k) = it.next() {
-                    if k == name {
-                        return it.next().map(str::to_string);
-                    }
-                    if let Some(v) = k.strip_prefix(name) {
-                        return Some(v.to_string());
-                    }
-                }
-                None
-            };
-            let tfd = field("tfd:").and_then(|v| v.parse::<i32>().ok());
-            let events = field("events:").and_then(|v| u32::from_str_radix(&v, 16).ok());
-            let data = field("data:").and_then(|v| u64::from_str_radix(&v, 16).ok());
-            let ino = field("ino:").and_then(|v| u64::from_str_radix(&v, 16).ok());
-            if let (Some(tfd), Some(events), Some(data)) = (tfd, events, data) {
-                if inos.iter().any(|&(f, i)| f == tfd && ino.is_none_or(|x| x == i)) {
-                    out.push((epfd, tfd, events, data));
-                }
+        for t in substrate::procfs::parse_epoll_fdinfo(&info) {
+            if inos.iter().any(|&(f, i)| f == t.fd && t.ino.is_none_or(|x| x == i)) {
+                out.push((epfd, t.fd, t.events, t.data));
             }
         }
     }
@@ -60,8 +39,8 @@ pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
 pub(crate) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
     let regs = epoll_regs(fds);
     for r in &regs {
-        // SAFETY: removes the old socket from the program's epoll instance.
-        unsafe { real::epoll_ctl(r.0, libc::EPOLL_CTL_DEL, r.1, std::ptr::null_mut()) };
+        // Removes the old socket from the program's epoll instance.
+        sys::fd::epoll_ctl(r.0, libc::EPOLL_CTL_DEL, r.1, None);
     }
     regs
 }
@@ -70,8 +49,8 @@ pub(crate) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
 pub(crate) fn epoll_attach(regs: &[EpollReg]) {
     for &(epfd, fd, events, data) in regs {
         let mut ev = libc::epoll_event { events, u64: data };
-        // SAFETY: registers the socket now under `fd` with the program's events and data.
-        if unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+        // The socket now under `fd`, with the program's events and data.
+        if sys::fd::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, Some(&mut ev)) != 0 {
             log::warn(format_args!(
                 "cannot register fd {fd} again with epoll fd {epfd}: errno {}",
                 sys::errno()

@@ -69,14 +69,7 @@ pub(super) fn freeze(w: &mut Work) {
             continue;
         }
         for fd in fdtable::fds_of(&v).into_iter().take(1) {
-            // SAFETY: zeroed linger is valid; valid pointers to locals.
-            let mut l: libc::linger = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::linger>() as libc::socklen_t;
-            // SAFETY: as above.
-            if unsafe {
-                libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, &mut l as *mut _ as *mut _, &mut len)
-            } == 0
-            {
+            if let Some(l) = sys::fd::linger_of(fd) {
                 lingers.push((fd, l));
             }
             sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
@@ -85,19 +78,13 @@ pub(super) fn freeze(w: &mut Work) {
     let placeheld = crate::relisten::before_checkpoint();
     // The thaw socket first (so it exists before anyone is told we are ready).
     let name = thaw_name(agent::socket_name(), pid);
-    // SAFETY: plain socket creation.
-    let lfd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    let (sun, len) = agent::abstract_addr(&name);
-    // SAFETY: binds and listens on our own socket.
-    let listening = lfd >= 0
-        && unsafe {
-            libc::bind(lfd, &sun as *const _ as *const libc::sockaddr, len) == 0 && real::listen(lfd, 4) == 0
-        };
+    let lfd = sys::fd::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+    let listening =
+        lfd >= 0 && sys::fd::bind(lfd, &agent::abstract_addr(&name)) == 0 && sys::fd::listen(lfd, 4) == 0;
     if !listening {
         log::warn(format_args!("cannot open the thaw socket ({}); not ready for a checkpoint", sys::errno()));
         if lfd >= 0 {
-            // SAFETY: our socket.
-            unsafe { real::close(lfd) };
+            crate::sys::fd::close(lfd);
         }
         restore_lingers(&lingers);
         let _ = crate::relisten::after_thaw(&placeheld);
@@ -112,9 +99,7 @@ pub(super) fn freeze(w: &mut Work) {
     let mut conn = -1;
     for _ in 0..THAW_WAITS {
         if sys::wait_fd(lfd, libc::POLLIN, 200) & libc::POLLIN != 0 {
-            // SAFETY: accept on our listening socket.
-            let c =
-                unsafe { libc::accept4(lfd, std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+            let c = sys::fd::accept4(lfd, libc::SOCK_CLOEXEC);
             if c < 0 {
                 continue;
             }
@@ -126,14 +111,12 @@ pub(super) fn freeze(w: &mut Work) {
                 }
                 other => {
                     log::warn(format_args!("thaw socket: unexpected {other:?}"));
-                    // SAFETY: our socket.
-                    unsafe { real::close(c) };
+                    crate::sys::fd::close(c);
                 }
             }
         }
     }
-    // SAFETY: our listening socket.
-    unsafe { real::close(lfd) };
+    crate::sys::fd::close(lfd);
     if conn < 0 {
         log::warn(format_args!("no thaw after the checkpoint; going on"));
     }
@@ -233,7 +216,6 @@ pub(super) fn report_thaw(w: &mut Work) {
         ms: elapsed as u32,
     };
     let _ = send_msg(t.fd, &m);
-    // SAFETY: our socket.
-    unsafe { real::close(t.fd) };
+    crate::sys::fd::close(t.fd);
     w.thawing = None;
 }

@@ -27,26 +27,21 @@ pub(super) fn recv_msg(fd: i32) -> Option<Msg> {
 pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option<i32> {
     let v6 = peer.is_ipv6();
     let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
-    // SAFETY: plain socket creation.
-    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    let fd = sys::fd::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
     if fd < 0 {
         return None;
     }
     let fail = |fd: i32| {
-        // SAFETY: our socket.
-        unsafe { real::close(fd) };
+        crate::sys::fd::close(fd);
         None
     };
-    if !local.ip().is_unspecified() && local.is_ipv6() == v6 {
-        let (st, len) = sys::to_raw(&SocketAddr::new(local.ip(), 0), v6);
-        // SAFETY: binds our own socket.
-        if unsafe { libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) } != 0 {
-            return fail(fd);
-        }
+    if !local.ip().is_unspecified()
+        && local.is_ipv6() == v6
+        && sys::fd::bind(fd, &sys::fd::RawAddr::ip(&SocketAddr::new(local.ip(), 0), v6)) != 0
+    {
+        return fail(fd);
     }
-    let (st, len) = sys::to_raw(&peer, v6);
-    // SAFETY: connects our own socket.
-    let r = unsafe { real::connect(fd, &st as *const _ as *const libc::sockaddr, len) };
+    let r = sys::fd::connect(fd, &sys::fd::RawAddr::ip(&peer, v6));
     if r != 0 && sys::errno() != libc::EINPROGRESS {
         return fail(fd);
     }
@@ -54,23 +49,16 @@ pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option
         if sys::wait_fd(fd, libc::POLLOUT, ms) & libc::POLLOUT == 0 {
             return fail(fd);
         }
-        let mut err: i32 = 0;
-        let mut l = 4 as libc::socklen_t;
-        // SAFETY: valid pointers to locals.
-        unsafe {
-            libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, &mut err as *mut _ as *mut _, &mut l)
-        };
-        if err != 0 {
+        let mut err = [0u8; 4];
+        let got = sys::fd::getsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_ERROR, &mut err);
+        if got != Some(4) || i32::from_ne_bytes(err) != 0 {
             return fail(fd);
         }
     }
     // Back to blocking, with time-outs, for the handshake.
-    // SAFETY: F_SETFL with an integer argument.
-    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    sys::fd::fcntl(fd, libc::F_SETFL, 0);
     sys::set_timeouts(fd, 1000);
-    let one: i32 = 1;
-    // SAFETY: valid pointer to a local int.
-    unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, &one as *const _ as *const _, 4) };
+    sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
     Some(fd)
 }
 
@@ -104,19 +92,16 @@ pub(super) fn dial(v: &Vc) -> Option<u64> {
                 return None;
             }
             Err(Final(e, why)) => {
-                // SAFETY: our socket.
-                unsafe { real::close(fd) };
+                crate::sys::fd::close(fd);
                 give_up(v, e, &why);
                 return None;
             }
             Err(Retry(why)) => {
-                // SAFETY: our socket.
-                unsafe { real::close(fd) };
+                crate::sys::fd::close(fd);
                 log::info(format_args!("resume {:032x} via {peer}: {why}", c.gid));
             }
             Err(Wait(why)) => {
-                // SAFETY: our socket.
-                unsafe { real::close(fd) };
+                crate::sys::fd::close(fd);
                 log::debug(format_args!("resume {:032x} via {peer}: {why}", c.gid));
                 return Some(250);
             }
@@ -162,6 +147,7 @@ pub(super) fn my_agents() -> Vec<SocketAddr> {
     }
 }
 
+#[allow(unsafe_code)] // The two halves, under both locks (see the SAFETY note below).
 pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     let c = v.mem().conn();
     let nonce_a = sys::random_u128();
@@ -264,10 +250,10 @@ pub(super) fn move_off_shm(v: &Vc, why: &str) {
 }
 
 /// The side that was connected to: a dialer reached our agent, which passed its socket.
+#[allow(unsafe_code)] // The two halves, under both locks (see the SAFETY note below).
 pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
     let close = |fd: i32| {
-        // SAFETY: the socket we were passed.
-        unsafe { real::close(fd) };
+        crate::sys::fd::close(fd);
     };
     let from = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
     let Some(v) = find(gid) else {
@@ -276,8 +262,7 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
         return;
     };
     let c = v.mem().conn();
-    // SAFETY: F_SETFL with an integer argument.
-    unsafe { real::fcntl(fd, libc::F_SETFL, 0) };
+    sys::fd::fcntl(fd, libc::F_SETFL, 0);
     sys::set_timeouts(fd, 1000);
     let nonce_b = sys::random_u128();
     if !send_msg(fd, &Msg::Challenge { nonce: nonce_b }) {

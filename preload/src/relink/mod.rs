@@ -29,7 +29,7 @@ use crate::fdtable::{self, OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
-use crate::{agent, config, log, real, sys};
+use crate::{agent, config, log, sys};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -153,9 +153,8 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 fn wake() {
     let fd = fdtable::own_fd(OWN_WAKE);
     if fd >= 0 && crate::sandbox::allows(libc::SYS_write, [fd as u64, 0, 8, 0, 0, 0]) {
-        let one = 1u64;
-        // SAFETY: an 8-byte write to our eventfd.
-        unsafe { libc::write(fd, &one as *const u64 as *const _, 8) };
+        // An 8-byte write to our eventfd.
+        sys::fd::write_raw(fd, &1u64.to_ne_bytes());
     }
     // (Otherwise the control thread looks often: `sandbox::control_poll_ms`.)
 }
@@ -212,11 +211,9 @@ pub fn ensure_control() {
     // (A forked child closed its parent's wake descriptor in `after_fork_child`.)
     let old = fdtable::unprotect(OWN_WAKE);
     if old >= 0 {
-        // SAFETY: our own descriptor.
-        unsafe { real::close(old) };
+        crate::sys::fd::close(old);
     }
-    // SAFETY: plain eventfd creation.
-    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    let efd = sys::fd::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK);
     if efd >= 0 {
         fdtable::protect(OWN_WAKE, fdtable::move_high(efd));
     }
@@ -362,8 +359,7 @@ pub fn after_fork_child() {
     for role in [OWN_EVENTS, OWN_WAKE] {
         let fd = fdtable::unprotect(role);
         if fd >= 0 {
-            // SAFETY: the child's copy of our own descriptor.
-            unsafe { real::close(fd) };
+            crate::sys::fd::close(fd);
         }
     }
 }
@@ -419,8 +415,7 @@ fn open_events() -> Option<i32> {
 fn close_events() {
     let fd = fdtable::unprotect(OWN_EVENTS);
     if fd >= 0 {
-        // SAFETY: our own socket.
-        unsafe { real::close(fd) };
+        crate::sys::fd::close(fd);
     }
 }
 
@@ -431,8 +426,7 @@ fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
     let (r, passed) = sys::recv_with_fd(fd, &mut pre, libc::MSG_WAITALL);
     let close_passed = |p: Option<i32>| {
         if let Some(p) = p {
-            // SAFETY: a descriptor we were passed and will not use.
-            unsafe { real::close(p) };
+            crate::sys::fd::close(p);
         }
     };
     if r != 4 {
@@ -523,8 +517,8 @@ fn backoff(fails: &mut u32) {
 /// descriptor limit is below two (OpenSSH's sandboxed child sets it to zero) is done with
 /// `select`, which that limit does not bound. Returns the system call's result.
 fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
-    // SAFETY: two valid pollfds (negative fds are ignored by poll).
-    let r = unsafe { real::poll(pfds.as_mut_ptr(), 2, timeout) };
+    // (Negative fds are ignored by poll.)
+    let r = sys::fd::poll(pfds, timeout);
     if r >= 0 || sys::errno() != libc::EINVAL {
         return r;
     }
@@ -532,31 +526,10 @@ fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
     if fds.iter().any(|&f| f >= libc::FD_SETSIZE as i32) {
         return -1;
     }
-    // SAFETY: a zeroed fd_set is empty; FD_SET on descriptors below FD_SETSIZE.
-    let mut set: libc::fd_set = unsafe { std::mem::zeroed() };
-    for &f in &fds {
-        // SAFETY: as above.
-        unsafe { libc::FD_SET(f, &mut set) };
-    }
-    let mut tv = libc::timeval { tv_sec: (timeout / 1000) as _, tv_usec: ((timeout % 1000) * 1000) as _ };
-    let n = fds.iter().max().map_or(0, |m| m + 1);
-    // SAFETY: valid fd_set and timeval for the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_select,
-            n,
-            &mut set as *mut libc::fd_set,
-            0usize,
-            0usize,
-            &mut tv as *mut libc::timeval,
-        )
-    } as i32;
+    let (r, ready) = sys::fd::select_readable(&fds, timeout);
     if r > 0 {
-        for p in pfds.iter_mut().filter(|p| p.fd >= 0) {
-            // SAFETY: as above.
-            if unsafe { libc::FD_ISSET(p.fd, &set) } {
-                p.revents = libc::POLLIN;
-            }
+        for (p, _) in pfds.iter_mut().filter(|p| p.fd >= 0).zip(&ready).filter(|(_, &ok)| ok) {
+            p.revents = libc::POLLIN;
         }
     }
     r
@@ -655,9 +628,8 @@ fn control_loop() -> Ending {
             backoff(&mut wait_fails);
         }
         if pfds[1].revents & libc::POLLIN != 0 {
-            let mut v = 0u64;
-            // SAFETY: drains our eventfd.
-            unsafe { libc::read(wake_fd, &mut v as *mut u64 as *mut _, 8) };
+            // Drains our eventfd.
+            sys::fd::read_raw(wake_fd, &mut [0u8; 8]);
         }
         if !enter_work() {
             std::thread::sleep(std::time::Duration::from_millis(5));
@@ -707,8 +679,7 @@ pub fn quiet_for_exec() -> ExecQuiet {
     // The real id, not the cached one: a vfork child shares our memory (the cache says its
     // parent's id) but not our threads, and its exec must not touch the parent's control
     // thread (nor leave it kept out: the guard never drops when the exec succeeds).
-    // SAFETY: getpid has no preconditions.
-    if CONTROL_PID.load(Acquire) != unsafe { libc::getpid() } {
+    if CONTROL_PID.load(Acquire) != sys::process::getpid() {
         return ExecQuiet(false);
     }
     EXECING.fetch_add(1, SeqCst);
@@ -779,8 +750,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
         }
         (other, passed) => {
             if let Some(p) = passed {
-                // SAFETY: a descriptor we did not ask for.
-                unsafe { real::close(p) };
+                crate::sys::fd::close(p);
             }
             log::debug(format_args!("event ignored: {other:?}"));
         }
@@ -877,8 +847,8 @@ fn work(w: &mut Work) {
             // it (the program may be waiting for an answer to bytes only the replay carries).
             // A program that keeps sending pushes it itself: only a connection whose send
             // position did not move since the last look is helped.
-            // SAFETY: racy reads of plain integers, only to choose whether to look.
-            let (owed, wire) = unsafe { ((*c.tx.get()).replaying(), (*c.tx.get()).wire_seq) };
+            // (Racy reads, only to choose whether to look.)
+            let (owed, wire) = c.peek_tx(|tx| (tx.replaying(), tx.wire_seq));
             if owed || c.fin_owed.load(Acquire) != 0 {
                 let moved = w.last_wire.insert(c.gid, wire) != Some(wire);
                 if moved && c.fin_owed.load(Acquire) == 0 {

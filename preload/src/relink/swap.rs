@@ -16,8 +16,8 @@ pub(super) fn kick(v: &Vc) {
     let fds = fdtable::fds_of(v);
     v.park_epoll(&fds);
     let Some(&fd0) = fds.first() else { return };
-    // SAFETY: F_DUPFD_CLOEXEC with an integer argument: our own handle on the old socket.
-    let old = unsafe { real::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700) };
+    // Our own handle on the old socket.
+    let old = sys::fd::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700);
     if let Some(ph) = placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
         // The program's settings wait on the placeholder (and change there if it sets any).
         carry_state(fd0, ph);
@@ -25,14 +25,10 @@ pub(super) fn kick(v: &Vc) {
         v.set_parked(ph);
     }
     let target = if old >= 0 { old } else { fd0 };
-    // SAFETY: zeroed sockaddr with AF_UNSPEC: "disconnect" for TCP.
-    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
-    sa.sa_family = libc::AF_UNSPEC as _;
-    // SAFETY: valid pointer and length.
-    unsafe { real::connect(target, &sa, std::mem::size_of::<libc::sockaddr>() as _) };
+    // AF_UNSPEC: "disconnect" for TCP.
+    sys::fd::connect(target, &sys::fd::RawAddr::unspec());
     if old >= 0 {
-        // SAFETY: our own handle.
-        unsafe { real::close(old) };
+        crate::sys::fd::close(old);
     }
 }
 
@@ -43,17 +39,15 @@ pub(super) fn kick(v: &Vc) {
 pub fn swap_socket(sock: i32, fd: i32) {
     let regs = epoll_detach(&[fd]);
     put_under(sock, &[fd]);
-    // SAFETY: our copy; `fd` now names the socket too.
-    unsafe { real::close(sock) };
+    crate::sys::fd::close(sock);
     epoll_attach(&regs);
 }
 
 pub(super) fn put_under(sock: i32, fds: &[i32]) {
     for &fd in fds {
-        // SAFETY: F_GETFD has no argument.
-        let cloexec = unsafe { real::fcntl(fd, libc::F_GETFD, 0) } & libc::FD_CLOEXEC != 0;
-        // SAFETY: replaces the program's descriptor with `sock` (same number).
-        if unsafe { real::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) } < 0 {
+        let cloexec = sys::fd::fcntl(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
+        // Replaces the program's descriptor with `sock` (same number).
+        if sys::fd::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) < 0 {
             log::warn(format_args!("cannot put a socket under fd {fd}: errno {}", sys::errno()));
         }
     }
@@ -62,20 +56,14 @@ pub(super) fn put_under(sock: i32, fds: &[i32]) {
 /// A socket that never polls readable or writable until it is shut down.
 pub(super) fn placeholder(v6: bool) -> Option<i32> {
     let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
-    // SAFETY: plain socket creation.
-    let fd = unsafe { libc::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = sys::fd::socket(fam, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
     if fd < 0 {
         return None;
     }
     let lo: SocketAddr = if v6 { "[::1]:0".parse().ok()? } else { "127.0.0.1:0".parse().ok()? };
-    let (st, len) = sys::to_raw(&lo, v6);
-    // SAFETY: binds and listens on our own socket.
-    let ok = unsafe {
-        libc::bind(fd, &st as *const _ as *const libc::sockaddr, len) == 0 && real::listen(fd, 0) == 0
-    };
+    let ok = sys::fd::bind(fd, &sys::fd::RawAddr::ip(&lo, v6)) == 0 && sys::fd::listen(fd, 0) == 0;
     if !ok {
-        // SAFETY: our socket.
-        unsafe { real::close(fd) };
+        crate::sys::fd::close(fd);
         return None;
     }
     Some(fdtable::move_high(fd))
@@ -86,12 +74,10 @@ pub(super) fn placeholder(v6: bool) -> Option<i32> {
 pub(super) fn unpark(v: &Vc) {
     let ph = v.set_parked(-1);
     if ph >= 0 {
-        // SAFETY: our placeholder: shutting it down wakes its pollers, who look again at
-        // the descriptor number (now the new socket).
-        unsafe {
-            real::shutdown(ph, libc::SHUT_RDWR);
-            real::close(ph);
-        }
+        // Our placeholder: shutting it down wakes its pollers, who look again at the
+        // descriptor number (now the new socket).
+        sys::fd::shutdown(ph, libc::SHUT_RDWR);
+        sys::fd::close(ph);
     }
 }
 
@@ -114,19 +100,14 @@ pub(super) const CARRIED: &[(i32, i32)] = &[
 pub(super) fn carry_state(from: i32, to: i32) {
     for &(level, opt) in CARRIED {
         let mut buf = [0u8; 32];
-        let mut len = buf.len() as libc::socklen_t;
-        // SAFETY: valid buffer and length.
-        if unsafe { libc::getsockopt(from, level, opt, buf.as_mut_ptr() as *mut _, &mut len) } == 0 {
-            // SAFETY: the same bytes on the other socket.
-            unsafe { libc::setsockopt(to, level, opt, buf.as_ptr() as *const _, len) };
+        if let Some(len) = sys::fd::getsockopt_bytes(from, level, opt, &mut buf) {
+            // The same bytes on the other socket.
+            sys::fd::setsockopt_bytes(to, level, opt, &buf[..len]);
         }
     }
-    // SAFETY: F_GETFL/F_SETFL with integer arguments.
-    unsafe {
-        let fl = real::fcntl(from, libc::F_GETFL, 0);
-        if fl >= 0 {
-            real::fcntl(to, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
-        }
+    let fl = sys::fd::fcntl(from, libc::F_GETFL, 0);
+    if fl >= 0 {
+        sys::fd::fcntl(to, libc::F_SETFL, (fl & libc::O_NONBLOCK) as libc::c_ulong);
     }
 }
 
@@ -146,8 +127,7 @@ pub(super) fn install(v: &Vc, nfd: i32) {
         carry_state(old, nfd);
     }
     put_under(nfd, &fds);
-    // SAFETY: our copy; the program's descriptors keep the socket.
-    unsafe { real::close(nfd) };
+    crate::sys::fd::close(nfd);
     unpark(v);
     v.unpark_epoll();
     if let Some(&fd) = fds.first() {
@@ -176,8 +156,7 @@ pub(super) fn finish(v: &Vc) {
         // for an answer to bytes only the replay carries).
         // After the peer's end of stream the new socket must read as ended too.
         if crate::tcp_sink::peer_fin(v.mem()) {
-            // SAFETY: shutdown of the receive side of the new socket.
-            unsafe { real::shutdown(fd, libc::SHUT_RD) };
+            crate::sys::fd::shutdown(fd, libc::SHUT_RD);
         }
         if c.tx_shut.load(Acquire) != 0 {
             // The program shut its side down: the new link says so too, after the replay.
@@ -200,17 +179,7 @@ pub fn adopt(v: &Vc) {
         v.seen_gen(gen);
         return;
     }
-    // SAFETY: pidfd_open and pidfd_getfd take integers; failures are checked.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
-    let got = if pidfd >= 0 {
-        // SAFETY: as above.
-        let n = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, src, 0) } as i32;
-        // SAFETY: our pidfd.
-        unsafe { real::close(pidfd) };
-        n
-    } else {
-        -1
-    };
+    let got = sys::fd::fd_of_process(pid, src);
     if got < 0 {
         log::warn(format_args!(
             "virtual connection {:032x}: cannot take the rebuilt link from process {pid} (errno {}); this process loses it",
@@ -223,8 +192,7 @@ pub fn adopt(v: &Vc) {
     let fds = fdtable::fds_of(v);
     let regs = epoll_detach(&fds);
     put_under(got, &fds);
-    // SAFETY: our copy.
-    unsafe { real::close(got) };
+    crate::sys::fd::close(got);
     epoll_attach(&regs);
     v.seen_gen(gen);
 }

@@ -36,8 +36,9 @@
 //! its own. A producer waiting for room sleeps on a futex in the ring header.
 
 use crate::stats::Slot;
+use crate::sys::real;
 use crate::tcp_sink::TcpSink;
-use crate::{log, real, relink, sys};
+use crate::{log, relink, sys};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::irb::IrbError;
@@ -74,7 +75,7 @@ pub struct ShmLink {
     base: *mut u8,
     /// The region's file (unlinked once taken), kept open to hand the region over across
     /// `exec`.
-    region: AtomicI32,
+    region: std::sync::Arc<AtomicI32>,
     tx: Ring,
     rx: Ring,
     active: bool,
@@ -82,9 +83,9 @@ pub struct ShmLink {
     /// The file, until the accepting side unlinked it (connecting side only).
     path: Option<std::ffi::CString>,
     /// The rendezvous datagram socket, until the exchange is done.
-    dgram: AtomicI32,
+    dgram: std::sync::Arc<AtomicI32>,
     /// The peer's socket (to ring ourselves), once known.
-    peer_sock: AtomicI32,
+    peer_sock: std::sync::Arc<AtomicI32>,
     mode: AtomicU32,
     /// The peer's socket ended (FIN): no bell will come any more.
     eof: AtomicBool,
@@ -177,18 +178,15 @@ impl ShmLink {
         }
         let Some(t) = recv_fd(d) else { return -1 };
         if !is_other_end(fd, t) {
-            // SAFETY: a descriptor we were passed and do not trust.
-            unsafe { real::close(t) };
+            crate::sys::fd::close(t);
             return -1;
         }
         let t = crate::fdtable::move_high(t);
         if self.peer_sock.compare_exchange(-1, t, AcqRel, Acquire).is_err() {
-            // SAFETY: another thread stored one first; ours is a spare.
-            unsafe { real::close(t) };
+            crate::sys::fd::close(t);
         }
         if self.dgram.compare_exchange(d, -1, AcqRel, Acquire).is_ok() {
-            // SAFETY: the exchange is done; our socket.
-            unsafe { real::close(d) };
+            crate::sys::fd::close(d);
         }
         self.peer_sock.load(Acquire)
     }
@@ -381,8 +379,7 @@ impl ShmLink {
         for fd in [self.dgram.swap(-1, AcqRel), self.peer_sock.swap(-1, AcqRel), self.region.swap(-1, AcqRel)]
         {
             if fd >= 0 {
-                // SAFETY: our descriptors.
-                unsafe { real::close(fd) };
+                crate::sys::fd::close(fd);
             }
         }
     }
@@ -536,8 +533,8 @@ impl Device for ShmSink {
         let errno = sys::errno();
         let r = match (irb.kind(), &mut irb.buf) {
             (IrbKind::Send, Buf::Out(d)) => {
-                // SAFETY: a racy read of plain integers under our tx lock (the send half is ours).
-                let owed = unsafe { (*c.tx.get()).replaying() } || c.fin_owed.load(Acquire) != 0;
+                // (Under our tx lock: the send half is ours.)
+                let owed = c.with_tx_held(|tx| tx.replaying()) || c.fin_owed.load(Acquire) != 0;
                 let r = if owed { replay_first(link, mem, fd, nonblock()) } else { Ok(()) };
                 r.and_then(|_| link.send(fd, d, flags))
             }

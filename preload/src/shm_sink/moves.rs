@@ -8,6 +8,7 @@ impl ShmLink {
     /// the TCP halves' (what the peer's program has not read of ours joins the replay ring,
     /// what ours read of the peer's is delivered), the peer is told (`moving`), and the
     /// memory and descriptors are let go. The caller holds both halves' locks.
+    #[allow(unsafe_code)] // Both halves and the ring, under both locks (the SAFETY note below).
     pub fn demote(&self, mem: crate::shm::ConnMem) -> Result<(), String> {
         if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
             return Ok(());
@@ -80,35 +81,35 @@ impl ShmLink {
     /// side down. True when nothing is left to push. The caller holds the tx lock.
     pub fn push_replay(&self, mem: crate::shm::ConnMem, fd: i32) -> Result<bool, IrbError> {
         let c = mem.conn();
-        // SAFETY: the caller holds the tx lock.
-        let (tx, ring) = unsafe { (&mut *c.tx.get(), mem.ring()) };
-        let mut wrote = false;
-        while tx.replaying() {
-            let room = self.tx.writable().map_err(|_| corrupt())? as u64;
-            let n = (tx.next_seq - tx.wire_seq).min(room) as usize;
-            if n == 0 {
-                break;
-            }
-            let (a, b) = substrate::reliability::ring_slices(ring, tx.wire_seq, n);
-            for part in [a, b] {
-                let w = self.tx.write(part).map_err(|_| corrupt())?;
-                tx.wire_seq += w as u64;
-                if w < part.len() {
+        mem.with_tx_ring_held(|tx, ring| {
+            let mut wrote = false;
+            while tx.replaying() {
+                let room = self.tx.writable().map_err(|_| corrupt())? as u64;
+                let n = (tx.next_seq - tx.wire_seq).min(room) as usize;
+                if n == 0 {
                     break;
                 }
+                let (a, b) = substrate::reliability::ring_slices(ring, tx.wire_seq, n);
+                for part in [a, b] {
+                    let w = self.tx.write(part).map_err(|_| corrupt())?;
+                    tx.wire_seq += w as u64;
+                    if w < part.len() {
+                        break;
+                    }
+                }
+                wrote = true;
             }
-            wrote = true;
-        }
-        let done = !tx.replaying();
-        if done && c.fin_owed.load(Acquire) != 0 {
-            self.tx.close();
-            c.fin_owed.store(0, Release);
-            wrote = true;
-        }
-        if wrote && self.tx.after_write() == Bell::Ring {
-            bell(fd);
-        }
-        Ok(done)
+            let done = !tx.replaying();
+            if done && c.fin_owed.load(Acquire) != 0 {
+                self.tx.close();
+                c.fin_owed.store(0, Release);
+                wrote = true;
+            }
+            if wrote && self.tx.after_write() == Bell::Ring {
+                bell(fd);
+            }
+            Ok(done)
+        })
     }
 
     /// True once the peer's program closed the connection (its layer can no longer take a

@@ -17,18 +17,12 @@ pub(super) fn tag_of(gid: u128, secret: u128, nonce: u128) -> String {
 }
 
 pub(super) fn dgram_bound(name: &str) -> Option<i32> {
-    // SAFETY: plain socket creation.
-    let s = unsafe {
-        libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0)
-    };
+    let s = sys::fd::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0);
     if s < 0 {
         return None;
     }
-    let (sun, len) = crate::agent::abstract_addr(name);
-    // SAFETY: binds our own socket.
-    if unsafe { libc::bind(s, &sun as *const _ as *const libc::sockaddr, len) } != 0 {
-        // SAFETY: our socket.
-        unsafe { real::close(s) };
+    if sys::fd::bind(s, &crate::agent::abstract_addr(name)) != 0 {
+        crate::sys::fd::close(s);
         return None;
     }
     Some(crate::fdtable::move_high(s))
@@ -36,19 +30,8 @@ pub(super) fn dgram_bound(name: &str) -> Option<i32> {
 
 /// Sends descriptor `fd` to the abstract datagram socket `to`.
 pub(super) fn send_fd(s: i32, to: &str, fd: i32) -> bool {
-    let (sun, len) = crate::agent::abstract_addr(to);
-    let mut byte = [b's'];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr() as *mut _, iov_len: 1 };
-    let mut cbuf: sys::FdCmsg = [0; 4];
-    // SAFETY: zeroed msghdr is valid; fields point at live locals.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = &sun as *const _ as *mut _;
-    msg.msg_namelen = len;
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    sys::attach_fd(&mut msg, &mut cbuf, fd);
-    // SAFETY: msg is fully initialised.
-    unsafe { real::sendmsg(s, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
+    let to = crate::agent::abstract_addr(to);
+    sys::fd::send_with_fd(s, b"s", fd, Some(&to), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1
 }
 
 /// A descriptor waiting on datagram socket `s`, if any.
@@ -160,15 +143,15 @@ impl ShmLink {
         }
         Some(ShmLink {
             base,
-            region: AtomicI32::new(fd),
+            region: std::sync::Arc::new(AtomicI32::new(fd)),
             tx,
             rx,
             active: true,
             tag,
             path: Some(path),
             offered_ms: sys::now_ms(),
-            dgram: AtomicI32::new(dgram),
-            peer_sock: AtomicI32::new(-1),
+            dgram: std::sync::Arc::new(AtomicI32::new(dgram)),
+            peer_sock: std::sync::Arc::new(AtomicI32::new(-1)),
             mode: AtomicU32::new(0),
             eof: AtomicBool::new(false),
             bases,
@@ -202,8 +185,7 @@ impl ShmLink {
         let base = if size_ok { map(f) } else { None };
         let f = crate::fdtable::move_high(f);
         let refuse = |why: &str, base: Option<*mut u8>| {
-            // SAFETY: our descriptor.
-            unsafe { real::close(f) };
+            crate::sys::fd::close(f);
             let mut withdrawn = false;
             if let Some(b) = base {
                 // SAFETY: the header of a mapping we checked.
@@ -240,8 +222,7 @@ impl ShmLink {
             return refuse("no rendezvous socket", Some(base));
         };
         if !send_fd(dgram, &format!("vmi-shm-{tag}-c"), fd) {
-            // SAFETY: our socket.
-            unsafe { real::close(dgram) };
+            crate::sys::fd::close(dgram);
             return refuse("the connecting layer's rendezvous socket is gone", Some(base));
         }
         // SAFETY: the first page of the mapping.
@@ -267,15 +248,15 @@ impl ShmLink {
         sys::futex_wake(&head.state, i32::MAX);
         Some(ShmLink {
             base,
-            region: AtomicI32::new(f),
+            region: std::sync::Arc::new(AtomicI32::new(f)),
             tx,
             rx,
             active: false,
             tag,
             path: None,
             offered_ms: 0,
-            dgram: AtomicI32::new(dgram),
-            peer_sock: AtomicI32::new(-1),
+            dgram: std::sync::Arc::new(AtomicI32::new(dgram)),
+            peer_sock: std::sync::Arc::new(AtomicI32::new(-1)),
             mode: AtomicU32::new(1),
             eof: AtomicBool::new(false),
             bases,
@@ -290,8 +271,7 @@ impl ShmLink {
     fn withdrawn(&self) {
         let d = self.dgram.swap(-1, AcqRel);
         if d >= 0 {
-            // SAFETY: our socket.
-            unsafe { real::close(d) };
+            crate::sys::fd::close(d);
         }
         if let Some(p) = &self.path {
             // SAFETY: the offer's file (ENOENT if the accepting side had opened it).
@@ -327,13 +307,11 @@ impl ShmLink {
                     let ok = theirs.is_some_and(|t| is_other_end(fd, t))
                         && send_fd(d, &format!("vmi-shm-{}-a", self.tag), fd);
                     if d >= 0 {
-                        // SAFETY: our socket.
-                        unsafe { real::close(d) };
+                        crate::sys::fd::close(d);
                     }
                     if !ok {
                         if let Some(t) = theirs {
-                            // SAFETY: a descriptor we were passed.
-                            unsafe { real::close(t) };
+                            crate::sys::fd::close(t);
                         }
                         log::error(format_args!("shared memory: the accepting side's socket did not come or is not the other end of ours"));
                         return Err(IrbError::Os(libc::ECONNRESET));
@@ -346,8 +324,7 @@ impl ShmLink {
                     // (No bell comes with the answer: TCP frames follow at once.)
                     let d = self.dgram.swap(-1, AcqRel);
                     if d >= 0 {
-                        // SAFETY: our socket.
-                        unsafe { real::close(d) };
+                        crate::sys::fd::close(d);
                     }
                     log::info(format_args!("shared memory refused by the accepting side: TCP"));
                     self.mode.store(2, Release);
@@ -439,15 +416,15 @@ impl ShmLink {
         }
         Some(ShmLink {
             base,
-            region: AtomicI32::new(region),
+            region: std::sync::Arc::new(AtomicI32::new(region)),
             tx,
             rx,
             active,
             tag: String::new(),
             path: None,
             offered_ms: 0,
-            dgram: AtomicI32::new(-1),
-            peer_sock: AtomicI32::new(peer),
+            dgram: std::sync::Arc::new(AtomicI32::new(-1)),
+            peer_sock: std::sync::Arc::new(AtomicI32::new(peer)),
             mode: AtomicU32::new(1),
             eof: AtomicBool::new(false),
             bases,

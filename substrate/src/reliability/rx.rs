@@ -85,6 +85,51 @@ impl Default for RxState {
 }
 
 impl RxState {
+    /// The state as bytes (little endian, field by field) for a record that crosses
+    /// `exec` (see [`crate::handover`]).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::BYTES);
+        for v in [self.delivered, self.frame_rem, self.peer_ack, self.resync] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [self.has_resync, self.expect_resync, self.header_len] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.header);
+        b.extend_from_slice(&self.fin.to_le_bytes());
+        b
+    }
+
+    /// Length of [`to_bytes`](Self::to_bytes).
+    pub const BYTES: usize = 4 * 8 + 3 * 4 + HEADER_LEN + 4;
+
+    /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
+    /// values that cannot be (flags other than 0 and 1, a header longer than a header,
+    /// a frame larger than the largest payload).
+    pub fn from_bytes(b: &[u8]) -> Option<RxState> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let r = RxState {
+            delivered: u64_at(0),
+            frame_rem: u64_at(8),
+            peer_ack: u64_at(16),
+            resync: u64_at(24),
+            has_resync: u32_at(32),
+            expect_resync: u32_at(36),
+            header_len: u32_at(40),
+            header: b[44..44 + HEADER_LEN].try_into().expect("header"),
+            fin: u32_at(44 + HEADER_LEN),
+        };
+        let sane = r.has_resync <= 1
+            && r.expect_resync <= 1
+            && r.header_len as usize <= HEADER_LEN
+            && r.frame_rem <= crate::wire::frame::MAX_PAYLOAD as u64
+            && r.fin <= 1;
+        sane.then_some(r)
+    }
     /// A fresh receive half.
     pub fn new() -> Self {
         RxState {

@@ -82,6 +82,59 @@ pub struct TxState {
 }
 
 impl TxState {
+    /// The state as bytes (little endian, field by field) for a record that crosses
+    /// `exec` (see [`crate::handover`]).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::BYTES);
+        for v in [self.next_seq, self.acked, self.wire_seq, self.window, self.soft_window, self.ack_sent] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.owed_header);
+        for v in [self.owed_header_off, self.owed_is_replay] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.owed_payload.to_le_bytes());
+        b.extend_from_slice(&self.awaiting_resync.to_le_bytes());
+        b
+    }
+
+    /// Length of [`to_bytes`](Self::to_bytes).
+    pub const BYTES: usize = 6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4;
+
+    /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
+    /// positions that cannot be (acknowledged past sent, a window under 4 KiB, a frame in
+    /// progress larger than a frame).
+    pub fn from_bytes(b: &[u8]) -> Option<TxState> {
+        if b.len() != Self::BYTES {
+            return None;
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        let h = 48;
+        let t = TxState {
+            next_seq: u64_at(0),
+            acked: u64_at(8),
+            wire_seq: u64_at(16),
+            window: u64_at(24),
+            soft_window: u64_at(32),
+            ack_sent: u64_at(40),
+            owed_header: b[h..h + HEADER_LEN].try_into().expect("header"),
+            owed_header_off: u32_at(h + HEADER_LEN),
+            owed_is_replay: u32_at(h + HEADER_LEN + 4),
+            owed_payload: u64_at(h + HEADER_LEN + 8),
+            awaiting_resync: u32_at(h + HEADER_LEN + 16),
+        };
+        let sane = t.acked <= t.next_seq
+            && t.wire_seq <= t.next_seq
+            && t.window >= 4096
+            && t.soft_window <= t.window
+            && t.next_seq - t.acked <= t.window
+            && t.owed_header_off as usize <= HEADER_LEN
+            && t.owed_is_replay <= 1
+            && t.owed_payload <= crate::wire::frame::MAX_PAYLOAD as u64
+            && t.awaiting_resync <= 1;
+        sane.then_some(t)
+    }
     /// A fresh send half with a replay ring of `window` bytes.
     pub fn new(window: u64) -> Self {
         assert!(window >= 4096, "window too small");

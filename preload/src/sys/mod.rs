@@ -1,5 +1,10 @@
 //! Small safe wrappers over the system calls the layer makes for itself.
 
+pub mod copy;
+pub mod fd;
+pub mod process;
+pub mod real;
+
 use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
@@ -88,9 +93,9 @@ fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
     // SAFETY: valid pointers to owned storage.
     let r = unsafe {
         if peer {
-            crate::real::getpeername(fd, p, &mut len)
+            crate::sys::real::getpeername(fd, p, &mut len)
         } else {
-            crate::real::getsockname(fd, p, &mut len)
+            crate::sys::real::getsockname(fd, p, &mut len)
         }
     };
     if r != 0 {
@@ -220,7 +225,7 @@ pub fn recv_with_fd(s: c_int, buf: &mut [u8], flags: c_int) -> (isize, Option<c_
     msg.msg_control = cbuf.as_mut_ptr() as *mut _;
     msg.msg_controllen = std::mem::size_of_val(&cbuf);
     // SAFETY: msg is valid for the call.
-    let r = unsafe { crate::real::recvmsg(s, &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
+    let r = unsafe { crate::sys::real::recvmsg(s, &mut msg, flags | libc::MSG_CMSG_CLOEXEC) };
     (r, if r >= 0 { passed_fd(&msg) } else { None })
 }
 
@@ -331,7 +336,7 @@ pub fn wait_fd(fd: c_int, events: i16, ms: c_int) -> i16 {
     }
     let mut p = libc::pollfd { fd, events, revents: 0 };
     // SAFETY: one valid pollfd.
-    let r = unsafe { crate::real::poll(&mut p, 1, ms) };
+    let r = unsafe { crate::sys::real::poll(&mut p, 1, ms) };
     if r > 0 {
         p.revents
     } else {
