@@ -2,7 +2,7 @@
 """Two builds of vmi side by side in one run: bench.py alternates between them, round after
 round, and the layer's figures of each are put in one table (median and range).
 
-    benchmarks/harness/builds.py --old DIR --new DIR [--rounds N] [--only connrate,failover]
+    benchmarks/harness/builds.py --old DIR --new DIR [--rounds N] [--only connrate,failover,calls]
                                  [--out DIR]
 
 DIR is a folder with libvmi_preload.so, vmi-agent, vmictl and the benchmark programs (a
@@ -13,7 +13,10 @@ baseline of each bench.py run is printed too, as a check that the machine did no
 
 - connrate: connections set up per second, sequentially, by one client (`connrate`);
 - failover: the longest receive stall after a network fails mid-stream, loud (link down) and
-  silent (veth off its bridge), in ms.
+  silent (veth off its bridge), in ms;
+- calls: nanoseconds per write/read/write/read round trip on one connection held by one
+  process (`vc_calls`, 64 B, 1 KiB, 16 KiB), the layer's cost per call with no wake-up in
+  the way.
 
 Writes builds.md and builds.json into --out (default benchmarks/results/builds).
 """
@@ -46,6 +49,10 @@ def figures(b):
         f[f"connrate {r['mode']} (conn/s)"] = r["conns_per_sec"]
     for r in b.get("failover", {}).get("runs", []):
         f[f"failover {r['kind']} {r['mode']} stall (ms)"] = r["stall_ms"]
+    for r in b.get("calls", {}).get("runs", []):
+        for size in (64, 1024, 16384):
+            if f"rt_{size}_ns" in r:
+                f[f"calls {size} B {r['mode']} (ns per round trip)"] = r[f"rt_{size}_ns"]
     return f
 
 

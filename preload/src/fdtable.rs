@@ -48,7 +48,7 @@ fn set_bit(fd: i32, on: bool) {
 }
 
 /// True if the layer manages `fd`.
-#[inline]
+#[inline(always)]
 pub fn is_managed(fd: i32) -> bool {
     if fd < 0 {
         return false;
@@ -69,7 +69,7 @@ pub fn get(fd: i32) -> Option<Entry> {
 }
 
 /// The virtual connection on `fd`, if it is one.
-#[inline]
+#[inline(always)]
 pub fn vc(fd: i32) -> Option<Arc<Vc>> {
     if (fd as usize) < BITMAP_FDS && !is_managed(fd) {
         return None;

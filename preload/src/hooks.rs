@@ -6,6 +6,7 @@
 
 use crate::error::{guarded, quietly};
 use crate::fdtable::{self, Entry};
+use crate::sys::prog::{self, ProgArray};
 use crate::sys::real;
 use crate::vc::Vc;
 use crate::{agent, setup, sys};
@@ -284,12 +285,12 @@ pub unsafe extern "C" fn epoll_wait(
         // SAFETY: forwarding.
         return unsafe { real::epoll_wait(epfd, ev, max, timeout) };
     }
-    // SAFETY: forwarding; the kernel writes at most `max` events.
-    unsafe {
-        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_to_us(timeout), |first, left| {
-            real::epoll_wait(epfd, ev, max, crate::ready::ms_for(first, timeout, left))
-        })
-    }
+    // SAFETY: the program's buffer of `max` events; the kernel writes those it reports.
+    let mut events = unsafe { ProgArray::new(ev, max.max(0) as usize) };
+    crate::ready::epoll_wait(epfd, &mut events, crate::ready::ms_to_us(timeout), |first, left| {
+        // SAFETY: forwarding.
+        unsafe { real::epoll_wait(epfd, ev, max, crate::ready::ms_for(first, timeout, left)) }
+    })
 }
 
 #[no_mangle]
@@ -305,11 +306,11 @@ pub unsafe extern "C" fn epoll_pwait(
         return unsafe { real::epoll_pwait(epfd, ev, max, timeout, sigmask) };
     }
     // SAFETY: as epoll_wait.
-    unsafe {
-        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ms_to_us(timeout), |first, left| {
-            real::epoll_pwait(epfd, ev, max, crate::ready::ms_for(first, timeout, left), sigmask)
-        })
-    }
+    let mut events = unsafe { ProgArray::new(ev, max.max(0) as usize) };
+    crate::ready::epoll_wait(epfd, &mut events, crate::ready::ms_to_us(timeout), |first, left| {
+        // SAFETY: forwarding.
+        unsafe { real::epoll_pwait(epfd, ev, max, crate::ready::ms_for(first, timeout, left), sigmask) }
+    })
 }
 
 #[no_mangle]
@@ -325,27 +326,29 @@ pub unsafe extern "C" fn epoll_pwait2(
         return unsafe { real::epoll_pwait2(epfd, ev, max, ts, sigmask) };
     }
     // SAFETY: as epoll_wait; `ts` is the program's.
-    unsafe {
-        crate::ready::epoll_wait(epfd, ev, max, crate::ready::ts_us(ts), |first, left| {
+    let (mut events, us) = unsafe { (ProgArray::new(ev, max.max(0) as usize), prog::ts_us(ts)) };
+    crate::ready::epoll_wait(epfd, &mut events, us, |first, left| {
+        // SAFETY: forwarding (with a time-out of our own after the first call).
+        unsafe {
             if first || left < 0 {
                 real::epoll_pwait2(epfd, ev, max, ts, sigmask)
             } else {
                 let t = crate::ready::us_ts(left);
                 real::epoll_pwait2(epfd, ev, max, &t, sigmask)
             }
-        })
-    }
+        }
+    })
 }
 
 /// `poll`: readable reports of virtual connections are checked ([`crate::ready`]).
 #[no_mangle]
 pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
-    // SAFETY: forwarding; `fds` holds `n` entries.
-    unsafe {
-        crate::ready::poll(fds, n, crate::ready::ms_to_us(timeout), |first, left| {
-            real::poll(fds, n, crate::ready::ms_for(first, timeout, left))
-        })
-    }
+    // SAFETY: the program's array of `n` entries.
+    let mut view = unsafe { ProgArray::new(fds, n as usize) };
+    crate::ready::poll(&mut view, crate::ready::ms_to_us(timeout), |first, left| {
+        // SAFETY: forwarding.
+        unsafe { real::poll(fds, n, crate::ready::ms_for(first, timeout, left)) }
+    })
 }
 
 #[no_mangle]
@@ -370,17 +373,19 @@ pub unsafe extern "C" fn ppoll(
     ts: *const libc::timespec,
     sigmask: *const libc::sigset_t,
 ) -> c_int {
-    // SAFETY: forwarding; `fds` holds `n` entries, `ts` is the program's.
-    unsafe {
-        crate::ready::poll(fds, n, crate::ready::ts_us(ts), |first, left| {
+    // SAFETY: the program's array of `n` entries, and its time-out.
+    let (mut view, us) = unsafe { (ProgArray::new(fds, n as usize), prog::ts_us(ts)) };
+    crate::ready::poll(&mut view, us, |first, left| {
+        // SAFETY: forwarding (with a time-out of our own after the first call).
+        unsafe {
             if first || left < 0 {
                 real::ppoll(fds, n, ts, sigmask)
             } else {
                 let t = crate::ready::us_ts(left);
                 real::ppoll(fds, n, &t, sigmask)
             }
-        })
-    }
+        }
+    })
 }
 
 /// `select`: readable reports of virtual connections are checked ([`crate::ready`]).
@@ -399,9 +404,11 @@ pub unsafe extern "C" fn select(
         let t = unsafe { *tv };
         t.tv_sec.saturating_mul(1_000_000).saturating_add(t.tv_usec).max(0)
     };
-    // SAFETY: forwarding; the sets and `tv` are the program's.
-    unsafe {
-        crate::ready::select(nfds, [rd, wr, ex], timeout_us, |first, left| {
+    // SAFETY: the program's sets (each null or one fd_set).
+    let mut sets = unsafe { [ProgArray::new(rd, 1), ProgArray::new(wr, 1), ProgArray::new(ex, 1)] };
+    crate::ready::select(nfds, &mut sets, timeout_us, |first, left| {
+        // SAFETY: forwarding; the program's timeval gets what is left, as select's would.
+        unsafe {
             if first || left < 0 {
                 real::select(nfds, rd, wr, ex, tv)
             } else {
@@ -411,8 +418,8 @@ pub unsafe extern "C" fn select(
                 *tv = t;
                 r
             }
-        })
-    }
+        }
+    })
 }
 
 #[no_mangle]
@@ -424,17 +431,20 @@ pub unsafe extern "C" fn pselect(
     ts: *const libc::timespec,
     sigmask: *const libc::sigset_t,
 ) -> c_int {
-    // SAFETY: forwarding; the sets and `ts` are the program's.
-    unsafe {
-        crate::ready::select(nfds, [rd, wr, ex], crate::ready::ts_us(ts), |first, left| {
+    // SAFETY: the program's sets (each null or one fd_set), and its time-out.
+    let (mut sets, us) =
+        unsafe { ([ProgArray::new(rd, 1), ProgArray::new(wr, 1), ProgArray::new(ex, 1)], prog::ts_us(ts)) };
+    crate::ready::select(nfds, &mut sets, us, |first, left| {
+        // SAFETY: forwarding (with a time-out of our own after the first call).
+        unsafe {
             if first || left < 0 {
                 real::pselect(nfds, rd, wr, ex, ts, sigmask)
             } else {
                 let t = crate::ready::us_ts(left);
                 real::pselect(nfds, rd, wr, ex, &t, sigmask)
             }
-        })
-    }
+        }
+    })
 }
 
 #[no_mangle]

@@ -15,6 +15,24 @@ const SECCOMP_SET_MODE_STRICT: c_ulong = 0;
 const SECCOMP_SET_MODE_FILTER: c_ulong = 1;
 const SECCOMP_FILTER_FLAG_TSYNC: c_ulong = 1;
 
+/// The instructions of the program's `sock_fprog` (`None` for a null one).
+///
+/// # Safety
+/// `prog` is null or a valid `sock_fprog` whose `filter` points at `len` instructions (the
+/// kernel reads the same memory right after).
+unsafe fn program_bytes<'a>(prog: *const libc::sock_fprog) -> Option<&'a [u8]> {
+    if prog.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's contract.
+    let (len, insns) = unsafe { ((*prog).len as usize, (*prog).filter) };
+    if insns.is_null() || len == 0 {
+        return Some(&[]);
+    }
+    // SAFETY: `len` instructions of 8 bytes each, as the caller says.
+    Some(unsafe { std::slice::from_raw_parts(insns as *const u8, len * 8) })
+}
+
 /// What a `prctl`/`seccomp` call is about to install, read before it goes in.
 fn before(strict: bool, prog: c_ulong, tsync: bool) -> sandbox::Install {
     let filter = if strict {
@@ -22,11 +40,11 @@ fn before(strict: bool, prog: c_ulong, tsync: bool) -> sandbox::Install {
     } else {
         // SAFETY: the program passes its `sock_fprog` (or garbage the kernel will refuse with
         // EFAULT: a null pointer is checked; other bad pointers fault the program's own call
-        // just the same).
-        Some(
-            unsafe { sandbox::read_filter(prog as *const libc::sock_fprog) }
-                .unwrap_or(Err("no program".into())),
-        )
+        // just the same), whose `filter` holds `len` instructions of 8 bytes.
+        Some(match unsafe { program_bytes(prog as *const libc::sock_fprog) } {
+            Some(bytes) => sandbox::read_filter(bytes),
+            None => Err("no program".into()),
+        })
     };
     sandbox::before_install(filter, strict, tsync)
 }

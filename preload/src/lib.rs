@@ -35,18 +35,15 @@ pub mod hooks_proc;
 pub mod lifetime;
 pub mod linger;
 pub mod log;
-#[allow(unsafe_code)]
 pub mod ready;
 pub mod relink;
 pub mod relisten;
-#[allow(unsafe_code)]
 pub mod sandbox;
 pub mod setup;
 #[allow(unsafe_code)]
 pub mod shm;
 #[allow(unsafe_code)]
 pub mod shm_sink;
-#[allow(unsafe_code)]
 pub mod stats;
 #[allow(unsafe_code)]
 pub mod sys;

@@ -25,7 +25,7 @@
 
 use crate::fdtable;
 use crate::sys;
-use crate::sys::real;
+use crate::sys::prog::ProgArray;
 use libc::c_int;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
@@ -261,13 +261,9 @@ const IN_BITS: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
 const END_BITS: u32 = (libc::EPOLLERR | libc::EPOLLHUP | libc::EPOLLRDHUP) as u32;
 
 /// Drops the readable bit of events that are not true; returns how many events are left
-/// (compacted to the front).
-///
-/// # Safety
-/// `events` points at `n` events the kernel just wrote.
-unsafe fn filter_epoll(epfd: c_int, events: *mut libc::epoll_event, n: usize) -> usize {
-    // SAFETY: the caller's contract.
-    let evs = unsafe { std::slice::from_raw_parts_mut(events, n) };
+/// (compacted to the front of `evs`, the events the kernel just wrote).
+fn filter_epoll(epfd: c_int, evs: &mut [libc::epoll_event]) -> usize {
+    let n = evs.len();
     // The registrations behind readable events, found under one read lock (on the stack for
     // the usual few; the rest on the heap).
     let mut near = [(0usize, Reg { fd: 0, events: 0 }); 16];
@@ -307,8 +303,8 @@ unsafe fn filter_epoll(epfd: c_int, events: *mut libc::epoll_event, n: usize) ->
             if reg.events & libc::EPOLLONESHOT as u32 != 0 {
                 // The kernel disarmed it for an event we take away: arm it again.
                 let mut again = libc::epoll_event { events: reg.events, u64: e.u64 };
-                // SAFETY: the program's own registration, as it made it.
-                unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, reg.fd, &mut again) };
+                // The program's own registration, as it made it.
+                sys::fd::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, reg.fd, Some(&mut again));
             }
         }
     }
@@ -362,19 +358,6 @@ fn us_to_ms(us: i64) -> c_int {
     }
 }
 
-/// A time-out given as a timespec (null: none) in microseconds (negative: none).
-///
-/// # Safety
-/// `ts` is null or valid.
-pub unsafe fn ts_us(ts: *const libc::timespec) -> i64 {
-    if ts.is_null() {
-        return -1;
-    }
-    // SAFETY: the caller's contract.
-    let t = unsafe { *ts };
-    t.tv_sec.saturating_mul(1_000_000).saturating_add((t.tv_nsec + 999) / 1000).max(0)
-}
-
 /// A timespec of `us` microseconds (>= 0).
 pub fn us_ts(us: i64) -> libc::timespec {
     libc::timespec { tv_sec: (us / 1_000_000) as _, tv_nsec: ((us % 1_000_000) * 1000) as _ }
@@ -408,23 +391,20 @@ fn wait_loop(
     }
 }
 
-/// `epoll_wait` and its variants: `wait(first, us_left)` is the real call.
-///
-/// # Safety
-/// `events` holds `max` events.
-pub unsafe fn epoll_wait(
+/// `epoll_wait` and its variants: `wait(first, us_left)` is the real call, which writes
+/// into `events`.
+pub fn epoll_wait(
     epfd: c_int,
-    events: *mut libc::epoll_event,
-    max: c_int,
+    events: &mut ProgArray<libc::epoll_event>,
     timeout_us: i64,
     wait: impl FnMut(bool, i64) -> c_int,
 ) -> c_int {
     wait_loop(timeout_us, wait, |n| {
-        if max <= 0 {
+        if events.is_empty() {
             return n;
         }
-        // SAFETY: the kernel wrote `n` <= `max` events.
-        (unsafe { filter_epoll(epfd, events, n as usize) }) as c_int
+        // The kernel wrote `n` events (at most the array's length).
+        events.with(n as usize, |evs| filter_epoll(epfd, evs)) as c_int
     })
 }
 
@@ -437,22 +417,22 @@ pub fn ms_for(first: bool, timeout_ms: c_int, left_us: i64) -> c_int {
     }
 }
 
-/// `poll` and `ppoll`: `wait(first, us_left)` is the real call.
-///
-/// # Safety
-/// `fds` holds `n` pollfds.
-pub unsafe fn poll(
-    fds: *mut libc::pollfd,
-    n: libc::nfds_t,
+/// `poll` and `ppoll`: `wait(first, us_left)` is the real call on `fds`.
+pub fn poll(
+    fds: &mut ProgArray<libc::pollfd>,
     timeout_us: i64,
     mut wait: impl FnMut(bool, i64) -> c_int,
 ) -> c_int {
-    if !fdtable::any() || fds.is_null() || n == 0 {
+    if !fdtable::any() || fds.is_empty() {
         return wait(true, timeout_us);
     }
-    wait_loop(timeout_us, wait, |r| {
-        // SAFETY: the caller's contract.
-        let p = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    let n = fds.len();
+    wait_loop(timeout_us, wait, |r| fds.with(n, |p| filter_poll(p, r)))
+}
+
+/// Drops the readable bit of `poll` reports that are not true; `r` of them were reported.
+fn filter_poll(p: &mut [libc::pollfd], r: c_int) -> c_int {
+    {
         let mut left = r;
         const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
         const END: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLRDHUP;
@@ -471,83 +451,59 @@ pub unsafe fn poll(
             }
         }
         left
-    })
-}
-
-/// The program's descriptor sets, kept to give each repeated call the sets it asked about.
-struct Sets([Option<libc::fd_set>; 3]);
-
-impl Sets {
-    /// # Safety
-    /// Each pointer is null or valid.
-    unsafe fn save(s: [*mut libc::fd_set; 3]) -> Self {
-        // SAFETY: the caller's contract.
-        Sets(s.map(|p| (!p.is_null()).then(|| unsafe { *p })))
-    }
-
-    /// # Safety
-    /// The pointers `save` was given.
-    unsafe fn restore(&self, s: [*mut libc::fd_set; 3]) {
-        for (p, c) in s.iter().zip(&self.0) {
-            if let Some(c) = c {
-                // SAFETY: the caller's contract.
-                unsafe { **p = *c };
-            }
-        }
     }
 }
 
-/// `select` and `pselect`: `wait(first, us_left)` is the real call on the sets.
-///
-/// # Safety
-/// The sets are null or valid for `nfds` descriptors.
-pub unsafe fn select(
+/// `select` and `pselect`: `wait(first, us_left)` is the real call on the program's sets
+/// (`sets`: read, write, exceptions; each of one `fd_set`, or empty for none).
+pub fn select(
     nfds: c_int,
-    sets: [*mut libc::fd_set; 3],
+    sets: &mut [ProgArray<libc::fd_set>; 3],
     timeout_us: i64,
     mut wait: impl FnMut(bool, i64) -> c_int,
 ) -> c_int {
-    let rd = sets[0];
-    if !fdtable::any() || rd.is_null() || nfds <= 0 {
+    if !fdtable::any() || sets[0].is_empty() || nfds <= 0 {
         return wait(true, timeout_us);
     }
-    // SAFETY: the caller's contract.
-    let saved = unsafe { Sets::save(sets) };
+    // The sets the program asked about, for each repeated call.
+    let saved: Vec<Option<libc::fd_set>> =
+        sets.iter_mut().map(|s| s.with(1, |s| s.first().copied())).collect();
     let nfds = nfds.min(libc::FD_SETSIZE as c_int);
     let mut again = false;
+    let sets = std::cell::RefCell::new(sets);
     wait_loop(
         timeout_us,
         |first, left| {
             if std::mem::replace(&mut again, true) {
-                // SAFETY: the program's sets.
-                unsafe { saved.restore(sets) };
+                for (s, c) in sets.borrow_mut().iter_mut().zip(&saved) {
+                    if let Some(c) = c {
+                        s.with(1, |s| s[0] = *c);
+                    }
+                }
             }
             wait(first, left)
         },
         |r| {
+            let mut sets = sets.borrow_mut();
             let mut left = r;
             for fd in 0..nfds {
-                // SAFETY: `rd` is valid for FD_SETSIZE descriptors.
-                if !unsafe { libc::FD_ISSET(fd, rd) } || !fdtable::is_managed(fd) {
+                if !sets[0].has(fd) || !fdtable::is_managed(fd) {
                     continue;
                 }
                 match truth(fd) {
                     Truth::Spurious => {}
                     Truth::Relinking => {
                         // Not writable nor exceptional either until the new link is in place.
-                        for s in [sets[1], sets[2]] {
-                            // SAFETY: null or valid for FD_SETSIZE descriptors.
-                            if !s.is_null() && unsafe { libc::FD_ISSET(fd, s) } {
-                                // SAFETY: as above.
-                                unsafe { libc::FD_CLR(fd, s) };
+                        for s in sets[1..].iter_mut() {
+                            if s.has(fd) {
+                                s.clear(fd);
                                 left -= 1;
                             }
                         }
                     }
                     _ => continue,
                 }
-                // SAFETY: as above.
-                unsafe { libc::FD_CLR(fd, rd) };
+                sets[0].clear(fd);
                 left -= 1;
             }
             left
@@ -613,9 +569,5 @@ mod tests {
         assert_eq!(d.left_us(1), None);
         let t = us_ts(1_500_000);
         assert_eq!((t.tv_sec, t.tv_nsec), (1, 500_000_000));
-        // SAFETY: a valid timespec.
-        assert_eq!(unsafe { ts_us(&t) }, 1_500_000);
-        // SAFETY: null is allowed.
-        assert_eq!(unsafe { ts_us(std::ptr::null()) }, -1);
     }
 }

@@ -28,10 +28,11 @@
 //! Everything here is cheap when no filter exists: one relaxed load.
 
 use crate::log;
-use crate::sys::real;
+use crate::sys;
 use libc::{c_int, c_long};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::*};
+use std::sync::OnceLock;
 use substrate::seccomp::{strict_allows, Filter, SeccompData, Verdict};
 
 /// Some thread of the process is under a filter (or strict mode).
@@ -47,8 +48,7 @@ static STATE: AtomicU32 = AtomicU32::new(0);
 
 /// Filters the program installed, oldest first. Never freed (a process stacks a handful).
 const MAX_FILTERS: usize = 64;
-static FILTERS: [AtomicPtr<Filter>; MAX_FILTERS] =
-    [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FILTERS];
+static FILTERS: [OnceLock<Filter>; MAX_FILTERS] = [const { OnceLock::new() }; MAX_FILTERS];
 static N_FILTERS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
@@ -98,11 +98,7 @@ pub fn allows(nr: c_long, args: [u64; 6]) -> bool {
     }
     let d = SeccompData::native(nr, args);
     let n = N_FILTERS.load(Acquire).min(MAX_FILTERS);
-    FILTERS[..n].iter().all(|f| {
-        let p = f.load(Acquire);
-        // SAFETY: filters are stored once, leaked, never freed.
-        p.is_null() || Verdict::of(unsafe { &*p }.run(&d)) == Verdict::Allow
-    })
+    FILTERS[..n].iter().all(|f| f.get().is_none_or(|f| Verdict::of(f.run(&d)) == Verdict::Allow))
 }
 
 /// `allows` for a call whose arguments do not matter to the layer's choice (numbers only).
@@ -266,29 +262,23 @@ const STACK_GATHER: usize = 4096 + 64;
 /// Without `MSG_NOSIGNAL` a write on a broken link raises `SIGPIPE`, as the program's own
 /// write would have.
 pub fn send_parts(fd: c_int, parts: &[&[u8]], flags: c_int) -> Option<isize> {
-    let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 4];
+    let mut live = [&[][..]; sys::fd::MAX_PARTS];
     let mut n = 0;
-    for p in parts.iter().filter(|p| !p.is_empty()).take(4) {
-        iov[n] = libc::iovec { iov_base: p.as_ptr() as *mut _, iov_len: p.len() };
+    for p in parts.iter().filter(|p| !p.is_empty()).take(sys::fd::MAX_PARTS) {
+        live[n] = p;
         n += 1;
     }
-    let iov = &iov[..n.max(1)];
-    let len: usize = iov.iter().map(|v| v.iov_len).sum();
+    let iov = &live[..n.max(1)];
+    let len: usize = iov.iter().map(|v| v.len()).sum();
     let fdu = fd as u64;
     for f in [flags | libc::MSG_NOSIGNAL, flags] {
         if allows(libc::SYS_sendmsg, [fdu, 0, f as u64, 0, 0, 0]) {
-            // SAFETY: a zeroed msghdr is valid; the iovecs point at the caller's pieces.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_ptr() as *mut _;
-            msg.msg_iovlen = iov.len();
-            // SAFETY: as above.
-            return Some(unsafe { real::sendmsg(fd, &msg, f) });
+            return Some(sys::fd::send_parts(fd, iov, f));
         }
     }
     for f in [flags | libc::MSG_NOSIGNAL, flags] {
         if allows(libc::SYS_sendto, [fdu, 0, len as u64, f as u64, 0, 0]) {
-            // SAFETY: each piece is live for the call.
-            return Some(one_by_one(iov, |p, l| unsafe { real::send(fd, p, l, f) }));
+            return Some(one_by_one(iov, |b| sys::fd::send(fd, b, f)));
         }
     }
     if flags & libc::MSG_DONTWAIT != 0 && !nonblocking(fd) && len > CONTROL_FRAME_MAX {
@@ -297,42 +287,38 @@ pub fn send_parts(fd: c_int, parts: &[&[u8]], flags: c_int) -> Option<isize> {
         return None;
     }
     if allows(libc::SYS_writev, [fdu, 0, iov.len() as u64, 0, 0, 0]) {
-        // SAFETY: the iovecs point at the caller's pieces.
-        return Some(unsafe { real::writev(fd, iov.as_ptr(), iov.len() as c_int) });
+        return Some(sys::fd::write_parts(fd, iov));
     }
     if allows(libc::SYS_write, [fdu, 0, len as u64, 0, 0, 0]) {
-        // SAFETY: each piece is live for the call.
-        return Some(one_by_one(iov, |p, l| unsafe { real::write(fd, p, l) }));
+        return Some(one_by_one(iov, |b| sys::fd::write(fd, b)));
     }
     None
 }
 
 /// Sends `iov` with a one-buffer call: gathered on the stack when small, else piece by piece
 /// (stopping at a short or failed write; bytes already sent count).
-fn one_by_one(iov: &[libc::iovec], mut call: impl FnMut(*const libc::c_void, usize) -> isize) -> isize {
-    let len: usize = iov.iter().map(|v| v.iov_len).sum();
+fn one_by_one(iov: &[&[u8]], mut call: impl FnMut(&[u8]) -> isize) -> isize {
+    let len: usize = iov.iter().map(|v| v.len()).sum();
     if iov.len() == 1 || len <= STACK_GATHER {
         if iov.len() == 1 {
-            return call(iov[0].iov_base, iov[0].iov_len);
+            return call(iov[0]);
         }
-        let mut buf = std::mem::MaybeUninit::<[u8; STACK_GATHER]>::uninit();
-        let p = buf.as_mut_ptr() as *mut u8;
+        let mut buf = [0u8; STACK_GATHER];
         let mut at = 0;
         for v in iov {
-            // SAFETY: the pieces add up to at most STACK_GATHER bytes, the buffer's size.
-            unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, p.add(at), v.iov_len) };
-            at += v.iov_len;
+            buf[at..at + v.len()].copy_from_slice(v);
+            at += v.len();
         }
-        return call(p as *const _, at);
+        return call(&buf[..at]);
     }
     let mut total = 0isize;
     for v in iov {
-        let r = call(v.iov_base, v.iov_len);
+        let r = call(v);
         if r < 0 {
             return if total > 0 { total } else { r };
         }
         total += r;
-        if (r as usize) < v.iov_len {
+        if (r as usize) < v.len() {
             break;
         }
     }
@@ -344,28 +330,20 @@ fn one_by_one(iov: &[libc::iovec], mut call: impl FnMut(*const libc::c_void, usi
 /// `MSG_DONTWAIT`) `read`/`readv`, after a `poll` says there is something when the call must
 /// not block. `None` when no form is allowed.
 pub fn recv_into(fd: c_int, buf: &mut [u8], flags: c_int) -> Option<isize> {
-    let (p, n, fdu) = (buf.as_mut_ptr(), buf.len(), fd as u64);
-    if flags == 0 && allows(libc::SYS_read, [fdu, p as u64, n as u64, 0, 0, 0]) {
-        // SAFETY: `buf` is writable for `n` bytes.
-        return Some(unsafe { real::read(fd, p as *mut _, n) });
+    let (p, n, fdu) = (buf.as_ptr() as u64, buf.len(), fd as u64);
+    if flags == 0 && allows(libc::SYS_read, [fdu, p, n as u64, 0, 0, 0]) {
+        return Some(sys::fd::read(fd, buf));
     }
-    if allows(libc::SYS_recvfrom, [fdu, p as u64, n as u64, flags as u64, 0, 0]) {
-        // SAFETY: as above.
-        return Some(unsafe { real::recv(fd, p as *mut _, n, flags) });
+    if allows(libc::SYS_recvfrom, [fdu, p, n as u64, flags as u64, 0, 0]) {
+        return Some(sys::fd::recv(fd, buf, flags));
     }
     if allows(libc::SYS_recvmsg, [fdu, 0, flags as u64, 0, 0, 0]) {
-        let mut iov = libc::iovec { iov_base: p as *mut _, iov_len: n };
-        // SAFETY: a zeroed msghdr is valid; one iovec over `buf`.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        // SAFETY: as above.
-        return Some(unsafe { real::recvmsg(fd, &mut msg, flags) });
+        return Some(sys::fd::recv_parts(fd, &mut [buf], flags));
     }
     if flags & !libc::MSG_DONTWAIT != 0 {
         return None;
     }
-    let read_ok = allows(libc::SYS_read, [fdu, p as u64, n as u64, 0, 0, 0]);
+    let read_ok = allows(libc::SYS_read, [fdu, p, n as u64, 0, 0, 0]);
     let readv_ok = allows(libc::SYS_readv, [fdu, 0, 1, 0, 0, 0]);
     if !read_ok && !readv_ok {
         return None;
@@ -382,12 +360,9 @@ pub fn recv_into(fd: c_int, buf: &mut [u8], flags: c_int) -> Option<isize> {
         }
     }
     if read_ok {
-        // SAFETY: as above.
-        return Some(unsafe { real::read(fd, p as *mut _, n) });
+        return Some(sys::fd::read(fd, buf));
     }
-    let iov = libc::iovec { iov_base: p as *mut _, iov_len: n };
-    // SAFETY: one iovec over `buf`.
-    Some(unsafe { real::readv(fd, &iov, 1) })
+    Some(sys::fd::read_parts(fd, &mut [buf]))
 }
 
 /// Waits up to `ms` for `events` on `fd` with `poll` or `ppoll`, whichever the sandbox
@@ -395,13 +370,9 @@ pub fn recv_into(fd: c_int, buf: &mut [u8], flags: c_int) -> Option<isize> {
 pub fn poll_one(fd: c_int, events: i16, ms: c_int) -> Option<i16> {
     let mut p = libc::pollfd { fd, events, revents: 0 };
     let r = if allows(libc::SYS_poll, [0, 1, ms as u64, 0, 0, 0]) {
-        // SAFETY: one valid pollfd.
-        unsafe { real::poll(&mut p, 1, ms) }
+        sys::fd::poll(std::slice::from_mut(&mut p), ms)
     } else if allows_nr(libc::SYS_ppoll) {
-        let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) as i64 * 1_000_000) as _ };
-        let tsp = if ms >= 0 { &ts as *const libc::timespec } else { std::ptr::null() };
-        // SAFETY: one valid pollfd, a valid timespec or none, no signal mask.
-        unsafe { libc::ppoll(&mut p, 1, tsp, std::ptr::null()) }
+        sys::fd::ppoll_us(std::slice::from_mut(&mut p), if ms >= 0 { ms as i64 * 1000 } else { -1 })
     } else {
         return None;
     };
@@ -419,8 +390,7 @@ pub fn pause_us(us: u64) {
     let may_yield = allows_nr(libc::SYS_sched_yield);
     while crate::sys::now_us() < until {
         if may_yield {
-            // SAFETY: no arguments.
-            unsafe { libc::sched_yield() };
+            sys::process::sched_yield();
         } else {
             std::hint::spin_loop();
         }
@@ -455,8 +425,7 @@ pub fn note_nonblock(fd: c_int, on: bool) {
 /// `fcntl`, as last seen (before the filter went in, or set by the program since).
 pub fn nonblocking(fd: c_int) -> bool {
     if allows(libc::SYS_fcntl, [fd as u64, libc::F_GETFL as u64, 0, 0, 0, 0]) {
-        // SAFETY: F_GETFL has no pointer argument.
-        let fl = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
+        let fl = sys::fd::fcntl(fd, libc::F_GETFL, 0);
         let on = fl >= 0 && fl & libc::O_NONBLOCK != 0;
         remember_nonblock(fd, on);
         return on;
@@ -475,24 +444,13 @@ pub struct Install {
     tsync: bool,
 }
 
-/// Reads the filter a program is installing (`prog` points at its `struct sock_fprog`), before
-/// the call goes to the kernel. `None` for a null program (the kernel refuses it).
-///
-/// # Safety
-/// `prog` must be null or point at a `sock_fprog` whose `filter` points at `len` instructions
-/// (the kernel reads the same memory right after).
-pub unsafe fn read_filter(prog: *const libc::sock_fprog) -> Option<Result<Filter, String>> {
-    if prog.is_null() {
-        return None;
+/// Reads the filter a program is installing (`insns`: its instructions, 8 bytes each, as
+/// the C entry point copied them), before the call goes to the kernel.
+pub fn read_filter(insns: &[u8]) -> Result<Filter, String> {
+    if insns.is_empty() {
+        return Err("an empty program".into());
     }
-    // SAFETY: the caller's contract.
-    let (len, insns) = unsafe { ((*prog).len as usize, (*prog).filter) };
-    if insns.is_null() || len == 0 {
-        return Some(Err("an empty program".into()));
-    }
-    // SAFETY: `len` instructions of 8 bytes each, as the caller says.
-    let bytes = unsafe { std::slice::from_raw_parts(insns as *const u8, len * 8) };
-    Some(Filter::parse(bytes).map_err(|e| e.to_string()))
+    Filter::parse(insns).map_err(|e| e.to_string())
 }
 
 /// Before the kernel installs a filter (`filter`: None for one that could not be read) or
@@ -578,7 +536,7 @@ pub fn installed(inst: Install, ok: bool) {
         Some(f) => {
             let i = N_FILTERS.fetch_add(1, AcqRel);
             if i < MAX_FILTERS {
-                FILTERS[i].store(Box::into_raw(Box::new(f)), Release);
+                let _ = FILTERS[i].set(f);
             } else {
                 add |= UNKNOWN;
             }

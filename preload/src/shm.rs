@@ -28,15 +28,17 @@ impl FutexLock {
         }
     }
 
-    /// True when the calling thread holds the lock.
+    /// True when the calling thread holds the lock (`holder` is set only while the lock is
+    /// held, and cleared before it is let go).
+    #[inline]
     pub fn held_here(&self) -> bool {
-        self.state.load(Relaxed) != 0
+        self.holder.load(Relaxed) == crate::sys::process::pthread_self()
             && self.owner.load(Relaxed) == crate::pid()
-            && self.holder.load(Relaxed) == crate::sys::process::pthread_self()
     }
 
     /// Lends the guarded data to the calling thread, which must hold the lock, for one
     /// borrow at a time (checked: a second, nested borrow would alias the first).
+    #[inline]
     fn lend<T, R>(&self, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
         assert!(self.held_here(), "connection state used without its lock");
         lend_once(&self.lent, cell, f)
@@ -44,13 +46,18 @@ impl FutexLock {
 }
 
 /// Lends `cell`'s data for the length of `f`, once at a time (`lent` is the flag; a
-/// nested borrow panics). The caller has checked that this thread holds the data's lock.
+/// nested borrow panics). The caller has checked that this thread holds the data's lock,
+/// so only this thread touches the flag now (the lock orders it with other holders): plain
+/// loads and stores do, no locked instruction.
+#[inline]
 fn lend_once<T, R>(lent: &AtomicU32, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
-    assert!(lent.swap(1, Acquire) == 0, "connection state borrowed twice");
+    assert!(lent.load(Relaxed) == 0, "connection state borrowed twice");
+    lent.store(1, Relaxed);
     struct Back<'a>(&'a AtomicU32);
     impl Drop for Back<'_> {
+        #[inline]
         fn drop(&mut self) {
-            self.0.store(0, Release);
+            self.0.store(0, Relaxed);
         }
     }
     let _back = Back(lent);
@@ -142,6 +149,7 @@ impl<T> Guarded<T> {
 
     /// Runs `f` on the data. `lock` must be the guarding lock, held by this thread, and no
     /// other borrow of the data live (all checked).
+    #[inline]
     pub fn with<R>(&self, lock: &FutexLock, f: impl FnOnce(&mut T) -> R) -> R {
         assert!(std::ptr::eq(lock, self.lock as *const FutexLock), "chain under the wrong lock");
         assert!(lock.held_here(), "chain used without its lock");
@@ -355,12 +363,14 @@ impl SharedConn {
 impl SharedConn {
     /// Runs `f` on the send half. `g` must hold this connection's `tx_lock` (checked): the
     /// guard is borrowed for the call, so no other access to the half can overlap it.
+    #[inline]
     pub fn with_tx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState) -> R) -> R {
         assert!(g.holds(&self.tx_lock), "send half without its lock");
         self.tx_lock.lend(&self.tx, f)
     }
 
     /// Runs `f` on the receive half; `g` must hold `rx_lock` (checked).
+    #[inline]
     pub fn with_rx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut RxState) -> R) -> R {
         assert!(g.holds(&self.rx_lock), "receive half without its lock");
         self.rx_lock.lend(&self.rx, f)
@@ -368,11 +378,13 @@ impl SharedConn {
 
     /// Runs `f` on the send half, whose lock a caller of this thread took (checked, as is
     /// that no other borrow of the half is live).
+    #[inline]
     pub fn with_tx_held<R>(&self, f: impl FnOnce(&mut TxState) -> R) -> R {
         self.tx_lock.lend(&self.tx, f)
     }
 
     /// Runs `f` on the receive half, whose lock a caller of this thread took (checked).
+    #[inline]
     pub fn with_rx_held<R>(&self, f: impl FnOnce(&mut RxState) -> R) -> R {
         self.rx_lock.lend(&self.rx, f)
     }
@@ -398,6 +410,7 @@ impl SharedConn {
 
 impl ConnMem {
     /// Runs `f` on the send half and the replay ring; `g` must hold `tx_lock` (checked).
+    #[inline]
     pub fn with_tx_ring<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState, &mut [u8]) -> R) -> R {
         assert!(g.holds(&self.conn().tx_lock), "send half without its lock");
         self.with_tx_ring_held(f)
@@ -405,6 +418,7 @@ impl ConnMem {
 
     /// Runs `f` on the send half and the replay ring, whose lock a caller of this thread
     /// took (checked, as is that no other borrow of the half is live).
+    #[inline]
     pub fn with_tx_ring_held<R>(&self, f: impl FnOnce(&mut TxState, &mut [u8]) -> R) -> R {
         let c = self.conn();
         c.tx_lock.lend(&c.tx, |tx| {

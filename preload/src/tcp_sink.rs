@@ -652,7 +652,7 @@ pub fn peer_fin(mem: ConnMem) -> bool {
 const STAGE: usize = 4096 + HEADER_LEN;
 
 /// Reads at most `want` (<= [`STAGE`]) link bytes into `stage` with one call.
-fn read_staged(fd: c_int, stage: &mut sys::fd::Stage<STAGE>, want: usize, flags: c_int) -> isize {
+fn read_staged(fd: c_int, stage: &mut sys::fd::Stage<'_, STAGE>, want: usize, flags: c_int) -> isize {
     debug_assert!(want <= STAGE);
     if sandbox::active() {
         return sock_recv(fd, stage.zeroed(want), flags);
@@ -727,7 +727,8 @@ pub fn recv(
             let want = plan.total();
             // (Under a sandbox: one plain read, the call the program's own read implies.)
             let staged = want <= STAGE || *small_reads || sandbox::active();
-            let mut stage = sys::fd::Stage::<STAGE>::new();
+            let mut raw = std::mem::MaybeUninit::<[u8; STAGE]>::uninit();
+            let mut stage = sys::fd::Stage::new(&mut raw);
             let r = if staged {
                 read_staged(fd, &mut stage, want.min(STAGE), kflags)
             } else {

@@ -390,6 +390,7 @@ impl Vc {
         r
     }
 
+    #[inline]
     fn recv_once(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
         let c = self.mem.conn();
         let _g = c.rx_lock.lock();

@@ -8,9 +8,9 @@ use libc::{c_int, c_ulong, c_void, iovec, pollfd, sockaddr, sockaddr_storage, so
 use std::ffi::CStr;
 use std::net::SocketAddr;
 
-/// Most buffer parts one gathered or scattered call takes (the layer's own calls use two
-/// or three).
-pub const MAX_PARTS: usize = 8;
+/// Most buffer parts one gathered or scattered call takes (a frame header and the two
+/// pieces of a payload that wraps around the ring, or a payload, a header and more payload).
+pub const MAX_PARTS: usize = 3;
 
 /// A socket address owned by the layer, ready for `bind` or `connect`.
 #[derive(Clone, Copy)]
@@ -463,18 +463,20 @@ pub fn send_flat<const N: usize>(fd: c_int, parts: &[&[u8]], flags: c_int) -> is
     unsafe { real::send(fd, p as *const c_void, n, flags) }
 }
 
-/// A receive buffer on the stack that is not zeroed first: it knows how many of its
-/// bytes were written, and hands out only those.
-pub struct Stage<const N: usize> {
-    buf: std::mem::MaybeUninit<[u8; N]>,
+/// A receive buffer (on the caller's stack) that is not zeroed first: it knows how many of
+/// its bytes were written, and hands out only those. (The buffer is the caller's, not a
+/// field: built inside a struct next to the count, the compiler chose to zero all of it,
+/// 4 KiB per receive.)
+pub struct Stage<'a, const N: usize> {
+    buf: &'a mut std::mem::MaybeUninit<[u8; N]>,
     init: usize,
 }
 
-impl<const N: usize> Stage<N> {
-    /// An empty stage.
+impl<'a, const N: usize> Stage<'a, N> {
+    /// An empty stage over `buf`.
     #[inline]
-    pub fn new() -> Self {
-        Stage { buf: std::mem::MaybeUninit::uninit(), init: 0 }
+    pub fn new(buf: &'a mut std::mem::MaybeUninit<[u8; N]>) -> Self {
+        Stage { buf, init: 0 }
     }
 
     /// Reads at most `want` (<= N) bytes with one call: `read` when `flags` is 0, else
@@ -518,11 +520,5 @@ impl<const N: usize> Stage<N> {
         assert!(n <= self.init, "stage read past what was written");
         // SAFETY: the first `init >= n` bytes are initialised.
         unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr() as *mut u8, n) }
-    }
-}
-
-impl<const N: usize> Default for Stage<N> {
-    fn default() -> Self {
-        Self::new()
     }
 }

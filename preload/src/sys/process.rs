@@ -28,6 +28,7 @@ pub fn raise(sig: c_int) {
 }
 
 /// This thread's `pthread_t`, as a number.
+#[inline]
 pub fn pthread_self() -> usize {
     // SAFETY: no preconditions.
     unsafe { libc::pthread_self() as usize }

@@ -1,0 +1,130 @@
+//! Memory shared with other processes (a `fork`ed child, the node agent, a co-located peer),
+//! mapped once and seen only through atomics at checked offsets: nothing outside this
+//! module turns an address into a reference.
+
+use libc::c_int;
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
+
+/// Types made only of atomics (`repr(C)`), which may be seen in shared memory at any
+/// suitably aligned offset.
+///
+/// # Safety
+/// Every bit pattern must be a valid value, and all access must go through atomics.
+pub unsafe trait Atomics: Sync {}
+
+// SAFETY: four AtomicU64, repr(C).
+unsafe impl Atomics for substrate::devices::Counters {}
+
+/// A shared mapping of `len` bytes.
+pub struct SharedMap {
+    base: *mut u8,
+    len: usize,
+    /// Unmapped when dropped (false: kept for the life of the process).
+    owned: bool,
+}
+
+// SAFETY: the memory is only ever reached through atomics (see the accessors).
+unsafe impl Send for SharedMap {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMap {}
+
+impl SharedMap {
+    /// Maps `len` bytes of the file `fd` shared (`MAP_SHARED`), read and write.
+    pub fn map_fd(fd: c_int, len: usize, owned: bool) -> Option<SharedMap> {
+        // SAFETY: a new mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        (p != libc::MAP_FAILED).then_some(SharedMap { base: p as *mut u8, len, owned })
+    }
+
+    /// A new memory file named `name` of `len` bytes, mapped: the map and the file's
+    /// descriptor (the caller owns it).
+    pub fn memfd(name: &CStr, len: usize, flags: libc::c_uint) -> Option<(SharedMap, c_int)> {
+        let fd = super::fd::memfd_create(name, flags);
+        if fd < 0 {
+            return None;
+        }
+        if super::fd::ftruncate(fd, len as i64) != 0 {
+            super::fd::close(fd);
+            return None;
+        }
+        match SharedMap::map_fd(fd, len, false) {
+            Some(m) => Some((m, fd)),
+            None => {
+                super::fd::close(fd);
+                None
+            }
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty map.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn at(&self, off: usize, size: usize, align: usize) -> *mut u8 {
+        assert!(off.checked_add(size).is_some_and(|end| end <= self.len), "shared offset {off} out of range");
+        assert!(off.is_multiple_of(align), "shared offset {off} misaligned");
+        self.base.wrapping_add(off)
+    }
+
+    /// The 32-bit word at `off` (4-aligned, inside the map; checked).
+    #[inline]
+    pub fn u32(&self, off: usize) -> &AtomicU32 {
+        let p = self.at(off, 4, 4);
+        // SAFETY: inside the mapping (which lives as long as `self`), aligned, reached
+        // only atomically.
+        unsafe { AtomicU32::from_ptr(p as *mut u32) }
+    }
+
+    /// The 64-bit word at `off` (8-aligned, inside the map; checked).
+    #[inline]
+    pub fn u64(&self, off: usize) -> &AtomicU64 {
+        let p = self.at(off, 8, 8);
+        // SAFETY: as for `u32`.
+        unsafe { AtomicU64::from_ptr(p as *mut u64) }
+    }
+
+    /// The byte at `off`.
+    #[inline]
+    pub fn u8(&self, off: usize) -> &AtomicU8 {
+        let p = self.at(off, 1, 1);
+        // SAFETY: as for `u32`.
+        unsafe { AtomicU8::from_ptr(p) }
+    }
+
+    /// A `T` made of atomics at `off` (aligned for `T`, inside the map; checked).
+    #[inline]
+    pub fn atomics<T: Atomics>(&self, off: usize) -> &T {
+        let p = self.at(off, std::mem::size_of::<T>(), std::mem::align_of::<T>());
+        // SAFETY: inside the mapping, aligned; `T` is atomics only, valid for any bytes.
+        unsafe { &*(p as *const T) }
+    }
+
+    /// Stores `b` at `off` byte by byte (relaxed): for filling a region this process owns
+    /// for now (readers look only after a release store elsewhere).
+    pub fn store_bytes(&self, off: usize, b: &[u8]) {
+        let _ = self.at(off, b.len(), 1);
+        for (i, &x) in b.iter().enumerate() {
+            self.u8(off + i).store(x, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for SharedMap {
+    fn drop(&mut self) {
+        if self.owned
+            && crate::sandbox::allows(libc::SYS_munmap, [self.base as u64, self.len as u64, 0, 0, 0, 0])
+        {
+            // SAFETY: unmaps exactly what was mapped; no reference into it outlives `self`.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+        }
+    }
+}
