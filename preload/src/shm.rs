@@ -157,6 +157,40 @@ impl<T> Guarded<T> {
     }
 }
 
+/// The current one of values that are kept until the slot goes (a reader racing a change
+/// may still use the one it found): one load to read, a lock only to change.
+pub struct Kept<T> {
+    cur: std::sync::atomic::AtomicPtr<T>,
+    #[allow(clippy::vec_box)]
+    keep: std::sync::Mutex<Vec<Box<T>>>,
+}
+
+impl<T> Default for Kept<T> {
+    fn default() -> Self {
+        Kept { cur: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()), keep: Default::default() }
+    }
+}
+
+impl<T> Kept<T> {
+    /// The current value.
+    pub fn get(&self) -> Option<&T> {
+        let p = self.cur.load(Acquire);
+        // SAFETY: every value stored is kept (boxed, never moved or dropped) until the slot
+        // drops, which `&self` outlives.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+
+    /// Makes `v` the current value; returns it (at its final address).
+    pub fn set(&self, v: T) -> &T {
+        let b = Box::new(v);
+        let p = &*b as *const T as *mut T;
+        self.keep.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+        self.cur.store(p, Release);
+        // SAFETY: just stored, kept until the slot drops.
+        unsafe { &*p }
+    }
+}
+
 /// The shared part of a virtual connection (first page of its mapping; the ring follows).
 #[repr(C)]
 pub struct SharedConn {

@@ -156,7 +156,7 @@ pub enum Sleep {
 /// One ring in shared memory: header then `cap` data bytes. Both sides hold one; only the
 /// producer calls the `write` family and only the consumer the `read` family (the layer keeps
 /// each side under its own lock).
-#[derive(Clone, Copy)]
+// (Not Copy: a ring is as valid as the mapping under it, which its owner keeps.)
 pub struct Ring {
     h: *const RingHeader,
     data: *mut u8,
@@ -755,12 +755,16 @@ mod tests {
     fn no_wake_up_is_lost_and_no_byte_either() {
         const TOTAL: u64 = 3_000_000;
         let (m, r) = aligned(97);
+        // The producer's own handle on the same ring (as the other process has).
+        // SAFETY: the memory holds the ring just made and is leaked (tests only).
+        let producer_ring = unsafe { Ring::attach(m.0, Ring::size(97)).unwrap() };
         let m = Arc::new(Mutex::new(m));
         let to_consumer = Arc::new(Sock::default());
         let to_producer = Arc::new(Sock::default());
         let lost = Arc::new(AtomicBool::new(false));
         let (tc, tp, l2) = (to_consumer.clone(), to_producer.clone(), lost.clone());
         let producer = std::thread::spawn(move || {
+            let r = producer_ring;
             let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
             let mut sent = 0u64;
             let mut buf = [0u8; 300];

@@ -147,7 +147,6 @@ pub(super) fn my_agents() -> Vec<SocketAddr> {
     }
 }
 
-#[allow(unsafe_code)] // The two halves, under both locks (see the SAFETY note below).
 pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     let c = v.mem().conn();
     let nonce_a = sys::random_u128();
@@ -172,9 +171,7 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
     if let Err(e) = v.leave_shm() {
         return Err(Final(libc::ECONNRESET, format!("cannot leave shared memory: {e}")));
     }
-    // SAFETY: we hold both locks.
-    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
-    let delivered_a = rx.delivered;
+    let delivered_a = c.with_rx_held(|rx| rx.delivered);
     // Both ends on this node: offer shared memory for the new link.
     let mut offer = (shm_wanted(v) && mine.iter().any(|a| c.peer_agents().contains(a)))
         .then(|| ShmLink::offer(c.gid, c.secret, nonce_a, (0, 0)))
@@ -205,13 +202,18 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
         Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
         other => return Err(Retry(format!("no answer to the proof ({other:?})"))),
     };
-    if let Err(e) = tx.relink(delivered_b, delivered_a) {
-        return Err(Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}")));
-    }
-    note_replay(tx, delivered_b);
-    rx.relink(delivered_b);
+    c.with_tx_held(|tx| {
+        c.with_rx_held(|rx| {
+            tx.relink(delivered_b, delivered_a).map_err(|e| {
+                Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}"))
+            })?;
+            note_replay(tx, delivered_b);
+            rx.relink(delivered_b);
+            publish(v.mem(), tx, rx);
+            Ok(())
+        })
+    })?;
     c.set_peer_agents(&theirs);
-    publish(v.mem(), tx, rx);
     if let Some(mut l) = offer {
         // The holder answers in the offer's header (and a bell) right after its Ready.
         l.set_bases((delivered_b, delivered_a));
@@ -250,7 +252,6 @@ pub(super) fn move_off_shm(v: &Vc, why: &str) {
 }
 
 /// The side that was connected to: a dialer reached our agent, which passed its socket.
-#[allow(unsafe_code)] // The two halves, under both locks (see the SAFETY note below).
 pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
     let close = |fd: i32| {
         crate::sys::fd::close(fd);
@@ -299,29 +300,34 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
         give_up(&v, libc::ECONNRESET, &format!("cannot leave shared memory: {e}"));
         return;
     }
-    // SAFETY: we hold both locks.
-    let (tx, rx) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get()) };
-    let delivered_b = rx.delivered;
-    if let Err(e) = tx.relink(delivered_a, delivered_b) {
-        let _ = send_msg(fd, &Msg::Error { reason: "impossible stream position".into() });
-        close(fd);
-        drop((_rx, _tx));
-        give_up(&v, libc::ECONNRESET, &format!("the peer's stream position is impossible: {e}"));
-        return;
-    }
+    let delivered_b = c.with_rx_held(|rx| rx.delivered);
+    let sent = match c.with_tx_held(|tx| tx.relink(delivered_a, delivered_b).map(|_| tx.next_seq)) {
+        Ok(sent) => sent,
+        Err(e) => {
+            let _ = send_msg(fd, &Msg::Error { reason: "impossible stream position".into() });
+            close(fd);
+            drop((_rx, _tx));
+            give_up(&v, libc::ECONNRESET, &format!("the peer's stream position is impossible: {e}"));
+            return;
+        }
+    };
     let mine = my_agents();
     let take = offered && shm_wanted(&v) && mine.iter().any(|a| theirs.contains(a));
     let mac_b = resume_mac(c.secret, Role::Holder, gid, nonce_a, nonce_b, delivered_b, &addrs_bytes(&mine));
-    let ready = Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent: tx.next_seq, shm: take };
+    let ready = Msg::Ready { delivered: delivered_b, mac: mac_b, agents: mine, sent, shm: take };
     if !send_msg(fd, &ready) {
         // The dialer tries again (the states stay consistent: it replays from what we said).
         close(fd);
         return;
     }
-    note_replay(tx, delivered_a);
-    rx.relink(delivered_a);
+    c.with_tx_held(|tx| {
+        c.with_rx_held(|rx| {
+            note_replay(tx, delivered_a);
+            rx.relink(delivered_a);
+            publish(v.mem(), tx, rx);
+        })
+    });
     c.set_peer_agents(&theirs);
-    publish(v.mem(), tx, rx);
     if take {
         // (A refusal is said in the offer's header and by one bell, before any frame.)
         if let Some(l) = ShmLink::accept(gid, c.secret, nonce_a, fd, true, (delivered_a, delivered_b)) {

@@ -36,11 +36,11 @@
 //! its own. A producer waiting for room sleeps on a futex in the ring header.
 
 use crate::stats::Slot;
-use crate::sys::real;
+use crate::sys::shared::{self, MappedRing, SharedMap};
 use crate::tcp_sink::TcpSink;
 use crate::{log, relink, sys};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering::*};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering::*};
+use std::sync::Arc;
 use substrate::irb::IrbError;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbKind};
 use substrate::shmring::{Bell, Ring, RingError, Sleep};
@@ -72,12 +72,12 @@ pub enum Mode {
 
 /// One side's view of a shared-memory connection.
 pub struct ShmLink {
-    base: *mut u8,
+    map: Arc<SharedMap>,
     /// The region's file (unlinked once taken), kept open to hand the region over across
     /// `exec`.
     region: std::sync::Arc<AtomicI32>,
-    tx: Ring,
-    rx: Ring,
+    tx: MappedRing,
+    rx: MappedRing,
     active: bool,
     tag: String,
     /// The file, until the accepting side unlinked it (connecting side only).
@@ -100,16 +100,9 @@ pub struct ShmLink {
     offered_ms: u64,
 }
 
-// SAFETY: the mapping is shared memory used through atomics and the rings' protocol; the
-// rest is atomics or immutable.
-unsafe impl Send for ShmLink {}
-// SAFETY: as above.
-unsafe impl Sync for ShmLink {}
-
 impl ShmLink {
     fn head(&self) -> &Head {
-        // SAFETY: the first page of the mapping.
-        unsafe { &*(self.base as *const Head) }
+        self.map.atomics(0)
     }
 
     /// What carries the bytes now.
@@ -138,8 +131,7 @@ impl ShmLink {
                 let r = if crate::sandbox::active() {
                     crate::sandbox::recv_into(fd, &mut b, libc::MSG_DONTWAIT).unwrap_or(-1)
                 } else {
-                    // SAFETY: reads into a local buffer.
-                    unsafe { real::recv(fd, b.as_mut_ptr() as *mut _, b.len(), libc::MSG_DONTWAIT) }
+                    sys::fd::recv(fd, &mut b, libc::MSG_DONTWAIT)
                 };
                 if r == 0 {
                     self.eof.store(true, Release);
@@ -425,43 +417,17 @@ impl Drop for ShmLink {
         }
         self.let_go_fds();
         if let (Some(p), Mode::Pending) = (&self.path, self.mode()) {
-            // SAFETY: the offer nobody took.
-            unsafe { libc::unlink(p.as_ptr()) };
+            // The offer nobody took.
+            sys::fd::unlink(p);
         }
-        // SAFETY: unmaps our mapping.
-        unsafe { libc::munmap(self.base as *mut _, REGION) };
+        // (The mapping goes with the last of `map` and the rings.)
     }
 }
 
 /// A connection's shared-memory link in this process, if any: set up with the connection,
 /// or installed later when a rebuilt link moves it onto shared memory. Links are kept until
 /// the connection goes (a reader racing a move may still look at the one it found).
-#[derive(Default)]
-pub struct LinkSlot {
-    cur: AtomicPtr<ShmLink>,
-    // Boxed: a link's address must not change (its descriptor slots are registered).
-    #[allow(clippy::vec_box)]
-    keep: Mutex<Vec<Box<ShmLink>>>,
-}
-
-impl LinkSlot {
-    /// The current link.
-    pub fn get(&self) -> Option<&ShmLink> {
-        let p = self.cur.load(Acquire);
-        // SAFETY: every link stored is kept (boxed, never moved) until the slot drops.
-        (!p.is_null()).then(|| unsafe { &*p })
-    }
-
-    /// Makes `l` the current link; returns it (at its final address).
-    pub fn set(&self, l: ShmLink) -> &ShmLink {
-        let b = Box::new(l);
-        let p = &*b as *const ShmLink as *mut ShmLink;
-        self.keep.lock().unwrap_or_else(|e| e.into_inner()).push(b);
-        self.cur.store(p, Release);
-        // SAFETY: just stored, kept until the slot drops.
-        unsafe { &*p }
-    }
-}
+pub type LinkSlot = crate::shm::Kept<ShmLink>;
 
 /// The sink device at the bottom of every virtual connection's chains: the shared-memory
 /// rings when the connection has them, else (or when the other side refused them, or the
@@ -580,8 +546,7 @@ fn bell(s: i32) -> bool {
         // sandbox allows only that, cannot block.)
         return crate::sandbox::send_parts(s, &[b"b"], 0) == Some(1);
     }
-    // SAFETY: writes one byte from a local.
-    unsafe { real::send(s, b"b".as_ptr() as *const _, 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 }
+    sys::fd::send(s, b"b", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1
 }
 
 /// Whether this node is where the peer's agent is (its addresses are this node's agent's).

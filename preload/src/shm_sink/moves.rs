@@ -8,71 +8,61 @@ impl ShmLink {
     /// the TCP halves' (what the peer's program has not read of ours joins the replay ring,
     /// what ours read of the peer's is delivered), the peer is told (`moving`), and the
     /// memory and descriptors are let go. The caller holds both halves' locks.
-    #[allow(unsafe_code)] // Both halves and the ring, under both locks (the SAFETY note below).
     pub fn demote(&self, mem: crate::shm::ConnMem) -> Result<(), String> {
         if matches!(self.mode(), Mode::Tcp | Mode::Moved) {
             return Ok(());
         }
         let c = mem.conn();
         self.head().moving.store(1, Release);
-        // SAFETY: the caller holds both locks.
-        let (tx, rx, ring) = unsafe { (&mut *c.tx.get(), &mut *c.rx.get(), mem.ring()) };
         let (tx_base, rx_base) = self.bases;
-        let r = (|| {
-            // What our program read of the peer's stream.
-            rx.delivered = rx.delivered.max(rx_base + self.rx.consumed());
-            // Ours: written to the ring, and how much of it the peer's program took.
-            let (p, got) = (self.tx.produced(), self.tx.consumed());
-            if got > p || p - got > self.tx.capacity() as u64 {
-                return Err("the ring's positions are impossible".to_string());
-            }
-            let (sent, peer_has) = (tx_base + p, tx_base + got);
-            if tx.next_seq < sent {
-                // (Below `next_seq`, the TCP ring still holds a replay not finished here.)
-                if tx.next_seq < peer_has {
-                    tx.next_seq = peer_has;
-                    tx.acked = peer_has;
+        // (The caller holds both locks.)
+        let r = mem.with_tx_ring_held(|tx, ring| {
+            c.with_rx_held(|rx| {
+                // What our program read of the peer's stream.
+                rx.delivered = rx.delivered.max(rx_base + self.rx.consumed());
+                // Ours: written to the ring, and how much of it the peer's program took.
+                let (p, got) = (self.tx.produced(), self.tx.consumed());
+                if got > p || p - got > self.tx.capacity() as u64 {
+                    return Err("the ring's positions are impossible".to_string());
                 }
-                let from = tx.next_seq;
-                let mut bytes = vec![0u8; (sent - from) as usize];
-                self.tx.copy_written(from - tx_base, &mut bytes).map_err(|e| e.to_string())?;
-                substrate::reliability::ring_write(ring, from, &bytes);
-                tx.next_seq = sent;
-            }
-            tx.acked = tx.acked.max(peer_has).min(tx.next_seq);
-            tx.wire_seq = tx.next_seq;
-            if tx.unacked() > tx.window {
-                return Err(format!("{} unacknowledged bytes do not fit the replay ring", tx.unacked()));
-            }
-            rx.peer_ack = rx.peer_ack.max(tx.acked);
-            c.delivered.store(rx.delivered, Release);
-            c.peer_ack.fetch_max(tx.acked, AcqRel);
-            c.wire_hi.fetch_max(tx.next_seq, AcqRel);
-            c.unacked.store(tx.unacked(), Relaxed);
-            Ok(())
-        })();
+                let (sent, peer_has) = (tx_base + p, tx_base + got);
+                if tx.next_seq < sent {
+                    // (Below `next_seq`, the TCP ring still holds a replay not finished here.)
+                    if tx.next_seq < peer_has {
+                        tx.next_seq = peer_has;
+                        tx.acked = peer_has;
+                    }
+                    let from = tx.next_seq;
+                    let mut bytes = vec![0u8; (sent - from) as usize];
+                    self.tx.copy_written(from - tx_base, &mut bytes).map_err(|e| e.to_string())?;
+                    substrate::reliability::ring_write(ring, from, &bytes);
+                    tx.next_seq = sent;
+                }
+                tx.acked = tx.acked.max(peer_has).min(tx.next_seq);
+                tx.wire_seq = tx.next_seq;
+                if tx.unacked() > tx.window {
+                    return Err(format!("{} unacknowledged bytes do not fit the replay ring", tx.unacked()));
+                }
+                rx.peer_ack = rx.peer_ack.max(tx.acked);
+                c.delivered.store(rx.delivered, Release);
+                c.peer_ack.fetch_max(tx.acked, AcqRel);
+                c.wire_hi.fetch_max(tx.next_seq, AcqRel);
+                c.unacked.store(tx.unacked(), Relaxed);
+                Ok(())
+            })
+        });
         self.mode.store(3, Release);
         // A peer waiting for room wakes and finds `moving`.
         sys::futex_wake(self.rx.space_word(), i32::MAX);
         sys::futex_wake(self.tx.space_word(), i32::MAX);
         self.let_go_fds();
         if let Some(p) = &self.path {
-            // SAFETY: an offer nobody took (already gone when it was taken).
-            unsafe { libc::unlink(p.as_ptr()) };
+            // An offer nobody took (already gone when it was taken).
+            sys::fd::unlink(p);
         }
         // The memory goes (a checkpoint must not find it): zero pages take its place, so a
         // racing reader of the positions sees an empty ring.
-        // SAFETY: replaces our own mapping, same range.
-        unsafe {
-            libc::mmap(
-                self.base as *mut _,
-                REGION,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                -1,
-                0,
-            )
-        };
+        self.map.forget_contents();
         r
     }
 

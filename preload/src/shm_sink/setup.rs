@@ -58,21 +58,35 @@ pub(super) fn bells_undelayed(fd: i32) {
     }
 }
 
-pub(super) fn map(fd: i32) -> Option<*mut u8> {
-    // SAFETY: maps REGION bytes of a file we hold open.
-    let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), REGION, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
-    };
-    (p != libc::MAP_FAILED).then_some(p as *mut u8)
+pub(super) fn map(fd: i32) -> Option<Arc<SharedMap>> {
+    SharedMap::map_fd(fd, REGION, true).map(Arc::new)
 }
 
-pub(super) fn rings(base: *mut u8, active: bool) -> Result<(Ring, Ring), RingError> {
+/// The two rings of a region (made first when `fresh`): ours to write, then ours to read.
+pub(super) fn rings(
+    map: &Arc<SharedMap>,
+    active: bool,
+    fresh: bool,
+) -> Result<(MappedRing, MappedRing), RingError> {
     let one = Ring::size(RING).next_multiple_of(PAGE);
-    let (to_acc, to_conn) = (base.wrapping_add(PAGE), base.wrapping_add(PAGE + one));
-    // SAFETY: both lie inside the REGION-byte mapping, page aligned.
-    let (a, b) =
-        unsafe { (Ring::attach(to_acc, Ring::size(RING))?, Ring::attach(to_conn, Ring::size(RING))?) };
-    Ok(if active { (a, b) } else { (b, a) })
+    let to_acc = shared::ring(map, PAGE, Ring::size(RING), fresh)?;
+    let to_conn = shared::ring(map, PAGE + one, Ring::size(RING), fresh)?;
+    Ok(if active { (to_acc, to_conn) } else { (to_conn, to_acc) })
+}
+
+/// The region's header, written by its maker before the region is offered.
+fn write_head(map: &SharedMap) {
+    let h: &Head = map.atomics(0);
+    h.state.store(OFFERED, Relaxed);
+    h.settled.store(0, Relaxed);
+    h.moving.store(0, Relaxed);
+    h.creator.store(crate::pid(), Relaxed);
+    map.u64(std::mem::offset_of!(Head, magic)).store(MAGIC, Release);
+}
+
+/// True when the region's header says it is one.
+fn has_head(map: &SharedMap) -> bool {
+    map.u64(std::mem::offset_of!(Head, magic)).load(Acquire) == MAGIC
 }
 
 /// How long a send waits for the answer to a shared-memory offer before it withdraws it.
@@ -89,10 +103,8 @@ impl ShmLink {
     pub fn offer(gid: u128, secret: u128, nonce: u128, bases: (u64, u64)) -> Option<ShmLink> {
         let tag = tag_of(gid, secret, nonce);
         let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
-        // SAFETY: creating a new file of our own.
-        let fd = unsafe {
-            libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600)
-        };
+        let fd =
+            sys::fd::open_mode(&path, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC, 0o600);
         if fd < 0 {
             log::info(format_args!(
                 "no shared memory for {gid:032x}: cannot create {path:?} ({})",
@@ -100,49 +112,25 @@ impl ShmLink {
             ));
             return None;
         }
-        // SAFETY: our file.
-        let sized = unsafe { libc::ftruncate(fd, REGION as libc::off_t) } == 0;
+        let sized = sys::fd::ftruncate(fd, REGION as i64) == 0;
         let base = if sized { map(fd) } else { None };
         let Some(base) = base else {
-            // SAFETY: removes the file we made; our descriptor.
-            unsafe {
-                libc::unlink(path.as_ptr());
-                real::close(fd);
-            }
+            sys::fd::unlink(&path);
+            sys::fd::close(fd);
             return None;
         };
         let fd = crate::fdtable::move_high(fd);
-        let one = Ring::size(RING).next_multiple_of(PAGE);
-        // SAFETY: fresh mapping; the rings lie inside it, page aligned.
-        let ok = unsafe {
-            Ring::init(base.add(PAGE), Ring::size(RING)).is_ok()
-                && Ring::init(base.add(PAGE + one), Ring::size(RING)).is_ok()
-        };
         let dgram = dgram_bound(&format!("vmi-shm-{tag}-c"));
-        let (Ok((tx, rx)), true, Some(dgram)) = (rings(base, true), ok, dgram) else {
-            // SAFETY: undoing what we made.
-            unsafe {
-                libc::munmap(base as *mut _, REGION);
-                libc::unlink(path.as_ptr());
-                real::close(fd);
-            }
+        // (A fresh mapping of a file nobody else has opened yet.)
+        let (Ok((tx, rx)), Some(dgram)) = (rings(&base, true, true), dgram) else {
+            drop(base);
+            sys::fd::unlink(&path);
+            sys::fd::close(fd);
             return None;
         };
-        // SAFETY: the first page is ours to initialise.
-        unsafe {
-            std::ptr::write(
-                base as *mut Head,
-                Head {
-                    magic: MAGIC,
-                    state: AtomicU32::new(OFFERED),
-                    settled: AtomicU32::new(0),
-                    moving: AtomicU32::new(0),
-                    creator: AtomicI32::new(crate::pid()),
-                },
-            );
-        }
+        write_head(&base);
         Some(ShmLink {
-            base,
+            map: base,
             region: std::sync::Arc::new(AtomicI32::new(fd)),
             tx,
             rx,
@@ -171,32 +159,25 @@ impl ShmLink {
     ) -> Option<ShmLink> {
         let tag = tag_of(gid, secret, nonce);
         let path = std::ffi::CString::new(format!("/dev/shm/vmi-{tag}")).ok()?;
-        // SAFETY: opening a path.
-        let f = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW) };
+        let f = sys::fd::open(&path, libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW);
         if f < 0 {
             return None;
         }
-        // SAFETY: the offer is ours now; nobody else may open it.
-        unsafe { libc::unlink(path.as_ptr()) };
-        // SAFETY: zeroed stat is valid.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: our descriptor, valid pointer.
-        let size_ok = unsafe { libc::fstat(f, &mut st) } == 0 && st.st_size as usize == REGION;
+        // The offer is ours now; nobody else may open it.
+        sys::fd::unlink(&path);
+        let size_ok = sys::fd::fstat(f).is_some_and(|st| st.st_size as usize == REGION);
         let base = if size_ok { map(f) } else { None };
         let f = crate::fdtable::move_high(f);
-        let refuse = |why: &str, base: Option<*mut u8>| {
+        let refuse = |why: &str, base: Option<Arc<SharedMap>>| {
             crate::sys::fd::close(f);
             let mut withdrawn = false;
             if let Some(b) = base {
-                // SAFETY: the header of a mapping we checked.
-                let head = unsafe { &*(b as *const Head) };
+                let head: &Head = b.atomics(0);
                 // A withdrawn offer needs no answer (and its rendezvous socket is gone).
                 match head.state.compare_exchange(OFFERED, REFUSED, AcqRel, Acquire) {
                     Ok(_) => sys::futex_wake(&head.state, i32::MAX),
                     Err(st) => withdrawn = st == WITHDRAWN,
                 }
-                // SAFETY: our mapping.
-                unsafe { libc::munmap(b as *mut _, REGION) };
             }
             if withdrawn {
                 log::debug(format_args!(
@@ -213,11 +194,12 @@ impl ShmLink {
         if !enabled {
             return refuse("VMI_SHM is not 1 here", Some(base));
         }
-        // SAFETY: the first page of the mapping.
-        if unsafe { (*(base as *const Head)).magic } != MAGIC {
+        if !has_head(&base) {
             return refuse("the offer has no header", Some(base));
         }
-        let Ok((tx, rx)) = rings(base, false) else { return refuse("the rings are not set up", Some(base)) };
+        let Ok((tx, rx)) = rings(&base, false, false) else {
+            return refuse("the rings are not set up", Some(base));
+        };
         let Some(dgram) = dgram_bound(&format!("vmi-shm-{tag}-a")) else {
             return refuse("no rendezvous socket", Some(base));
         };
@@ -225,16 +207,11 @@ impl ShmLink {
             crate::sys::fd::close(dgram);
             return refuse("the connecting layer's rendezvous socket is gone", Some(base));
         }
-        // SAFETY: the first page of the mapping.
-        let head = unsafe { &*(base as *const Head) };
+        let head: &Head = base.atomics(0);
         if head.state.compare_exchange(OFFERED, ACCEPTED, AcqRel, Acquire).is_err() {
             // The connecting program sent before ours accepted: the offer was withdrawn.
-            // SAFETY: our descriptors and mapping.
-            unsafe {
-                real::close(dgram);
-                real::close(f);
-                libc::munmap(base as *mut _, REGION);
-            }
+            sys::fd::close(dgram);
+            sys::fd::close(f);
             log::debug(format_args!(
                 "virtual connection {gid:032x}: the connecting side withdrew its shared-memory offer (it sent before this accept); using TCP"
             ));
@@ -247,7 +224,7 @@ impl ShmLink {
         // sleeps on the state word.
         sys::futex_wake(&head.state, i32::MAX);
         Some(ShmLink {
-            base,
+            map: base,
             region: std::sync::Arc::new(AtomicI32::new(f)),
             tx,
             rx,
@@ -274,8 +251,8 @@ impl ShmLink {
             crate::sys::fd::close(d);
         }
         if let Some(p) = &self.path {
-            // SAFETY: the offer's file (ENOENT if the accepting side had opened it).
-            unsafe { libc::unlink(p.as_ptr()) };
+            // The offer's file (ENOENT if the accepting side had opened it).
+            sys::fd::unlink(p);
         }
         self.mode.store(2, Release);
     }
@@ -365,8 +342,8 @@ impl ShmLink {
         let p = self.peer_socket(fd);
         for d in [self.region.load(Acquire), p] {
             if d >= 0 {
-                // SAFETY: clears close-on-exec on our own descriptor.
-                unsafe { real::fcntl(d, libc::F_SETFD, 0) };
+                // Clears close-on-exec on our own descriptor.
+                sys::fd::fcntl(d, libc::F_SETFD, 0);
             }
         }
         Some(format!(
@@ -383,8 +360,8 @@ impl ShmLink {
     pub fn handover_undone(&self) {
         for d in [self.region.load(Acquire), self.peer_sock.load(Acquire)] {
             if d >= 0 {
-                // SAFETY: sets close-on-exec on our own descriptor.
-                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+                // Sets close-on-exec on our own descriptor again.
+                sys::fd::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong);
             }
         }
     }
@@ -397,25 +374,18 @@ impl ShmLink {
         let active = it.next()? == "1";
         let bases = (it.next()?.parse().ok()?, it.next()?.parse().ok()?);
         let base = map(region)?;
-        // SAFETY: the first page of the mapping.
-        if unsafe { (*(base as *const Head)).magic } != MAGIC {
-            // SAFETY: our mapping.
-            unsafe { libc::munmap(base as *mut _, REGION) };
+        if !has_head(&base) {
             return None;
         }
-        let Ok((tx, rx)) = rings(base, active) else {
-            // SAFETY: our mapping.
-            unsafe { libc::munmap(base as *mut _, REGION) };
-            return None;
-        };
+        let Ok((tx, rx)) = rings(&base, active, false) else { return None };
         for d in [region, peer] {
             if d >= 0 {
-                // SAFETY: our descriptors again, close-on-exec as before.
-                unsafe { real::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
+                // Our descriptors again, close-on-exec as before.
+                sys::fd::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong);
             }
         }
         Some(ShmLink {
-            base,
+            map: base,
             region: std::sync::Arc::new(AtomicI32::new(region)),
             tx,
             rx,

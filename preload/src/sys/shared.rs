@@ -5,6 +5,8 @@
 use libc::c_int;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
+use std::sync::Arc;
+use substrate::shmring::{Ring, RingError};
 
 /// Types made only of atomics (`repr(C)`), which may be seen in shared memory at any
 /// suitably aligned offset.
@@ -15,6 +17,9 @@ pub unsafe trait Atomics: Sync {}
 
 // SAFETY: four AtomicU64, repr(C).
 unsafe impl Atomics for substrate::devices::Counters {}
+// SAFETY: repr(C) atomics, but for `magic`, a plain u64 written once (through `u64` here)
+// before the region is shared and only read afterwards; any bits are a value.
+unsafe impl Atomics for substrate::shmring::RegionHead {}
 
 /// A shared mapping of `len` bytes.
 pub struct SharedMap {
@@ -116,6 +121,59 @@ impl SharedMap {
             self.u8(off + i).store(x, std::sync::atomic::Ordering::Relaxed);
         }
     }
+}
+
+impl SharedMap {
+    /// Lets the shared memory go from this process: private zero pages take its place, at
+    /// the same addresses (so whatever still looks at it sees zeros, never a hole).
+    pub fn forget_contents(&self) {
+        // SAFETY: replaces this mapping's own range with an anonymous one of the same size;
+        // every address stays mapped and readable.
+        unsafe {
+            libc::mmap(
+                self.base as *mut libc::c_void,
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+    }
+}
+
+/// A ring in a shared map; it keeps the map (and so its memory) alive.
+pub struct MappedRing {
+    ring: Ring,
+    _map: Arc<SharedMap>,
+}
+
+impl std::ops::Deref for MappedRing {
+    type Target = Ring;
+    fn deref(&self) -> &Ring {
+        &self.ring
+    }
+}
+
+/// Makes (`fresh`) or finds a ring of `len` bytes at `off` in `map` (64-aligned, inside it;
+/// checked).
+pub fn ring(map: &Arc<SharedMap>, off: usize, len: usize, fresh: bool) -> Result<MappedRing, RingError> {
+    if !off.is_multiple_of(64) || off.checked_add(len).is_none_or(|end| end > map.len) {
+        return Err(RingError::NotARing);
+    }
+    let p = map.base.wrapping_add(off);
+    // SAFETY: `len` bytes inside the mapping, 64-aligned (checked); the ring keeps the map
+    // alive (`MappedRing` holds it, and `Ring` is not Copy, so no copy outlives it). A fresh
+    // ring is made only in memory nobody else uses yet (the caller's region before it is
+    // offered).
+    let ring = unsafe {
+        if fresh {
+            Ring::init(p, len)?
+        } else {
+            Ring::attach(p, len)?
+        }
+    };
+    Ok(MappedRing { ring, _map: map.clone() })
 }
 
 impl Drop for SharedMap {
