@@ -40,29 +40,33 @@ impl FutexLock {
     /// borrow at a time (checked: a second, nested borrow would alias the first).
     #[inline]
     fn lend<T, R>(&self, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
-        assert!(self.held_here(), "connection state used without its lock");
+        // (What makes the borrow sound is the flag; holding the lock is what makes it
+        // useful, and is checked in debug builds.)
+        debug_assert!(self.held_here(), "connection state used without its lock");
         lend_once(&self.lent, cell, f)
     }
 }
 
-/// Lends `cell`'s data for the length of `f`, once at a time (`lent` is the flag; a
-/// nested borrow panics). The caller has checked that this thread holds the data's lock,
-/// so only this thread touches the flag now (the lock orders it with other holders): plain
-/// loads and stores do, no locked instruction.
+/// Lends `cell`'s data for the length of `f`, one borrow at a time in every thread and
+/// process that maps it: `lent` is taken with an atomic swap (acquire) and given back with
+/// a release store, so two borrows never overlap and each sees what the one before wrote;
+/// a borrow that finds it taken panics (a nested borrow, or a caller without the lock that
+/// is meant to keep others away). The lock stays what orders the protocol; this is what
+/// makes handing out `&mut` sound.
 #[inline]
 fn lend_once<T, R>(lent: &AtomicU32, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
-    assert!(lent.load(Relaxed) == 0, "connection state borrowed twice");
-    lent.store(1, Relaxed);
+    assert!(lent.swap(1, Acquire) == 0, "connection state borrowed twice");
     struct Back<'a>(&'a AtomicU32);
     impl Drop for Back<'_> {
         #[inline]
         fn drop(&mut self) {
-            self.0.store(0, Relaxed);
+            self.0.store(0, Release);
         }
     }
     let _back = Back(lent);
-    // SAFETY: this thread holds the data's lock (checked by the caller), so no other thread
-    // or process touches the data, and no other borrow of it is live (the flag, checked).
+    // SAFETY: the flag was free and is ours until `_back` drops: no other borrow of the data
+    // exists in any thread or process, and the acquire/release pair orders this one after
+    // the previous.
     f(unsafe { &mut *cell.get() })
 }
 
@@ -137,8 +141,8 @@ pub struct Guarded<T> {
     lent: AtomicU32,
 }
 
-// SAFETY: the data is reached only by the thread holding the guarding lock (checked in
-// `with`), so sharing the cell between threads is sharing a mutex-protected value.
+// SAFETY: the data is reached only through `with`, one borrow at a time across threads
+// (the flag, taken atomically), as a mutex-protected value is.
 unsafe impl<T: Send> Sync for Guarded<T> {}
 
 impl<T> Guarded<T> {
@@ -151,8 +155,8 @@ impl<T> Guarded<T> {
     /// other borrow of the data live (all checked).
     #[inline]
     pub fn with<R>(&self, lock: &FutexLock, f: impl FnOnce(&mut T) -> R) -> R {
-        assert!(std::ptr::eq(lock, self.lock as *const FutexLock), "chain under the wrong lock");
-        assert!(lock.held_here(), "chain used without its lock");
+        debug_assert!(std::ptr::eq(lock, self.lock as *const FutexLock), "chain under the wrong lock");
+        debug_assert!(lock.held_here(), "chain used without its lock");
         lend_once(&self.lent, &self.cell, f)
     }
 }
