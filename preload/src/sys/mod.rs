@@ -2,6 +2,7 @@
 
 pub mod copy;
 pub mod fd;
+pub mod gate;
 pub mod process;
 pub mod prog;
 pub mod real;
@@ -109,7 +110,7 @@ fn name_of(fd: c_int, peer: bool) -> Option<SocketAddr> {
 
 /// The socket's local address.
 pub fn local_addr(fd: c_int) -> Option<SocketAddr> {
-    if !crate::sandbox::allows_nr(libc::SYS_getsockname) {
+    if !gate::allows_nr(libc::SYS_getsockname) {
         return None;
     }
     name_of(fd, false)
@@ -117,7 +118,7 @@ pub fn local_addr(fd: c_int) -> Option<SocketAddr> {
 
 /// The socket's peer address.
 pub fn peer_addr(fd: c_int) -> Option<SocketAddr> {
-    if !crate::sandbox::allows_nr(libc::SYS_getpeername) {
+    if !gate::allows_nr(libc::SYS_getpeername) {
         return None;
     }
     name_of(fd, true)
@@ -125,7 +126,7 @@ pub fn peer_addr(fd: c_int) -> Option<SocketAddr> {
 
 /// An int socket option.
 pub fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
-    if !crate::sandbox::allows_nr(libc::SYS_getsockopt) {
+    if !gate::allows_nr(libc::SYS_getsockopt) {
         return None;
     }
     let mut v: c_int = 0;
@@ -178,8 +179,8 @@ pub fn set_timeouts(fd: c_int, ms: i64) {
 /// Sleeps while `word` (in memory other processes may share: no FUTEX_PRIVATE_FLAG) holds
 /// `val`, at most `ms` milliseconds (forever if negative). Returns the system call's result.
 pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64 {
-    if !crate::sandbox::allows_nr(libc::SYS_futex) {
-        crate::sandbox::pause_us(ms.clamp(0, 1) as u64 * 1000);
+    if !gate::allows_nr(libc::SYS_futex) {
+        gate::pause_us(ms.clamp(0, 1) as u64 * 1000);
         return 0;
     }
     let ts = libc::timespec { tv_sec: ms / 1000, tv_nsec: (ms % 1000) * 1_000_000 };
@@ -190,7 +191,7 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ms: i64) -> i64
 
 /// Wakes up to `n` waiters on `word`.
 pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
-    if !crate::sandbox::allows_nr(libc::SYS_futex) {
+    if !gate::allows_nr(libc::SYS_futex) {
         // (Waiters look again within a millisecond: see futex_wait.)
         return;
     }
@@ -260,7 +261,7 @@ pub fn tcp_family(fd: c_int) -> Option<c_int> {
 
 /// True if the descriptor is in non-blocking mode.
 pub fn nonblocking(fd: c_int) -> bool {
-    crate::sandbox::nonblocking(fd)
+    gate::nonblocking(fd)
 }
 
 /// 16 random bytes from the kernel.
@@ -300,7 +301,7 @@ pub fn unix_ms() -> u64 {
 
 /// The kernel's TCP_INFO for a socket.
 pub fn tcp_info(fd: c_int) -> Option<libc::tcp_info> {
-    if !crate::sandbox::allows_nr(libc::SYS_getsockopt) {
+    if !gate::allows_nr(libc::SYS_getsockopt) {
         return None;
     }
     // SAFETY: zeroed tcp_info is valid; the kernel fills at most `len` bytes.
@@ -330,9 +331,9 @@ pub fn random_u128() -> u128 {
 
 /// Waits up to `ms` for `events` on `fd`.
 pub fn wait_fd(fd: c_int, events: i16, ms: c_int) -> i16 {
-    if crate::sandbox::active() {
-        return crate::sandbox::poll_one(fd, events, ms).unwrap_or_else(|| {
-            crate::sandbox::pause_us(ms.clamp(0, 1) as u64 * 1000);
+    if gate::active() {
+        return gate::poll_one(fd, events, ms).unwrap_or_else(|| {
+            gate::pause_us(ms.clamp(0, 1) as u64 * 1000);
             0
         });
     }

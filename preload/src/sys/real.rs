@@ -11,7 +11,10 @@ fn resolve(name: &'static str) -> usize {
     // SAFETY: `name` is NUL-terminated (built with concat!); dlsym is thread-safe.
     let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char) };
     if p.is_null() {
-        crate::log::error(format_args!("cannot resolve {}; aborting", name.trim_end_matches('\0')));
+        // (The log needs these very functions: one plain line, then the end.)
+        let line = format!("vmi: error: cannot resolve {}; aborting\n", name.trim_end_matches('\0'));
+        // SAFETY: a valid buffer of its length.
+        unsafe { libc::write(2, line.as_ptr() as *const libc::c_void, line.len()) };
         std::process::abort();
     }
     p as usize

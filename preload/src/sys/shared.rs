@@ -179,7 +179,7 @@ pub fn ring(map: &Arc<SharedMap>, off: usize, len: usize, fresh: bool) -> Result
 impl Drop for SharedMap {
     fn drop(&mut self) {
         if self.owned
-            && crate::sandbox::allows(libc::SYS_munmap, [self.base as u64, self.len as u64, 0, 0, 0, 0])
+            && super::gate::allows(libc::SYS_munmap, [self.base as u64, self.len as u64, 0, 0, 0, 0])
         {
             // SAFETY: unmaps exactly what was mapped; no reference into it outlives `self`.
             unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
