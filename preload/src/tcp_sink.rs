@@ -51,14 +51,22 @@ impl Device for TcpSink {
     fn dispatch<'a>(&mut self, mut irb: Irb<'a>, _cx: &mut Dispatch<'_>) -> Disposition<'a> {
         let fd = irb.handle as c_int;
         let flags = irb.flags;
+        let gen = call_gen(&irb);
         let r = match (irb.kind(), &mut irb.buf) {
-            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, d, flags),
-            (IrbKind::Receive, Buf::In(b)) => recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads),
+            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, d, flags, gen),
+            (IrbKind::Receive, Buf::In(b)) => {
+                recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads, gen)
+            }
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
         irb.complete(r)
     }
+}
+
+/// The link generation a program's call runs on, as `Vc::with_link` put it in the IRB.
+pub fn call_gen(irb: &Irb<'_>) -> Option<u32> {
+    irb.ctx.checked_sub(1).map(|g| g as u32)
 }
 
 fn errno_result(e: c_int) -> IrbError {
@@ -199,11 +207,11 @@ fn sock_recv(fd: c_int, buf: &mut [u8], flags: c_int) -> isize {
 /// new one) or the connection really ended (the peer's program closed or reset it, or ours
 /// shut its sending side): then the program sees `e`, with SIGPIPE for EPIPE unless it
 /// asked for MSG_NOSIGNAL.
-fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int) -> IrbError {
+fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int, gen: Option<u32>) -> IrbError {
     let c = mem.conn();
     let ended = c.peer_eof.load(Acquire) != 0 || (sending && c.tx_shut.load(Acquire) != 0);
     if !ended && (relink::is_link_error(e) || c.link_down.load(Acquire) != 0) {
-        relink::link_broken(mem, &errno_name(e));
+        relink::link_broken_on(mem, &errno_name(e), gen);
         return IrbError::Os(relink::LINK_DOWN);
     }
     if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
@@ -222,11 +230,11 @@ fn raise_sigpipe() {
     }
 }
 
-fn read_error(mem: ConnMem, e: c_int) -> IrbError {
+fn read_error(mem: ConnMem, e: c_int, gen: Option<u32>) -> IrbError {
     if e == libc::EAGAIN || e == libc::EINTR {
         return errno_result(e);
     }
-    physical_error(mem, e, false, 0)
+    physical_error(mem, e, false, 0, gen)
 }
 
 fn errno_name(e: c_int) -> String {
@@ -280,7 +288,7 @@ pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
             let e = sys::errno();
             tx.commit(&plan, 0, &[], ring);
             if e != libc::EAGAIN && e != libc::EINTR {
-                let _ = physical_error(mem, e, true, libc::MSG_NOSIGNAL);
+                let _ = physical_error(mem, e, true, libc::MSG_NOSIGNAL, None);
                 return true;
             }
             return false;
@@ -366,7 +374,7 @@ pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind
 /// Reads acknowledgements waiting on the socket for a sender that cannot read them itself
 /// (the control thread, for a sandboxed program thread).
 pub fn harvest_acks(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
-    let _ = harvest(mem, slot, fd);
+    let _ = harvest(mem, slot, fd, None);
 }
 
 /// The send path. The caller holds the tx lock.
@@ -376,6 +384,7 @@ pub fn send(
     fd: c_int,
     data: &[u8],
     flags: c_int,
+    gen: Option<u32>,
 ) -> Result<usize, IrbError> {
     let c = mem.conn();
     let b = c.broken.load(Acquire);
@@ -418,7 +427,7 @@ pub fn send(
             let plan = match tx.plan_send(rest.len(), delivered, false) {
                 Ok(p) => p,
                 Err(Blocked::Window) => {
-                    let h = harvest(mem, slot, fd)?;
+                    let h = harvest(mem, slot, fd, gen)?;
                     if h == Harvest::Opened {
                         continue;
                     }
@@ -461,7 +470,7 @@ pub fn send(
                                 sys::wait_fd(fd, libc::POLLOUT, 50);
                                 continue;
                             }
-                            let err = physical_error(mem, e, true, flags);
+                            let err = physical_error(mem, e, true, flags, gen);
                             return if total > 0 { Ok(total) } else { Err(err) };
                         }
                         tx.commit(&p, r as usize, &[], ring);
@@ -483,7 +492,7 @@ pub fn send(
                 if e == libc::EAGAIN || e == libc::EINTR {
                     return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
                 }
-                let err = physical_error(mem, e, true, flags);
+                let err = physical_error(mem, e, true, flags, gen);
                 return if total > 0 { Ok(total) } else { Err(err) };
             }
             total += tx.commit_with(&plan, r as usize, rest, ring, crate::sys::copy::to_ring);
@@ -522,7 +531,7 @@ enum Harvest {
 
 /// Reads ack frames waiting at the head of the socket (never payload). The caller holds the
 /// tx lock.
-fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbError> {
+fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Result<Harvest, IrbError> {
     let c = mem.conn();
     let Some(_g) = c.rx_lock.try_lock() else { return Ok(Harvest::Empty) };
     c.with_rx_held(|rx| {
@@ -541,7 +550,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Result<Harvest, IrbEr
                     break;
                 }
                 if socket_gone(fd) {
-                    return Err(physical_error(mem, libc::ENOTCONN, false, 0));
+                    return Err(physical_error(mem, libc::ENOTCONN, false, 0, gen));
                 }
                 // The peer half-closed: no ack will come again.
                 note_peer_eof(mem);
@@ -693,6 +702,7 @@ pub fn recv(
     buf: &mut [u8],
     flags: c_int,
     small_reads: &mut bool,
+    gen: Option<u32>,
 ) -> Result<usize, IrbError> {
     let c = mem.conn();
     let b = c.broken.load(Acquire);
@@ -714,7 +724,7 @@ pub fn recv(
             return Ok(0);
         }
         if flags & libc::MSG_PEEK != 0 {
-            return peek(mem, slot, rx, fd, buf, kflags);
+            return peek(mem, slot, rx, fd, buf, kflags, gen);
         }
         let waitall = flags & libc::MSG_WAITALL != 0;
         let mut total = 0;
@@ -742,7 +752,7 @@ pub fn recv(
                 if e == libc::EAGAIN || e == libc::EINTR {
                     return Err(errno_result(e));
                 }
-                return Err(physical_error(mem, e, false, 0));
+                return Err(physical_error(mem, e, false, 0, gen));
             }
             if r == 0 {
                 if c.link_down.load(Acquire) != 0 {
@@ -752,7 +762,7 @@ pub fn recv(
                     return Ok(total);
                 }
                 if socket_gone(fd) {
-                    let err = physical_error(mem, libc::ENOTCONN, false, 0);
+                    let err = physical_error(mem, libc::ENOTCONN, false, 0, gen);
                     return if total > 0 { Ok(total) } else { Err(err) };
                 }
                 note_peer_eof(mem);
@@ -789,6 +799,7 @@ fn peek(
     fd: c_int,
     buf: &mut [u8],
     kflags: c_int,
+    gen: Option<u32>,
 ) -> Result<usize, IrbError> {
     loop {
         if rx.frame_rem > 0 {
@@ -797,7 +808,7 @@ fn peek(
             let mut raw = vec![0u8; buf.len() + 16 * HEADER_LEN];
             let r = sock_recv(fd, &mut raw, libc::MSG_PEEK | kflags);
             if r < 0 {
-                return Err(read_error(mem, sys::errno()));
+                return Err(read_error(mem, sys::errno(), gen));
             }
             let mut copy = *rx;
             let n = match copy.parse_buffer(&mut raw[..r as usize]) {
@@ -813,7 +824,7 @@ fn peek(
         // At a frame boundary: take headers (invisible to the program) until data starts.
         let r = sock_recv(fd, rx.header_slot(), kflags);
         if r < 0 {
-            return Err(read_error(mem, sys::errno()));
+            return Err(read_error(mem, sys::errno(), gen));
         }
         if r == 0 {
             if mem.conn().link_down.load(Acquire) != 0 {

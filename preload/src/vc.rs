@@ -259,15 +259,20 @@ impl Vc {
     /// own), and this process's descriptors name the current link (taken from the process
     /// that rebuilt it; by the control thread where a sandbox forbids the program's thread
     /// the calls that takes).
-    #[inline]
+    #[inline(always)]
     fn prepare(&self) {
         relink::ensure_control();
         if self.behind() {
-            if crate::sandbox::allows_all(ADOPT_CALLS) {
-                relink::adopt(self);
-            } else {
-                relink::poke_work();
-            }
+            self.catch_up();
+        }
+    }
+
+    #[cold]
+    fn catch_up(&self) {
+        if crate::sandbox::allows_all(ADOPT_CALLS) {
+            relink::adopt(self);
+        } else {
+            relink::poke_work();
         }
     }
 
@@ -277,12 +282,15 @@ impl Vc {
         &self,
         fd: i32,
         flags: i32,
-        mut call: impl FnMut() -> Result<usize, IrbError>,
+        mut call: impl FnMut(u64) -> Result<usize, IrbError>,
     ) -> Result<usize, IrbError> {
         loop {
             self.prepare();
+            // The call's link generation goes down the chain with it (`Irb::ctx`, plus one),
+            // so that an error from a socket another process already replaced does not mark
+            // the new link down.
             let gen = self.my_gen.load(Relaxed);
-            match relink::on_generation(gen, &mut call) {
+            match call(gen as u64 + 1) {
                 Err(IrbError::Os(relink::LINK_DOWN)) => {
                     if flags & libc::MSG_DONTWAIT != 0 || crate::sys::nonblocking(fd) {
                         return Err(IrbError::WouldBlock);
@@ -368,10 +376,11 @@ impl Vc {
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
-        self.with_link(fd, flags, || {
+        self.with_link(fd, flags, |ctx| {
             let _g = c.tx_lock.lock();
-            self.send_chain
-                .with(&c.tx_lock, |chain| Self::run(chain, Irb::send(data, flags).with_handle(fd as i64)))
+            self.send_chain.with(&c.tx_lock, |chain| {
+                Self::run(chain, Irb::send(data, flags).with_handle(fd as i64).with_ctx(ctx))
+            })
         })
     }
 
@@ -383,7 +392,7 @@ impl Vc {
         let told = self.told_readable.load(Relaxed) && self.told_readable.swap(false, Relaxed);
         // (Read only then: the common receive pays one relaxed load for all this.)
         let gen = if told { c.link_gen.load(Acquire) } else { 0 };
-        let r = self.with_link(fd, flags, || self.recv_once(fd, buf, flags));
+        let r = self.with_link(fd, flags, |ctx| self.recv_once(fd, buf, flags, ctx));
         if told && matches!(r, Err(IrbError::WouldBlock)) && self.relinked_since(gen) {
             return self.recv_promised(fd, buf, flags);
         }
@@ -391,11 +400,12 @@ impl Vc {
     }
 
     #[inline]
-    fn recv_once(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+    fn recv_once(&self, fd: i32, buf: &mut [u8], flags: i32, ctx: u64) -> Result<usize, IrbError> {
         let c = self.mem.conn();
         let _g = c.rx_lock.lock();
-        self.recv_chain
-            .with(&c.rx_lock, |chain| Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64)))
+        self.recv_chain.with(&c.rx_lock, |chain| {
+            Self::run(chain, Irb::receive(buf, flags).with_handle(fd as i64).with_ctx(ctx))
+        })
     }
 
     /// True when the link broke or was rebuilt since generation `gen`.
@@ -416,8 +426,8 @@ impl Vc {
             if self.mem.conn().link_down.load(Acquire) != 0 {
                 relink::wait_link(self).map_err(IrbError::Os)?;
             }
-            match self.with_link(fd, flags | libc::MSG_DONTWAIT, || {
-                self.recv_once(fd, buf, flags | libc::MSG_DONTWAIT)
+            match self.with_link(fd, flags | libc::MSG_DONTWAIT, |ctx| {
+                self.recv_once(fd, buf, flags | libc::MSG_DONTWAIT, ctx)
             }) {
                 Err(IrbError::WouldBlock) if crate::sys::now_ms() < deadline => {
                     crate::sys::wait_fd(fd, libc::POLLIN, 50);

@@ -90,6 +90,9 @@ pub struct Irb<'a> {
     pub flags: i32,
     /// Sink-specific handle (for the kernel-TCP sink: the socket descriptor used).
     pub handle: i64,
+    /// The caller's context for the sinks (the layer: the link generation the call runs on,
+    /// plus one; 0 for none).
+    pub ctx: u64,
 }
 
 /// A completed IRB. Only [`Irb::complete`] and [`PendedIrb::complete`] make one.
@@ -148,19 +151,24 @@ impl PendedIrb {
 impl<'a> Irb<'a> {
     /// A new IRB of `kind` with no buffer.
     pub fn new(kind: IrbKind) -> Self {
-        Irb { kind, buf: Buf::None, flags: 0, handle: -1 }
+        Irb { kind, buf: Buf::None, flags: 0, handle: -1, ctx: 0 }
     }
     /// A send IRB.
     pub fn send(data: &'a [u8], flags: i32) -> Self {
-        Irb { kind: IrbKind::Send, buf: Buf::Out(data), flags, handle: -1 }
+        Irb { kind: IrbKind::Send, buf: Buf::Out(data), flags, handle: -1, ctx: 0 }
     }
     /// A receive IRB.
     pub fn receive(space: &'a mut [u8], flags: i32) -> Self {
-        Irb { kind: IrbKind::Receive, buf: Buf::In(space), flags, handle: -1 }
+        Irb { kind: IrbKind::Receive, buf: Buf::In(space), flags, handle: -1, ctx: 0 }
     }
     /// Sets the sink handle.
     pub fn with_handle(mut self, handle: i64) -> Self {
         self.handle = handle;
+        self
+    }
+    /// Sets the caller's context.
+    pub fn with_ctx(mut self, ctx: u64) -> Self {
+        self.ctx = ctx;
         self
     }
     /// What is asked.

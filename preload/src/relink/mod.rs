@@ -30,7 +30,6 @@ use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
 use crate::{agent, config, log, sys};
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
@@ -69,11 +68,17 @@ static REPLAYING: AtomicU32 = AtomicU32::new(0);
 /// The physical socket failed with `e` (or the agent said its path died): mark the link
 /// down and tell the control thread. True if it was up until now.
 pub fn link_broken(mem: ConnMem, why: &str) -> bool {
+    link_broken_on(mem, why, None)
+}
+
+/// As [`link_broken`], from a program's call that ran on link generation `call_gen` (see
+/// `Vc::with_link`): an error from a socket another process already replaced does not mark
+/// the new link down.
+pub fn link_broken_on(mem: ConnMem, why: &str, call_gen: Option<u32>) -> bool {
     let c = mem.conn();
     if c.broken.load(Acquire) != 0 {
         return false;
     }
-    let call_gen = CALL_GEN.with(|g| g.get());
     if call_gen.is_some_and(|g| g != c.link_gen.load(Acquire)) {
         // The program's call used a socket another process (after fork) has already
         // replaced: the old socket's error says nothing about the new link. The caller
@@ -96,21 +101,6 @@ pub fn link_broken(mem: ConnMem, why: &str) -> bool {
         return true;
     }
     false
-}
-
-thread_local! {
-    /// The link generation the program's current call runs on (set by `Vc::with_link`), so
-    /// that an error from a socket another process already replaced does not mark the new
-    /// link down. `None` outside such calls (the control thread, lingering closes).
-    static CALL_GEN: Cell<Option<u32>> = const { Cell::new(None) };
-}
-
-/// Runs `f` as a call on link generation `gen` (see `CALL_GEN`).
-pub fn on_generation<R>(gen: u32, f: impl FnOnce() -> R) -> R {
-    let before = CALL_GEN.with(|g| g.replace(Some(gen)));
-    let r = f();
-    CALL_GEN.with(|g| g.set(before));
-    r
 }
 
 /// True if `e` from the physical socket means the link (not the peer's program) failed.

@@ -475,8 +475,9 @@ impl Device for ShmSink {
         if b != 0 {
             return irb.complete(Err(IrbError::Os(b)));
         }
+        let gen = crate::tcp_sink::call_gen(&irb);
         if link.moving() {
-            relink::link_broken(mem, "the connection leaves shared memory");
+            relink::link_broken_on(mem, "the connection leaves shared memory", gen);
         }
         if c.link_down.load(Acquire) != 0 {
             return irb.complete(Err(IrbError::Os(relink::LINK_DOWN)));
@@ -509,7 +510,7 @@ impl Device for ShmSink {
         };
         match r {
             Err(IrbError::Os(relink::LINK_DOWN)) => {
-                relink::link_broken(mem, "the connection leaves shared memory");
+                relink::link_broken_on(mem, "the connection leaves shared memory", gen);
             }
             Ok(_) => sys::set_errno(errno),
             _ => {}
