@@ -177,6 +177,7 @@ pub fn pread(fd: c_int, b: &mut [u8], off: i64) -> isize {
 }
 
 fn iovs(parts: &[&[u8]]) -> ([iovec; MAX_PARTS], usize) {
+    debug_assert!(parts.len() <= MAX_PARTS, "more parts than one call takes");
     let mut v = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_PARTS];
     let n = parts.len().min(MAX_PARTS);
     for (d, s) in v.iter_mut().zip(parts) {
@@ -186,6 +187,7 @@ fn iovs(parts: &[&[u8]]) -> ([iovec; MAX_PARTS], usize) {
 }
 
 fn iovs_mut(parts: &mut [&mut [u8]]) -> ([iovec; MAX_PARTS], usize) {
+    debug_assert!(parts.len() <= MAX_PARTS, "more parts than one call takes");
     let mut v = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; MAX_PARTS];
     let n = parts.len().min(MAX_PARTS);
     for (d, s) in v.iter_mut().zip(parts.iter_mut()) {
