@@ -106,8 +106,7 @@ impl FutexLock {
 
     fn reap_dead_owner(&self) {
         let owner = self.owner.load(Relaxed);
-        // SAFETY: kill with signal 0 only checks for existence.
-        if owner > 0 && unsafe { libc::kill(owner, 0) } != 0 && crate::sys::errno() == libc::ESRCH {
+        if owner > 0 && !crate::sys::process::may_exist(owner) {
             crate::log::warn(format_args!("process {owner} died holding a connection lock; taking it over"));
             self.owner.store(0, Relaxed);
             self.lent.store(0, Relaxed);
@@ -293,13 +292,17 @@ unsafe impl Send for ConnMem {}
 // SAFETY: as above.
 unsafe impl Sync for ConnMem {}
 
-/// Owns a connection's mapping; unmaps it (in this process) on drop.
-pub struct Mapping(ConnMem);
+/// Owns a connection's mapping; unmaps it (in this process) on drop, where the sandbox
+/// allows (see `SharedMap`).
+pub struct Mapping {
+    view: ConnMem,
+    _map: crate::sys::shared::SharedMap,
+}
 
 impl std::ops::Deref for Mapping {
     type Target = ConnMem;
     fn deref(&self) -> &ConnMem {
-        &self.0
+        &self.view
     }
 }
 
@@ -315,20 +318,8 @@ impl Mapping {
         peer_agents: &[std::net::SocketAddr],
     ) -> Option<Mapping> {
         let len = HEAD + ring;
-        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
+        let map = crate::sys::shared::SharedMap::anonymous(len)?;
+        let p = map.base();
         let sc = SharedConn {
             tx_lock: FutexLock::new(),
             rx_lock: FutexLock::new(),
@@ -368,7 +359,7 @@ impl Mapping {
         };
         // SAFETY: the mapping is fresh, page aligned and HEAD bytes fit a SharedConn.
         unsafe { std::ptr::write(p as *mut SharedConn, sc) };
-        Some(Mapping(ConnMem { base: p as *mut u8, len }))
+        Some(Mapping { view: ConnMem { base: p, len }, _map: map })
     }
 }
 
@@ -487,16 +478,5 @@ impl ConnMem {
     /// Ring length in bytes.
     pub fn ring_len(&self) -> usize {
         self.len - HEAD
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        if !crate::sandbox::allows(libc::SYS_munmap, [self.0.base as u64, self.0.len as u64, 0, 0, 0, 0]) {
-            // A sandbox forbids it: the memory stays mapped until the process ends.
-            return;
-        }
-        // SAFETY: unmaps exactly what `new` mapped.
-        unsafe { libc::munmap(self.0.base as *mut _, self.0.len) };
     }
 }

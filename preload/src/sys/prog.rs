@@ -30,11 +30,6 @@ impl<T> ProgArray<T> {
         self.len
     }
 
-    /// The pointer, to pass on to the real call.
-    pub fn as_ptr(&self) -> *mut T {
-        self.ptr
-    }
-
     /// Runs `f` on the first `n` elements (at most the length).
     pub fn with<R>(&mut self, n: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
         let n = n.min(self.len);

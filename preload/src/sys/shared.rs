@@ -44,6 +44,28 @@ impl SharedMap {
         (p != libc::MAP_FAILED).then_some(SharedMap { base: p as *mut u8, len, owned })
     }
 
+    /// `len` bytes of anonymous memory shared with this process's `fork` children (pages are
+    /// given only as they are touched).
+    pub fn anonymous(len: usize) -> Option<SharedMap> {
+        // SAFETY: a new mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        (p != libc::MAP_FAILED).then_some(SharedMap { base: p as *mut u8, len, owned: true })
+    }
+
+    /// The first byte's address (for a layout placed there by its owner).
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
     /// A new memory file named `name` of `len` bytes, mapped: the map and the file's
     /// descriptor (the caller owns it).
     pub fn memfd(name: &CStr, len: usize, flags: libc::c_uint) -> Option<(SharedMap, c_int)> {
