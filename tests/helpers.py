@@ -293,6 +293,67 @@ def host_argv(host, argv, env):
     return ["nsenter", f"--net=/run/netns/{host}", *envargs, *[str(a) for a in argv]]
 
 
+def _proc_text(path):
+    try:
+        return Path(path).read_text(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def _descendants(root):
+    """root and every process below it, in the order found (a namespace host's programs are
+    still the harness's descendants: nsenter execs into them)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _proc_text(entry / "stat")
+        try:
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo.extend(sorted(children.get(pid, [])))
+    return found
+
+
+def hang_snapshot(root):
+    """What a program that did not finish was doing, taken before it is killed: each thread
+    of each process below it with its state, kernel wait channel and system call, then the
+    layer's view of those processes' connections on every agent host. This is what tells a
+    lost wake-up in the layer from a program that waits for its own reasons."""
+    pids = _descendants(root)
+    lines = ["--- what the program's processes were doing when the time ran out ---"]
+    for pid in pids:
+        comm = _proc_text(f"/proc/{pid}/comm")
+        lines.append(f"pid {pid} ({comm})")
+        try:
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+        for tid in tids[:16]:
+            base = f"/proc/{pid}/task/{tid}"
+            state = _proc_text(f"{base}/stat").rsplit(")", 1)[-1].split()[:1]
+            lines.append(f"  tid {tid} ({_proc_text(base + '/comm')}) state "
+                         f"{''.join(state)} wchan {_proc_text(base + '/wchan')} "
+                         f"syscall {_proc_text(base + '/syscall')[:60]}")
+    for host in AGENT_HOSTS:
+        try:
+            status = vmictl_status(host)
+        except Exception as exc:        # a snapshot must never hide the failure itself
+            lines.append(f"--- vmictl status in {host}: {exc}")
+            continue
+        conns = [c for c in status.get("connections") or [] if c.get("pid") in pids]
+        lines.append(f"--- vmictl status in {host}: {len(conns)} connections of these "
+                     "processes")
+        lines.extend(json.dumps(c, sort_keys=True) for c in conns)
+    return "\n".join(lines)
+
+
 class Proc:
     """One program started in a namespace host, in its own process group."""
 
@@ -346,8 +407,10 @@ class Proc:
         try:
             self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            snapshot = hang_snapshot(self.pid)
             self.stop()
-            raise self.failure(f"did not finish within {timeout} s (killed)") from None
+            raise self.failure(f"did not finish within {timeout} s (killed)\n{snapshot}") \
+                from None
         if check and self.popen.returncode != 0:
             raise self.failure(f"exit status {self.popen.returncode}")
         return self.popen.returncode
