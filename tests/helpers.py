@@ -127,6 +127,7 @@ PORTS = {
     "shm_send_before_accept": 17660,
     "shm_send_before_accept_nb": 17661,
     "shm_move_nonblocking": 17662,
+    "shm_corked": 17663,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

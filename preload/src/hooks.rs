@@ -532,6 +532,66 @@ pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut s
     unsafe { real::getsockname(fd, addr, len) }
 }
 
+/// `TCP_CORK` or `TCP_NODELAY` with an int-sized value (the kernel refuses shorter ones
+/// itself).
+fn bell_sensitive(level: c_int, opt: c_int) -> bool {
+    level == libc::IPPROTO_TCP && (opt == libc::TCP_CORK || opt == libc::TCP_NODELAY)
+}
+
+/// A virtual connection's TCP_CORK and TCP_NODELAY are the program's: while its socket
+/// carries only shared-memory bells they are kept aside for the connection's later links
+/// and not given to the kernel (see `Vc::program_sets_tcp`).
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    opt: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    if bell_sensitive(level, opt) && !val.is_null() && len as usize >= std::mem::size_of::<c_int>() {
+        if let Some(vc) = fdtable::vc(fd) {
+            // SAFETY: the program's option value, at least an int long (checked above).
+            let on = unsafe { std::ptr::read_unaligned(val as *const c_int) } != 0;
+            if quietly(|| Some(vc.program_sets_tcp(opt, on))) == Some(true) {
+                return 0;
+            }
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::setsockopt(fd, level, opt, val, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    opt: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if bell_sensitive(level, opt) && !val.is_null() && !len.is_null() {
+        if let Some(v) = fdtable::vc(fd).and_then(|vc| quietly(|| vc.program_tcp(opt))) {
+            // As the kernel answers: at most an int, a negative length refused.
+            // SAFETY: the program's length word.
+            let want = unsafe { std::ptr::read_unaligned(len) } as i32;
+            if want < 0 {
+                sys::set_errno(libc::EINVAL);
+                return -1;
+            }
+            let n = (want as usize).min(std::mem::size_of::<c_int>());
+            // SAFETY: the program's buffer of `*len` bytes, of which n are written.
+            unsafe {
+                std::ptr::copy_nonoverlapping(v.to_ne_bytes().as_ptr(), val as *mut u8, n);
+                std::ptr::write_unaligned(len, n as socklen_t);
+            }
+            return 0;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::getsockopt(fd, level, opt, val, len) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
     if fdtable::is_managed(fd) {

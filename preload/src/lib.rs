@@ -5,7 +5,8 @@
 //!
 //! * The descriptor the program holds **is** the connection's physical TCP socket, so
 //!   `poll`/`select`/`epoll`, `fstat`, `fork` inheritance, `getsockname`/`getpeername` and
-//!   socket options stay native. The layer intercepts the calls that move data and frames
+//!   socket options stay native (but `TCP_CORK` and `TCP_NODELAY` while the socket carries
+//!   only shared-memory wake-ups: the program's values are kept aside then). The layer intercepts the calls that move data and frames
 //!   the bytes ([`hooks`]).
 //! * [`setup`] decides at `connect`/`accept` time, with the node agent, whether a connection
 //!   is virtual; everything else stays plain TCP.

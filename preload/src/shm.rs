@@ -232,6 +232,10 @@ pub struct SharedConn {
     /// 1 when the operator pinned the connection to TCP (`vmictl move GID tcp`): rebuilt
     /// links neither offer nor take shared memory.
     pub pin_tcp: AtomicU32,
+    /// The TCP options the program set on the connection (`PROG_CORK`, `PROG_NODELAY_SET`,
+    /// `PROG_NODELAY`): the kernel socket has them while it carries the connection's
+    /// frames, not while it carries only shared-memory bells (a corked bell waits 200 ms).
+    pub prog_tcp: AtomicU32,
     /// Bumped each time the connection leaves or joins shared memory: a process whose
     /// shared-memory link names an older one (a fork sharing the connection) drops it.
     pub shm_epoch: AtomicU32,
@@ -265,6 +269,13 @@ pub struct SharedConn {
     /// Receive half (under `rx_lock`).
     pub rx: UnsafeCell<RxState>,
 }
+
+/// `prog_tcp`: the program corked the connection (TCP_CORK 1).
+pub const PROG_CORK: u32 = 1;
+/// `prog_tcp`: the program set TCP_NODELAY (its value is `PROG_NODELAY`).
+pub const PROG_NODELAY_SET: u32 = 2;
+/// `prog_tcp`: the program's TCP_NODELAY value, when `PROG_NODELAY_SET`.
+pub const PROG_NODELAY: u32 = 4;
 
 /// `ctl_owed`: an acknowledgement is owed to the peer.
 pub const CTL_ACK: u32 = 1;
@@ -337,6 +348,7 @@ impl Mapping {
             tx_shut: AtomicU32::new(0),
             fin_owed: AtomicU32::new(0),
             pin_tcp: AtomicU32::new(0),
+            prog_tcp: AtomicU32::new(0),
             shm_epoch: AtomicU32::new(0),
             link_pid: AtomicI32::new(0),
             link_fd: AtomicI32::new(-1),

@@ -540,6 +540,61 @@ impl Vc {
         })
     }
 
+    /// True while the connection's bytes go through the rings and its socket carries only
+    /// bells.
+    fn bells_only(&self) -> bool {
+        self.shm_now().is_some_and(|l| l.mode() == shm_sink::Mode::Shm)
+    }
+
+    /// The program sets TCP option `opt` (`TCP_CORK` or `TCP_NODELAY`) to `on`: remembered
+    /// for the connection's later links. True when the kernel socket must not take it now:
+    /// it carries only bells, and a bell held by the cork waits up to 200 ms (nginx corks
+    /// its responses: each ring-full of a download then stood still that long).
+    pub fn program_sets_tcp(&self, opt: i32, on: bool) -> bool {
+        use crate::shm::{PROG_CORK, PROG_NODELAY, PROG_NODELAY_SET};
+        let (clear, set) = match opt {
+            libc::TCP_CORK => (PROG_CORK, if on { PROG_CORK } else { 0 }),
+            libc::TCP_NODELAY => (PROG_NODELAY, PROG_NODELAY_SET | if on { PROG_NODELAY } else { 0 }),
+            _ => return false,
+        };
+        let _ = self.mem.conn().prog_tcp.fetch_update(AcqRel, Acquire, |v| Some((v & !clear) | set));
+        self.bells_only()
+    }
+
+    /// The program's own value of TCP option `opt` while the socket carries only bells
+    /// (`None` otherwise: the kernel's value is the program's).
+    pub fn program_tcp(&self, opt: i32) -> Option<i32> {
+        use crate::shm::{PROG_CORK, PROG_NODELAY};
+        if !self.bells_only() {
+            return None;
+        }
+        let v = self.mem.conn().prog_tcp.load(Acquire);
+        match opt {
+            libc::TCP_CORK => Some(i32::from(v & PROG_CORK != 0)),
+            libc::TCP_NODELAY => Some(i32::from(v & PROG_NODELAY != 0)),
+            _ => None,
+        }
+    }
+
+    /// A new link's socket `fd` is under the program's descriptors: it gets the program's
+    /// TCP options when it carries the frames, and the bells' (no delay, no cork) when the
+    /// connection is on shared memory.
+    pub fn link_tcp_options(&self, fd: i32) {
+        use crate::shm::{PROG_CORK, PROG_NODELAY, PROG_NODELAY_SET};
+        if self.shm_now().is_some() {
+            shm_sink::bells_undelayed(fd);
+            return;
+        }
+        let v = self.mem.conn().prog_tcp.load(Acquire);
+        if v & PROG_CORK != 0 {
+            crate::sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_CORK, 1);
+        }
+        if v & PROG_NODELAY_SET != 0 {
+            let on = i32::from(v & PROG_NODELAY != 0);
+            crate::sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, on);
+        }
+    }
+
     /// Moves the connection off its shared memory (the stream positions go to the TCP
     /// halves, which a rebuilt link then resumes from). The caller holds both halves' locks.
     pub fn leave_shm(&self) -> Result<(), String> {

@@ -126,6 +126,8 @@ pub(super) fn install(v: &Vc, nfd: i32) {
         // From the old socket, or the placeholder that took its options while it waited.
         carry_state(old, nfd);
     }
+    // (The old socket's TCP options were the bells' if it was on shared memory.)
+    v.link_tcp_options(nfd);
     put_under(nfd, &fds);
     crate::sys::fd::close(nfd);
     unpark(v);

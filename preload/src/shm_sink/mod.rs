@@ -49,6 +49,7 @@ use substrate::shmring::{RegionHead as Head, ACCEPTED, OFFERED, REFUSED, REGION_
 mod moves;
 mod setup;
 
+pub(crate) use setup::bells_undelayed;
 use setup::*;
 
 /// Bytes of each ring.

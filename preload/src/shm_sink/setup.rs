@@ -49,12 +49,14 @@ pub(super) fn is_other_end(ours: i32, theirs: i32) -> bool {
 /// is unacknowledged waits for the peer's (delayed) acknowledgement, up to 40 ms, and a
 /// self-bell (written into the peer's socket to make our own readable) arrives after the
 /// receive that looked for it gave up: the descriptor then polls readable over an empty ring
-/// (OpenSSH's client and server take the `EAGAIN` that follows for a fatal error). The
-/// socket carries nothing but bells while the connection is on shared memory, so the
-/// program's data never meets the setting; `getsockopt(TCP_NODELAY)` says 1 meanwhile.
-pub(super) fn bells_undelayed(fd: i32) {
+/// (OpenSSH's client and server take the `EAGAIN` that follows for a fatal error). A corked
+/// socket holds a bell for 200 ms. The socket carries nothing but bells while the
+/// connection is on shared memory, so the program's data never meets these settings: what
+/// the program sets meanwhile is kept aside (`Vc::program_sets_tcp`) and reads back as set.
+pub(crate) fn bells_undelayed(fd: i32) {
     if crate::sandbox::allows_nr(libc::SYS_setsockopt) {
         sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
+        sys::set_sockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_CORK, 0);
     }
 }
 

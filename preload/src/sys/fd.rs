@@ -349,14 +349,14 @@ pub fn fionread(fd: c_int) -> Option<c_int> {
 pub fn getsockopt_bytes(fd: c_int, level: c_int, opt: c_int, buf: &mut [u8]) -> Option<usize> {
     let mut len = buf.len() as socklen_t;
     // SAFETY: a writable buffer and its length.
-    let r = unsafe { libc::getsockopt(fd, level, opt, buf.as_mut_ptr() as *mut c_void, &mut len) };
+    let r = unsafe { real::getsockopt(fd, level, opt, buf.as_mut_ptr() as *mut c_void, &mut len) };
     (r == 0).then_some(len as usize)
 }
 
 /// `setsockopt` from a byte buffer.
 pub fn setsockopt_bytes(fd: c_int, level: c_int, opt: c_int, buf: &[u8]) -> c_int {
     // SAFETY: a readable buffer and its length.
-    unsafe { libc::setsockopt(fd, level, opt, buf.as_ptr() as *const c_void, buf.len() as socklen_t) }
+    unsafe { real::setsockopt(fd, level, opt, buf.as_ptr() as *const c_void, buf.len() as socklen_t) }
 }
 
 /// `SO_LINGER` of a socket.
@@ -365,7 +365,7 @@ pub fn linger_of(fd: c_int) -> Option<libc::linger> {
     let mut len = std::mem::size_of::<libc::linger>() as socklen_t;
     // SAFETY: a local linger and its size.
     let r = unsafe {
-        libc::getsockopt(
+        real::getsockopt(
             fd,
             libc::SOL_SOCKET,
             libc::SO_LINGER,

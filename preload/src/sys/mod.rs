@@ -132,7 +132,7 @@ pub fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
     let mut v: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: valid pointers to a local int.
-    let r = unsafe { libc::getsockopt(fd, level, opt, &mut v as *mut _ as *mut _, &mut len) };
+    let r = unsafe { real::getsockopt(fd, level, opt, &mut v as *mut _ as *mut _, &mut len) };
     (r == 0).then_some(v)
 }
 
@@ -140,7 +140,7 @@ pub fn sockopt_int(fd: c_int, level: c_int, opt: c_int) -> Option<c_int> {
 pub fn set_sockopt_int(fd: c_int, level: c_int, opt: c_int, v: c_int) -> bool {
     // SAFETY: a valid pointer to a local int of the option's size.
     unsafe {
-        libc::setsockopt(fd, level, opt, &v as *const c_int as *const _, std::mem::size_of::<c_int>() as _)
+        real::setsockopt(fd, level, opt, &v as *const c_int as *const _, std::mem::size_of::<c_int>() as _)
             == 0
     }
 }
@@ -149,7 +149,7 @@ pub fn set_sockopt_int(fd: c_int, level: c_int, opt: c_int, v: c_int) -> bool {
 pub fn set_linger(fd: c_int, l: libc::linger) {
     // SAFETY: a valid pointer to a local linger.
     unsafe {
-        libc::setsockopt(
+        real::setsockopt(
             fd,
             libc::SOL_SOCKET,
             libc::SO_LINGER,
@@ -165,7 +165,7 @@ pub fn set_timeouts(fd: c_int, ms: i64) {
     for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
         // SAFETY: valid pointer to a local timeval.
         unsafe {
-            libc::setsockopt(
+            real::setsockopt(
                 fd,
                 libc::SOL_SOCKET,
                 opt,
@@ -309,7 +309,7 @@ pub fn tcp_info(fd: c_int) -> Option<libc::tcp_info> {
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
     // SAFETY: valid pointers to locals.
     let r = unsafe {
-        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
+        real::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut ti as *mut _ as *mut _, &mut len)
     };
     (r == 0).then_some(ti)
 }

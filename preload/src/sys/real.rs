@@ -72,6 +72,8 @@ real! {
     ioctl: fn(fd: c_int, req: c_ulong, arg: c_ulong) -> c_int;
     shutdown: fn(fd: c_int, how: c_int) -> c_int;
     getsockname: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
+    setsockopt: fn(fd: c_int, level: c_int, opt: c_int, val: *const c_void, len: socklen_t) -> c_int;
+    getsockopt: fn(fd: c_int, level: c_int, opt: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
     getpeername: fn(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
     epoll_ctl: fn(epfd: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
     epoll_wait: fn(epfd: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int;
