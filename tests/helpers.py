@@ -128,6 +128,8 @@ PORTS = {
     "shm_send_before_accept_nb": 17661,
     "shm_move_nonblocking": 17662,
     "shm_corked": 17663,
+    "shm_event_loop": 17664,
+    "shm_event_loop_poll": 17665,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

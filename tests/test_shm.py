@@ -379,3 +379,25 @@ def test_corked_responses_do_not_wait(procs):
     # The program's TCP_NODELAY=0 reads back 0 on shared memory (kept aside) and on TCP
     # (the rebuilt socket has it; it would read 1, the bells' setting, otherwise).
     assert s["nodelay_read"] == [0] * CORKED_ROUNDS, s
+
+
+@pytest.mark.parametrize("wait", ["epoll", "poll"])
+def test_event_loop_needs_no_bells(procs, wait):
+    """One thread, both ends of eight connections over shared memory, 400 rounds of
+    request and answer on each, waiting only in its selector. With epoll the layer looks at
+    the rings itself before the wait can sleep, so a loop that always has bytes waiting sends
+    no wake-up through the sockets (their kernel byte counts stay near zero; before, one bell
+    per message). With poll, which the layer does not scan, the rings are announced as before:
+    nothing is lost either way."""
+    port = PORTS["shm_event_loop" if wait == "epoll" else "shm_event_loop_poll"]
+    with Watcher(H1) as w:
+        p = procs.run(H1, python_prog("event_loop.py", "--bind", f"{H1_IP}:{port}", "--pairs",
+                                      8, "--rounds", 400, "--wait", wait),
+                      layer=True, name=f"event-loop-{wait}", env=ON, timeout=60)
+    r = p.last_json()
+    assert r["ok"] and r["stalls"] == 0 and r["messages"] == 2 * 8 * 400, r
+    mine = [c for c in w.connections(H1) if c.get("pid") == p.pid]
+    assert mine and all(c.get("substrate") == "shm" for c in mine), mine
+    if wait == "epoll":
+        assert r["bells"] <= r["messages"] // 50, \
+            f"{r['bells']} wake-ups through the sockets for {r['messages']} messages"

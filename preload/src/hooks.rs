@@ -220,6 +220,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     if crate::ready::tracking(fd) || fdtable::is_managed(fd) {
         crate::ready::note_close(fd);
     }
+    crate::ready::note_closed_fd(fd);
     if fdtable::is_managed(fd) && !crate::vforked() {
         if let Some(vc) = forget(fd) {
             if let Some(l) = vc.shm_now() {
@@ -257,6 +258,9 @@ pub unsafe extern "C" fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, ev: *mut l
         // SAFETY: forwarding the program's arguments.
         None => unsafe { real::epoll_ctl(epfd, op, fd, ev) },
     };
+    if r == 0 && op == libc::EPOLL_CTL_ADD && !fdtable::is_managed(fd) {
+        crate::ready::note_contained(fd);
+    }
     if r == 0 && (fdtable::is_managed(fd) || crate::ready::tracking(epfd)) {
         let (events, data) = if ev.is_null() || op == libc::EPOLL_CTL_DEL {
             (0, 0)
@@ -1007,6 +1011,13 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     let vcs = fdtable::distinct_vcs();
     for v in &vcs {
         v.hold();
+    }
+    if !vcs.is_empty() {
+        // The child may wait on them in ways this process does not see.
+        quietly(|| {
+            crate::ready::unscan_all();
+            Some(())
+        });
     }
     // SAFETY: forwarding; the atfork handlers keep the layer's locks consistent.
     let r = unsafe { real::fork() };

@@ -22,13 +22,27 @@
 //! connection, from the program's `epoll_ctl` calls; registrations it did not see (made before
 //! the socket became a virtual connection, or inherited across `exec`) are reported as the
 //! kernel says, as before.
+//!
+//! **Bells left out for event loops.** A connection on shared memory is announced to a
+//! receiver that may sleep by a bell: one system call to write it and one to take it, per
+//! request for a program that waits in `epoll_wait` between requests (redis, nginx), which
+//! costs what loopback TCP costs. When the layer knows every way the program waits for such a
+//! connection (it is registered, for input, in one epoll instance this process waits on
+//! itself, not nested in another, not one-shot, and no other process holds it), the
+//! connection is *scanned*: its receive no longer tells the writer it may sleep, and every
+//! wait on that instance looks at the scanned rings first, reporting those with bytes as
+//! readable itself, and marks the others as sleeping (the writer then rings) only when it is
+//! about to sleep. A `poll` or `select` that includes a scanned connection, and a thread
+//! that reads it while another waits on the instance, announce it as before.
 
 use crate::fdtable;
 use crate::sys;
 use crate::sys::prog::ProgArray;
+use crate::vc::Vc;
 use libc::c_int;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::Arc;
 use std::sync::RwLock;
 
 /// What a readable report of a virtual connection means.
@@ -53,6 +67,138 @@ const EPFD_BITS: usize = 1 << 16;
 static TRACKED_EPFD: [AtomicU64; EPFD_BITS / 64] = [const { AtomicU64::new(0) }; EPFD_BITS / 64];
 /// Registrations known, for programs with descriptors beyond the bitmap.
 static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Descriptors (below this) that can be scanned, and epoll instances (below `SCAN_EPFDS`)
+/// that can scan.
+const SCAN_FDS: usize = 1 << 16;
+const SCAN_EPFDS: usize = 4096;
+/// Per descriptor: 1 + the epoll instance whose waits scan its ring, 0 when not scanned.
+static SCAN_EPFD: [AtomicU16; SCAN_FDS] = [const { AtomicU16::new(0) }; SCAN_FDS];
+/// Per epoll instance: threads inside a wait on it that scanned and may sleep.
+static SLEEPERS: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
+/// Descriptors the program added to some epoll instance (other than virtual connections):
+/// an epoll instance among them is nested, and its waits are not the only ones.
+static CONTAINED: [AtomicU64; SCAN_FDS / 64] = [const { AtomicU64::new(0) }; SCAN_FDS / 64];
+
+/// Descriptors whose receive left without announcing its ring (`elided`): a wait that does
+/// not scan must announce it first.
+static UNANNOUNCED: [AtomicU64; SCAN_FDS / 64] = [const { AtomicU64::new(0) }; SCAN_FDS / 64];
+/// Threads inside a `poll` or `select` that includes a virtual connection: while there are
+/// any, every receive announces (such a wait does not scan).
+static POLL_SLEEPERS: AtomicU32 = AtomicU32::new(0);
+
+fn bit(fd: c_int) -> (&'static AtomicU64, u64) {
+    (&UNANNOUNCED[fd as usize / 64], 1u64 << (fd as usize % 64))
+}
+
+/// Connection `fd`'s ring was announced (whatever it holds has a bell, and the writer rings).
+#[inline]
+pub fn announced(fd: c_int) {
+    if (fd as usize) < SCAN_FDS {
+        let (w, b) = bit(fd);
+        if w.load(Relaxed) & b != 0 {
+            w.fetch_and(!b, Relaxed);
+        }
+    }
+}
+
+fn unannounced(fd: c_int) -> bool {
+    if (fd as usize) >= SCAN_FDS {
+        return false;
+    }
+    let (w, b) = bit(fd);
+    w.load(SeqCst) & b != 0
+}
+
+/// The program added `fd` (not a virtual connection) to an epoll instance.
+pub fn note_contained(fd: c_int) {
+    if (fd as usize) < SCAN_FDS {
+        CONTAINED[fd as usize / 64].fetch_or(1 << (fd as usize % 64), Relaxed);
+        if tracking(fd) {
+            // A scanning instance is nested now: its connections are announced again.
+            let again = with_regs(|r| r.rescan_members(fd));
+            announce_all(again);
+        }
+    }
+}
+
+fn contained(fd: c_int) -> bool {
+    (fd as usize) < SCAN_FDS && CONTAINED[fd as usize / 64].load(Relaxed) & (1 << (fd as usize % 64)) != 0
+}
+
+/// `fd` was closed: it is nobody's member any more.
+pub fn note_closed_fd(fd: c_int) {
+    if (fd as usize) < SCAN_FDS {
+        let w = &CONTAINED[fd as usize / 64];
+        let b = 1u64 << (fd as usize % 64);
+        if w.load(Relaxed) & b != 0 {
+            w.fetch_and(!b, Relaxed);
+        }
+    }
+}
+
+/// True when the receive that leaves connection `fd` need not tell the writer it may sleep:
+/// the connection is scanned and no thread is inside a wait on its instance right now.
+/// When it is, the descriptor is marked unannounced.
+#[inline]
+pub fn elided(fd: c_int) -> bool {
+    if (fd as usize) >= SCAN_FDS {
+        return false;
+    }
+    let e = SCAN_EPFD[fd as usize].load(Relaxed);
+    if e == 0 {
+        return false;
+    }
+    let (w, b) = bit(fd);
+    if w.load(Relaxed) & b == 0 {
+        w.fetch_or(b, SeqCst);
+    }
+    SLEEPERS[usize::from(e - 1)].load(SeqCst) == 0 && POLL_SLEEPERS.load(SeqCst) == 0
+}
+
+/// Whether connection `fd` is scanned by an epoll instance's waits.
+#[inline]
+pub fn scanned(fd: c_int) -> bool {
+    (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0
+}
+
+/// Connections that stopped being scanned: whatever their rings hold is announced the
+/// usual way (a bell), as the next wait may not look at them.
+fn announce_all(vcs: Vec<(c_int, Arc<Vc>)>) {
+    let errno = sys::errno();
+    for (fd, vc) in vcs {
+        crate::error::quietly(|| {
+            vc.announce(fd);
+            Some(())
+        });
+    }
+    sys::set_errno(errno);
+}
+
+/// Before `fork`: the child shares every connection, and may wait on it in ways this
+/// process does not see; no connection is scanned any more.
+pub fn unscan_all() {
+    if REG_COUNT.load(Relaxed) == 0 {
+        return;
+    }
+    let all = with_regs(|r| {
+        let fds: Vec<c_int> = r.members.values().flatten().map(|m| m.fd).collect();
+        let mut out = Vec::new();
+        for fd in fds {
+            out.extend(r.unscan(fd));
+        }
+        out
+    });
+    announce_all(all);
+}
+
+/// One registration of a virtual connection in an instance, for the scan.
+struct Member {
+    fd: c_int,
+    data: u64,
+    events: u32,
+    vc: Arc<Vc>,
+}
 
 /// One registration: the descriptor and the events the program asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,6 +254,8 @@ struct Regs {
     by_fd: Map<(c_int, c_int), u64>,
     /// fd -> the epoll instances it is registered with.
     instances: Map<c_int, Vec<c_int>>,
+    /// epoll fd -> its registrations of virtual connections (the scan's list).
+    members: Map<c_int, Vec<Member>>,
 }
 
 impl Regs {
@@ -119,6 +267,9 @@ impl Regs {
                     g.events = events;
                 }
             }
+            if let Some(m) = self.members.get_mut(&epfd).and_then(|v| v.iter_mut().find(|m| m.fd == fd)) {
+                m.events = events;
+            }
             return;
         }
         self.forget(epfd, fd);
@@ -129,12 +280,88 @@ impl Regs {
         }
         self.by_fd.insert((epfd, fd), data);
         self.instances.entry(fd).or_default().push(epfd);
+        // (Only connections on shared memory: scanning is of no use to the others, and
+        // keeping them out keeps `epoll_ctl` as cheap as before for them.)
+        if let Some(vc) = fdtable::vc(fd).filter(|v| v.shm_now().is_some()) {
+            self.members.entry(epfd).or_default().push(Member { fd, data, events, vc });
+        }
+    }
+
+    /// Whether connection `fd` can be scanned, and by which instance: registered for input
+    /// in exactly one instance, which is not nested, with data of its own, not one-shot,
+    /// and held by this process alone.
+    fn scan_instance(&self, fd: c_int) -> Option<c_int> {
+        if (fd as usize) >= SCAN_FDS {
+            return None;
+        }
+        let &[epfd] = self.instances.get(&fd)?.as_slice() else { return None };
+        if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || contained(epfd) {
+            return None;
+        }
+        let m = self.members.get(&epfd)?.iter().find(|m| m.fd == fd)?;
+        let reg = self.lookup(epfd, m.data)?;
+        let wanted = reg.events & libc::EPOLLIN as u32 != 0 && reg.events & libc::EPOLLONESHOT as u32 == 0;
+        (wanted && m.vc.held_here_only()).then_some(epfd)
+    }
+
+    /// Sets whether `fd` is scanned; returns the connection when it stops being scanned
+    /// (to be announced).
+    /// When it is not scanned but some registration waits for its input, a ring left
+    /// unannounced is returned to be announced. (With no such registration nothing waits:
+    /// a later `poll`, `select` or registration announces it then.)
+    fn rescan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
+        if (fd as usize) >= SCAN_FDS {
+            return None;
+        }
+        let now = self.scan_instance(fd).map_or(0, |e| e as u16 + 1);
+        SCAN_EPFD[fd as usize].store(now, SeqCst);
+        if now == 0 && unannounced(fd) && self.wants_input(fd) {
+            return fdtable::vc(fd).map(|v| (fd, v));
+        }
+        None
+    }
+
+    /// Some registration of `fd` asks for input.
+    fn wants_input(&self, fd: c_int) -> bool {
+        self.instances.get(&fd).is_some_and(|es| {
+            es.iter().any(|e| {
+                self.members
+                    .get(e)
+                    .and_then(|v| v.iter().find(|m| m.fd == fd))
+                    .is_some_and(|m| m.events & IN_BITS != 0)
+            })
+        })
+    }
+
+    /// `fd` is not scanned any more (whatever its registrations); returned when its ring
+    /// may be unannounced.
+    fn unscan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
+        if (fd as usize) < SCAN_FDS {
+            SCAN_EPFD[fd as usize].store(0, SeqCst);
+            if unannounced(fd) {
+                return fdtable::vc(fd).map(|v| (fd, v));
+            }
+        }
+        None
+    }
+
+    /// Every member of `epfd` again (the instance changed: nested).
+    fn rescan_members(&self, epfd: c_int) -> Vec<(c_int, Arc<Vc>)> {
+        let fds: Vec<c_int> =
+            self.members.get(&epfd).map(|v| v.iter().map(|m| m.fd).collect()).unwrap_or_default();
+        fds.into_iter().filter_map(|fd| self.rescan(fd)).collect()
     }
 
     /// Forgets the registration of `fd` with `epfd` (`EPOLL_CTL_DEL`, a close, or a
     /// descriptor number now used by something else); true if there was one.
     fn forget(&mut self, epfd: c_int, fd: c_int) -> bool {
         let Some(data) = self.by_fd.remove(&(epfd, fd)) else { return false };
+        if let Some(v) = self.members.get_mut(&epfd) {
+            v.retain(|m| m.fd != fd);
+            if v.is_empty() {
+                self.members.remove(&epfd);
+            }
+        }
         if let Some(v) = self.instances.get_mut(&fd) {
             v.retain(|&e| e != epfd);
             if v.is_empty() {
@@ -218,17 +445,21 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
             return;
         }
     }
-    with_regs(|r| match op {
-        libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
-            r.set(epfd, fd, events, data);
-            if let Some((w, b)) = epfd_bit(epfd) {
-                TRACKED_EPFD[w].fetch_or(b, Relaxed);
+    let again = with_regs(|r| {
+        match op {
+            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
+                r.set(epfd, fd, events, data);
+                if let Some((w, b)) = epfd_bit(epfd) {
+                    TRACKED_EPFD[w].fetch_or(b, Relaxed);
+                }
+            }
+            _ => {
+                r.forget(epfd, fd);
             }
         }
-        _ => {
-            r.forget(epfd, fd);
-        }
+        r.rescan(fd)
     });
+    announce_all(again.into_iter().collect());
 }
 
 /// A descriptor is closed: its registrations go (the kernel drops them with the last
@@ -238,10 +469,18 @@ pub fn note_close(fd: c_int) {
     if REG_COUNT.load(Relaxed) == 0 {
         return;
     }
-    with_regs(|r| r.close(fd));
+    let again = with_regs(|r| {
+        let members: Vec<c_int> =
+            r.members.get(&fd).map(|v| v.iter().map(|m| m.fd).collect()).unwrap_or_default();
+        r.close(fd);
+        r.unscan(fd);
+        // An instance closed: what it scanned is announced again.
+        members.into_iter().filter_map(|m| r.rescan(m)).collect::<Vec<_>>()
+    });
     if let Some((w, b)) = epfd_bit(fd) {
         TRACKED_EPFD[w].fetch_and(!b, Relaxed);
     }
+    announce_all(again);
 }
 
 /// What a readable report of `fd` means (never blocks; a panic counts as "report it").
@@ -397,15 +636,75 @@ pub fn epoll_wait(
     epfd: c_int,
     events: &mut ProgArray<libc::epoll_event>,
     timeout_us: i64,
-    wait: impl FnMut(bool, i64) -> c_int,
+    mut wait: impl FnMut(bool, i64) -> c_int,
 ) -> c_int {
-    wait_loop(timeout_us, wait, |n| {
-        if events.is_empty() {
-            return n;
+    let sleepers = (epfd >= 0 && (epfd as usize) < SCAN_EPFDS).then(|| &SLEEPERS[epfd as usize]);
+    if let Some(sl) = sleepers {
+        // Counted before the scan: a thread reading a scanned connection from now on
+        // announces it (see `elided`).
+        sl.fetch_add(1, SeqCst);
+    }
+    let mut found = [(0u64, 0u32); 64];
+    let mut k = 0;
+    if sleepers.is_some() && !events.is_empty() {
+        // First a look without telling the writers anything (a busy loop finds bytes and
+        // does not sleep); only a wait that may sleep marks the empty rings sleeping, then
+        // looks again.
+        k = scan(epfd, &mut found, false);
+        if k == 0 && timeout_us != 0 {
+            k = scan(epfd, &mut found, true);
         }
-        // The kernel wrote `n` events (at most the array's length).
-        events.with(n as usize, |evs| filter_epoll(epfd, evs)) as c_int
-    })
+    }
+    let r = if k > 0 {
+        // Bytes wait in rings: report them with whatever the kernel has now, no sleep.
+        let n = wait(false, 0).max(0);
+        let len = events.len();
+        events.with(len, |evs| {
+            let n = (n as usize).min(len);
+            let mut m = filter_epoll(epfd, &mut evs[..n]);
+            for &(data, bits) in &found[..k] {
+                if let Some(e) = evs[..m].iter_mut().find(|e| e.u64 == data) {
+                    e.events |= bits;
+                } else if m < len {
+                    evs[m] = libc::epoll_event { events: bits, u64: data };
+                    m += 1;
+                }
+            }
+            m
+        }) as c_int
+    } else {
+        wait_loop(timeout_us, wait, |n| {
+            if events.is_empty() {
+                return n;
+            }
+            // The kernel wrote `n` events (at most the array's length).
+            events.with(n as usize, |evs| filter_epoll(epfd, evs)) as c_int
+        })
+    };
+    if let Some(sl) = sleepers {
+        sl.fetch_sub(1, SeqCst);
+    }
+    r
+}
+
+/// The scanned connections of `epfd` whose rings hold bytes (or the end), as (data, events)
+/// into `found`; with `sleep`, every other one is marked sleeping (the writer rings from now
+/// on). Returns how many were found.
+fn scan(epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usize {
+    let g = REGS.read().unwrap_or_else(|e| e.into_inner());
+    let Some(members) = g.as_ref().and_then(|r| r.members.get(&epfd)) else { return 0 };
+    let me = epfd as u16 + 1;
+    let mut k = 0;
+    for m in members {
+        if (m.fd as usize) >= SCAN_FDS || SCAN_EPFD[m.fd as usize].load(Relaxed) != me {
+            continue;
+        }
+        if m.vc.scan_ready(sleep) && k < found.len() {
+            found[k] = (m.data, m.events & IN_BITS);
+            k += 1;
+        }
+    }
+    k
 }
 
 /// Milliseconds for a real call: the program's own at first, then what is left.
@@ -427,7 +726,33 @@ pub fn poll(
         return wait(true, timeout_us);
     }
     let n = fds.len();
+    POLL_SLEEPERS.fetch_add(1, SeqCst);
+    let _counted = Counted(&POLL_SLEEPERS);
+    fds.with(n, |p| {
+        for f in p.iter() {
+            if f.events & libc::POLLIN != 0 && unannounced(f.fd) {
+                announce_one(f.fd);
+            }
+        }
+    });
     wait_loop(timeout_us, wait, |r| fds.with(n, |p| filter_poll(p, r)))
+}
+
+/// A `poll` or `select` is about to wait on connection `fd`, whose ring a receive left
+/// unannounced: announced the usual way.
+fn announce_one(fd: c_int) {
+    if let Some(vc) = fdtable::vc(fd) {
+        announce_all(vec![(fd, vc)]);
+    }
+}
+
+/// Takes one off a count of waiting threads when dropped.
+struct Counted(&'static AtomicU32);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
 }
 
 /// Drops the readable bit of `poll` reports that are not true; `r` of them were reported.
@@ -464,6 +789,13 @@ pub fn select(
 ) -> c_int {
     if !fdtable::any() || sets[0].is_empty() || nfds <= 0 {
         return wait(true, timeout_us);
+    }
+    POLL_SLEEPERS.fetch_add(1, SeqCst);
+    let _counted = Counted(&POLL_SLEEPERS);
+    for fd in 0..nfds.min(libc::FD_SETSIZE as c_int) {
+        if unannounced(fd) && sets[0].has(fd) {
+            announce_one(fd);
+        }
     }
     // The sets the program asked about, for each repeated call.
     let saved: Vec<Option<libc::fd_set>> =

@@ -498,9 +498,8 @@ impl Vc {
                     }
                     return Truth::Unknown;
                 };
-                let mut b = [0u8; 1];
-                return match l.recv(fd, &mut b, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
-                    Err(IrbError::WouldBlock) => Truth::Spurious,
+                return match l.truth(fd) {
+                    Ok(false) => Truth::Spurious,
                     Err(IrbError::Os(relink::LINK_DOWN)) => Truth::Relinking,
                     _ => Truth::Readable,
                 };
@@ -538,6 +537,39 @@ impl Vc {
             matches!(l.mode(), shm_sink::Mode::Shm | shm_sink::Mode::Pending)
                 && l.epoch() == c.shm_epoch.load(Acquire)
         })
+    }
+
+    /// For an epoll wait that scans this connection: true when its ring holds bytes (with
+    /// `sleep`, an empty ring is marked sleeping: the writer rings from now on).
+    pub fn scan_ready(&self, sleep: bool) -> bool {
+        self.shm_now().is_some_and(|l| l.scan_ready(sleep))
+    }
+
+    /// The program may wait on descriptor `fd` in a way the layer does not scan: bytes in
+    /// the ring get a bell, and the writer rings for new ones.
+    pub fn announce(&self, fd: i32) {
+        let Some(l) = self.shm_now() else { return };
+        let c = self.mem.conn();
+        // Under the receive lock, as a receive's own announcement is. A receive that holds
+        // it for long is a blocking one, waiting in the kernel: it marked the ring sleeping
+        // itself, so the writer rings anyway.
+        let until = crate::sys::now_us() + 2000;
+        loop {
+            if let Some(_g) = c.rx_lock.try_lock() {
+                crate::ready::announced(fd);
+                l.announce(fd);
+                return;
+            }
+            if crate::sys::now_us() >= until {
+                return;
+            }
+            crate::sys::process::sched_yield();
+        }
+    }
+
+    /// No other process holds the connection.
+    pub fn held_here_only(&self) -> bool {
+        self.mem.conn().procs.load(Acquire) == 1
     }
 
     /// True while the connection's bytes go through the rings and its socket carries only

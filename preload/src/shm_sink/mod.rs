@@ -184,10 +184,36 @@ impl ShmLink {
         self.peer_sock.load(Acquire)
     }
 
+    /// A receive returns to the program, which may wait on the descriptor next: announced
+    /// (see `announce`) unless every wait of the program looks at the ring first
+    /// (`ready::elided`).
+    fn leave(&self, fd: i32) {
+        if !crate::ready::elided(fd) {
+            crate::ready::announced(fd);
+            self.announce(fd);
+        }
+    }
+
+    /// For an epoll wait that scans: true when the ring holds bytes (or the end); with
+    /// `sleep`, otherwise the writer rings from now on.
+    pub fn scan_ready(&self, sleep: bool) -> bool {
+        if self.mode() != Mode::Shm {
+            return false;
+        }
+        if sleep {
+            self.rx.before_sleep() == Ok(Sleep::Ready)
+        } else {
+            self.rx.readable().unwrap_or(0) > 0 || self.rx.closed()
+        }
+    }
+
     /// The program may wait on the descriptor now: it must look readable exactly when the
     /// ring holds bytes (or the end). Bytes left behind need a bell (rung through the peer's
     /// socket); an empty ring must leave no bell behind.
-    fn leave(&self, fd: i32) {
+    pub fn announce(&self, fd: i32) {
+        if self.mode() != Mode::Shm {
+            return;
+        }
         let mut ready = self.rx.before_sleep() == Ok(Sleep::Ready);
         if !ready && self.rx.bell_pending() {
             self.take_bells(fd);
@@ -334,6 +360,32 @@ impl ShmLink {
         };
         self.leave(fd);
         r
+    }
+
+    /// What the kernel's "readable" for the descriptor means (see `crate::ready`): true when
+    /// bytes or the end wait, and then nothing changes (the program reads next; a scanned
+    /// ring must not be marked sleeping for it). Otherwise only bells were there: they are
+    /// taken, and the writer rings from now on (the program's wait goes on). The caller
+    /// holds the rx lock.
+    pub fn truth(&self, fd: i32) -> Result<bool, IrbError> {
+        let there = || -> Result<bool, IrbError> {
+            Ok(self.rx.readable().map_err(|_| corrupt())? > 0
+                || self.rx.at_end().unwrap_or(true)
+                || self.eof.load(Acquire))
+        };
+        if there()? {
+            return Ok(true);
+        }
+        if self.moving() {
+            return Err(IrbError::Os(crate::relink::LINK_DOWN));
+        }
+        // (A scanned ring is marked sleeping by the scan itself, only when its wait may
+        // sleep: a wait that reports other rings must not make the writers ring.)
+        if !crate::ready::scanned(fd) && self.rx.before_sleep() == Ok(Sleep::Ready) {
+            return Ok(true);
+        }
+        self.take_bells(fd);
+        there()
     }
 
     /// Unread bytes (FIONREAD).

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""An event loop, in one thread, that is both ends of several connections: it connects to its
+own listener PAIRS times, then for ROUNDS rounds sends a request of SIZE bytes on every
+client end, answers each request on its server end once it is whole, and reads the answers,
+waiting only in its selector (epoll by default, poll with --wait poll).
+
+    event_loop.py --bind IP:PORT --pairs N --rounds R --size S [--wait epoll|poll]
+
+Prints {"messages", "bells", "ok", "stalls"}: the requests and answers exchanged, the bytes
+that arrived in the kernel sockets themselves (TCP_INFO bytes_received, summed over every
+socket; over the layer's shared memory those are its one-byte wake-ups, which an event loop
+that never sleeps with bytes waiting should not need), whether every answer was the request
+sent, and how many waits of 5 s ended with nothing (a lost wake-up).
+"""
+
+import argparse
+import json
+import selectors
+import socket
+import struct
+
+TCP_INFO_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in struct tcp_info
+
+
+def bytes_received(sock):
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+    if len(info) < TCP_INFO_BYTES_RECEIVED + 8:
+        return 0
+    return struct.unpack_from("<Q", info, TCP_INFO_BYTES_RECEIVED)[0]
+
+
+def request(pair, rnd, size):
+    block = bytes(((pair * 37 + rnd * 11 + i) & 0xFF) for i in range(97))
+    return (block * (size // len(block) + 1))[:size]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=500)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--wait", choices=["epoll", "poll"], default="epoll")
+    a = ap.parse_args()
+    host, _, port = a.bind.rpartition(":")
+    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind((host, int(port)))
+    ls.listen(a.pairs)
+    clients, servers = [], []
+    for _ in range(a.pairs):
+        clients.append(socket.create_connection((host, int(port))))
+        servers.append(ls.accept()[0])
+    sel = selectors.EpollSelector() if a.wait == "epoll" else selectors.PollSelector()
+    for i, s in enumerate(clients + servers):
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, i)
+    n = a.pairs
+    out = {"messages": 0, "bells": 0, "ok": True, "stalls": 0}
+    for rnd in range(a.rounds):
+        got = [b""] * (2 * n)
+        for p, c in enumerate(clients):
+            c.sendall(request(p, rnd, a.size))
+            out["messages"] += 1
+        answered = 0
+        while answered < n:
+            events = sel.select(timeout=5)
+            if not events:
+                out["stalls"] += 1
+                if out["stalls"] > 3:
+                    out["ok"] = False
+                    print(json.dumps(out), flush=True)
+                    return
+                continue
+            for key, _ in events:
+                i = key.data
+                try:
+                    chunk = key.fileobj.recv(65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    out["ok"] = False
+                    continue
+                got[i] += chunk
+                if len(got[i]) < a.size:
+                    continue
+                if i >= n:
+                    # A server end: the request is whole; answer it.
+                    servers[i - n].sendall(got[i])
+                    out["messages"] += 1
+                    got[i] = b""
+                else:
+                    out["ok"] = out["ok"] and got[i] == request(i, rnd, a.size)
+                    answered += 1
+    out["bells"] = sum(bytes_received(s) for s in clients + servers)
+    for s in clients + servers:
+        s.close()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
