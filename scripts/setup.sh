@@ -20,6 +20,7 @@ APT_PACKAGES=(
     iproute2
     curl
     nginx
+    wrk
     postgresql
     openssh-server
     openssh-client

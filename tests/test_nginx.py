@@ -144,6 +144,28 @@ def test_nginx_keepalive_and_parallel_clients(procs, workdir, where):
         f"connections accepted by {sorted(accepted[g] for g in out)}, workers {sorted(workers)}"
 
 
+@pytest.mark.parametrize("where", list(PLACES))
+def test_nginx_under_wrk(procs, workdir, where):
+    """wrk (one thread, 8 keep-alive connections, 2 s) against nginx, both under the layer:
+    thousands of requests answered, none but 200. Each request wakes a sleeping event loop
+    on the other side; a lost or held-back wake-up shows as about one request per second per
+    connection (over shared memory a wake-up left in nginx's socket did exactly that)."""
+    host, env, substrate, port = place(where, "nginx_wrk")
+    srv, www = nginx(procs, workdir, port, env)
+    write_random_file(www / "f4k", 4096)
+    with Watcher(H1, host) as w:
+        p = procs.run(host, ["wrk", "-t1", "-c8", "-d2s", f"http://{H1_IP}:{port}/f4k"],
+                      layer=True, name="wrk", timeout=30, env=env)
+    out = p.stdout()
+    assert "Non-2xx" not in out, out
+    m = re.search(r"^Requests/sec:\s+([\d.]+)", out, re.M)
+    assert m and float(m.group(1)) > 500, f"nginx under wrk:\n{out}"
+    if not BASELINE:
+        mine = [c for c in w.connections(host) if c.get("peer", "").endswith(f":{port}")]
+        assert mine and all(c.get("substrate") == substrate for c in mine), mine
+    assert srv.alive(), "nginx died"
+
+
 @pytest.mark.skipif(BASELINE, reason="failover is the layer's work")
 def test_nginx_download_survives_link_failure(procs, workdir, faults):
     """A rate-limited download from nginx (H1) to curl (H2); after a second, H2's eth0 goes

@@ -5,6 +5,13 @@ client end, answers each request on its server end once it is whole, and reads t
 waiting only in its selector (epoll by default, poll with --wait poll).
 
     event_loop.py --bind IP:PORT --pairs N --rounds R --size S [--wait epoll|poll]
+    event_loop.py --bind IP:PORT --pairs N --rounds R --size S --server-thread [--edge]
+
+With --server-thread the server ends are served by a second thread, from its own epoll
+instance (edge-triggered with --edge, reading until a short read as nginx does), while the main
+thread sends each request with a blocking send and waits for its answer with a blocking
+receive, 1 ms apart: the server's loop sleeps between requests, so every request needs a
+wake-up, and a wake-up left behind in a socket must not hold back the next one.
 
 Prints {"messages", "bells", "ok", "stalls"}: the requests and answers exchanged, the bytes
 that arrived in the kernel sockets themselves (TCP_INFO bytes_received, summed over every
@@ -15,9 +22,12 @@ sent, and how many waits of 5 s ended with nothing (a lost wake-up).
 
 import argparse
 import json
+import select
 import selectors
 import socket
 import struct
+import threading
+import time
 
 TCP_INFO_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in struct tcp_info
 
@@ -34,6 +44,69 @@ def request(pair, rnd, size):
     return (block * (size // len(block) + 1))[:size]
 
 
+def serve(servers, size, edge, stop, out):
+    """The server ends' loop: answers every whole request, reading until EAGAIN."""
+    ep = select.epoll()
+    flags = select.EPOLLIN | (select.EPOLLET if edge else 0)
+    for i, s in enumerate(servers):
+        s.setblocking(False)
+        ep.register(s.fileno(), flags)
+    by_fd = {s.fileno(): s for s in servers}
+    got = {fd: b"" for fd in by_fd}
+    while not stop.is_set():
+        for fd, _ in ep.poll(2.0):
+            s = by_fd[fd]
+            while True:
+                try:
+                    chunk = s.recv(65536)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                got[fd] += chunk
+                short = len(chunk) < 65536
+                while len(got[fd]) >= size:
+                    s.setblocking(True)
+                    s.sendall(got[fd][:size])
+                    s.setblocking(False)
+                    got[fd] = got[fd][size:]
+                    out["answers"] += 1
+                if short:
+                    # A short read took all there was (nginx stops there too, edge-triggered).
+                    break
+    ep.close()
+
+
+def threaded(a, clients, servers, out):
+    stop = threading.Event()
+    side = {"answers": 0}
+    t = threading.Thread(target=serve, args=(servers, a.size, a.edge, stop, side), daemon=True)
+    t.start()
+    for rnd in range(a.rounds):
+        for p, c in enumerate(clients):
+            req = request(p, rnd, a.size)
+            c.settimeout(1)
+            c.sendall(req)
+            out["messages"] += 1
+            try:
+                got = b""
+                while len(got) < a.size:
+                    chunk = c.recv(a.size - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+            except socket.timeout:
+                out["stalls"] += 1
+                out["ok"] = False
+                stop.set()
+                return
+            out["messages"] += 1
+            out["ok"] = out["ok"] and got == req
+        time.sleep(0.001)
+    stop.set()
+    t.join(5)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bind", required=True)
@@ -41,6 +114,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--wait", choices=["epoll", "poll"], default="epoll")
+    ap.add_argument("--server-thread", action="store_true")
+    ap.add_argument("--edge", action="store_true")
     a = ap.parse_args()
     host, _, port = a.bind.rpartition(":")
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -51,12 +126,17 @@ def main():
     for _ in range(a.pairs):
         clients.append(socket.create_connection((host, int(port))))
         servers.append(ls.accept()[0])
+    out = {"messages": 0, "bells": 0, "ok": True, "stalls": 0}
+    if a.server_thread:
+        threaded(a, clients, servers, out)
+        out["bells"] = sum(bytes_received(s) for s in clients + servers)
+        print(json.dumps(out), flush=True)
+        return
     sel = selectors.EpollSelector() if a.wait == "epoll" else selectors.PollSelector()
     for i, s in enumerate(clients + servers):
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ, i)
     n = a.pairs
-    out = {"messages": 0, "bells": 0, "ok": True, "stalls": 0}
     for rnd in range(a.rounds):
         got = [b""] * (2 * n)
         for p, c in enumerate(clients):

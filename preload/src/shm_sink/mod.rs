@@ -191,6 +191,14 @@ impl ShmLink {
         if !crate::ready::elided(fd) {
             crate::ready::announced(fd);
             self.announce(fd);
+            return;
+        }
+        // A bell rung while the ring was marked sleeping may still be in the socket: once
+        // the ring is empty it is taken, or it would stand for bytes that are gone and, as
+        // the pending flag, hold back the next bell (an edge-triggered waiter would then
+        // never see another event).
+        if self.rx.bell_pending() && self.rx.readable().unwrap_or(0) == 0 && !self.rx.closed() {
+            self.take_bells(fd);
         }
     }
 
