@@ -9,6 +9,7 @@
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
+//! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -19,6 +20,7 @@ static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
+static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -87,7 +89,20 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(v) = std::env::var("VMI_EPOLL_SCAN_MAX") {
+        match v.trim().parse::<u64>() {
+            Ok(x) if x <= 65_536 => EPOLL_SCAN_MAX.store(x, Relaxed),
+            _ => crate::log::warn(format_args!(
+                "VMI_EPOLL_SCAN_MAX={v} is not a number of connections up to 65536; using 512"
+            )),
+        }
+    }
     crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// Most shared-memory connections an epoll instance scans (see `crate::ready`).
+pub fn epoll_scan_max() -> usize {
+    EPOLL_SCAN_MAX.load(Relaxed) as usize
 }
 
 /// True when same-node connections may use shared memory.

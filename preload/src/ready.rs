@@ -72,6 +72,11 @@ static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// that can scan.
 const SCAN_FDS: usize = 1 << 16;
 const SCAN_EPFDS: usize = 4096;
+/// Most connections on shared memory an instance scans (`VMI_EPOLL_SCAN_MAX`): a wait looks
+/// at each of them, and one with more (idle keep-alive connections, say) is cheaper with bells.
+fn scan_max() -> usize {
+    crate::config::epoll_scan_max()
+}
 /// Per descriptor: 1 + the epoll instance whose waits scan its ring, 0 when not scanned.
 static SCAN_EPFD: [AtomicU16; SCAN_FDS] = [const { AtomicU16::new(0) }; SCAN_FDS];
 /// Per epoll instance: threads inside a wait on it that scanned and may sleep.
@@ -256,6 +261,8 @@ struct Regs {
     instances: Map<c_int, Vec<c_int>>,
     /// epoll fd -> its registrations of virtual connections (the scan's list).
     members: Map<c_int, Vec<Member>>,
+    /// An instance whose list just went past the bound (its members are to be rescanned).
+    overflowed: Option<c_int>,
 }
 
 impl Regs {
@@ -283,7 +290,13 @@ impl Regs {
         // (Only connections on shared memory: scanning is of no use to the others, and
         // keeping them out keeps `epoll_ctl` as cheap as before for them.)
         if let Some(vc) = fdtable::vc(fd).filter(|v| v.shm_now().is_some()) {
-            self.members.entry(epfd).or_default().push(Member { fd, data, events, vc });
+            let v = self.members.entry(epfd).or_default();
+            v.push(Member { fd, data, events, vc });
+            if v.len() == scan_max() + 1 {
+                // Past the bound: none of the instance's connections is scanned any more
+                // (`note_ctl` announces them).
+                self.overflowed = Some(epfd);
+            }
         }
     }
 
@@ -298,7 +311,11 @@ impl Regs {
         if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || contained(epfd) {
             return None;
         }
-        let m = self.members.get(&epfd)?.iter().find(|m| m.fd == fd)?;
+        let members = self.members.get(&epfd)?;
+        if members.len() > scan_max() {
+            return None;
+        }
+        let m = members.iter().find(|m| m.fd == fd)?;
         let reg = self.lookup(epfd, m.data)?;
         let wanted = reg.events & libc::EPOLLIN as u32 != 0 && reg.events & libc::EPOLLONESHOT as u32 == 0;
         (wanted && m.vc.held_here_only()).then_some(epfd)
@@ -457,9 +474,13 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
                 r.forget(epfd, fd);
             }
         }
-        r.rescan(fd)
+        let mut again: Vec<_> = r.rescan(fd).into_iter().collect();
+        if let Some(e) = r.overflowed.take() {
+            again.extend(r.rescan_members(e));
+        }
+        again
     });
-    announce_all(again.into_iter().collect());
+    announce_all(again);
 }
 
 /// A descriptor is closed: its registrations go (the kernel drops them with the last
@@ -693,6 +714,9 @@ pub fn epoll_wait(
 fn scan(epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usize {
     let g = REGS.read().unwrap_or_else(|e| e.into_inner());
     let Some(members) = g.as_ref().and_then(|r| r.members.get(&epfd)) else { return 0 };
+    if members.len() > scan_max() {
+        return 0;
+    }
     let me = epfd as u16 + 1;
     let mut k = 0;
     for m in members {
