@@ -62,15 +62,55 @@ pub enum Truth {
 
 const EPFD_BITS: usize = 1 << 16;
 
+/// A bit per descriptor below `EPFD_BITS` (one word load to test).
+struct FdBits([AtomicU64; EPFD_BITS / 64]);
+
+impl FdBits {
+    const fn new() -> FdBits {
+        FdBits([const { AtomicU64::new(0) }; EPFD_BITS / 64])
+    }
+
+    fn at(&self, fd: c_int) -> Option<(&AtomicU64, u64)> {
+        (fd >= 0 && (fd as usize) < EPFD_BITS)
+            .then(|| (&self.0[fd as usize / 64], 1u64 << (fd as usize % 64)))
+    }
+
+    /// `None` beyond the bitmap.
+    #[inline]
+    fn get(&self, fd: c_int, order: std::sync::atomic::Ordering) -> Option<bool> {
+        self.at(fd).map(|(w, b)| w.load(order) & b != 0)
+    }
+
+    fn has(&self, fd: c_int) -> bool {
+        self.get(fd, SeqCst) == Some(true)
+    }
+
+    fn set(&self, fd: c_int) {
+        if let Some((w, b)) = self.at(fd) {
+            if w.load(Relaxed) & b == 0 {
+                w.fetch_or(b, SeqCst);
+            }
+        }
+    }
+
+    fn clear(&self, fd: c_int) {
+        if let Some((w, b)) = self.at(fd) {
+            if w.load(Relaxed) & b != 0 {
+                w.fetch_and(!b, SeqCst);
+            }
+        }
+    }
+}
+
 /// Epoll instances with at least one registration of a virtual connection (one load in
 /// the hooks of every other instance).
-static TRACKED_EPFD: [AtomicU64; EPFD_BITS / 64] = [const { AtomicU64::new(0) }; EPFD_BITS / 64];
+static TRACKED_EPFD: FdBits = FdBits::new();
 /// Registrations known, for programs with descriptors beyond the bitmap.
 static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// Descriptors (below this) that can be scanned, and epoll instances (below `SCAN_EPFDS`)
 /// that can scan.
-const SCAN_FDS: usize = 1 << 16;
+const SCAN_FDS: usize = EPFD_BITS;
 const SCAN_EPFDS: usize = 4096;
 /// Most connections on shared memory an instance scans (`VMI_EPOLL_SCAN_MAX`): a wait looks
 /// at each of them, and one with more (idle keep-alive connections, say) is cheaper with bells.
@@ -79,65 +119,51 @@ fn scan_max() -> usize {
 }
 /// Per descriptor: 1 + the epoll instance whose waits scan its ring, 0 when not scanned.
 static SCAN_EPFD: [AtomicU16; SCAN_FDS] = [const { AtomicU16::new(0) }; SCAN_FDS];
-/// Per epoll instance: threads inside a wait on it that scanned and may sleep.
+/// Per epoll instance: threads inside a wait on it, which may sleep.
 static SLEEPERS: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
+/// Per epoll instance: how many connections it scans (its waits skip the scan at 0).
+static SCANNED: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
 /// Descriptors the program added to some epoll instance (other than virtual connections):
 /// an epoll instance among them is nested, and its waits are not the only ones.
-static CONTAINED: [AtomicU64; SCAN_FDS / 64] = [const { AtomicU64::new(0) }; SCAN_FDS / 64];
-
+static CONTAINED: FdBits = FdBits::new();
 /// Descriptors whose receive left without announcing its ring (`elided`): a wait that does
 /// not scan must announce it first.
-static UNANNOUNCED: [AtomicU64; SCAN_FDS / 64] = [const { AtomicU64::new(0) }; SCAN_FDS / 64];
+static UNANNOUNCED: FdBits = FdBits::new();
 /// Threads inside a `poll` or `select` that includes a virtual connection: while there are
 /// any, every receive announces (such a wait does not scan).
 static POLL_SLEEPERS: AtomicU32 = AtomicU32::new(0);
 
-fn bit(fd: c_int) -> (&'static AtomicU64, u64) {
-    (&UNANNOUNCED[fd as usize / 64], 1u64 << (fd as usize % 64))
-}
-
 /// Connection `fd`'s ring was announced (whatever it holds has a bell, and the writer rings).
 #[inline]
 pub fn announced(fd: c_int) {
-    if (fd as usize) < SCAN_FDS {
-        let (w, b) = bit(fd);
-        if w.load(Relaxed) & b != 0 {
-            w.fetch_and(!b, Relaxed);
-        }
-    }
-}
-
-fn unannounced(fd: c_int) -> bool {
-    if (fd as usize) >= SCAN_FDS {
-        return false;
-    }
-    let (w, b) = bit(fd);
-    w.load(SeqCst) & b != 0
+    UNANNOUNCED.clear(fd);
 }
 
 /// The program added `fd` (not a virtual connection) to an epoll instance.
 pub fn note_contained(fd: c_int) {
-    if (fd as usize) < SCAN_FDS {
-        CONTAINED[fd as usize / 64].fetch_or(1 << (fd as usize % 64), Relaxed);
-        if tracking(fd) {
-            // A scanning instance is nested now: its connections are announced again.
-            let again = with_regs(|r| r.rescan_members(fd));
-            announce_all(again);
-        }
+    CONTAINED.set(fd);
+    if tracking(fd) {
+        // A scanning instance is nested now: its connections are announced again.
+        let again = with_regs(|r| r.rescan_members(fd));
+        announce_all(again);
     }
-}
-
-fn contained(fd: c_int) -> bool {
-    (fd as usize) < SCAN_FDS && CONTAINED[fd as usize / 64].load(Relaxed) & (1 << (fd as usize % 64)) != 0
 }
 
 /// `fd` was closed: it is nobody's member any more.
 pub fn note_closed_fd(fd: c_int) {
-    if (fd as usize) < SCAN_FDS {
-        let w = &CONTAINED[fd as usize / 64];
-        let b = 1u64 << (fd as usize % 64);
-        if w.load(Relaxed) & b != 0 {
-            w.fetch_and(!b, Relaxed);
+    CONTAINED.clear(fd);
+}
+
+/// Sets which instance scans `fd` (`now`: 1 + the instance, 0 for none), keeping the
+/// instances' counts.
+fn set_scan(fd: c_int, now: u16) {
+    let was = SCAN_EPFD[fd as usize].swap(now, SeqCst);
+    if was != now {
+        if was != 0 {
+            SCANNED[usize::from(was - 1)].fetch_sub(1, Relaxed);
+        }
+        if now != 0 {
+            SCANNED[usize::from(now - 1)].fetch_add(1, Relaxed);
         }
     }
 }
@@ -154,10 +180,7 @@ pub fn elided(fd: c_int) -> bool {
     if e == 0 {
         return false;
     }
-    let (w, b) = bit(fd);
-    if w.load(Relaxed) & b == 0 {
-        w.fetch_or(b, SeqCst);
-    }
+    UNANNOUNCED.set(fd);
     SLEEPERS[usize::from(e - 1)].load(SeqCst) == 0 && POLL_SLEEPERS.load(SeqCst) == 0
 }
 
@@ -308,7 +331,7 @@ impl Regs {
             return None;
         }
         let &[epfd] = self.instances.get(&fd)?.as_slice() else { return None };
-        if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || contained(epfd) {
+        if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || CONTAINED.get(epfd, Relaxed) == Some(true) {
             return None;
         }
         let members = self.members.get(&epfd)?;
@@ -321,18 +344,19 @@ impl Regs {
         (wanted && m.vc.held_here_only()).then_some(epfd)
     }
 
-    /// Sets whether `fd` is scanned; returns the connection when it stops being scanned
-    /// (to be announced).
-    /// When it is not scanned but some registration waits for its input, a ring left
-    /// unannounced is returned to be announced. (With no such registration nothing waits:
-    /// a later `poll`, `select` or registration announces it then.)
+    /// Sets whether `fd` is scanned. When it is not but some registration waits for its
+    /// input, a ring left unannounced is returned to be announced. (With no such
+    /// registration nothing waits: a later `poll`, `select` or registration announces it.)
     fn rescan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
-        if (fd as usize) >= SCAN_FDS {
+        if (fd as usize) >= SCAN_FDS || (self.members.is_empty() && SCAN_EPFD[fd as usize].load(Relaxed) == 0)
+        {
+            // (No connection on shared memory is registered anywhere: nothing to do, which
+            // keeps `epoll_ctl` on TCP connections as cheap as before.)
             return None;
         }
         let now = self.scan_instance(fd).map_or(0, |e| e as u16 + 1);
-        SCAN_EPFD[fd as usize].store(now, SeqCst);
-        if now == 0 && unannounced(fd) && self.wants_input(fd) {
+        set_scan(fd, now);
+        if now == 0 && UNANNOUNCED.has(fd) && self.wants_input(fd) {
             return fdtable::vc(fd).map(|v| (fd, v));
         }
         None
@@ -354,8 +378,8 @@ impl Regs {
     /// may be unannounced.
     fn unscan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
         if (fd as usize) < SCAN_FDS {
-            SCAN_EPFD[fd as usize].store(0, SeqCst);
-            if unannounced(fd) {
+            set_scan(fd, 0);
+            if UNANNOUNCED.has(fd) {
                 return fdtable::vc(fd).map(|v| (fd, v));
             }
         }
@@ -425,17 +449,10 @@ impl Regs {
 
 static REGS: RwLock<Option<Regs>> = RwLock::new(None);
 
-fn epfd_bit(epfd: c_int) -> Option<(usize, u64)> {
-    (epfd >= 0 && (epfd as usize) < EPFD_BITS).then(|| (epfd as usize / 64, 1u64 << (epfd as usize % 64)))
-}
-
 /// True when `epfd` may report virtual connections (one atomic load).
 #[inline]
 pub fn tracking(epfd: c_int) -> bool {
-    match epfd_bit(epfd) {
-        Some((w, b)) => TRACKED_EPFD[w].load(Relaxed) & b != 0,
-        None => REG_COUNT.load(Relaxed) > 0,
-    }
+    TRACKED_EPFD.get(epfd, Relaxed).unwrap_or_else(|| REG_COUNT.load(Relaxed) > 0)
 }
 
 fn with_regs<T>(f: impl FnOnce(&mut Regs) -> T) -> T {
@@ -466,9 +483,7 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
         match op {
             libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
                 r.set(epfd, fd, events, data);
-                if let Some((w, b)) = epfd_bit(epfd) {
-                    TRACKED_EPFD[w].fetch_or(b, Relaxed);
-                }
+                TRACKED_EPFD.set(epfd);
             }
             _ => {
                 r.forget(epfd, fd);
@@ -498,9 +513,7 @@ pub fn note_close(fd: c_int) {
         // An instance closed: what it scanned is announced again.
         members.into_iter().filter_map(|m| r.rescan(m)).collect::<Vec<_>>()
     });
-    if let Some((w, b)) = epfd_bit(fd) {
-        TRACKED_EPFD[w].fetch_and(!b, Relaxed);
-    }
+    TRACKED_EPFD.clear(fd);
     announce_all(again);
 }
 
@@ -665,47 +678,57 @@ pub fn epoll_wait(
         // announces it (see `elided`).
         sl.fetch_add(1, SeqCst);
     }
-    let mut found = [(0u64, 0u32); 64];
-    let mut k = 0;
-    if sleepers.is_some() && !events.is_empty() {
-        // First a look without telling the writers anything (a busy loop finds bytes and
-        // does not sleep); only a wait that may sleep marks the empty rings sleeping, then
-        // looks again.
-        k = scan(epfd, &mut found, false);
-        if k == 0 && timeout_us != 0 {
-            k = scan(epfd, &mut found, true);
-        }
-    }
-    let r = if k > 0 {
-        // Bytes wait in rings: report them with whatever the kernel has now, no sleep.
-        let n = wait(false, 0).max(0);
-        let len = events.len();
-        events.with(len, |evs| {
-            let n = (n as usize).min(len);
-            let mut m = filter_epoll(epfd, &mut evs[..n]);
-            for &(data, bits) in &found[..k] {
-                if let Some(e) = evs[..m].iter_mut().find(|e| e.u64 == data) {
-                    e.events |= bits;
-                } else if m < len {
-                    evs[m] = libc::epoll_event { events: bits, u64: data };
-                    m += 1;
-                }
-            }
-            m
-        }) as c_int
-    } else {
-        wait_loop(timeout_us, wait, |n| {
+    let scans = sleepers.is_some() && SCANNED[epfd as usize].load(Relaxed) > 0 && !events.is_empty();
+    let reported = if scans { scan_then_report(epfd, events, timeout_us, &mut wait) } else { None };
+    let r = match reported {
+        Some(r) => r,
+        None => wait_loop(timeout_us, wait, |n| {
             if events.is_empty() {
                 return n;
             }
             // The kernel wrote `n` events (at most the array's length).
             events.with(n as usize, |evs| filter_epoll(epfd, evs)) as c_int
-        })
+        }),
     };
     if let Some(sl) = sleepers {
         sl.fetch_sub(1, SeqCst);
     }
     r
+}
+
+/// The scan before a wait on `epfd`. First a look without telling the writers anything (a
+/// busy loop finds bytes and does not sleep); only a wait that may sleep marks the empty
+/// rings sleeping, then looks again. When rings hold bytes, they are reported with whatever
+/// the kernel has now (a zero time-out call), and the wait is over: `Some(events)`.
+fn scan_then_report(
+    epfd: c_int,
+    events: &mut ProgArray<libc::epoll_event>,
+    timeout_us: i64,
+    wait: &mut impl FnMut(bool, i64) -> c_int,
+) -> Option<c_int> {
+    let mut found = [(0u64, 0u32); 64];
+    let mut k = scan(epfd, &mut found, false);
+    if k == 0 && timeout_us != 0 {
+        k = scan(epfd, &mut found, true);
+    }
+    if k == 0 {
+        return None;
+    }
+    let n = wait(false, 0).max(0);
+    let len = events.len();
+    Some(events.with(len, |evs| {
+        let n = (n as usize).min(len);
+        let mut m = filter_epoll(epfd, &mut evs[..n]);
+        for &(data, bits) in &found[..k] {
+            if let Some(e) = evs[..m].iter_mut().find(|e| e.u64 == data) {
+                e.events |= bits;
+            } else if m < len {
+                evs[m] = libc::epoll_event { events: bits, u64: data };
+                m += 1;
+            }
+        }
+        m
+    }) as c_int)
 }
 
 /// The scanned connections of `epfd` whose rings hold bytes (or the end), as (data, events)
@@ -754,7 +777,7 @@ pub fn poll(
     let _counted = Counted(&POLL_SLEEPERS);
     fds.with(n, |p| {
         for f in p.iter() {
-            if f.events & libc::POLLIN != 0 && unannounced(f.fd) {
+            if f.events & libc::POLLIN != 0 && UNANNOUNCED.has(f.fd) {
                 announce_one(f.fd);
             }
         }
@@ -817,7 +840,7 @@ pub fn select(
     POLL_SLEEPERS.fetch_add(1, SeqCst);
     let _counted = Counted(&POLL_SLEEPERS);
     for fd in 0..nfds.min(libc::FD_SETSIZE as c_int) {
-        if unannounced(fd) && sets[0].has(fd) {
+        if UNANNOUNCED.has(fd) && sets[0].has(fd) {
             announce_one(fd);
         }
     }

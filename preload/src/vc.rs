@@ -556,7 +556,6 @@ impl Vc {
         let until = crate::sys::now_us() + 2000;
         loop {
             if let Some(_g) = c.rx_lock.try_lock() {
-                crate::ready::announced(fd);
                 l.announce(fd);
                 return;
             }

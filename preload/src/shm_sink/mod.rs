@@ -189,7 +189,6 @@ impl ShmLink {
     /// (`ready::elided`).
     fn leave(&self, fd: i32) {
         if !crate::ready::elided(fd) {
-            crate::ready::announced(fd);
             self.announce(fd);
             return;
         }
@@ -222,6 +221,7 @@ impl ShmLink {
         if self.mode() != Mode::Shm {
             return;
         }
+        crate::ready::announced(fd);
         let mut ready = self.rx.before_sleep() == Ok(Sleep::Ready);
         if !ready && self.rx.bell_pending() {
             self.take_bells(fd);
