@@ -6,6 +6,7 @@
 //! connection of the node to `vmictl` from the statistics tables the processes share with it.
 //!
 //! * [`cluster`]: commands run on other nodes, and the status of the whole cluster.
+//! * [`config`]: the agent's settings: configuration file, environment, command line.
 //! * [`directory`]: listeners and expected connections, no I/O (unit-tested).
 //! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
 //!   network namespace has its own agent).
@@ -17,9 +18,11 @@
 //! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
 //! * [`mesh`]: the cluster key, the encrypted agent channel, sealed heartbeats.
 //! * [`metrics`]: Prometheus metrics (`--metrics`).
+//! * [`notify`]: readiness for systemd (`Type=notify`).
 //! * [`wire`]: reading and writing agent messages on a stream.
 
 pub mod cluster;
+pub mod config;
 pub mod directory;
 pub mod events;
 pub mod journal;
@@ -27,6 +30,7 @@ pub mod local;
 pub mod mesh;
 pub mod metrics;
 pub mod net;
+pub mod notify;
 pub mod paths;
 pub mod peer;
 pub mod status;

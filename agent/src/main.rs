@@ -1,206 +1,199 @@
-//! `vmi-agent`: the node agent. Runs in the foreground; logs to standard error with the
-//! level from `VMI_LOG` (tracing filter syntax, default `info`).
-//!
-//! ```text
-//! vmi-agent [--key FILE] [--peers A,B..] [--metrics ADDR:PORT] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
-//!           [--probe-interval MS] [--dead-after MS]
-//! vmi-agent --init [--key FILE]
-//! ```
+//! `vmi-agent`: the node agent. Runs in the foreground and logs to standard error. Its
+//! settings come from the configuration file (`/etc/vmi/agent.toml`, or `--config FILE`),
+//! the environment (`VMI_CLUSTER_KEY`, `VMI_LOG`) and the command line, each overriding the
+//! one before (see [`agent::config`] and `vmi-agent --help`).
 
+use agent::config::{self, Action, Metrics, Settings};
 use agent::local::{self, Agent};
 use agent::mesh::ClusterKey;
-use agent::{net, paths, peer, DEFAULT_PORT, DEFAULT_SOCKET};
-use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use agent::{net, paths, peer};
+use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener};
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
-const USAGE: &str = "usage: vmi-agent [--key FILE] [--peers A,B..] [--metrics ADDR:PORT] [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
-                 [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
-       vmi-agent --init [--key FILE]
+const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B..] [--metrics ADDR:PORT|off]
+                 [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+                 [--probe-interval MS] [--dead-after MS] [--sweep-every MS] [--log FILTER]
+       vmi-agent --init [--config FILE] [--key FILE]
+       vmi-agent --check-config [--config FILE] [flags as above]
+       vmi-agent --help | --version
 
-  --init         make a new cluster key at FILE and exit (an existing file is never
+The vmi node agent: one per node (per network namespace), in the foreground, logging to
+standard error. Settings come from the configuration file, then the environment, then the
+flags, each overriding the one before; every flag NAME is also a key NAME in the file.
+
+  --config FILE  the configuration file (TOML; default /etc/vmi/agent.toml, used if it
+                 exists). An unknown key or a bad value stops the agent with the file, line
+                 and key; `--config /dev/null` ignores the default file
+  --check-config  read the settings and the cluster key, print the settings the agent would
+                 run with (as a configuration file) and exit: 0 if they are good
+  --init         make a new cluster key at the key file and exit (an existing file is never
                  overwritten); copy it to every node of the cluster, mode 0600
-  --key FILE     the cluster key (default $VMI_CLUSTER_KEY, else /etc/vmi/cluster.key).
-                 Agents talk only to agents holding the same key: their channel is
-                 authenticated and encrypted with it (Noise NNpsk0), heartbeats are sealed
-                 with it; anything else is refused and logged. `vmictl status` shows its
-                 fingerprint, equal on every node of one cluster
+  --key FILE     the cluster key (key = \"FILE\"; $VMI_CLUSTER_KEY overrides the file;
+                 default /etc/vmi/cluster.key). Agents talk only to agents holding the same
+                 key: their channel is authenticated and encrypted with it (Noise NNpsk0),
+                 heartbeats are sealed with it; anything else is refused and logged.
+                 `vmictl status` shows its fingerprint, equal on every node of one cluster
 
-  --socket NAME  abstract Unix socket the node's layers use (default vmi-agent; the layer
-                 reads VMI_AGENT_SOCKET). Abstract sockets belong to the network namespace,
-                 so hosts made of namespaces need no per-host paths.
-  --port PORT    TCP port for other nodes' agents (default 7787)
-  --metrics ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics (off by default;
-                 nothing secret is in them, but keep ADDR local or firewalled)
-  --peers A,B..  other nodes of the cluster (their addresses, one per node is enough): probed
-                 from the start, so `vmictl --cluster status` and `vmictl --node` know them
-                 before any connection does
-  --bind ADDR    address to listen on for other agents (default 0.0.0.0)
-  --node NAME    name shown in reports (default: first IPv4 address)
-  --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on
-                 PORT (default 10)
+  --socket NAME  abstract Unix socket the node's layers and vmictl use (socket = \"NAME\";
+                 default vmi-agent; the layer reads VMI_AGENT_SOCKET). Abstract sockets
+                 belong to the network namespace, so hosts made of namespaces need no paths
+  --port PORT    TCP port for other nodes' agents, and UDP port of the heartbeats
+                 (port = PORT; default 7787; the same on every node)
+  --bind ADDR    address to listen on for other agents (bind = \"ADDR\"; default 0.0.0.0)
+  --peers A,B..  other nodes of the cluster (peers = [\"A\", \"B\"]; one address per node is
+                 enough): probed from the start, so `vmictl --cluster status` and
+                 `vmictl --node` know them before any connection does. Repeatable; default none
+  --node NAME    name shown in reports (node = \"NAME\"; default: first IPv4 address)
+  --metrics ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics
+                 (metrics = \"ADDR:PORT\"; default off). Nothing secret is in them, but keep
+                 ADDR local or firewalled
+  --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on PORT
+                 (probe-interval = MS; default 10)
   --dead-after MS  silence after which a path is dead and connections leave it
-                 (default 50)
+                 (dead-after = MS; default 50; above probe-interval)
   --sweep-every MS  how often /dev/shm is searched for shared-memory offers whose process
-                 died before the peer took them; they are removed (default 30000)
-Logging: VMI_LOG=error|warn|info|debug (default info).";
+                 died before the peer took them; they are removed (sweep-every = MS;
+                 default 30000)
+  --log FILTER   log level or tracing filter: error, warn, info, debug (log = \"FILTER\";
+                 $VMI_LOG overrides the file; default info)
+  -h, --help     this text;  -V, --version  the version
 
-struct Args {
-    init: bool,
-    key: Option<std::path::PathBuf>,
-    peers: Vec<IpAddr>,
-    metrics: Option<SocketAddr>,
-    socket: String,
-    port: u16,
-    bind: IpAddr,
-    node: Option<String>,
-    probe_interval: u64,
-    dead_after: u64,
-    sweep_every: u64,
-}
+Exit status: 0 done (--init, --check-config, --help); 1 the agent could not start (a socket
+is taken or cannot be opened) or stopped on an error; 2 the command line, the configuration
+file or the cluster key is unusable (nothing was started; fix it before trying again).
+See vmi-agent(8).";
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        init: false,
-        key: None,
-        peers: Vec::new(),
-        metrics: None,
-        socket: DEFAULT_SOCKET.into(),
-        port: DEFAULT_PORT,
-        bind: "0.0.0.0".parse().expect("ip"),
-        node: None,
-        probe_interval: paths::DEFAULT_INTERVAL.as_millis() as u64,
-        dead_after: paths::DEFAULT_DEAD_AFTER.as_millis() as u64,
-        sweep_every: 30_000,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
-        match k.as_str() {
-            "--init" => a.init = true,
-            "--key" => a.key = Some(val("--key")?.into()),
-            "--metrics" => {
-                a.metrics =
-                    Some(val("--metrics")?.parse().map_err(|e| format!("--metrics: {e} (ADDR:PORT)"))?)
-            }
-            "--peers" => {
-                for p in val("--peers")?.split(',').filter(|p| !p.is_empty()) {
-                    a.peers.push(p.trim().parse().map_err(|e| format!("--peers: {p}: {e}"))?);
-                }
-            }
-            "--socket" => a.socket = val("--socket")?,
-            "--port" => a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?,
-            "--bind" => a.bind = val("--bind")?.parse().map_err(|e| format!("--bind: {e}"))?,
-            "--node" => a.node = Some(val("--node")?),
-            "--probe-interval" => {
-                a.probe_interval =
-                    val("--probe-interval")?.parse().map_err(|e| format!("--probe-interval: {e}"))?
-            }
-            "--dead-after" => {
-                a.dead_after = val("--dead-after")?.parse().map_err(|e| format!("--dead-after: {e}"))?
-            }
-            "--sweep-every" => {
-                a.sweep_every = val("--sweep-every")?.parse().map_err(|e| format!("--sweep-every: {e}"))?
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if a.sweep_every == 0 {
-        return Err("--sweep-every must be > 0".into());
-    }
-    if a.probe_interval == 0 || a.dead_after <= a.probe_interval {
-        return Err("--probe-interval must be > 0 and below --dead-after".into());
-    }
-    Ok(a)
-}
+/// Exit status for an unusable command line, configuration or key: starting again will
+/// not help (the systemd unit does not restart on it).
+const EXIT_CONFIG: i32 = 2;
 
 fn main() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("VMI_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let cli = match config::parse_args(std::env::args().skip(1)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("vmi-agent: {e}\n(`vmi-agent --help` lists the flags)");
+            std::process::exit(EXIT_CONFIG);
+        }
+    };
+    match cli.action {
+        Action::Help => {
+            println!("{USAGE}");
+            return;
+        }
+        Action::Version => {
+            println!("vmi-agent {}", env!("CARGO_PKG_VERSION"));
+            return;
+        }
+        _ => {}
+    }
+    let settings = match config::load(cli.config.as_deref())
+        .and_then(|f| config::resolve(&cli.layer, |k| std::env::var(k).ok(), &f))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("vmi-agent: {e}; not started");
+            std::process::exit(EXIT_CONFIG);
+        }
+    };
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(tracing_subscriber::EnvFilter::new(&settings.log))
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("vmi-agent: {e}\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    let key_path = ClusterKey::path(args.key.clone());
-    if args.init {
-        match ClusterKey::create(&key_path) {
+    match cli.action {
+        Action::Init => match ClusterKey::create(&settings.key) {
             Ok(k) => {
                 println!(
                     "cluster key written to {} (fingerprint {}); copy it to every node of the cluster (mode 0600)",
-                    key_path.display(),
+                    settings.key.display(),
                     k.fingerprint
                 );
-                std::process::exit(0);
             }
             Err(e) => {
                 eprintln!("vmi-agent: cannot make a cluster key: {e}");
                 std::process::exit(1);
             }
-        }
+        },
+        Action::Check => match ClusterKey::load(&settings.key) {
+            Ok(k) => {
+                print!("{}", settings.to_toml());
+                println!("# cluster key fingerprint {}; node name {}", k.fingerprint, node_name(&settings));
+            }
+            Err(e) => {
+                eprintln!("vmi-agent: {e}");
+                std::process::exit(EXIT_CONFIG);
+            }
+        },
+        _ => run(settings),
     }
-    let key = match ClusterKey::load(&key_path) {
+}
+
+fn node_name(s: &Settings) -> String {
+    s.node.clone().unwrap_or_else(net::node_name)
+}
+
+fn run(args: Settings) {
+    let key = match ClusterKey::load(&args.key) {
         Ok(k) => k,
         Err(e) => {
-            error!("{e}");
-            std::process::exit(1);
+            error!("{e}; not started");
+            std::process::exit(EXIT_CONFIG);
         }
     };
-    let node = args.node.clone().unwrap_or_else(net::node_name);
+    let node = node_name(&args);
     let unix = match UnixAddr::from_abstract_name(args.socket.as_bytes())
         .and_then(|a| UnixListener::bind_addr(&a))
     {
         Ok(l) => l,
         Err(e) => {
-            error!("cannot listen on abstract socket @{}: {e} (is another agent running in this network namespace?)", args.socket);
+            error!(
+                "cannot listen on abstract socket @{}: {e} (is another agent running in this network namespace? `ss -xlp | grep @{}` shows it; or choose another `socket`)",
+                args.socket, args.socket
+            );
             std::process::exit(1);
         }
     };
     let tcp = match TcpListener::bind(SocketAddr::new(args.bind, args.port)) {
         Ok(l) => l,
         Err(e) => {
-            error!("cannot listen on {}:{} for other agents: {e}", args.bind, args.port);
+            error!(
+                "cannot listen on {}:{} (TCP) for other agents: {e} (`ss -tlpn sport = :{}` shows who holds the port; `port` and `bind` choose another)",
+                args.bind, args.port, args.port
+            );
             std::process::exit(1);
         }
     };
     let udp = match UdpSocket::bind(SocketAddr::new(args.bind, args.port)) {
         Ok(s) => s,
         Err(e) => {
-            error!("cannot open UDP {}:{} for path probes: {e}", args.bind, args.port);
+            error!(
+                "cannot open {}:{} (UDP) for path heartbeats: {e} (`ss -ulpn sport = :{}` shows who holds the port; `port` and `bind` choose another)",
+                args.bind, args.port, args.port
+            );
             std::process::exit(1);
         }
     };
     info!(
-        "vmi-agent for node {node}: local socket @{}, agents on {}:{} (TCP, UDP probes every {} ms, dead after {} ms), cluster key {} ({})",
-        args.socket, args.bind, args.port, args.probe_interval, args.dead_after, key.fingerprint, key_path.display()
+        "vmi-agent {} for node {node}: local socket @{}, agents on {}:{} (TCP, UDP probes every {} ms, dead after {} ms), cluster key {} ({})",
+        env!("CARGO_PKG_VERSION"), args.socket, args.bind, args.port, args.probe_interval, args.dead_after, key.fingerprint, args.key.display()
     );
     let agent = Arc::new(Agent::new(
         args.port,
-        node,
+        node.clone(),
         Duration::from_millis(args.probe_interval),
         Duration::from_millis(args.dead_after),
         key,
     ));
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
-    if let Some(m) = args.metrics {
+    if let Metrics::At(m) = args.metrics {
         if let Err(e) = agent::metrics::serve(agent.clone(), m) {
-            error!("{e}");
+            error!("{e} (`metrics` chooses another address, or off)");
             std::process::exit(1);
         }
     }
@@ -208,5 +201,10 @@ fn main() {
     agent::sweep::run("/dev/shm".into(), Duration::from_millis(args.sweep_every));
     let a2 = agent.clone();
     std::thread::spawn(move || peer::serve(a2, tcp));
+    let status =
+        format!("READY=1\nSTATUS=node {node}, local socket @{}, agents on port {}", args.socket, args.port);
+    if let Err(e) = agent::notify::notify(&status) {
+        warn!("cannot tell the service manager the agent is ready: {e} (NOTIFY_SOCKET)");
+    }
     local::serve(agent, unix);
 }

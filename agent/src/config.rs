@@ -1,0 +1,585 @@
+//! The agent's settings: built-in defaults, then the configuration file (TOML,
+//! `/etc/vmi/agent.toml` unless `--config` names another), then the environment
+//! (`VMI_CLUSTER_KEY`, `VMI_LOG`), then the command line, each overriding the one before.
+//!
+//! Every command-line flag `--NAME VALUE` has a key `NAME = VALUE` in the file; the file
+//! knows no other key (a misspelt key is an error, not a silent default). The parsing is
+//! pure (no I/O besides [`load`]) so that it can be tested and fuzzed.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// The configuration file read when `--config` is not given (absent: built-in defaults).
+pub const DEFAULT_CONFIG: &str = "/etc/vmi/agent.toml";
+/// Default heartbeat period on every path, ms.
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = crate::paths::DEFAULT_INTERVAL.as_millis() as u64;
+/// Default silence after which a path is dead, ms.
+pub const DEFAULT_DEAD_AFTER_MS: u64 = crate::paths::DEFAULT_DEAD_AFTER.as_millis() as u64;
+/// Default period of the `/dev/shm` sweep, ms.
+pub const DEFAULT_SWEEP_EVERY_MS: u64 = 30_000;
+/// Default log filter.
+pub const DEFAULT_LOG: &str = "info";
+/// Default address the agent listens on for other agents.
+pub const DEFAULT_BIND: &str = "0.0.0.0";
+
+/// The keys of the configuration file, each the name of a command-line flag without its
+/// `--`, in the order the documentation lists them.
+pub const KEYS: [&str; 11] = [
+    "key",
+    "peers",
+    "metrics",
+    "socket",
+    "port",
+    "bind",
+    "node",
+    "probe-interval",
+    "dead-after",
+    "sweep-every",
+    "log",
+];
+
+/// Where Prometheus metrics are served: nowhere, or at an address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metrics {
+    /// No metrics (the default).
+    Off,
+    /// `http://ADDR:PORT/metrics`.
+    At(SocketAddr),
+}
+
+impl FromStr for Metrics {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "off" {
+            return Ok(Metrics::Off);
+        }
+        s.parse().map(Metrics::At).map_err(|e| format!("{s:?}: {e} (ADDR:PORT, or off)"))
+    }
+}
+
+impl fmt::Display for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Metrics::Off => f.write_str("off"),
+            Metrics::At(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Metrics {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Metrics {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// One source of settings, the file or the command line; `None`: not set there.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Layer {
+    /// The cluster key file.
+    pub key: Option<PathBuf>,
+    /// Other nodes of the cluster, probed from the start.
+    pub peers: Option<Vec<IpAddr>>,
+    /// Prometheus metrics.
+    pub metrics: Option<Metrics>,
+    /// Abstract Unix socket the node's layers and `vmictl` use.
+    pub socket: Option<String>,
+    /// TCP and UDP port for other agents.
+    pub port: Option<u16>,
+    /// Address to listen on for other agents.
+    pub bind: Option<IpAddr>,
+    /// Name in reports.
+    pub node: Option<String>,
+    /// Heartbeat period, ms.
+    pub probe_interval: Option<u64>,
+    /// Silence after which a path is dead, ms.
+    pub dead_after: Option<u64>,
+    /// Period of the `/dev/shm` sweep, ms.
+    pub sweep_every: Option<u64>,
+    /// Log filter (tracing's `EnvFilter` syntax: `error`, `warn`, `info`, `debug`, ...).
+    pub log: Option<String>,
+}
+
+/// The settings the agent runs with.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Settings {
+    /// The cluster key file.
+    pub key: PathBuf,
+    /// Other nodes of the cluster.
+    pub peers: Vec<IpAddr>,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Abstract Unix socket name.
+    pub socket: String,
+    /// Agent-to-agent port.
+    pub port: u16,
+    /// Agent-to-agent address.
+    pub bind: IpAddr,
+    /// Name in reports (`None`: the node's first IPv4 address).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Heartbeat period, ms.
+    pub probe_interval: u64,
+    /// Silence after which a path is dead, ms.
+    pub dead_after: u64,
+    /// Period of the `/dev/shm` sweep, ms.
+    pub sweep_every: u64,
+    /// Log filter.
+    pub log: String,
+}
+
+/// What the command line asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Run the agent.
+    Run,
+    /// Make a cluster key and exit (`--init`).
+    Init,
+    /// Check the settings and the cluster key, print the settings, exit (`--check-config`).
+    Check,
+    /// Print the usage (`--help`).
+    Help,
+    /// Print the version (`--version`).
+    Version,
+}
+
+/// The command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cli {
+    /// What to do.
+    pub action: Action,
+    /// `--config FILE`.
+    pub config: Option<PathBuf>,
+    /// Settings given as flags.
+    pub layer: Layer,
+}
+
+fn value<T: FromStr>(flag: &str, v: &str) -> Result<T, String>
+where
+    T::Err: fmt::Display,
+{
+    v.parse().map_err(|e| format!("{flag} {v:?}: {e}"))
+}
+
+/// Parses the command line (without the program name). `--flag VALUE` and `--flag=VALUE`
+/// are the same; a later flag overrides an earlier one, `--peers` adds up.
+pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String> {
+    let mut cli = Cli { action: Action::Run, config: None, layer: Layer::default() };
+    let l = &mut cli.layer;
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let takes_value =
+            !matches!(flag.as_str(), "--init" | "--check-config" | "-h" | "--help" | "-V" | "--version");
+        if !takes_value && inline.is_some() {
+            return Err(format!("{flag} takes no value"));
+        }
+        let mut val = || -> Result<String, String> {
+            match &inline {
+                Some(v) => Ok(v.clone()),
+                None => it.next().ok_or_else(|| format!("{flag} needs a value")),
+            }
+        };
+        match flag.as_str() {
+            "--init" => cli.action = Action::Init,
+            "--check-config" => cli.action = Action::Check,
+            "-h" | "--help" => cli.action = Action::Help,
+            "-V" | "--version" => cli.action = Action::Version,
+            "--config" => cli.config = Some(val()?.into()),
+            "--key" => l.key = Some(val()?.into()),
+            "--metrics" => l.metrics = Some(value(&flag, &val()?)?),
+            "--peers" => {
+                let v = val()?;
+                let peers = l.peers.get_or_insert_with(Vec::new);
+                for p in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    peers.push(value("--peers", p)?);
+                }
+            }
+            "--socket" => l.socket = Some(val()?),
+            "--port" => l.port = Some(value(&flag, &val()?)?),
+            "--bind" => l.bind = Some(value(&flag, &val()?)?),
+            "--node" => l.node = Some(val()?),
+            "--probe-interval" => l.probe_interval = Some(value(&flag, &val()?)?),
+            "--dead-after" => l.dead_after = Some(value(&flag, &val()?)?),
+            "--sweep-every" => l.sweep_every = Some(value(&flag, &val()?)?),
+            "--log" => l.log = Some(val()?),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+        if matches!(cli.action, Action::Help | Action::Version) {
+            break;
+        }
+    }
+    Ok(cli)
+}
+
+/// A configuration file that could not be read: where and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// 1-based line of the problem, when known.
+    pub line: Option<usize>,
+    /// The key it concerns, when known.
+    pub key: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(l) = self.line {
+            write!(f, "line {l}")?;
+            if let Some(k) = &self.key {
+                write!(f, ", key {k:?}")?;
+            }
+            f.write_str(": ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// The key of the `key = value` line that holds byte `at` of `text` (a value may span
+/// lines, an array of peers does): the nearest such line at or before it.
+fn key_at(text: &str, at: usize) -> Option<String> {
+    let at = at.min(text.len());
+    let head = text.get(..at)?;
+    let line_start = head.rfind('\n').map_or(0, |i| i + 1);
+    if head[line_start..].trim().is_empty() {
+        // The span starts the line: it is the key itself (an unknown or repeated key).
+        let rest = &text[at..];
+        let line = &rest[..rest.find('\n').unwrap_or(rest.len())];
+        if let Some((k, _)) = line.split_once('=') {
+            let k = k.trim().trim_matches('"');
+            if !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                return Some(k.to_string());
+            }
+        }
+    }
+    for line in text[..line_start.max(at)].lines().rev() {
+        let line = line.trim_start();
+        if line.starts_with('#') || line.starts_with('[') {
+            continue;
+        }
+        if let Some((k, _)) = line.split_once('=') {
+            let k = k.trim().trim_matches('"');
+            if !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                return Some(k.to_string());
+            }
+        }
+    }
+    None
+}
+
+/// The 1-based line of byte `at` of `text`.
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at.min(text.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// Parses the text of a configuration file. Unknown keys, keys of the wrong type and
+/// values out of range are errors that name their line and key.
+pub fn parse(text: &str) -> Result<Layer, ConfigError> {
+    toml::from_str::<Layer>(text).map_err(|e| {
+        let span = e.span();
+        ConfigError {
+            line: span.as_ref().map(|s| line_of(text, s.start)),
+            key: span.and_then(|s| key_at(text, s.start)),
+            message: e.message().trim().to_string(),
+        }
+    })
+}
+
+/// A configuration file as read.
+#[derive(Debug, Clone, Default)]
+pub struct File {
+    /// Its path (`None`: no file, built-in defaults).
+    pub path: Option<PathBuf>,
+    /// Its text.
+    pub text: String,
+    /// Its settings.
+    pub layer: Layer,
+}
+
+impl File {
+    /// Where `key` is set in this file, for messages: `FILE line N`.
+    fn place(&self, key: &str) -> String {
+        let path =
+            self.path.as_deref().map_or_else(|| "the configuration file".into(), |p| p.display().to_string());
+        let mut off = 0;
+        for (i, line) in self.text.split_inclusive('\n').enumerate() {
+            if key_at(&self.text, off + line.len() - line.trim_start().len()).as_deref() == Some(key)
+                && line.contains('=')
+            {
+                return format!("{path} line {}", i + 1);
+            }
+            off += line.len();
+        }
+        path
+    }
+}
+
+/// Reads the configuration file: `explicit` (`--config`), which must exist, or else
+/// [`DEFAULT_CONFIG`] if it exists. An error names the file, and the line and key when the
+/// problem is in its text.
+pub fn load(explicit: Option<&Path>) -> Result<File, String> {
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let p = PathBuf::from(DEFAULT_CONFIG);
+            match std::fs::metadata(&p) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(File::default()),
+                _ => p,
+            }
+        }
+    };
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("configuration file {}: {e}", path.display()))?;
+    let layer = parse(&text).map_err(|e| {
+        format!("configuration file {}: {e} (see vmi-agent(8) or `vmi-agent --help`)", path.display())
+    })?;
+    Ok(File { path: Some(path), text, layer })
+}
+
+/// Chooses the first value set, and says where it came from.
+fn pick<T: Clone>(
+    key: &str,
+    cli: &Option<T>,
+    env: Option<(T, &str)>,
+    file: &File,
+    file_v: &Option<T>,
+    default: T,
+) -> (T, String) {
+    if let Some(v) = cli {
+        return (v.clone(), format!("--{key}"));
+    }
+    if let Some((v, name)) = env {
+        return (v, format!("${name}"));
+    }
+    if let Some(v) = file_v {
+        return (v.clone(), file.place(key));
+    }
+    (default, "default".into())
+}
+
+/// The settings from the command line `cli`, the environment (`env(NAME)`) and `file`, in
+/// that order of precedence, checked.
+pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -> Result<Settings, String> {
+    let f = &file.layer;
+    let env_key =
+        env("VMI_CLUSTER_KEY").filter(|v| !v.is_empty()).map(|v| (PathBuf::from(v), "VMI_CLUSTER_KEY"));
+    let env_log = env("VMI_LOG").filter(|v| !v.is_empty()).map(|v| (v, "VMI_LOG"));
+    let (key, _) = pick("key", &cli.key, env_key, file, &f.key, PathBuf::from(crate::mesh::DEFAULT_KEY_PATH));
+    let (peers, _) = pick("peers", &cli.peers, None, file, &f.peers, Vec::new());
+    let (metrics, _) = pick("metrics", &cli.metrics, None, file, &f.metrics, Metrics::Off);
+    let (socket, socket_from) =
+        pick("socket", &cli.socket, None, file, &f.socket, crate::DEFAULT_SOCKET.into());
+    let (port, _) = pick("port", &cli.port, None, file, &f.port, crate::DEFAULT_PORT);
+    let (bind, _) = pick("bind", &cli.bind, None, file, &f.bind, DEFAULT_BIND.parse().expect("an address"));
+    let node = cli.node.clone().or_else(|| f.node.clone());
+    let (probe_interval, pi_from) =
+        pick("probe-interval", &cli.probe_interval, None, file, &f.probe_interval, DEFAULT_PROBE_INTERVAL_MS);
+    let (dead_after, da_from) =
+        pick("dead-after", &cli.dead_after, None, file, &f.dead_after, DEFAULT_DEAD_AFTER_MS);
+    let (sweep_every, sw_from) =
+        pick("sweep-every", &cli.sweep_every, None, file, &f.sweep_every, DEFAULT_SWEEP_EVERY_MS);
+    let (log, log_from) = pick("log", &cli.log, env_log, file, &f.log, DEFAULT_LOG.into());
+    if key.as_os_str().is_empty() {
+        return Err("key: an empty path".into());
+    }
+    if socket.is_empty() || socket.len() > 100 {
+        return Err(format!("socket {socket:?} ({socket_from}): 1 to 100 bytes"));
+    }
+    if port == 0 {
+        return Err("port 0: other agents must know the port, choose one (default 7787)".into());
+    }
+    if node.as_deref() == Some("") {
+        return Err("node: an empty name".into());
+    }
+    if probe_interval == 0 {
+        return Err(format!("probe-interval 0 ({pi_from}): must be at least 1 ms"));
+    }
+    if dead_after <= probe_interval {
+        return Err(format!(
+            "dead-after {dead_after} ms ({da_from}) must be above probe-interval {probe_interval} ms ({pi_from}): a path is dead after missing several heartbeats"
+        ));
+    }
+    if sweep_every == 0 {
+        return Err(format!("sweep-every 0 ({sw_from}): must be at least 1 ms"));
+    }
+    if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log) {
+        return Err(format!("log {log:?} ({log_from}): {e} (error, warn, info, debug, or a tracing filter)"));
+    }
+    Ok(Settings {
+        key,
+        peers,
+        metrics,
+        socket,
+        port,
+        bind,
+        node,
+        probe_interval,
+        dead_after,
+        sweep_every,
+        log,
+    })
+}
+
+impl Settings {
+    /// The settings as a configuration file (what `--check-config` prints).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot print the settings: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Result<Cli, String> {
+        parse_args(a.iter().map(|s| s.to_string()))
+    }
+
+    fn file(text: &str) -> File {
+        File {
+            path: Some("/etc/vmi/agent.toml".into()),
+            text: text.into(),
+            layer: parse(text).expect("parses"),
+        }
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    #[test]
+    fn an_empty_file_gives_the_defaults() {
+        let s = resolve(&Layer::default(), no_env, &file("")).unwrap();
+        assert_eq!(s.socket, "vmi-agent");
+        assert_eq!(s.port, 7787);
+        assert_eq!(s.probe_interval, 10);
+        assert_eq!(s.dead_after, 50);
+        assert_eq!(s.sweep_every, 30_000);
+        assert_eq!(s.metrics, Metrics::Off);
+        assert_eq!(s.key, PathBuf::from("/etc/vmi/cluster.key"));
+        assert_eq!(s.log, "info");
+        assert!(s.peers.is_empty() && s.node.is_none());
+    }
+
+    #[test]
+    fn every_key_is_read_and_flags_override_it() {
+        let text = r#"
+key = "/k"
+peers = ["10.0.0.2",
+         "10.0.0.3"]
+metrics = "127.0.0.1:9187"
+socket = "s"
+port = 7000
+bind = "10.0.0.1"
+node = "n1"
+probe-interval = 20
+dead-after = 100
+sweep-every = 5000
+log = "debug"
+"#;
+        let f = file(text);
+        let s = resolve(&Layer::default(), no_env, &f).unwrap();
+        assert_eq!(s.key, PathBuf::from("/k"));
+        assert_eq!(s.peers.len(), 2);
+        assert_eq!(s.metrics, Metrics::At("127.0.0.1:9187".parse().unwrap()));
+        assert_eq!((s.socket.as_str(), s.port, s.node.as_deref()), ("s", 7000, Some("n1")));
+        assert_eq!((s.probe_interval, s.dead_after, s.sweep_every), (20, 100, 5000));
+        let cli = args(&["--port=7001", "--socket", "t", "--metrics", "off", "--peers", "10.0.0.9"]).unwrap();
+        let s = resolve(&cli.layer, no_env, &f).unwrap();
+        assert_eq!((s.socket.as_str(), s.port, s.metrics), ("t", 7001, Metrics::Off));
+        assert_eq!(s.peers, vec!["10.0.0.9".parse::<IpAddr>().unwrap()]);
+        // The environment sits between the file and the flags.
+        let env = |k: &str| (k == "VMI_CLUSTER_KEY").then(|| "/env.key".to_string());
+        assert_eq!(resolve(&Layer::default(), env, &f).unwrap().key, PathBuf::from("/env.key"));
+        let cli = args(&["--key", "/flag.key"]).unwrap();
+        assert_eq!(resolve(&cli.layer, env, &f).unwrap().key, PathBuf::from("/flag.key"));
+        // What --check-config prints reads back as the same settings.
+        let again = file(&s.to_toml());
+        assert_eq!(resolve(&Layer::default(), no_env, &again).unwrap(), s);
+    }
+
+    #[test]
+    fn a_bad_file_names_its_line_and_key() {
+        let e = parse("port = 7787\nprot = 1\n").unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (Some(2), Some("prot")), "{e}");
+        assert!(e.message.contains("unknown field"), "{e}");
+        let e = parse("# c\n\nport = \"x\"\n").unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (Some(3), Some("port")), "{e}");
+        let e = parse("port = 70000\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("port"), "{e}");
+        let e = parse("peers = [\n  \"10.0.0.1\",\n  \"nonsense\",\n]\n").unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (Some(3), Some("peers")), "{e}");
+        let e = parse("metrics = \"localhost\"\n").unwrap_err();
+        assert!(e.message.contains("ADDR:PORT"), "{e}");
+        let e = parse("port = 1\nport = 2\n").unwrap_err();
+        assert_eq!(e.line, Some(2), "{e}");
+        let e = parse("[agent]\nport = 1\n").unwrap_err();
+        assert_eq!(e.line, Some(1), "{e}");
+        assert!(parse("port = ").is_err());
+    }
+
+    #[test]
+    fn values_that_do_not_fit_together_are_refused_with_their_origin() {
+        let f = file("# x\ndead-after = 5\n");
+        let e = resolve(&Layer::default(), no_env, &f).unwrap_err();
+        assert!(e.contains("/etc/vmi/agent.toml line 2") && e.contains("(default)"), "{e}");
+        let cli = args(&["--probe-interval", "1"]).unwrap();
+        assert!(resolve(&cli.layer, no_env, &f).is_ok());
+        let e = resolve(&Layer::default(), no_env, &file("sweep-every = 0")).unwrap_err();
+        assert!(e.contains("sweep-every 0"), "{e}");
+        let e = resolve(&Layer::default(), no_env, &file("log = \"info,[\"")).unwrap_err();
+        assert!(e.starts_with("log "), "{e}");
+        assert!(resolve(&Layer::default(), no_env, &file("port = 0")).is_err());
+        assert!(resolve(&Layer::default(), no_env, &file("socket = \"\"")).is_err());
+    }
+
+    #[test]
+    fn the_command_line() {
+        assert_eq!(args(&["--help", "--bogus"]).unwrap().action, Action::Help);
+        assert_eq!(args(&["--init", "--key", "/k"]).unwrap().action, Action::Init);
+        assert_eq!(args(&["--check-config"]).unwrap().action, Action::Check);
+        assert!(args(&["--bogus"]).unwrap_err().contains("unknown argument"));
+        assert!(args(&["--port"]).unwrap_err().contains("needs a value"));
+        assert!(args(&["--port", "x"]).is_err());
+        assert!(args(&["--init=yes"]).is_err());
+        let c = args(&["--config=/c", "--peers", "10.0.0.1,10.0.0.2", "--peers", "10.0.0.3"]).unwrap();
+        assert_eq!(c.config, Some("/c".into()));
+        assert_eq!(c.layer.peers.unwrap().len(), 3);
+    }
+
+    #[test]
+    fn every_key_is_a_flag_and_a_field() {
+        for k in KEYS {
+            let v = match k {
+                "peers" => format!("{k} = []"),
+                "port" | "probe-interval" | "dead-after" | "sweep-every" => format!("{k} = 1"),
+                "bind" => format!("{k} = \"127.0.0.1\""),
+                "metrics" => format!("{k} = \"off\""),
+                _ => format!("{k} = \"x\""),
+            };
+            assert!(parse(&v).is_ok(), "{v}");
+            let v1 = if k == "peers" {
+                "10.0.0.1".to_string()
+            } else {
+                v.split(" = ").nth(1).unwrap().trim_matches('"').to_string()
+            };
+            let c = args(&[&format!("--{k}"), &v1]).unwrap_or_else(|e| panic!("--{k}: {e}"));
+            assert_ne!(c.layer, Layer::default(), "--{k}");
+        }
+    }
+}
