@@ -1,9 +1,5 @@
-//! `vmictl`: look at the node through its agent.
-//!
-//! ```text
-//! vmictl [--socket NAME] status [--json]
-//! vmictl [--socket NAME] net down|up NET
-//! ```
+//! `vmictl`: look at the node through its agent (`vmictl --help`, `vmictl help COMMAND`,
+//! vmictl(8)).
 
 use agent::wire::{read_msg, write_msg};
 use agent::DEFAULT_SOCKET;
@@ -14,11 +10,35 @@ use std::time::Duration;
 use substrate::wire::agent::Msg;
 
 const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
+       vmictl [--socket NAME] --cluster status [--json]
        vmictl [--socket NAME] [--node NODE] net down|up NET
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
-       vmictl [--socket NAME] --cluster status [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] events [--follow] [--json]
+       vmictl help [COMMAND] | --help | --version
+
+Looks at the node through its vmi agent, and changes what an operator may change.
+
+commands:
+  status         the node's processes under the layer, networks, paths, connections
+  net down|up    take a network out of service, or put it back
+  move           move a connection between shared memory and TCP
+  where          on which node(s) and in which process(es) a connection lives
+  events         what happened on the node, and what happens next (--follow)
+  help COMMAND   the usage of COMMAND (as `vmictl COMMAND --help`)
+
+options (anywhere on the line):
+  --socket NAME  the agent's abstract socket (default vmi-agent, or $VMI_AGENT_SOCKET)
+  --node NODE    run status, net or move on another node of the cluster (its name in
+                 reports, or one of its addresses), through this node's agent and the
+                 cluster's encrypted channel; changes need root there
+  --json         print JSON instead of a table (status, where, events)
+
+Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
+connection); 2 the command line is wrong. See vmictl(8).";
+
+const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
+       vmictl [--socket NAME] --cluster status [--json]
 
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
@@ -32,30 +52,73 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
                  (channel, clear, forged_heartbeats, replayed_heartbeats, local). A user
                  other than root (or the agent's user) sees only their own processes,
                  listeners and connections
+  --node NODE    the status of another node of the cluster
+  --cluster      every node this node's agent knows (nodes it has connections with and
+                 its peers): a line per node, the paths between them, unreachable nodes;
+                 --json: {node, nodes: [status report of each node], unreachable: []}";
+
+const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE] net down|up NET
+
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
-  net up NET     put it back in service (both need root or the agent's user)
+  net up NET     put it back in service
+  Both need root or the agent's user (on NODE with --node). `vmictl status` lists the
+  networks and whether each is in service.";
+
+const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+
   move GID tcp   move a connection off shared memory onto TCP, without loss, and keep it
-                 there (through later link rebuilds too); root or the owner of its processes
+                 there (through later link rebuilds too)
   move GID shm   move it back onto shared memory (when both ends are on this node)
-  --node NODE    run the command on another node of the cluster (its name in reports, or
-                 one of its addresses), through this node's agent and the cluster's
-                 encrypted channel; changes need root there
-  --cluster status  every node this node's agent knows (nodes it has connections with and
-                 its --peers): a line per node, the paths between them, unreachable nodes;
-                 --json: {node, nodes: [status report of each node], unreachable: []}
-  where GID      on which node(s) and in which process(es) connection GID lives now
+  GID is 32 hexadecimal digits, as `vmictl status` shows it. Needs root or the owner of
+  the connection's processes.";
+
+const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
+
+  where GID      on which node(s) and in which process(es) connection GID lives now,
+                 asked of every node this node's agent knows
+  --json         a JSON array of the connection's ends, each with its node";
+
+const USAGE_EVENTS: &str = "usage: vmictl [--socket NAME] events [--follow] [--json]
+
   events         what happened on the node (the last 4096 events): connections made and
                  closed, paths dead and alive, networks out of and back in service, links
-                 rebuilt (relink), moves between substrates, checkpoint phases, refusals;
-                 --follow: then every new one as it happens; --json: one object a line
-                 {seq, ms, kind, pid?, ...}. Users other than root see the node's events
-                 and those of their own processes
-  --socket NAME  the agent's abstract socket (default vmi-agent, or VMI_AGENT_SOCKET)";
+                 rebuilt (relink), moves between substrates, checkpoint phases, refusals.
+                 Users other than root see the node's events and those of their own
+                 processes
+  --follow       then every new one as it happens, until the agent stops or vmictl is
+                 interrupted
+  --json         one object a line: {seq, ms, kind, pid?, ...}";
+
+/// The commands and their usage.
+const COMMANDS: [(&str, &str); 5] = [
+    ("status", USAGE_STATUS),
+    ("net", USAGE_NET),
+    ("move", USAGE_MOVE),
+    ("where", USAGE_WHERE),
+    ("events", USAGE_EVENTS),
+];
+
+fn usage_of(cmd: Option<&str>) -> &'static str {
+    COMMANDS.iter().find(|(c, _)| Some(*c) == cmd).map_or(USAGE, |(_, u)| u)
+}
 
 fn fail(msg: &str) -> ! {
     eprintln!("vmictl: {msg}");
     std::process::exit(1)
+}
+
+/// A wrong command line: says what is wrong and the synopsis of `cmd` (or of vmictl), and
+/// exits 2.
+fn usage_error(cmd: Option<&str>, msg: &str) -> ! {
+    let u = usage_of(cmd);
+    let synopsis = u.split("\n\n").next().unwrap_or(u);
+    let more = match cmd {
+        Some(c) => format!("`vmictl help {c}` says more"),
+        None => "`vmictl --help` says more".into(),
+    };
+    eprintln!("vmictl: {msg}\n{synopsis}\n({more})");
+    std::process::exit(2)
 }
 
 fn human(n: u64) -> String {
@@ -290,73 +353,129 @@ fn event_line(v: &Value) -> String {
     line
 }
 
+/// The next word of command `cmd`, which needs `what`; `--help` there prints the command's
+/// usage.
+fn operand(it: &mut impl Iterator<Item = String>, cmd: &str, what: &str) -> String {
+    match it.next() {
+        Some(h) if h == "-h" || h == "--help" => {
+            println!("{}", usage_of(Some(cmd)));
+            std::process::exit(0)
+        }
+        Some(v) => v,
+        None => usage_error(Some(cmd), &format!("{cmd} needs {what}")),
+    }
+}
+
 fn main() {
     let mut socket = std::env::var("VMI_AGENT_SOCKET").unwrap_or_else(|_| DEFAULT_SOCKET.into());
     let mut json = false;
     let mut cmd: Option<Msg> = None;
+    let mut name: Option<&'static str> = None;
     let mut node: Option<String> = None;
     let mut cluster = false;
     let mut whereis: Option<String> = None;
     let mut follow = false;
-    let mut it = std::env::args().skip(1);
+    // `--flag=value` is `--flag value`.
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .flat_map(|a| match a.split_once('=') {
+            Some((f, v)) if f == "--socket" || f == "--node" => vec![f.to_string(), v.to_string()],
+            _ => vec![a],
+        })
+        .collect();
+    let mut it = args.into_iter();
     while let Some(a) = it.next() {
+        let word: Option<&'static str> = COMMANDS.iter().map(|(c, _)| *c).find(|c| *c == a);
+        if let (Some(w), Some(before)) = (word, name) {
+            usage_error(Some(before), &format!("one command at a time ({before}, then {w})"));
+        }
         match a.as_str() {
-            "--socket" => socket = it.next().unwrap_or_else(|| fail("--socket needs a value")),
+            "--socket" => socket = it.next().unwrap_or_else(|| usage_error(name, "--socket needs a value")),
             "--json" => json = true,
-            "--node" => node = Some(it.next().unwrap_or_else(|| fail("--node needs a value"))),
+            "--node" => node = Some(it.next().unwrap_or_else(|| usage_error(name, "--node needs a value"))),
             "--cluster" => cluster = true,
             "--follow" => follow = true,
-            "events" => cmd = Some(Msg::Watch { after: 0, follow: false }),
+            "-h" | "--help" => {
+                println!("{}", usage_of(name));
+                return;
+            }
+            "-V" | "--version" => {
+                println!("vmictl {}", env!("CARGO_PKG_VERSION"));
+                return;
+            }
+            "help" => {
+                match it.next() {
+                    None => println!("{USAGE}"),
+                    Some(c) if COMMANDS.iter().any(|(n, _)| *n == c) => println!("{}", usage_of(Some(&c))),
+                    Some(c) => usage_error(
+                        None,
+                        &format!("no command {c:?} (commands: status, net, move, where, events)"),
+                    ),
+                }
+                return;
+            }
+            "events" => {
+                name = word;
+                cmd = Some(Msg::Watch { after: 0, follow: false })
+            }
             "where" => {
-                let gid = it.next().unwrap_or_else(|| fail(&format!("where needs a GID\n{USAGE}")));
+                name = word;
+                let gid = operand(&mut it, "where", "a GID");
                 whereis = Some(gid.trim_start_matches("0x").to_ascii_lowercase());
                 cmd = Some(Msg::ClusterStatus);
             }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
+            "status" => {
+                name = word;
+                cmd = Some(Msg::Status)
             }
-            "status" => cmd = Some(Msg::Status),
             "net" => {
-                let up = match it.next().as_deref() {
-                    Some("down") => false,
-                    Some("up") => true,
-                    _ => fail(&format!("net needs down or up\n{USAGE}")),
+                name = word;
+                let up = match operand(&mut it, "net", "down or up").as_str() {
+                    "down" => false,
+                    "up" => true,
+                    other => usage_error(name, &format!("net needs down or up, not {other:?}")),
                 };
-                let name = it.next().unwrap_or_else(|| fail(&format!("net needs a network name\n{USAGE}")));
-                cmd = Some(Msg::Net { name, up });
+                let net = operand(&mut it, "net", "a network name (or address)");
+                cmd = Some(Msg::Net { name: net, up });
             }
             "move" => {
-                let gid = it.next().unwrap_or_else(|| fail(&format!("move needs a GID\n{USAGE}")));
+                name = word;
+                let gid = operand(&mut it, "move", "a GID");
                 let gid = u128::from_str_radix(gid.trim_start_matches("0x"), 16)
-                    .unwrap_or_else(|_| fail(&format!("{gid} is not a GID (32 hex digits)")));
-                let shm = match it.next().as_deref() {
-                    Some("shm") => true,
-                    Some("tcp") => false,
-                    _ => fail(&format!("move needs shm or tcp\n{USAGE}")),
+                    .unwrap_or_else(|_| usage_error(name, &format!("{gid} is not a GID (32 hex digits)")));
+                let shm = match operand(&mut it, "move", "shm or tcp").as_str() {
+                    "shm" => true,
+                    "tcp" => false,
+                    other => usage_error(name, &format!("move needs shm or tcp, not {other:?}")),
                 };
                 cmd = Some(Msg::Move { gid, shm });
             }
-            other => fail(&format!("unknown argument {other}\n{USAGE}")),
+            other => usage_error(name, &format!("unknown argument {other:?}")),
         }
     }
-    let Some(mut cmd) = cmd else { fail(USAGE) };
+    let Some(mut cmd) = cmd else { usage_error(None, "which command?") };
+    if follow && name != Some("events") {
+        usage_error(name, "--follow goes with events");
+    }
+    if json && matches!(name, Some("net" | "move")) {
+        usage_error(name, "--json goes with status, where and events");
+    }
     if cluster {
         if cmd != Msg::Status {
-            fail(&format!("--cluster goes with status\n{USAGE}"));
+            usage_error(name, "--cluster goes with status");
         }
         cmd = Msg::ClusterStatus;
     }
     if let Msg::Watch { .. } = cmd {
         if node.is_some() || cluster {
-            fail("events are read on the node itself");
+            usage_error(name, "events are read on the node itself (no --node or --cluster)");
         }
         watch(&socket, follow, json);
         return;
     }
     if let Some(to) = node {
         if cluster || whereis.is_some() {
-            fail("--node does not go with --cluster or where");
+            usage_error(name, "--node does not go with --cluster or where");
         }
         cmd = Msg::Remote { to, cmd: cmd.encode() };
     }
