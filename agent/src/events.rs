@@ -141,7 +141,9 @@ fn linger(gid: u128, fd: OwnedFd) {
         }
     });
     if let Err(e) = spawned {
-        warn!("cannot keep the socket of {gid:032x} after its process exited: {e}");
+        warn!(
+            "connection {gid:032x}: cannot keep its socket after its process exited: {e}; the peer may see a reset instead of the last bytes (too many threads? see TasksMax)"
+        );
     }
 }
 
@@ -289,7 +291,10 @@ impl Events {
                     );
                     return true;
                 }
-                Err(e) => info!("handing a link to process {}: {e}", c.pid),
+                Err(e) => info!(
+                    "connection {gid:032x}: cannot hand its new link to process {}: {e} (the process is gone or stopped reading its event channel)",
+                    c.pid
+                ),
             }
         }
         false
@@ -377,7 +382,10 @@ impl Events {
         for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
             match send_with_fd(&c.out, &body, None) {
                 Ok(()) => told = true,
-                Err(e) => info!("telling process {} to move {gid:032x}: {e}", c.pid),
+                Err(e) => info!(
+                    "connection {gid:032x}: cannot tell process {} to move it: {e} (the process is gone or stopped reading its event channel)",
+                    c.pid
+                ),
             }
         }
         told

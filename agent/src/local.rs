@@ -133,15 +133,20 @@ impl Agent {
         let m = Msg::Connect { src, dst: via, gid, secret, window, aim, agents };
         match self.peers.ask(target.ip(), target.port(), &m) {
             Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
-                info!("listener {dst} moved: connection from {src} goes to {via}");
+                info!("connection {gid:032x}: listener {dst} moved, {src} -> {via} (the node the listener is on now)");
                 Msg::Virtual { gid, secret, window, addrs, alias: via }
             }
             Ok(other) => {
-                info!("listener {dst} moved to {target}, whose agent answered {other:?}; plain TCP");
+                info!(
+                    "connection {gid:032x}: {src} -> {dst}: the listener moved to the node at {target}, whose agent answered {}; plain TCP (is the program still listening there?)",
+                    other.name()
+                );
                 Msg::Plain
             }
             Err(e) => {
-                info!("listener {dst} moved to {target}, whose agent is unreachable ({e}); plain TCP");
+                info!(
+                    "connection {gid:032x}: {src} -> {dst}: the listener moved to the node at {target}, whose agent is unreachable ({e}); plain TCP (check the agent there)"
+                );
                 Msg::Plain
             }
         }
@@ -170,7 +175,9 @@ impl Agent {
                 };
                 if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) = self.peers.ask(ip, self.port, &m)
                 {
-                    info!("network toward {} is down: connecting to {via} (same node) instead", dst.ip());
+                    info!(
+                        "connection {gid:032x}: the network toward {dst} is down; {from} -> {via} (the same node, another network) instead"
+                    );
                     self.health.learn(&addrs);
                     return Msg::Virtual { gid, secret, window, addrs, alias: via };
                 }
@@ -197,7 +204,10 @@ impl Agent {
             }
             Ok(Msg::Plain) => Msg::Plain,
             Ok(other) => {
-                info!("agent of {} answered {other:?}; plain TCP", dst.ip());
+                info!(
+                    "connection {gid:032x}: {src} -> {dst}: the agent there answered {}; plain TCP (do both agents run the same version?)",
+                    other.name()
+                );
                 Msg::Plain
             }
             Err(e) => {
@@ -223,6 +233,15 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The user id of the client on `s` (`None` if the kernel does not say).
 pub fn peer_uid(s: &UnixStream) -> Option<u32> {
+    peer_cred(s).map(|c| c.uid)
+}
+
+/// The process id of the client on `s` (when it connected), for log lines.
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    peer_cred(s).map(|c| c.pid)
+}
+
+fn peer_cred(s: &UnixStream) -> Option<libc::ucred> {
     // SAFETY: zeroed ucred is valid; the kernel fills at most `len` bytes.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -236,7 +255,7 @@ pub fn peer_uid(s: &UnixStream) -> Option<u32> {
             &mut len,
         )
     };
-    (r == 0).then_some(cred.uid)
+    (r == 0).then_some(cred)
 }
 
 /// True if user `uid` may change the whole node (take a network out of service): root, or
@@ -409,7 +428,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     agent.events.client_gone(id);
                 });
             }
-            Err(e) => warn!("accepting a local client: {e}"),
+            Err(e) => warn!("accepting a local client: {e} (too many open files? see LimitNOFILE)"),
         }
     }
 }
@@ -419,7 +438,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
         let (m, passed) = match read_msg_fd(s.as_raw_fd()) {
             Ok(x) => x,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                warn!("malformed message from local client {id}: {e}; closing");
+                warn!(
+                    "malformed message from local client {id} (pid {}): {e}; closing it (does the layer come from the same build as the agent?)",
+                    peer_pid(&s).map_or_else(|| "?".into(), |p| p.to_string())
+                );
                 let _ = write_msg(&mut s, &Msg::Error { reason: e.to_string() });
                 return Ok(());
             }

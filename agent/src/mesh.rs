@@ -391,7 +391,14 @@ impl Refusals {
         if last[i].is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
             last[i] = Some(now);
             let what = what();
-            warn!("refused: {what} ({n} of this kind so far)");
+            let hint = [
+                "if that node belongs to this cluster, give it this node's key file; `vmictl status` shows the key's fingerprint on each node",
+                "only agents of the cluster, through its channel, and the layer's own link rebuilds may talk to this port; firewall it from anything else",
+                "compare the cluster key's fingerprint in `vmictl status` on both nodes, and see who else sends to this UDP port",
+                "someone may be replaying captured traffic: see who sends to this UDP port",
+                "run the command as root, as the agent's user, or as the owner of the processes",
+            ][i];
+            warn!("refused: {what} ({n} of this kind so far; {hint})");
             drop(last);
             let kind = ["channel", "clear", "forged_heartbeat", "replayed_heartbeat", "local"][i];
             self.journal.record(

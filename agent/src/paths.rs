@@ -424,7 +424,7 @@ impl Health {
         p.last_seen = Some(now);
         if p.dead {
             p.dead = false;
-            info!("path {} -> {} ({}) works again", i.addr, from.ip(), i.name);
+            info!("path {} -> {} on {} (node {}) works again", i.addr, from.ip(), i.name, p.node);
             self.journal.record(
                 "path",
                 None,
@@ -469,26 +469,34 @@ impl Health {
             // A link that went down on this node fails the send itself: the path is dead now,
             // without waiting for the silence.
             let refused = match sock.send_to(&probe, SocketAddr::new(ip, port)) {
-                Ok(_) => false,
-                Err(e) => matches!(
-                    e.raw_os_error(),
-                    Some(libc::ENETUNREACH | libc::ENETDOWN | libc::EHOSTUNREACH | libc::EADDRNOTAVAIL)
-                ),
+                Ok(_) => None,
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ENETUNREACH | libc::ENETDOWN | libc::EHOSTUNREACH | libc::EADDRNOTAVAIL)
+                    ) =>
+                {
+                    Some(e)
+                }
+                Err(_) => None,
             };
             let p = st.peers.get_mut(&ip).expect("listed above");
             // After a round that came late (this thread waited for the CPU), silence is not
             // judged: the peer's heartbeats may be on their way.
-            let silent = !late && p.last_seen.is_some_and(|t| now.duration_since(t) >= self.dead_after);
-            if refused && !p.dead {
+            let quiet = p.last_seen.map(|t| now.duration_since(t));
+            let silent = !late && quiet.is_some_and(|q| q >= self.dead_after);
+            if refused.is_some() && !p.dead {
                 p.dead = true;
-                died.push((i, ip, true));
+                died.push((i, ip, p.node.clone(), refused, quiet));
             } else if silent && !p.dead {
                 p.dead = true;
-                died.push((i, ip, false));
+                died.push((i, ip, p.node.clone(), None, quiet));
             }
         }
         drop(st);
-        for (i, ip, refused) in died {
+        let port = self.port;
+        for (i, ip, node, cannot_send, quiet) in died {
+            let refused = cannot_send.is_some();
             self.journal.record(
                 "path",
                 None,
@@ -500,15 +508,18 @@ impl Health {
                     "reason": if refused { "this node cannot send on it".to_string() } else { format!("silent for {} ms", self.dead_after.as_millis()) },
                 }),
             );
-            if refused {
-                warn!("path {} -> {ip} ({}) is dead: this node cannot send on it", i.addr, i.name);
-            } else {
-                warn!(
-                    "path {} -> {ip} ({}) is dead: silent for {} ms",
+            match cannot_send {
+                Some(e) => warn!(
+                    "path {} -> {ip} on {} (node {node}) is dead: this node cannot send on it ({e}); its connections move to another network (check the interface and routes: `ip addr show {}`, `ip route get {ip}`)",
+                    i.addr, i.name, i.name
+                ),
+                None => warn!(
+                    "path {} -> {ip} on {} (node {node}) is dead: no heartbeat for {} ms (limit {} ms); its connections move to another network (check the link, the agent on {ip}, and that UDP port {port} is open both ways)",
                     i.addr,
                     i.name,
+                    quiet.unwrap_or(self.dead_after).as_millis(),
                     self.dead_after.as_millis()
-                );
+                ),
             }
             events.broadcast(&Msg::Path {
                 local: SocketAddr::new(i.addr, 0),

@@ -64,7 +64,9 @@ impl PeerClient {
                     Ok(c) => *conn = Some(c),
                     Err(e) => {
                         if e.kind() == io::ErrorKind::PermissionDenied {
-                            warn!("agent at {ip} is not of this cluster: {e}");
+                            warn!(
+                                "agent at {ip}:{port} is not of this cluster: {e}; programs here connect to its node over plain TCP (compare the cluster key's fingerprint in `vmictl status` on both nodes)"
+                            );
                         }
                         self.down.lock().unwrap_or_else(|e| e.into_inner()).insert(ip, Instant::now());
                         return Err(e);
@@ -87,6 +89,11 @@ impl PeerClient {
     }
 }
 
+/// An address for log lines (`?` when the socket had none).
+fn show(a: Option<SocketAddr>) -> String {
+    a.map_or_else(|| "?".into(), |a| a.to_string())
+}
+
 /// Serves other nodes' agents on `listener`.
 pub fn serve(agent: Arc<Agent>, listener: TcpListener) {
     for s in listener.incoming() {
@@ -97,12 +104,12 @@ pub fn serve(agent: Arc<Agent>, listener: TcpListener) {
                     let peer = s.peer_addr().ok();
                     if let Err(e) = handle(&agent, s) {
                         if e.kind() != io::ErrorKind::UnexpectedEof {
-                            info!("agent connection from {peer:?} closed: {e}");
+                            info!("agent connection from {} closed: {e}", show(peer));
                         }
                     }
                 });
             }
-            Err(e) => warn!("accepting an agent connection: {e}"),
+            Err(e) => warn!("accepting an agent connection: {e} (too many open files? see LimitNOFILE)"),
         }
     }
 }
@@ -120,7 +127,7 @@ fn handle(agent: &Agent, mut s: TcpStream) -> io::Result<()> {
             Ok(c) => c,
             Err(e) => {
                 agent.refusals.note(Refused::Channel, || {
-                    format!("agent channel from {from:?}: {e}; it does not hold this cluster's key")
+                    format!("agent channel from {}: {e}; it does not hold this cluster's key", show(from))
                 });
                 return Ok(());
             }
@@ -139,7 +146,10 @@ fn serve_agent(agent: &Agent, c: &mut Channel, from: Option<SocketAddr>) -> io::
         let m = match read_msg(c) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                warn!("agent channel from {from:?}: {e}; closing");
+                warn!(
+                    "agent channel from {}: {e}; closing it (the agent there may run another version of vmi)",
+                    show(from)
+                );
                 return Ok(());
             }
             Err(e) => return Err(e),
@@ -172,7 +182,10 @@ fn serve_link(
         }) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                warn!("malformed message from {from:?}: {e}; closing");
+                warn!(
+                    "malformed message in clear from {}: {e}; closing (only agents and the layer's link rebuilds may talk to this port)",
+                    show(from)
+                );
                 let _ = write_msg(&mut s, &Msg::Error { reason: e.to_string() });
                 return Ok(());
             }
@@ -192,8 +205,8 @@ fn serve_link(
                     }
                     Resumed::Nobody => {
                         info!(
-                            "resume of {gid:032x} from {:?} refused: no process here holds it",
-                            s.peer_addr().ok()
+                            "connection {gid:032x}: new link from {} refused: no process on this node holds the connection (it closed, or its process exited); the other end's calls will fail",
+                            show(s.peer_addr().ok())
                         );
                         Msg::Error { reason: "no such connection".into() }
                     }
@@ -202,8 +215,9 @@ fn serve_link(
             other => {
                 agent.refusals.note(Refused::Clear, || {
                     format!(
-                        "a {} message in clear from {from:?}: agents speak only through the cluster's channel",
-                        other.name()
+                        "a {} message in clear from {}: agents speak only through the cluster's channel",
+                        other.name(),
+                        show(from)
                     )
                 });
                 let _ =
