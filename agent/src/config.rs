@@ -562,6 +562,33 @@ log = "debug"
         assert_eq!(c.layer.peers.unwrap().len(), 3);
     }
 
+    /// What the fuzz target `agent_config` checks, on a few texts.
+    #[test]
+    fn any_text_is_refused_on_one_of_its_lines_or_reads_back() {
+        for text in [
+            "",
+            "port = 1\n",
+            "a\n\n\n",
+            "peers = [\"::1\", \"10.0.0.1\"]\nmetrics = \"[::1]:9\"\n",
+            "node = \"n\\u0000\\n\"\n",
+            "x = [",
+            "log = 'debug'\nkey = '/k'",
+        ] {
+            match parse(text) {
+                Err(e) => assert!(e.line.is_none_or(|l| l >= 1 && l <= text.lines().count() + 1), "{e}"),
+                Ok(layer) => {
+                    let file = File { path: None, text: text.to_string(), layer };
+                    if let Ok(s) = resolve(&Layer::default(), |_| None, &file) {
+                        let printed = s.to_toml();
+                        let file =
+                            File { path: None, layer: parse(&printed).expect("parses"), text: printed };
+                        assert_eq!(resolve(&Layer::default(), |_| None, &file).expect("passes"), s);
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn every_key_is_a_flag_and_a_field() {
         for k in KEYS {
