@@ -256,6 +256,13 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     let at = at.min(text.len());
     let head = text.get(..at)?;
     let line_start = head.rfind('\n').map_or(0, |i| i + 1);
+    let whole = &text[line_start..];
+    let whole = whole[..whole.find('\n').unwrap_or(whole.len())].trim();
+    if let Some(table) = whole.strip_prefix('[') {
+        // A table: the agent's file has none, its name is the unknown key.
+        let name = table.trim_start_matches('[').split(']').next().unwrap_or("").trim().trim_matches('"');
+        return (!name.is_empty()).then(|| name.to_string());
+    }
     if head[line_start..].trim().is_empty() {
         // The span starts the line: it is the key itself (an unknown or repeated key).
         let rest = &text[at..];
@@ -529,7 +536,7 @@ log = "debug"
         let e = parse("port = 1\nport = 2\n").unwrap_err();
         assert_eq!(e.line, Some(2), "{e}");
         let e = parse("[agent]\nport = 1\n").unwrap_err();
-        assert_eq!(e.line, Some(1), "{e}");
+        assert_eq!((e.line, e.key.as_deref()), (Some(1), Some("agent")), "{e}");
         assert!(parse("port = ").is_err());
     }
 
