@@ -33,6 +33,8 @@ APT_PACKAGES=(
     mpich
     libmpich-dev
     netpipe-openmpi
+    mandoc
+    systemd
 )
 
 missing=()
