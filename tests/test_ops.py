@@ -169,9 +169,11 @@ def test_man_pages_render_without_warnings():
     else:
         pytest.skip("neither mandoc nor groff (scripts/setup.sh installs mandoc)")
     assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+    version = run([AGENT_BIN, "--version"]).stdout.split()[-1]
     for p in pages:
         text = p.read_text()
         assert text.startswith(".TH "), p
+        assert f'"vmi {version}"' in text.split("\n")[0], f"{p.name} is not of version {version}"
         for section in ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "ENVIRONMENT", "FILES",
                         "EXIT STATUS", "EXAMPLES", "SEE ALSO"):
             assert f"\n.SH {section}\n" in text, f"{p.name}: no {section}"
