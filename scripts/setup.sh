@@ -26,6 +26,7 @@ APT_PACKAGES=(
     openssh-client
     nftables
     tcpdump
+    strace
     python3-pip
     gcc
     openmpi-bin

@@ -328,6 +328,17 @@ def _descendants(root):
     return found
 
 
+def _calls_of(tid, seconds=0.5, most=24):
+    """The system calls thread `tid` makes for `seconds` (strace), at most `most` lines."""
+    try:
+        r = subprocess.run(["timeout", str(seconds), "strace", "-p", str(tid), "-s", "16"],
+                           capture_output=True, text=True, timeout=seconds + 5)
+    except Exception as exc:            # a snapshot must never hide the failure itself
+        return [f"strace: {exc}"]
+    out = [l for l in r.stderr.splitlines() if not l.startswith(("strace: Process", "strace: detached"))]
+    return out[:most] or ["(no system calls: it spins in user space)"]
+
+
 def hang_snapshot(root):
     """What a program that did not finish was doing, taken before it is killed: each thread
     of each process below it with its state, kernel wait channel and system call, then the
@@ -344,11 +355,25 @@ def hang_snapshot(root):
             continue
         for tid in tids[:16]:
             base = f"/proc/{pid}/task/{tid}"
-            state = _proc_text(f"{base}/stat").rsplit(")", 1)[-1].split()[:1]
+            state = "".join(_proc_text(f"{base}/stat").rsplit(")", 1)[-1].split()[:1])
             lines.append(f"  tid {tid} ({_proc_text(base + '/comm')}) state "
-                         f"{''.join(state)} wchan {_proc_text(base + '/wchan')} "
+                         f"{state} wchan {_proc_text(base + '/wchan')} "
                          f"syscall {_proc_text(base + '/syscall')[:60]}")
+            if state == "R":
+                # A thread that spins: which calls it goes round (half a second of them).
+                lines.extend("    " + l for l in _calls_of(tid))
     for host in AGENT_HOSTS:
+        # The kernel's queues of these processes' TCP sockets (bytes the layer wrote that the
+        # peer's program has not read sit in one of them, or in neither).
+        try:
+            ss = subprocess.run(["nsenter", f"--net=/run/netns/{host}", "ss", "-Htnpi"],
+                                capture_output=True, text=True, timeout=5).stdout.splitlines()
+        except Exception as exc:        # a snapshot must never hide the failure itself
+            ss = [f"ss: {exc}"]
+        mine = [l for l in ss if any(f"pid={p}," in l for p in pids)]
+        lines.append(f"--- TCP sockets of these processes in {host} (state recv-q send-q "
+                     f"local peer): {len(mine)}")
+        lines.extend("  " + " ".join(l.split()[:5]) for l in mine[:32])
         try:
             status = vmictl_status(host)
         except Exception as exc:        # a snapshot must never hide the failure itself

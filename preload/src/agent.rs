@@ -3,7 +3,7 @@
 //! short time-outs. Any failure means "no agent": the caller falls back to plain TCP and the
 //! agent is not asked again for a second.
 
-use crate::fdtable::{self, OWN_AGENT, OWN_STATS};
+use crate::ownfd::{OWN_AGENT, OWN_STATS};
 use crate::{log, sys};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -35,9 +35,22 @@ pub fn socket_name() -> &'static str {
     SOCKET_NAME.get().map(String::as_str).unwrap_or(DEFAULT_SOCKET)
 }
 
-/// Sets the agent socket name (from the environment, at start).
-pub fn init(name: Option<String>) {
+/// What this module asks of the layers above it, registered at start.
+pub struct Above {
+    /// The addresses of this process's listeners under the layer (the agent must know each).
+    pub listener_addrs: fn() -> Vec<std::net::SocketAddr>,
+    /// Runs after each exchange with the agent: the process's control thread must run from
+    /// then on (the agent reaches the process on its event channel, e.g. before a checkpoint).
+    pub after_contact: fn(),
+}
+
+static ABOVE: std::sync::OnceLock<Above> = std::sync::OnceLock::new();
+
+/// Sets the agent socket name (from the environment) and what the layers above provide, at
+/// start.
+pub fn init(name: Option<String>, above: Above) {
     let _ = SOCKET_NAME.set(name.unwrap_or_else(|| DEFAULT_SOCKET.to_string()));
+    let _ = ABOVE.set(above);
 }
 
 fn lock() -> MutexGuard<'static, State> {
@@ -63,7 +76,7 @@ pub fn after_fork_child() {
             g.down_until = 0;
         }
     });
-    let fd = fdtable::unprotect(OWN_AGENT);
+    let fd = crate::ownfd::unprotect(OWN_AGENT);
     if fd >= 0 {
         sys::fd::close(fd);
     }
@@ -71,7 +84,7 @@ pub fn after_fork_child() {
 
 /// The program closed (or replaced) our agent socket: forget it.
 pub fn lost_socket() {
-    fdtable::unprotect(OWN_AGENT);
+    crate::ownfd::unprotect(OWN_AGENT);
     if let Ok(mut g) = STATE.try_lock() {
         g.said_hello = false;
     }
@@ -96,8 +109,8 @@ pub(crate) fn open_socket(role: usize) -> Option<i32> {
         sys::fd::close(fd);
         return None;
     }
-    let fd = fdtable::move_high(fd);
-    fdtable::protect(role, fd);
+    let fd = crate::ownfd::move_high(fd);
+    crate::ownfd::protect(role, fd);
     Some(fd)
 }
 
@@ -165,7 +178,7 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
     if st.down_until > now {
         return None;
     }
-    let mut fd = fdtable::own_fd(OWN_AGENT);
+    let mut fd = crate::ownfd::own_fd(OWN_AGENT);
     if fd >= 0 && st.said_hello {
         return Some(fd);
     }
@@ -180,14 +193,14 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         };
     }
     crate::stats::table();
-    let stats_fd = fdtable::own_fd(OWN_STATS);
+    let stats_fd = crate::ownfd::own_fd(OWN_STATS);
     let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
     match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
         Some(Msg::Ok) => st.said_hello = true,
         _ => return fail(st, now),
     }
     // First contact, or the agent restarted: it must know every listener we have.
-    for addr in fdtable::listener_addrs() {
+    for addr in ABOVE.get().map_or_else(Vec::new, |a| (a.listener_addrs)()) {
         if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, None).is_none() {
             return fail(st, now);
         }
@@ -210,7 +223,7 @@ static QUIET: AtomicBool = AtomicBool::new(false);
 pub fn quiesce() {
     QUIET.store(true, SeqCst);
     let mut st = lock();
-    let fd = fdtable::unprotect(OWN_AGENT);
+    let fd = crate::ownfd::unprotect(OWN_AGENT);
     if fd >= 0 {
         sys::fd::close(fd);
     }
@@ -258,12 +271,14 @@ pub fn request(m: &Msg) -> Option<Msg> {
     // Every process the agent knows keeps an event channel (the agent reaches it there,
     // e.g. before a checkpoint). Started outside the lock: fork takes the control thread's
     // lock first.
-    crate::relink::ensure_control();
+    if let Some(a) = ABOVE.get() {
+        (a.after_contact)();
+    }
     answer
 }
 
 fn fail<T>(st: &mut State, now: u64) -> Option<T> {
-    let fd = fdtable::unprotect(OWN_AGENT);
+    let fd = crate::ownfd::unprotect(OWN_AGENT);
     if fd >= 0 {
         sys::fd::close(fd);
     }
@@ -311,4 +326,15 @@ pub fn remember_plain(dst: SocketAddr) {
 /// True when the agent is known to be unreachable right now.
 pub fn known_down() -> bool {
     lock().down_until > sys::now_ns()
+}
+
+/// Tells the agent about a listener; true if it took note.
+pub fn register_listener(addr: std::net::SocketAddr) -> bool {
+    match request(&Msg::Listen { addr, window: crate::config::window() }) {
+        Some(Msg::Ok) => {
+            log::debug(format_args!("listener {addr} registered"));
+            true
+        }
+        _ => false,
+    }
 }

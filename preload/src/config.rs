@@ -15,8 +15,15 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
 static DISABLED: AtomicBool = AtomicBool::new(false);
-static WINDOW: AtomicU64 = AtomicU64::new(crate::vc::DEFAULT_WINDOW);
-static RING_FACTOR: AtomicU64 = AtomicU64::new(crate::vc::RING_FACTOR);
+/// Default soft window (bytes in flight before the sender waits for acknowledgements).
+pub const DEFAULT_WINDOW: u64 = 2 << 20;
+/// The replay ring is this many times the soft window (room used only when acks are stuck
+/// behind unread data).
+pub const DEFAULT_RING_FACTOR: u64 = 4;
+
+static WINDOW: AtomicU64 = AtomicU64::new(DEFAULT_WINDOW);
+static RING_FACTOR: AtomicU64 = AtomicU64::new(DEFAULT_RING_FACTOR);
+static AGENT_SOCKET: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
@@ -97,10 +104,15 @@ pub fn init() {
             )),
         }
     }
-    crate::agent::init(std::env::var("VMI_AGENT_SOCKET").ok());
+    let _ = AGENT_SOCKET.set(std::env::var("VMI_AGENT_SOCKET").ok());
 }
 
-/// Most shared-memory connections an epoll instance scans (see `crate::ready`).
+/// The node agent's socket name, if `VMI_AGENT_SOCKET` gives one.
+pub fn agent_socket() -> Option<String> {
+    AGENT_SOCKET.get().cloned().flatten()
+}
+
+/// Most shared-memory connections an epoll instance scans (see the readiness module).
 pub fn epoll_scan_max() -> usize {
     EPOLL_SCAN_MAX.load(Relaxed) as usize
 }

@@ -12,6 +12,7 @@
 //! a process that keeps using the same socket in the old image (each side then has its own
 //! stream offsets).
 
+use crate::error::Real;
 use crate::fdtable::{self, Entry};
 use crate::vc::{Setup, Vc};
 use crate::{config, log};
@@ -44,7 +45,7 @@ fn save_unacked(ring: &[u8], tx: &TxState) -> i32 {
         return -1;
     }
     // Out of the way of the descriptor numbers the new program may expect to be free.
-    let mut f = crate::sys::fd::into_file(fdtable::move_high_inherited(fd));
+    let mut f = crate::sys::fd::into_file(crate::ownfd::move_high_inherited(fd));
     match f.write_all(a).and_then(|_| f.write_all(b)) {
         Ok(()) => f.into_raw_fd(),
         Err(_) => -1,
@@ -227,22 +228,13 @@ impl Handover {
     /// fails, that is undone.
     ///
     /// In a vfork child the connections are not held through `Arc`s of our own across the
-    /// exec: a successful exec never drops them, and they live in the parent's memory (which
-    /// keeps its own, and is suspended until the exec).
-    #[allow(unsafe_code)]
-    pub fn exec(mut self, f: impl FnOnce(*const *const libc::c_char) -> i32) -> i32 {
-        let vcs: Vec<*const Vc> = self.vcs.iter().map(Arc::as_ptr).collect();
+    /// exec (see `sys::process::ExecHeld`).
+    pub fn exec(self, with_env: impl FnOnce(&[CString]) -> Real) -> Real {
         let own = !crate::vforked();
-        if !own {
-            self.vcs.clear();
-        }
-        // SAFETY: each pointer is kept alive by `self.vcs` or, in a vfork child, by the
-        // suspended parent's descriptor table.
-        let each = |g: &dyn Fn(&Vc)| vcs.iter().for_each(|&v| g(unsafe { &*v }));
-        each(&|v| v.exec_hold(own, false));
-        let r = with_envp(&self.env, f);
-        let e = crate::sys::errno();
-        each(&|v| {
+        let vcs = crate::sys::process::ExecHeld::new(self.vcs);
+        vcs.each(|v| v.exec_hold(own, false));
+        let r = with_env(&self.env);
+        vcs.each(|v| {
             v.exec_hold(own, true);
             if let Some(l) = v.shm() {
                 l.handover_undone();
@@ -251,7 +243,6 @@ impl Handover {
         for &fd in &self.files {
             crate::sys::fd::close(fd);
         }
-        crate::sys::set_errno(e);
         r
     }
 }
@@ -287,11 +278,4 @@ pub fn env_for_exec(envp: impl FnOnce() -> Vec<CString>) -> Option<Handover> {
     }
     out.push(CString::new(format!("{VAR}={value}")).ok()?);
     Some(Handover { env: out, vcs, files })
-}
-
-/// Runs `f` with a NULL-terminated pointer array over `env`.
-pub fn with_envp<R>(env: &[CString], f: impl FnOnce(*const *const libc::c_char) -> R) -> R {
-    let mut ptrs: Vec<*const libc::c_char> = env.iter().map(|c| c.as_ptr()).collect();
-    ptrs.push(std::ptr::null());
-    f(ptrs.as_ptr())
 }

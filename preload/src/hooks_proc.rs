@@ -1,13 +1,12 @@
 //! Hooks on the calls that change what the process may do or how its threads end: seccomp
 //! filters (`prctl(PR_SET_SECCOMP)`, and `seccomp(2)` through libc's `syscall`, as libseccomp
 //! installs them) and `pthread_exit` of the main thread. See [`crate::sandbox`] and
-//! [`crate::lifetime`].
+//! [`crate::lifetime`]. The C entry points are in `sys::entry`.
 
-#![allow(clippy::missing_safety_doc)]
-
-use crate::sandbox;
-use crate::sys::real;
-use libc::{c_int, c_long, c_ulong, c_void};
+use crate::error::Errno;
+use crate::sys::prog::ProgBytes;
+use crate::{fdtable, sandbox};
+use libc::{c_int, c_long, c_ulong};
 
 const SECCOMP_MODE_STRICT: c_ulong = 1;
 const SECCOMP_MODE_FILTER: c_ulong = 2;
@@ -15,133 +14,101 @@ const SECCOMP_SET_MODE_STRICT: c_ulong = 0;
 const SECCOMP_SET_MODE_FILTER: c_ulong = 1;
 const SECCOMP_FILTER_FLAG_TSYNC: c_ulong = 1;
 
-/// The instructions of the program's `sock_fprog` (`None` for a null one).
-///
-/// # Safety
-/// `prog` is null or a valid `sock_fprog` whose `filter` points at `len` instructions (the
-/// kernel reads the same memory right after).
-unsafe fn program_bytes<'a>(prog: *const libc::sock_fprog) -> Option<&'a [u8]> {
-    if prog.is_null() {
-        return None;
-    }
-    // SAFETY: the caller's contract.
-    let (len, insns) = unsafe { ((*prog).len as usize, (*prog).filter) };
-    if insns.is_null() || len == 0 {
-        return Some(&[]);
-    }
-    // SAFETY: `len` instructions of 8 bytes each, as the caller says.
-    Some(unsafe { std::slice::from_raw_parts(insns as *const u8, len * 8) })
-}
+/// The program a seccomp install passes (its `sock_fprog` at the given address, read as
+/// the instructions' bytes; `None` for a null pointer).
+pub type Program<'a> = &'a dyn Fn(c_ulong) -> Option<ProgBytes>;
 
-/// What a `prctl`/`seccomp` call is about to install, read before it goes in.
-fn before(strict: bool, prog: c_ulong, tsync: bool) -> sandbox::Install {
-    let filter = if strict {
-        None
-    } else {
-        // SAFETY: the program passes its `sock_fprog` (or garbage the kernel will refuse with
-        // EFAULT: a null pointer is checked; other bad pointers fault the program's own call
-        // just the same), whose `filter` holds `len` instructions of 8 bytes.
-        Some(match unsafe { program_bytes(prog as *const libc::sock_fprog) } {
-            Some(bytes) => sandbox::read_filter(bytes),
+/// What a `prctl`/`seccomp` call is about to install, read before it goes in; what the
+/// layer must do before it does is done here.
+fn before(strict: bool, prog: c_ulong, tsync: bool, program: Program) -> Option<sandbox::Install> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // Blocking modes of the program's connections, while fcntl is still ours to use.
+        for (fd, _) in fdtable::snapshot() {
+            let _ = sandbox::nonblocking(fd);
+        }
+        let filter = (!strict).then(|| match program(prog) {
+            Some(bytes) => sandbox::read_filter(bytes.get()),
             None => Err("no program".into()),
-        })
-    };
-    sandbox::before_install(filter, strict, tsync)
+        });
+        let (inst, then) = sandbox::before_install(filter, strict, tsync);
+        if then.listeners_go_plain {
+            for (_, e) in fdtable::snapshot() {
+                if let fdtable::Entry::Listener(l) = e {
+                    crate::setup::closed_listener(&l);
+                }
+            }
+        }
+        if then.control_must_stop && crate::relink::control_running() {
+            crate::log::info(format_args!(
+                "a seccomp filter for every thread forbids what the control thread does: it stops \
+                 (connections keep working, without failover)"
+            ));
+            crate::relink::retire_control();
+        }
+        inst
+    }))
+    .ok()
 }
 
-fn guarded_before(strict: bool, prog: c_ulong, tsync: bool) -> Option<sandbox::Install> {
-    std::panic::catch_unwind(|| before(strict, prog, tsync)).ok()
-}
-
-fn after(inst: Option<sandbox::Install>, r: c_long) {
+fn after(inst: Option<sandbox::Install>, ok: bool) {
     if let Some(i) = inst {
-        let e = crate::sys::errno();
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sandbox::installed(i, r == 0)));
-        crate::sys::set_errno(e);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sandbox::installed(i, ok)));
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int {
+/// `prctl`: a seccomp install is read before it goes in and noted after.
+pub fn prctl(
+    option: c_int,
+    a2: c_ulong,
+    a3: c_ulong,
+    program: Program,
+    real: impl FnOnce() -> Result<c_int, Errno>,
+) -> Result<c_int, Errno> {
     let inst = (option == libc::PR_SET_SECCOMP && (a2 == SECCOMP_MODE_STRICT || a2 == SECCOMP_MODE_FILTER))
-        .then(|| guarded_before(a2 == SECCOMP_MODE_STRICT, a3, false))
+        .then(|| before(a2 == SECCOMP_MODE_STRICT, a3, false, program))
         .flatten();
-    // SAFETY: forwarding the program's arguments (prctl reads at most four after the option).
-    let r = unsafe { real::prctl(option, a2, a3, a4, a5) };
-    after(inst, r as c_long);
-    r
-}
-
-/// The kernel's `syscall` instruction with six arguments; returns its raw answer (negative
-/// errno on failure).
-#[cfg(target_arch = "x86_64")]
-unsafe fn raw_syscall(n: c_long, a: [c_long; 6]) -> c_long {
-    let r: c_long;
-    // SAFETY: the caller's arguments go to the kernel unchanged; rcx and r11 are clobbered
-    // by the instruction, as declared.
-    unsafe {
-        std::arch::asm!(
-            "syscall",
-            inlateout("rax") n => r,
-            in("rdi") a[0], in("rsi") a[1], in("rdx") a[2],
-            in("r10") a[3], in("r8") a[4], in("r9") a[5],
-            lateout("rcx") _, lateout("r11") _,
-            options(nostack),
-        );
-    }
+    let r = real();
+    after(inst, r.is_ok());
     r
 }
 
 /// libc's `syscall`: the layer watches `seccomp` (and `prctl`) made through it, as
 /// libseccomp's `seccomp_load` does, and forwards everything else unchanged.
-#[cfg(target_arch = "x86_64")]
-#[no_mangle]
-pub unsafe extern "C" fn syscall(
+pub fn syscall(
     n: c_long,
-    a1: c_long,
-    a2: c_long,
-    a3: c_long,
-    a4: c_long,
-    a5: c_long,
-    a6: c_long,
-) -> c_long {
+    a: [c_long; 6],
+    program: Program,
+    real: impl FnOnce() -> Result<c_long, Errno>,
+) -> Result<c_long, Errno> {
     let inst = if n == libc::SYS_seccomp
-        && (a1 as c_ulong == SECCOMP_SET_MODE_FILTER || a1 as c_ulong == SECCOMP_SET_MODE_STRICT)
+        && (a[0] as c_ulong == SECCOMP_SET_MODE_FILTER || a[0] as c_ulong == SECCOMP_SET_MODE_STRICT)
     {
-        guarded_before(
-            a1 as c_ulong == SECCOMP_SET_MODE_STRICT,
-            a3 as c_ulong,
-            a2 as c_ulong & SECCOMP_FILTER_FLAG_TSYNC != 0,
+        before(
+            a[0] as c_ulong == SECCOMP_SET_MODE_STRICT,
+            a[2] as c_ulong,
+            a[1] as c_ulong & SECCOMP_FILTER_FLAG_TSYNC != 0,
+            program,
         )
     } else if n == libc::SYS_prctl
-        && a1 as c_int == libc::PR_SET_SECCOMP
-        && (a2 as c_ulong == SECCOMP_MODE_STRICT || a2 as c_ulong == SECCOMP_MODE_FILTER)
+        && a[0] as c_int == libc::PR_SET_SECCOMP
+        && (a[1] as c_ulong == SECCOMP_MODE_STRICT || a[1] as c_ulong == SECCOMP_MODE_FILTER)
     {
-        guarded_before(a2 as c_ulong == SECCOMP_MODE_STRICT, a3 as c_ulong, false)
+        before(a[1] as c_ulong == SECCOMP_MODE_STRICT, a[2] as c_ulong, false, program)
     } else {
         None
     };
-    // SAFETY: forwarding the program's system call as libc's `syscall` would.
-    let raw = unsafe { raw_syscall(n, [a1, a2, a3, a4, a5, a6]) };
-    let r = if (-4095..0).contains(&raw) {
-        crate::sys::set_errno(-raw as c_int);
-        -1
-    } else {
-        raw
-    };
+    let r = real();
     if inst.is_some() {
-        after(inst, if r == 0 { 0 } else { -1 });
+        after(inst, r == Ok(0));
     }
     r
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn pthread_exit(ret: *mut c_void) -> ! {
+/// `pthread_exit`: the main thread's end is noted (the control thread ends with the
+/// program's last thread; see `lifetime`).
+pub fn pthread_exit() {
     if crate::lifetime::is_main_thread() {
-        // The control thread ends with the program's last thread (see `lifetime`).
         crate::lifetime::main_pthread_exit();
         crate::relink::poke_work();
     }
-    // SAFETY: forwarding.
-    unsafe { real::pthread_exit(ret) }
 }

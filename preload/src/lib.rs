@@ -16,13 +16,10 @@
 //!
 //! No panic leaves the library: every hook catches unwinding and turns it into an errno.
 //!
-//! `unsafe` is denied everywhere but in [`sys`] (the system calls and the memory the layer
-//! maps), the C entry points ([`hooks`], [`hooks_proc`] and the constructor below: the
-//! program's raw pointers become views there) and [`shm`] (a connection's state in memory
-//! shared across `fork`, lent out only to the thread holding its lock). One function
-//! elsewhere keeps it, for a reason of its own: `exec::Handover::exec` (a `vfork` child
-//! reaches its parent's connections through raw pointers, because it must not hold
-//! reference counts in the parent's memory across a successful exec).
+//! `unsafe` is denied everywhere but in [`sys`]: the system calls, the C entry points
+//! (`sys::entry`, where the program's raw pointers become views of its memory and the
+//! program's errno is set, from the one error type the hooks answer with), and the memory
+//! the layer maps or shares (`sys::cell`, `sys::shared`).
 
 #![deny(unsafe_code)]
 
@@ -31,19 +28,17 @@ pub mod config;
 pub mod error;
 pub mod exec;
 pub mod fdtable;
-#[allow(unsafe_code)]
 pub mod hooks;
-#[allow(unsafe_code)]
 pub mod hooks_proc;
 pub mod lifetime;
 pub mod linger;
 pub mod log;
+pub mod ownfd;
+pub mod readiness;
 pub mod ready;
 pub mod relink;
-pub mod relisten;
 pub mod sandbox;
 pub mod setup;
-#[allow(unsafe_code)]
 pub mod shm;
 pub mod shm_sink;
 pub mod stats;
@@ -52,34 +47,7 @@ pub mod sys;
 pub mod tcp_sink;
 pub mod vc;
 
-use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
-
-static PID: AtomicI32 = AtomicI32::new(0);
-
-/// This process's id (cached; refreshed after fork).
-pub fn pid() -> i32 {
-    let p = PID.load(Relaxed);
-    if p != 0 {
-        return p;
-    }
-    if !sandbox::allows_nr(libc::SYS_getpid) {
-        return 0;
-    }
-    let p = sys::process::getpid();
-    PID.store(p, Relaxed);
-    p
-}
-
-/// True in a child made by `vfork` (or `clone` with `CLONE_VM`) that has not exec'd yet: it
-/// shares this process's memory, the layer's tables included, but has descriptors of its own
-/// (Python's `subprocess` closes and moves descriptors there before its exec). Nothing it
-/// does may change those tables: they are its parent's.
-pub fn vforked() -> bool {
-    let p = PID.load(Relaxed);
-    // (A sandbox that forbids getpid: a vfork child there is not told apart.)
-    // (glibc's getpid asks the kernel: no cache to share.)
-    p != 0 && sandbox::allows_nr(libc::SYS_getpid) && p != sys::process::getpid()
-}
+pub use sys::process::{pid, vforked};
 
 extern "C" fn before_fork() {
     relink::before_fork();
@@ -96,7 +64,7 @@ extern "C" fn after_fork_parent() {
 }
 
 extern "C" fn after_fork_child() {
-    PID.store(0, Relaxed);
+    sys::process::forget_pid();
     lifetime::init_main_thread();
     fdtable::after_fork_child();
     linger::after_fork_child();
@@ -105,27 +73,23 @@ extern "C" fn after_fork_child() {
     relink::after_fork_child();
 }
 
+/// The loader's destructor call (see `sys::entry`).
 extern "C" fn fini() {
     let _ = std::panic::catch_unwind(linger::at_exit);
 }
 
+/// The loader's constructor call (see `sys::entry`).
 extern "C" fn init() {
     let _ = std::panic::catch_unwind(|| {
         config::init();
+        fdtable::install();
+        agent::init(
+            config::agent_socket(),
+            agent::Above { listener_addrs: vc::listener_addrs, after_contact: relink::ensure_control },
+        );
         lifetime::init_main_thread();
         sandbox::init();
         exec::adopt();
         sys::process::atfork(before_fork, after_fork_parent, after_fork_child);
     });
 }
-
-// The loader calls these (entry points from C, as the hooks are).
-#[allow(unsafe_code)]
-#[used]
-#[link_section = ".init_array"]
-static INIT: extern "C" fn() = init;
-
-#[allow(unsafe_code)]
-#[used]
-#[link_section = ".fini_array"]
-static FINI: extern "C" fn() = fini;

@@ -36,7 +36,7 @@ pub fn init_main_thread() {
     MAIN_PTHREAD_EXIT.store(false, Release);
     LAYER_THREADS.store(0, Release);
     STATUS_FD.store(-1, Release);
-    let old = crate::fdtable::unprotect(crate::fdtable::OWN_STATUS);
+    let old = crate::ownfd::unprotect(crate::ownfd::OWN_STATUS);
     if old >= 0 {
         crate::sys::fd::close(old);
     }
@@ -50,8 +50,8 @@ pub fn open_status() {
     }
     let fd = crate::sys::fd::open(c"/proc/self/status", libc::O_RDONLY | libc::O_CLOEXEC);
     if fd >= 0 {
-        let fd = crate::fdtable::move_high(fd);
-        crate::fdtable::protect(crate::fdtable::OWN_STATUS, fd);
+        let fd = crate::ownfd::move_high(fd);
+        crate::ownfd::protect(crate::ownfd::OWN_STATUS, fd);
         STATUS_FD.store(fd, Release);
     }
 }

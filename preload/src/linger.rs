@@ -15,7 +15,7 @@
 //! has everything up to our FIN (at most 5 s).
 
 use crate::fdtable::{self, Entry};
-use crate::sys;
+use crate::sys::{self, Errno};
 use crate::tcp_sink::{drain_closed, peer_fin, unread_payload, Drained};
 use crate::vc::Vc;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -47,17 +47,17 @@ fn lock() -> MutexGuard<'static, Lingering> {
 }
 
 /// Closes `fd` with a reset (SO_LINGER 0); returns the close's result.
-fn reset(fd: i32) -> i32 {
+fn reset(fd: i32) -> Result<i32, Errno> {
     crate::sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
-    sys::fd::close(fd)
+    sys::cvt(sys::fd::close(fd))
 }
 
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
 /// of the program's close.
-pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
+pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
     if !crate::sandbox::allows_all(LINGER_CALLS) || !crate::sandbox::may_spawn() {
         // A sandbox forbids what lingering needs: the program's close, as it asked.
-        return sys::fd::close(fd);
+        return sys::cvt(sys::fd::close(fd));
     }
     // After the peer's Fin frame the socket's receive side is shut: a FIN from us now would
     // put it where the kernel resets the connection on the peer's next ack. The end of stream
@@ -74,11 +74,10 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
         return reset(fd);
     }
     let keep = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700);
-    let r = sys::fd::close(fd);
-    let e = sys::errno();
+    let r = sys::cvt(sys::fd::close(fd));
     if keep >= 0 {
         if fin_mode {
-            crate::tcp_sink::send_fin(vc.mem(), keep);
+            let _ = crate::tcp_sink::send_fin(vc.mem(), keep);
         } else {
             crate::sys::fd::shutdown(keep, libc::SHUT_WR);
         }
@@ -107,7 +106,6 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> i32 {
             }
         }
     }
-    sys::set_errno(e);
     r
 }
 
@@ -142,7 +140,7 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
     match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {
         Drained::DataArrived => {
             crate::log::debug(format_args!("data after close: reset"));
-            reset(fd);
+            let _ = reset(fd);
             true
         }
         Drained::Open if !expired => false,
@@ -219,7 +217,7 @@ pub fn at_exit() {
                 v.hand_back_slot();
             } else if !unread_payload(v.mem(), fd) {
                 if peer_fin(v.mem()) {
-                    crate::tcp_sink::send_fin(v.mem(), fd);
+                    let _ = crate::tcp_sink::send_fin(v.mem(), fd);
                 } else {
                     crate::sys::fd::shutdown(fd, libc::SHUT_WR);
                 }
@@ -262,7 +260,7 @@ pub fn at_exit() {
         let c = v.mem().conn();
         match drain_closed(v.mem(), *fd) {
             Drained::DataArrived => {
-                reset(*fd);
+                let _ = reset(*fd);
                 return false;
             }
             Drained::Finished => {

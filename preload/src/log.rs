@@ -7,6 +7,14 @@ use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
 static LEVEL: AtomicU8 = AtomicU8::new(2);
 
+/// 1 while fd 2 is a virtual connection (the descriptor table says so).
+static STDERR_VC: AtomicU8 = AtomicU8::new(0);
+
+/// The descriptor table's news about fd 2.
+pub fn stderr_is_connection(yes: bool) {
+    STDERR_VC.store(yes as u8, Relaxed);
+}
+
 /// Sets the level from the value of `VMI_LOG`.
 pub fn init(value: Option<&str>) {
     let l = match value.map(|v| v.to_ascii_lowercase()) {
@@ -43,10 +51,10 @@ impl fmt::Write for Line {
 }
 
 fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
-    if !enabled(level) || crate::fdtable::is_managed(2) {
+    if !enabled(level) || STDERR_VC.load(Relaxed) != 0 {
         return;
     }
-    if !crate::sandbox::allows(libc::SYS_write, [2, 0, 0, 0, 0, 0]) {
+    if !crate::sys::gate::allows(libc::SYS_write, [2, 0, 0, 0, 0, 0]) {
         return;
     }
     let mut line = Line { buf: [0; 512], len: 0 };
@@ -64,7 +72,7 @@ fn emit(level: u8, tag: &str, args: fmt::Arguments<'_>) {
 /// sandboxed child sets the limit to zero, with stderr on a log file). Also false where a
 /// sandbox forbids asking.
 fn fits_file_limit(n: usize) -> bool {
-    if !crate::sandbox::allows_all(&[libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_prlimit64]) {
+    if !crate::sys::gate::allows_all(&[libc::SYS_newfstatat, libc::SYS_fstat, libc::SYS_prlimit64]) {
         return false;
     }
     let Some(st) = crate::sys::fd::fstat(2) else { return true };

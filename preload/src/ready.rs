@@ -35,109 +35,34 @@
 //! about to sleep. A `poll` or `select` that includes a scanned connection, and a thread
 //! that reads it while another waits on the instance, announce it as before.
 
+use crate::error::Real;
 use crate::fdtable;
+use crate::readiness::Truth;
+use crate::readiness::{
+    set_scan, FdBits, POLL_SLEEPERS, SCANNED, SCAN_EPFD, SCAN_EPFDS, SCAN_FDS, SLEEPERS, UNANNOUNCED,
+};
 use crate::sys;
 use crate::sys::prog::ProgArray;
 use crate::vc::Vc;
 use libc::c_int;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::Arc;
 use std::sync::RwLock;
 
-/// What a readable report of a virtual connection means.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Truth {
-    /// Payload, the end of the stream or an error waits: report it.
-    Readable,
-    /// Only the layer's own bytes were there (now taken): readable is not true.
-    Spurious,
-    /// Cannot tell without waiting (another thread reads it): report what the kernel says.
-    Unknown,
-    /// The link is being rebuilt: what the kernel says is about a socket on its way out (shut
-    /// down to wake threads blocked on it); nothing is reported until the new one is in
-    /// place, whose registration brings its own events.
-    Relinking,
-}
-
-const EPFD_BITS: usize = 1 << 16;
-
-/// A bit per descriptor below `EPFD_BITS` (one word load to test).
-struct FdBits([AtomicU64; EPFD_BITS / 64]);
-
-impl FdBits {
-    const fn new() -> FdBits {
-        FdBits([const { AtomicU64::new(0) }; EPFD_BITS / 64])
-    }
-
-    fn at(&self, fd: c_int) -> Option<(&AtomicU64, u64)> {
-        (fd >= 0 && (fd as usize) < EPFD_BITS)
-            .then(|| (&self.0[fd as usize / 64], 1u64 << (fd as usize % 64)))
-    }
-
-    /// `None` beyond the bitmap.
-    #[inline]
-    fn get(&self, fd: c_int, order: std::sync::atomic::Ordering) -> Option<bool> {
-        self.at(fd).map(|(w, b)| w.load(order) & b != 0)
-    }
-
-    fn has(&self, fd: c_int) -> bool {
-        self.get(fd, SeqCst) == Some(true)
-    }
-
-    fn set(&self, fd: c_int) {
-        if let Some((w, b)) = self.at(fd) {
-            if w.load(Relaxed) & b == 0 {
-                w.fetch_or(b, SeqCst);
-            }
-        }
-    }
-
-    fn clear(&self, fd: c_int) {
-        if let Some((w, b)) = self.at(fd) {
-            if w.load(Relaxed) & b != 0 {
-                w.fetch_and(!b, SeqCst);
-            }
-        }
-    }
-}
-
-/// Epoll instances with at least one registration of a virtual connection (one load in
-/// the hooks of every other instance).
-static TRACKED_EPFD: FdBits = FdBits::new();
-/// Registrations known, for programs with descriptors beyond the bitmap.
-static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
-
-/// Descriptors (below this) that can be scanned, and epoll instances (below `SCAN_EPFDS`)
-/// that can scan.
-const SCAN_FDS: usize = EPFD_BITS;
-const SCAN_EPFDS: usize = 4096;
 /// Most connections on shared memory an instance scans (`VMI_EPOLL_SCAN_MAX`): a wait looks
 /// at each of them, and one with more (idle keep-alive connections, say) is cheaper with bells.
 fn scan_max() -> usize {
     crate::config::epoll_scan_max()
 }
-/// Per descriptor: 1 + the epoll instance whose waits scan its ring, 0 when not scanned.
-static SCAN_EPFD: [AtomicU16; SCAN_FDS] = [const { AtomicU16::new(0) }; SCAN_FDS];
-/// Per epoll instance: threads inside a wait on it, which may sleep.
-static SLEEPERS: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
-/// Per epoll instance: how many connections it scans (its waits skip the scan at 0).
-static SCANNED: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
 /// Descriptors the program added to some epoll instance (other than virtual connections):
 /// an epoll instance among them is nested, and its waits are not the only ones.
 static CONTAINED: FdBits = FdBits::new();
-/// Descriptors whose receive left without announcing its ring (`elided`): a wait that does
-/// not scan must announce it first.
-static UNANNOUNCED: FdBits = FdBits::new();
-/// Threads inside a `poll` or `select` that includes a virtual connection: while there are
-/// any, every receive announces (such a wait does not scan).
-static POLL_SLEEPERS: AtomicU32 = AtomicU32::new(0);
-
-/// Connection `fd`'s ring was announced (whatever it holds has a bell, and the writer rings).
-#[inline]
-pub fn announced(fd: c_int) {
-    UNANNOUNCED.clear(fd);
-}
+/// Epoll instances with at least one registration of a virtual connection (one load in
+/// the hooks of every other instance).
+static TRACKED_EPFD: FdBits = FdBits::new();
+/// Registrations known, for programs with descriptors beyond the bitmap.
+static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// The program added `fd` (not a virtual connection) to an epoll instance.
 pub fn note_contained(fd: c_int) {
@@ -154,53 +79,15 @@ pub fn note_closed_fd(fd: c_int) {
     CONTAINED.clear(fd);
 }
 
-/// Sets which instance scans `fd` (`now`: 1 + the instance, 0 for none), keeping the
-/// instances' counts.
-fn set_scan(fd: c_int, now: u16) {
-    let was = SCAN_EPFD[fd as usize].swap(now, SeqCst);
-    if was != now {
-        if was != 0 {
-            SCANNED[usize::from(was - 1)].fetch_sub(1, Relaxed);
-        }
-        if now != 0 {
-            SCANNED[usize::from(now - 1)].fetch_add(1, Relaxed);
-        }
-    }
-}
-
-/// True when the receive that leaves connection `fd` need not tell the writer it may sleep:
-/// the connection is scanned and no thread is inside a wait on its instance right now.
-/// When it is, the descriptor is marked unannounced.
-#[inline]
-pub fn elided(fd: c_int) -> bool {
-    if (fd as usize) >= SCAN_FDS {
-        return false;
-    }
-    let e = SCAN_EPFD[fd as usize].load(Relaxed);
-    if e == 0 {
-        return false;
-    }
-    UNANNOUNCED.set(fd);
-    SLEEPERS[usize::from(e - 1)].load(SeqCst) == 0 && POLL_SLEEPERS.load(SeqCst) == 0
-}
-
-/// Whether connection `fd` is scanned by an epoll instance's waits.
-#[inline]
-pub fn scanned(fd: c_int) -> bool {
-    (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0
-}
-
 /// Connections that stopped being scanned: whatever their rings hold is announced the
 /// usual way (a bell), as the next wait may not look at them.
 fn announce_all(vcs: Vec<(c_int, Arc<Vc>)>) {
-    let errno = sys::errno();
     for (fd, vc) in vcs {
         crate::error::quietly(|| {
             vc.announce(fd);
             Some(())
         });
     }
-    sys::set_errno(errno);
 }
 
 /// Before `fork`: the child shares every connection, and may wait on it in ways this
@@ -520,10 +407,8 @@ pub fn note_close(fd: c_int) {
 /// What a readable report of `fd` means (never blocks; a panic counts as "report it").
 fn truth(fd: c_int) -> Truth {
     let Some(vc) = fdtable::vc(fd) else { return Truth::Unknown };
-    // (The program's wait succeeds: the layer's calls leave its errno as it was.)
-    let errno = sys::errno();
+    // (The program's wait succeeds: the entry point gives it back its errno.)
     let t = crate::error::quietly(|| Some(vc.readable_truth(fd))).unwrap_or(Truth::Unknown);
-    sys::set_errno(errno);
     if matches!(t, Truth::Readable | Truth::Unknown) {
         vc.told_readable();
     }
@@ -641,25 +526,25 @@ pub fn us_ts(us: i64) -> libc::timespec {
 /// rest of the time while the filter leaves nothing.
 fn wait_loop(
     timeout_us: i64,
-    mut wait: impl FnMut(bool, i64) -> c_int,
+    mut wait: impl FnMut(bool, i64) -> Real,
     mut filter: impl FnMut(c_int) -> c_int,
-) -> c_int {
+) -> Real {
     let deadline = Deadline::us(timeout_us);
     let mut first = true;
     let mut left = timeout_us;
     loop {
-        let n = wait(first, left);
+        let n = wait(first, left)?;
         first = false;
         if n <= 0 || crate::sandbox::active() {
-            return n;
+            return Ok(n);
         }
         let k = filter(n);
         if k > 0 || timeout_us == 0 {
-            return k;
+            return Ok(k);
         }
         match deadline.left_us(timeout_us) {
             Some(l) => left = l,
-            None => return 0,
+            None => return Ok(0),
         }
     }
 }
@@ -670,8 +555,8 @@ pub fn epoll_wait(
     epfd: c_int,
     events: &mut ProgArray<libc::epoll_event>,
     timeout_us: i64,
-    mut wait: impl FnMut(bool, i64) -> c_int,
-) -> c_int {
+    mut wait: impl FnMut(bool, i64) -> Real,
+) -> Real {
     let sleepers = (epfd >= 0 && (epfd as usize) < SCAN_EPFDS).then(|| &SLEEPERS[epfd as usize]);
     if let Some(sl) = sleepers {
         // Counted before the scan: a thread reading a scanned connection from now on
@@ -681,7 +566,7 @@ pub fn epoll_wait(
     let scans = sleepers.is_some() && SCANNED[epfd as usize].load(Relaxed) > 0 && !events.is_empty();
     let reported = if scans { scan_then_report(epfd, events, timeout_us, &mut wait) } else { None };
     let r = match reported {
-        Some(r) => r,
+        Some(r) => Ok(r),
         None => wait_loop(timeout_us, wait, |n| {
             if events.is_empty() {
                 return n;
@@ -704,7 +589,7 @@ fn scan_then_report(
     epfd: c_int,
     events: &mut ProgArray<libc::epoll_event>,
     timeout_us: i64,
-    wait: &mut impl FnMut(bool, i64) -> c_int,
+    wait: &mut impl FnMut(bool, i64) -> Real,
 ) -> Option<c_int> {
     let mut found = [(0u64, 0u32); 64];
     let mut k = scan(epfd, &mut found, false);
@@ -714,7 +599,8 @@ fn scan_then_report(
     if k == 0 {
         return None;
     }
-    let n = wait(false, 0).max(0);
+    // (A failed look finds nothing more: the scan's reports go alone.)
+    let n = wait(false, 0).unwrap_or(0).max(0);
     let len = events.len();
     Some(events.with(len, |evs| {
         let n = (n as usize).min(len);
@@ -767,8 +653,8 @@ pub fn ms_for(first: bool, timeout_ms: c_int, left_us: i64) -> c_int {
 pub fn poll(
     fds: &mut ProgArray<libc::pollfd>,
     timeout_us: i64,
-    mut wait: impl FnMut(bool, i64) -> c_int,
-) -> c_int {
+    mut wait: impl FnMut(bool, i64) -> Real,
+) -> Real {
     if !fdtable::any() || fds.is_empty() {
         return wait(true, timeout_us);
     }
@@ -832,8 +718,8 @@ pub fn select(
     nfds: c_int,
     sets: &mut [ProgArray<libc::fd_set>; 3],
     timeout_us: i64,
-    mut wait: impl FnMut(bool, i64) -> c_int,
-) -> c_int {
+    mut wait: impl FnMut(bool, i64) -> Real,
+) -> Real {
     if !fdtable::any() || sets[0].is_empty() || nfds <= 0 {
         return wait(true, timeout_us);
     }

@@ -180,15 +180,24 @@ pub fn read_filter(insns: &[u8]) -> Result<Filter, String> {
     Filter::parse(insns).map_err(|e| e.to_string())
 }
 
+/// What a filter about to go in means for the layer (see [`before_install`]).
+pub struct Consequences {
+    /// New connections to this process's listeners stay plain from now on (the layer will
+    /// not be allowed what set-up needs): the agent must not tell clients otherwise.
+    pub listeners_go_plain: bool,
+    /// The filter covers every thread and forbids what the control thread does.
+    pub control_must_stop: bool,
+}
+
 /// Before the kernel installs a filter (`filter`: None for one that could not be read) or
 /// strict mode, with `SECCOMP_FILTER_FLAG_TSYNC` or not: remembers what the layer will need
-/// to know once its calls are restricted, and keeps the layer's threads out of a filter that
-/// would forbid their work. Returns what [`installed`] needs.
-pub fn before_install(filter: Option<Result<Filter, String>>, strict: bool, tsync: bool) -> Install {
-    // Blocking modes of the program's connections, while fcntl is still ours to use.
-    for (fd, _) in crate::fdtable::snapshot() {
-        let _ = nonblocking(fd);
-    }
+/// to know once its calls are restricted, and says what the layer must do before it goes in
+/// (the caller does it). Returns what [`installed`] needs.
+pub fn before_install(
+    filter: Option<Result<Filter, String>>,
+    strict: bool,
+    tsync: bool,
+) -> (Install, Consequences) {
     let filter = match filter {
         Some(Ok(f)) => Some(f),
         Some(Err(e)) => {
@@ -211,23 +220,8 @@ pub fn before_install(filter: Option<Result<Filter, String>>, strict: bool, tsyn
                 .iter()
                 .all(|&nr| Verdict::of(f.run(&SeccompData::native(nr, [0; 6]))) == Verdict::Allow)
         });
-    if !setup_after {
-        // New connections to this process's listeners stay plain from now on: the agent must
-        // not tell clients otherwise.
-        for (_, e) in crate::fdtable::snapshot() {
-            if let crate::fdtable::Entry::Listener(l) = e {
-                crate::setup::closed_listener(&l);
-            }
-        }
-    }
-    if tsync && crate::relink::control_running() && !layer_threads_may_work_under(&inst) {
-        log::info(format_args!(
-            "a seccomp filter for every thread forbids what the control thread does: it stops \
-             (connections keep working, without failover)"
-        ));
-        crate::relink::retire_control();
-    }
-    inst
+    let control_must_stop = tsync && !layer_threads_may_work_under(&inst);
+    (inst, Consequences { listeners_go_plain: !setup_after, control_must_stop })
 }
 
 /// Would the layer's threads still work with `inst` added?
@@ -248,7 +242,7 @@ pub fn installed(inst: Install, ok: bool) {
     }
     gate::record(inst.filter, inst.strict, inst.tsync);
     WAKE_OK.store(
-        allows(libc::SYS_write, [crate::fdtable::own_fd(crate::fdtable::OWN_WAKE) as u64, 0, 8, 0, 0, 0]),
+        allows(libc::SYS_write, [crate::ownfd::own_fd(crate::ownfd::OWN_WAKE) as u64, 0, 8, 0, 0, 0]),
         Release,
     );
 }

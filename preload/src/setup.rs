@@ -124,18 +124,7 @@ pub fn after_listen(fd: i32) {
     // Kept even if no agent answers now: the listener is registered whenever the process
     // next reaches an agent (a restarted one included).
     fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
-    register_listener(addr);
-}
-
-/// Tells the agent about a listener; true if it took note.
-pub fn register_listener(addr: SocketAddr) -> bool {
-    match agent::request(&Msg::Listen { addr, window: crate::config::window() }) {
-        Some(Msg::Ok) => {
-            log::debug(format_args!("listener {addr} registered"));
-            true
-        }
-        _ => false,
-    }
+    agent::register_listener(addr);
 }
 
 /// A listener is closed for good.

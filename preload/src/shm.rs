@@ -2,8 +2,9 @@
 //! half, the reliability state and the replay ring, all in one anonymous shared mapping, so
 //! a parent and a child that both use an inherited socket keep one sequence space.
 
-use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+pub use crate::sys::cell::Kept;
+use crate::sys::cell::{HeadRing, LendCell, RingHead};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
 use substrate::reliability::{RxState, TxState};
 
 /// A lock that works across processes sharing the memory (no `FUTEX_PRIVATE_FLAG`). If its
@@ -14,18 +15,11 @@ pub struct FutexLock {
     owner: AtomicI32,
     /// The holding thread (`pthread_self`, with `owner` naming its process).
     holder: AtomicUsize,
-    /// 1 while the data this lock guards is lent out (see [`SharedConn::with_tx_held`]).
-    lent: AtomicU32,
 }
 
 impl FutexLock {
     const fn new() -> FutexLock {
-        FutexLock {
-            state: AtomicU32::new(0),
-            owner: AtomicI32::new(0),
-            holder: AtomicUsize::new(0),
-            lent: AtomicU32::new(0),
-        }
+        FutexLock { state: AtomicU32::new(0), owner: AtomicI32::new(0), holder: AtomicUsize::new(0) }
     }
 
     /// True when the calling thread holds the lock (`holder` is set only while the lock is
@@ -35,39 +29,6 @@ impl FutexLock {
         self.holder.load(Relaxed) == crate::sys::process::pthread_self()
             && self.owner.load(Relaxed) == crate::pid()
     }
-
-    /// Lends the guarded data to the calling thread, which must hold the lock, for one
-    /// borrow at a time (checked: a second, nested borrow would alias the first).
-    #[inline]
-    fn lend<T, R>(&self, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
-        // (What makes the borrow sound is the flag; holding the lock is what makes it
-        // useful, and is checked in debug builds.)
-        debug_assert!(self.held_here(), "connection state used without its lock");
-        lend_once(&self.lent, cell, f)
-    }
-}
-
-/// Lends `cell`'s data for the length of `f`, one borrow at a time in every thread and
-/// process that maps it: `lent` is taken with an atomic swap (acquire) and given back with
-/// a release store, so two borrows never overlap and each sees what the one before wrote;
-/// a borrow that finds it taken panics (a nested borrow, or a caller without the lock that
-/// is meant to keep others away). The lock stays what orders the protocol; this is what
-/// makes handing out `&mut` sound.
-#[inline]
-fn lend_once<T, R>(lent: &AtomicU32, cell: &UnsafeCell<T>, f: impl FnOnce(&mut T) -> R) -> R {
-    assert!(lent.swap(1, Acquire) == 0, "connection state borrowed twice");
-    struct Back<'a>(&'a AtomicU32);
-    impl Drop for Back<'_> {
-        #[inline]
-        fn drop(&mut self) {
-            self.0.store(0, Release);
-        }
-    }
-    let _back = Back(lent);
-    // SAFETY: the flag was free and is ours until `_back` drops: no other borrow of the data
-    // exists in any thread or process, and the acquire/release pair orders this one after
-    // the previous.
-    f(unsafe { &mut *cell.get() })
 }
 
 /// Holds a [`FutexLock`]; unlocks on drop.
@@ -109,7 +70,6 @@ impl FutexLock {
         if owner > 0 && !crate::sys::process::may_exist(owner) {
             crate::log::warn(format_args!("process {owner} died holding a connection lock; taking it over"));
             self.owner.store(0, Relaxed);
-            self.lent.store(0, Relaxed);
             self.state.store(0, Release);
         }
     }
@@ -134,20 +94,15 @@ impl Drop for FutexGuard<'_> {
 /// Data of this process's that one of a connection's shared locks guards (a send or
 /// receive chain): lent to the thread holding that lock, one borrow at a time.
 pub struct Guarded<T> {
-    cell: UnsafeCell<T>,
+    cell: LendCell<T>,
     /// Address of the guarding lock.
     lock: usize,
-    lent: AtomicU32,
 }
-
-// SAFETY: the data is reached only through `with`, one borrow at a time across threads
-// (the flag, taken atomically), as a mutex-protected value is.
-unsafe impl<T: Send> Sync for Guarded<T> {}
 
 impl<T> Guarded<T> {
     /// `v`, guarded by `lock`.
     pub fn new(v: T, lock: &FutexLock) -> Guarded<T> {
-        Guarded { cell: UnsafeCell::new(v), lock: lock as *const FutexLock as usize, lent: AtomicU32::new(0) }
+        Guarded { cell: LendCell::new(v), lock: lock as *const FutexLock as usize }
     }
 
     /// Runs `f` on the data. `lock` must be the guarding lock, held by this thread, and no
@@ -156,41 +111,7 @@ impl<T> Guarded<T> {
     pub fn with<R>(&self, lock: &FutexLock, f: impl FnOnce(&mut T) -> R) -> R {
         debug_assert!(std::ptr::eq(lock, self.lock as *const FutexLock), "chain under the wrong lock");
         debug_assert!(lock.held_here(), "chain used without its lock");
-        lend_once(&self.lent, &self.cell, f)
-    }
-}
-
-/// The current one of values that are kept until the slot goes (a reader racing a change
-/// may still use the one it found): one load to read, a lock only to change.
-pub struct Kept<T> {
-    cur: std::sync::atomic::AtomicPtr<T>,
-    #[allow(clippy::vec_box)]
-    keep: std::sync::Mutex<Vec<Box<T>>>,
-}
-
-impl<T> Default for Kept<T> {
-    fn default() -> Self {
-        Kept { cur: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()), keep: Default::default() }
-    }
-}
-
-impl<T> Kept<T> {
-    /// The current value.
-    pub fn get(&self) -> Option<&T> {
-        let p = self.cur.load(Acquire);
-        // SAFETY: every value stored is kept (boxed, never moved or dropped) until the slot
-        // drops, which `&self` outlives.
-        (!p.is_null()).then(|| unsafe { &*p })
-    }
-
-    /// Makes `v` the current value; returns it (at its final address).
-    pub fn set(&self, v: T) -> &T {
-        let b = Box::new(v);
-        let p = &*b as *const T as *mut T;
-        self.keep.lock().unwrap_or_else(|e| e.into_inner()).push(b);
-        self.cur.store(p, Release);
-        // SAFETY: just stored, kept until the slot drops.
-        unsafe { &*p }
+        self.cell.lend(f)
     }
 }
 
@@ -257,17 +178,24 @@ pub struct SharedConn {
     /// Where the peer's node agent can be reached, one address per network (slot form).
     /// Changed only by the process rebuilding the link, holding both halves' locks, when the
     /// peer moved to another node.
-    peer_agents: UnsafeCell<[[u8; 20]; MAX_PEER_AGENTS]>,
+    peer_agents: [[AtomicU8; 20]; MAX_PEER_AGENTS],
     /// The connection's GID.
     pub gid: u128,
     /// Its secret.
     pub secret: u128,
     /// The peer's window (its acks come every quarter of ours; ours every quarter of it).
     pub peer_window: u64,
-    /// Send half (under `tx_lock`).
-    pub tx: UnsafeCell<TxState>,
+    /// Send half (under `tx_lock`), lent with the replay ring.
+    tx: LendCell<TxState>,
     /// Receive half (under `rx_lock`).
-    pub rx: UnsafeCell<RxState>,
+    rx: LendCell<RxState>,
+}
+
+impl RingHead for SharedConn {
+    type Half = TxState;
+    fn ring_cell(&self) -> &LendCell<TxState> {
+        &self.tx
+    }
 }
 
 /// `prog_tcp`: the program corked the connection (TCP_CORK 1).
@@ -292,16 +220,7 @@ const _: () = assert!(std::mem::size_of::<SharedConn>() <= HEAD);
 /// A view of one connection's memory: a [`SharedConn`] then the replay ring. Copyable; the
 /// owning [`Mapping`] keeps it mapped.
 #[derive(Clone, Copy)]
-pub struct ConnMem {
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain memory; all access goes through the locks and atomics of
-// `SharedConn`.
-unsafe impl Send for ConnMem {}
-// SAFETY: as above.
-unsafe impl Sync for ConnMem {}
+pub struct ConnMem(HeadRing<SharedConn>);
 
 /// Owns a connection's mapping; unmaps it (in this process) on drop, where the sandbox
 /// allows (see `SharedMap`).
@@ -330,7 +249,6 @@ impl Mapping {
     ) -> Option<Mapping> {
         let len = HEAD + ring;
         let map = crate::sys::shared::SharedMap::anonymous(len)?;
-        let p = map.base();
         let sc = SharedConn {
             tx_lock: FutexLock::new(),
             rx_lock: FutexLock::new(),
@@ -356,22 +274,18 @@ impl Mapping {
             exec_holds: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
-            peer_agents: UnsafeCell::new({
-                let mut a = [[0u8; 20]; MAX_PEER_AGENTS];
-                for (d, s) in a.iter_mut().zip(peer_agents) {
-                    *d = substrate::stats::encode_addr(s);
-                }
-                a
+            peer_agents: std::array::from_fn(|i| {
+                let a = peer_agents.get(i).map(substrate::stats::encode_addr).unwrap_or([0; 20]);
+                a.map(AtomicU8::new)
             }),
             gid,
             secret,
             peer_window,
-            tx: UnsafeCell::new(TxState::with_soft_window(ring as u64, soft)),
-            rx: UnsafeCell::new(RxState::new()),
+            tx: LendCell::new(TxState::with_soft_window(ring as u64, soft)),
+            rx: LendCell::new(RxState::new()),
         };
-        // SAFETY: the mapping is fresh, page aligned and HEAD bytes fit a SharedConn.
-        unsafe { std::ptr::write(p as *mut SharedConn, sc) };
-        Some(Mapping { view: ConnMem { base: p, len }, _map: map })
+        let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
+        Some(Mapping { view, _map: map })
     }
 }
 
@@ -379,10 +293,12 @@ impl SharedConn {
     /// The peer node's agent addresses.
     pub fn peer_agents(&self) -> Vec<std::net::SocketAddr> {
         let n = (self.n_peer_agents.load(Acquire) as usize).min(MAX_PEER_AGENTS);
-        // SAFETY: a copy of plain bytes; they change only while a link is rebuilt, by the
-        // thread that also reads them to dial (see `set_peer_agents`).
-        let all = unsafe { *self.peer_agents.get() };
-        all[..n].iter().filter_map(|b| substrate::stats::decode_addr(b)).collect()
+        // (They change only while a link is rebuilt, by the thread that also reads them to
+        // dial: see `set_peer_agents`.)
+        self.peer_agents[..n]
+            .iter()
+            .filter_map(|b| substrate::stats::decode_addr(&b.each_ref().map(|x| x.load(Relaxed))))
+            .collect()
     }
 
     /// The peer now lives at another node: where its agent can be reached. The caller holds
@@ -391,12 +307,11 @@ impl SharedConn {
         if addrs.is_empty() || addrs == self.peer_agents().as_slice() {
             return;
         }
-        let mut a = [[0u8; 20]; MAX_PEER_AGENTS];
-        for (d, s) in a.iter_mut().zip(addrs) {
-            *d = substrate::stats::encode_addr(s);
+        for (d, s) in self.peer_agents.iter().zip(addrs) {
+            for (d, b) in d.iter().zip(substrate::stats::encode_addr(s)) {
+                d.store(b, Relaxed);
+            }
         }
-        // SAFETY: see above; the caller holds both locks.
-        unsafe { *self.peer_agents.get() = a };
         self.n_peer_agents.store(addrs.len().min(MAX_PEER_AGENTS) as u32, Release);
     }
 }
@@ -407,45 +322,43 @@ impl SharedConn {
     #[inline]
     pub fn with_tx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState) -> R) -> R {
         assert!(g.holds(&self.tx_lock), "send half without its lock");
-        self.tx_lock.lend(&self.tx, f)
+        debug_assert!(self.tx_lock.held_here(), "connection state used without its lock");
+        self.tx.lend(f)
     }
 
     /// Runs `f` on the receive half; `g` must hold `rx_lock` (checked).
     #[inline]
     pub fn with_rx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut RxState) -> R) -> R {
         assert!(g.holds(&self.rx_lock), "receive half without its lock");
-        self.rx_lock.lend(&self.rx, f)
+        debug_assert!(self.rx_lock.held_here(), "connection state used without its lock");
+        self.rx.lend(f)
     }
 
     /// Runs `f` on the send half, whose lock a caller of this thread took (checked, as is
     /// that no other borrow of the half is live).
     #[inline]
     pub fn with_tx_held<R>(&self, f: impl FnOnce(&mut TxState) -> R) -> R {
-        self.tx_lock.lend(&self.tx, f)
+        debug_assert!(self.tx_lock.held_here(), "connection state used without its lock");
+        self.tx.lend(f)
     }
 
     /// Runs `f` on the receive half, whose lock a caller of this thread took (checked).
     #[inline]
     pub fn with_rx_held<R>(&self, f: impl FnOnce(&mut RxState) -> R) -> R {
-        self.rx_lock.lend(&self.rx, f)
+        debug_assert!(self.rx_lock.held_here(), "connection state used without its lock");
+        self.rx.lend(f)
     }
 
     /// A look at the send half without its lock: a racy read that may see a value a
     /// moment old, taken only to choose whether and how to wait or look again (never to
     /// change anything). Goes away when the connection's state moves into atomics.
     pub fn peek_tx<R>(&self, f: impl FnOnce(&TxState) -> R) -> R {
-        // SAFETY: a volatile copy; TxState is plain integers only (it lives in memory shared
-        // across processes), so any bytes are a valid value, and a torn or stale one only
-        // makes the caller look again.
-        let copy = unsafe { std::ptr::read_volatile(self.tx.get()) };
-        f(&copy)
+        self.tx.peek(f)
     }
 
     /// As [`peek_tx`](Self::peek_tx), for the receive half.
     pub fn peek_rx<R>(&self, f: impl FnOnce(&RxState) -> R) -> R {
-        // SAFETY: as for `peek_tx`.
-        let copy = unsafe { std::ptr::read_volatile(self.rx.get()) };
-        f(&copy)
+        self.rx.peek(f)
     }
 }
 
@@ -461,34 +374,18 @@ impl ConnMem {
     /// took (checked, as is that no other borrow of the half is live).
     #[inline]
     pub fn with_tx_ring_held<R>(&self, f: impl FnOnce(&mut TxState, &mut [u8]) -> R) -> R {
-        let c = self.conn();
-        c.tx_lock.lend(&c.tx, |tx| {
-            // SAFETY: the ring is mapped for `len - HEAD` bytes after HEAD and only touched
-            // by the holder of the send half, lent out once (checked by `lend`).
-            let ring = unsafe { std::slice::from_raw_parts_mut(self.base.add(HEAD), self.len - HEAD) };
-            f(tx, ring)
-        })
+        debug_assert!(self.conn().tx_lock.held_here(), "connection state used without its lock");
+        self.0.with_ring(f)
     }
 
     /// The shared state.
+    #[inline]
     pub fn conn(&self) -> &'static SharedConn {
-        // SAFETY: initialised in `new`, mapped for the life of `self`.
-        unsafe { &*(self.base as *const SharedConn) }
-    }
-
-    /// The replay ring.
-    ///
-    /// # Safety
-    /// The caller holds `tx_lock`, so no one else touches the ring.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn ring(&self) -> &'static mut [u8] {
-        // SAFETY: the ring is mapped for `len - HEAD` bytes after HEAD; exclusivity is the
-        // caller's promise.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(HEAD), self.len - HEAD) }
+        self.0.head()
     }
 
     /// Ring length in bytes.
     pub fn ring_len(&self) -> usize {
-        self.len - HEAD
+        self.0.ring_len()
     }
 }

@@ -22,11 +22,11 @@ static TABLE: OnceLock<Option<Table>> = OnceLock::new();
 
 fn create() -> Option<Table> {
     let (map, fd) = SharedMap::memfd(c"vmi-stats", TABLE_BYTES, libc::MFD_CLOEXEC)?;
-    let fd = crate::fdtable::move_high(fd);
+    let fd = crate::ownfd::move_high(fd);
     map.u64(0).store(TABLE_MAGIC, Relaxed);
     map.u32(8).store(TABLE_SLOTS as u32, Relaxed);
     map.u32(12).store(crate::pid() as u32, Relaxed);
-    crate::fdtable::protect(crate::fdtable::OWN_STATS, fd);
+    crate::ownfd::protect(crate::ownfd::OWN_STATS, fd);
     Some(Table { map, hint: AtomicU32::new(0) })
 }
 

@@ -11,9 +11,10 @@
 //! them, it uses the spare room of its ring instead of waiting for the program to read, so
 //! the layer never deadlocks a program that native TCP would not.
 
-use crate::ready::Truth;
+use crate::readiness::Truth;
 use crate::shm::ConnMem;
 use crate::stats::Slot;
+use crate::sys::Errno;
 use crate::{log, relink, sandbox, sys};
 use libc::c_int;
 use std::sync::atomic::Ordering::*;
@@ -212,7 +213,7 @@ fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int, gen: Opti
     let ended = c.peer_eof.load(Acquire) != 0 || (sending && c.tx_shut.load(Acquire) != 0);
     if !ended && (relink::is_link_error(e) || c.link_down.load(Acquire) != 0) {
         relink::link_broken_on(mem, &errno_name(e), gen);
-        return IrbError::Os(relink::LINK_DOWN);
+        return IrbError::LinkDown;
     }
     if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
         raise_sigpipe();
@@ -259,7 +260,7 @@ fn fin_check(mem: ConnMem, fd: c_int, fin_before: u32, rx: &RxState) {
 #[inline]
 fn check_link(mem: ConnMem) -> Result<(), IrbError> {
     if mem.conn().link_down.load(Acquire) != 0 {
-        return Err(IrbError::Os(relink::LINK_DOWN));
+        return Err(IrbError::LinkDown);
     }
     Ok(())
 }
@@ -304,25 +305,25 @@ pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
 /// The program shuts its sending side down: a Fin frame says so to the peer's layer (the
 /// physical socket stays open both ways, so the peer can still acknowledge what we sent).
 /// Returns the shutdown's result.
-pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
+pub fn send_fin(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
     let c = mem.conn();
     let _g = c.tx_lock.lock();
     if c.tx_shut.swap(1, AcqRel) != 0 {
-        return 0;
+        return Ok(0);
     }
     if c.link_down.load(Acquire) != 0 {
         c.fin_owed.store(1, Release);
-        return 0;
+        return Ok(0);
     }
     mem.with_tx_ring_held(|tx, ring| {
         if tx.replaying() {
             c.fin_owed.store(1, Release);
             relink::poke();
-            return 0;
+            return Ok(0);
         }
         let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
             // A frame is half on the wire (a write the kernel cut short): end it the plain way.
-            return sys::fd::shutdown(fd, libc::SHUT_WR);
+            return sys::cvt(sys::fd::shutdown(fd, libc::SHUT_WR));
         };
         let mut done = 0;
         while done < plan.header_len {
@@ -341,15 +342,14 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> c_int {
                 if relink::is_link_error(e) {
                     c.fin_owed.store(1, Release);
                     relink::link_broken(mem, &errno_name(e));
-                    return 0;
+                    return Ok(0);
                 }
-                sys::set_errno(e);
-                return -1;
+                return Err(Errno(e));
             }
             tx.commit(&part, r as usize, &[], ring);
             done += r as usize;
         }
-        0
+        Ok(0)
     })
 }
 
@@ -756,7 +756,7 @@ pub fn recv(
             }
             if r == 0 {
                 if c.link_down.load(Acquire) != 0 {
-                    return if total > 0 { Ok(total) } else { Err(IrbError::Os(relink::LINK_DOWN)) };
+                    return if total > 0 { Ok(total) } else { Err(IrbError::LinkDown) };
                 }
                 if rx.fin != 0 {
                     return Ok(total);
@@ -828,7 +828,7 @@ fn peek(
         }
         if r == 0 {
             if mem.conn().link_down.load(Acquire) != 0 {
-                return Err(IrbError::Os(relink::LINK_DOWN));
+                return Err(IrbError::LinkDown);
             }
             if rx.fin != 0 {
                 return Ok(0);

@@ -6,6 +6,7 @@ use crate::relink;
 use crate::shm::{ConnMem, Guarded, Mapping};
 use crate::shm_sink::{self, LinkSlot, ShmLink, ShmSink};
 use crate::stats::{Slot, SlotInfo};
+use crate::sys::Errno;
 use crate::tcp_sink::TcpSink;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
@@ -14,11 +15,46 @@ use substrate::devices::CounterFilter;
 use substrate::irb::{Chain, Irb, IrbError, Outcome};
 use substrate::reliability::{RxState, TxState};
 
-/// Default soft window (bytes in flight before the sender waits for acknowledgements).
-pub const DEFAULT_WINDOW: u64 = 2 << 20;
-/// The replay ring is this many times the soft window (room used only when acks are stuck
-/// behind unread data).
-pub const RING_FACTOR: u64 = 4;
+/// What the connection layer asks of the descriptor table above it (which holds the
+/// process's connections and listeners); the table registers it at start
+/// (`fdtable::install`).
+pub struct Descriptors {
+    /// Each distinct connection with a descriptor in this process.
+    pub connections: fn() -> Vec<Arc<Vc>>,
+    /// This process's descriptors of a connection.
+    pub fds_of: fn(&Vc) -> Vec<i32>,
+    /// This process's listeners under the layer: descriptor and address.
+    pub listeners: fn() -> Vec<(i32, SocketAddr)>,
+}
+
+static DESCRIPTORS: std::sync::OnceLock<Descriptors> = std::sync::OnceLock::new();
+
+/// Registers the descriptor table (once).
+pub fn descriptors_from(d: Descriptors) {
+    let _ = DESCRIPTORS.set(d);
+}
+
+/// Each distinct connection with a descriptor in this process.
+pub fn connections() -> Vec<Arc<Vc>> {
+    DESCRIPTORS.get().map_or_else(Vec::new, |d| (d.connections)())
+}
+
+/// This process's descriptors of `v`.
+pub fn fds_of(v: &Vc) -> Vec<i32> {
+    DESCRIPTORS.get().map_or_else(Vec::new, |d| (d.fds_of)(v))
+}
+
+/// This process's listeners under the layer (descriptor, address).
+pub fn listeners() -> Vec<(i32, SocketAddr)> {
+    DESCRIPTORS.get().map_or_else(Vec::new, |d| (d.listeners)())
+}
+
+/// The addresses of this process's listeners, once each.
+pub fn listener_addrs() -> Vec<SocketAddr> {
+    let mut v: Vec<SocketAddr> = listeners().into_iter().map(|(_, a)| a).collect();
+    v.dedup();
+    v
+}
 
 /// The calls taking a link another process rebuilt needs.
 const ADOPT_CALLS: &[libc::c_long] = &[
@@ -197,8 +233,8 @@ impl Vc {
         op: i32,
         fd: i32,
         event: impl FnOnce() -> Option<libc::epoll_event>,
-        forward: impl FnOnce() -> i32,
-    ) -> i32 {
+        forward: impl FnOnce() -> Result<i32, Errno>,
+    ) -> Result<i32, Errno> {
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
         if p.parked {
             let i = p.regs.iter().position(|r| r.0 == epfd && r.1 == fd);
@@ -223,20 +259,12 @@ impl Vc {
                 _ => Err(0),
             };
             match kept {
-                Ok(()) => return 0,
-                Err(e) if e != 0 => {
-                    drop(p);
-                    crate::sys::set_errno(e);
-                    return -1;
-                }
+                Ok(()) => return Ok(0),
+                Err(e) if e != 0 => return Err(Errno(e)),
                 Err(_) => {}
             }
         }
-        let r = forward();
-        let errno = crate::sys::errno();
-        drop(p);
-        crate::sys::set_errno(errno);
-        r
+        forward()
     }
 
     /// The statistics slot.
@@ -291,7 +319,7 @@ impl Vc {
             // the new link down.
             let gen = self.my_gen.load(Relaxed);
             match call(gen as u64 + 1) {
-                Err(IrbError::Os(relink::LINK_DOWN)) => {
+                Err(IrbError::LinkDown) => {
                     if flags & libc::MSG_DONTWAIT != 0 || crate::sys::nonblocking(fd) {
                         return Err(IrbError::WouldBlock);
                     }
@@ -450,8 +478,8 @@ impl Vc {
     /// connection) or another thread holds the receive half for a moment, it waits for that
     /// (at most `TRUTH_WAIT_US`): the rebuilt link's first frame is exactly what must not be
     /// reported. Past that the answer is `Unknown`.
-    pub fn readable_truth(&self, fd: i32) -> crate::ready::Truth {
-        use crate::ready::Truth;
+    pub fn readable_truth(&self, fd: i32) -> crate::readiness::Truth {
+        use crate::readiness::Truth;
         const TRUTH_WAIT_US: u64 = 5_000;
         let c = self.mem.conn();
         let mut deadline = 0;
@@ -500,7 +528,7 @@ impl Vc {
                 };
                 return match l.truth(fd) {
                     Ok(false) => Truth::Spurious,
-                    Err(IrbError::Os(relink::LINK_DOWN)) => Truth::Relinking,
+                    Err(IrbError::LinkDown) => Truth::Relinking,
                     _ => Truth::Readable,
                 };
             }

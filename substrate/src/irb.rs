@@ -52,6 +52,9 @@ pub enum IrbError {
     Protocol,
     /// No device on the chain handled this kind.
     Unhandled,
+    /// The link under the connection failed: the connection waits for a new one (the
+    /// caller retries once it is in place; a program never sees this).
+    LinkDown,
 }
 
 impl fmt::Display for IrbError {
@@ -61,6 +64,7 @@ impl fmt::Display for IrbError {
             IrbError::Os(e) => write!(f, "os error {e}"),
             IrbError::Protocol => write!(f, "protocol error"),
             IrbError::Unhandled => write!(f, "no device handled the request"),
+            IrbError::LinkDown => write!(f, "link down"),
         }
     }
 }

@@ -38,7 +38,7 @@ pub(super) fn socket_dead(fd: i32) -> bool {
 pub(super) fn freeze(w: &mut Work) {
     let pid = crate::pid();
     let closed =
-        fdtable::distinct_vcs().iter().filter(|v| v.shm_now().is_some_and(|l| l.peer_closed())).count();
+        crate::vc::connections().iter().filter(|v| v.shm_now().is_some_and(|l| l.peer_closed())).count();
     if closed > 0 {
         // Their peers' programs closed them: no rebuilt link could carry what they wrote and
         // this program has not read yet.
@@ -53,7 +53,7 @@ pub(super) fn freeze(w: &mut Work) {
     // Memory mapped with a peer on this node cannot travel in the checkpoint: those
     // connections move to TCP first (their links are rebuilt after the thaw, wherever the
     // process is then, and come back to shared memory if the peer is on that node).
-    for v in fdtable::distinct_vcs() {
+    for v in crate::vc::connections() {
         if v.shm_now().is_some() {
             move_off_shm(&v, "the process is being checkpointed; leaving shared memory");
         }
@@ -64,18 +64,18 @@ pub(super) fn freeze(w: &mut Work) {
     let ns_before = netns();
     // The program's own linger settings, given back if the process stays.
     let mut lingers: Vec<(i32, libc::linger)> = Vec::new();
-    for v in fdtable::distinct_vcs() {
+    for v in crate::vc::connections() {
         if v.parked() >= 0 {
             continue;
         }
-        for fd in fdtable::fds_of(&v).into_iter().take(1) {
+        for fd in crate::vc::fds_of(&v).into_iter().take(1) {
             if let Some(l) = sys::fd::linger_of(fd) {
                 lingers.push((fd, l));
             }
             sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
         }
     }
-    let placeheld = crate::relisten::before_checkpoint();
+    let placeheld = crate::relink::relisten::before_checkpoint();
     // The thaw socket first (so it exists before anyone is told we are ready).
     let name = thaw_name(agent::socket_name(), pid);
     let lfd = sys::fd::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
@@ -87,12 +87,12 @@ pub(super) fn freeze(w: &mut Work) {
             crate::sys::fd::close(lfd);
         }
         restore_lingers(&lingers);
-        let _ = crate::relisten::after_thaw(&placeheld);
+        let _ = crate::relink::relisten::after_thaw(&placeheld);
         FROZEN.store(0, SeqCst);
         agent::wake_up();
         return;
     }
-    let lfd = fdtable::move_high(lfd);
+    let lfd = crate::ownfd::move_high(lfd);
     send_event(&Msg::Ok);
     close_events();
     // Wait for the thaw.
@@ -140,13 +140,13 @@ pub(super) fn thaw(
     ns_before: u64,
 ) {
     let mut moved = netns() != ns_before;
-    let vcs = fdtable::distinct_vcs();
+    let vcs = crate::vc::connections();
     for v in &vcs {
         let c = v.mem().conn();
         if c.broken.load(Acquire) != 0 {
             continue;
         }
-        let Some(&fd) = fdtable::fds_of(v).first() else { continue };
+        let Some(&fd) = crate::vc::fds_of(v).first() else { continue };
         if c.link_down.load(Acquire) != 0 || socket_dead(fd) {
             moved |= c.link_down.load(Acquire) == 0;
         }
@@ -156,7 +156,7 @@ pub(super) fn thaw(
         if c.broken.load(Acquire) != 0 {
             continue;
         }
-        let Some(&fd) = fdtable::fds_of(v).first() else { continue };
+        let Some(&fd) = crate::vc::fds_of(v).first() else { continue };
         if c.link_down.load(Acquire) == 0 && (moved || socket_dead(fd)) {
             link_broken(v.mem(), "the process was restored from a checkpoint");
         }
@@ -170,11 +170,11 @@ pub(super) fn thaw(
     if !moved {
         restore_lingers(lingers);
     }
-    let everywhere = crate::relisten::after_thaw(placeheld);
+    let everywhere = crate::relink::relisten::after_thaw(placeheld);
     FROZEN.store(0, SeqCst);
     agent::wake_up();
     for addr in everywhere {
-        crate::setup::register_listener(addr);
+        agent::register_listener(addr);
     }
     log::info(format_args!(
         "thawed {}: {} connections to rebuild",
@@ -202,7 +202,7 @@ pub(super) fn report_thaw(w: &mut Work) {
     if !w.must_dial.is_empty() && elapsed < 20_000 {
         return;
     }
-    for c in fdtable::distinct_vcs().iter().map(|v| v.mem().conn()) {
+    for c in crate::vc::connections().iter().map(|v| v.mem().conn()) {
         if t.to_rebuild.contains(&c.gid) && c.link_down.load(Acquire) == 0 && c.broken.load(Acquire) == 0 {
             t.rebuilt.insert(c.gid);
         }

@@ -236,7 +236,7 @@ pub(super) fn shm_wanted(v: &Vc) -> bool {
 /// TCP (by the dialing side, as after any failure).
 pub(super) fn move_off_shm(v: &Vc, why: &str) {
     let Some(l) = v.shm_now() else { return };
-    if let Some(&fd) = fdtable::fds_of(v).first() {
+    if let Some(&fd) = crate::vc::fds_of(v).first() {
         l.set_moving(fd);
     }
     link_broken(v.mem(), why);

@@ -25,7 +25,7 @@
 //! descriptors. `epoll`: the program's epoll registrations across the swap. `freeze`:
 //! checkpoints.
 
-use crate::fdtable::{self, OWN_EVENTS, OWN_WAKE};
+use crate::ownfd::{OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
@@ -41,6 +41,7 @@ use substrate::wire::frame::FrameKind;
 mod epoll;
 mod freeze;
 mod handshake;
+pub mod relisten;
 mod swap;
 
 pub use epoll::EpollReg;
@@ -51,9 +52,6 @@ pub use handshake::MOVED;
 use handshake::*;
 use swap::*;
 pub use swap::{adopt, swap_socket};
-
-/// Internal error code: the link is down, wait for a new one (never reaches the program).
-pub const LINK_DOWN: i32 = 0x7f00_0001;
 
 /// Pid of the process whose control thread runs (0: none yet; another pid: a fork parent's).
 static CONTROL_PID: AtomicI32 = AtomicI32::new(0);
@@ -141,7 +139,7 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 // The control thread
 
 fn wake() {
-    let fd = fdtable::own_fd(OWN_WAKE);
+    let fd = crate::ownfd::own_fd(OWN_WAKE);
     if fd >= 0 && crate::sandbox::allows(libc::SYS_write, [fd as u64, 0, 8, 0, 0, 0]) {
         // An 8-byte write to our eventfd.
         sys::fd::write_raw(fd, &1u64.to_ne_bytes());
@@ -199,13 +197,13 @@ pub fn ensure_control() {
         return;
     }
     // (A forked child closed its parent's wake descriptor in `after_fork_child`.)
-    let old = fdtable::unprotect(OWN_WAKE);
+    let old = crate::ownfd::unprotect(OWN_WAKE);
     if old >= 0 {
         crate::sys::fd::close(old);
     }
     let efd = sys::fd::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK);
     if efd >= 0 {
-        fdtable::protect(OWN_WAKE, fdtable::move_high(efd));
+        crate::ownfd::protect(OWN_WAKE, crate::ownfd::move_high(efd));
     }
     let clean = crate::sandbox::spawn_is_clean();
     crate::lifetime::open_status();
@@ -347,7 +345,7 @@ pub fn after_fork_child() {
     EXECING.store(0, SeqCst);
     RELEASED.lock().unwrap_or_else(|e| e.into_inner()).clear();
     for role in [OWN_EVENTS, OWN_WAKE] {
-        let fd = fdtable::unprotect(role);
+        let fd = crate::ownfd::unprotect(role);
         if fd >= 0 {
             crate::sys::fd::close(fd);
         }
@@ -359,7 +357,7 @@ pub fn after_fork_child() {
 /// from the other side must then find this process), and start the control thread that takes
 /// such links.
 pub fn forked_child() {
-    if fdtable::own_fd(OWN_EVENTS) < 0 && open_events().is_none() {
+    if crate::ownfd::own_fd(OWN_EVENTS) < 0 && open_events().is_none() {
         // No agent (or it is restarting): the control thread tries again.
         close_events();
     }
@@ -373,7 +371,7 @@ fn send_event(m: &Msg) {
 /// Writes encoded messages on the event channel, whole.
 fn send_events(buf: &[u8]) {
     let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
-    let fd = fdtable::own_fd(OWN_EVENTS);
+    let fd = crate::ownfd::own_fd(OWN_EVENTS);
     if fd >= 0 && !agent::write_all(fd, buf, None) {
         log::debug(format_args!("event channel write failed"));
     }
@@ -383,7 +381,7 @@ fn send_events(buf: &[u8]) {
 /// peer closes too. True if the agent took it.
 pub fn hand_over_linger(gid: u128, fd: i32) -> bool {
     let _g = EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner());
-    let evt = fdtable::own_fd(OWN_EVENTS);
+    let evt = crate::ownfd::own_fd(OWN_EVENTS);
     evt >= 0 && agent::write_all(evt, &Msg::Linger { gid }.encode(), Some(fd))
 }
 
@@ -393,7 +391,7 @@ fn open_events() -> Option<i32> {
     if !agent::write_all(fd, &Msg::Events { pid: crate::pid() as u32 }.encode(), None) {
         return None;
     }
-    for v in fdtable::distinct_vcs() {
+    for v in crate::vc::connections() {
         let c = v.mem().conn();
         if !agent::write_all(fd, &Msg::Hold { gid: c.gid, active: c.active != 0 }.encode(), None) {
             return None;
@@ -403,7 +401,7 @@ fn open_events() -> Option<i32> {
 }
 
 fn close_events() {
-    let fd = fdtable::unprotect(OWN_EVENTS);
+    let fd = crate::ownfd::unprotect(OWN_EVENTS);
     if fd >= 0 {
         crate::sys::fd::close(fd);
     }
@@ -541,7 +539,7 @@ fn control_loop() -> Ending {
             crate::lifetime::Verdict::EndBare => return Ending::Bare,
         };
         let now = sys::now_ms();
-        let mut evt = fdtable::own_fd(OWN_EVENTS);
+        let mut evt = crate::ownfd::own_fd(OWN_EVENTS);
         if evt < 0 && now >= next_connect {
             match open_events() {
                 Some(fd) => {
@@ -565,7 +563,7 @@ fn control_loop() -> Ending {
         if EXECING.load(Relaxed) == 0 {
             flush_released();
         }
-        let wake_fd = fdtable::own_fd(OWN_WAKE);
+        let wake_fd = crate::ownfd::own_fd(OWN_WAKE);
         let mut pfds = [
             libc::pollfd { fd: evt, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
@@ -609,11 +607,11 @@ fn control_loop() -> Ending {
             // A descriptor of ours is gone (closed behind the layer's back): open them again
             // later rather than poll a dead one in a loop.
             if pfds[0].revents & libc::POLLNVAL != 0 {
-                fdtable::unprotect(OWN_EVENTS);
+                crate::ownfd::unprotect(OWN_EVENTS);
                 next_connect = sys::now_ms() + 500;
             }
             if pfds[1].revents & libc::POLLNVAL != 0 {
-                fdtable::unprotect(OWN_WAKE);
+                crate::ownfd::unprotect(OWN_WAKE);
             }
             backoff(&mut wait_fails);
         }
@@ -697,19 +695,19 @@ fn enter_work() -> bool {
 const SWEEP_MS: u64 = 10_000;
 
 fn find(gid: u128) -> Option<Arc<Vc>> {
-    fdtable::distinct_vcs().into_iter().find(|v| v.mem().conn().gid == gid)
+    crate::vc::connections().into_iter().find(|v| v.mem().conn().gid == gid)
 }
 
 fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
     match (m, passed) {
         (Msg::Path { local, peer, up: false }, _) => {
-            for v in fdtable::distinct_vcs() {
+            for v in crate::vc::connections() {
                 let c = v.mem().conn();
                 // (Shared memory does not use the network.)
                 if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 || v.shm_now().is_some() {
                     continue;
                 }
-                let Some(&fd) = fdtable::fds_of(&v).first() else { continue };
+                let Some(&fd) = crate::vc::fds_of(&v).first() else { continue };
                 let (Some(l), Some(p)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { continue };
                 if !(same_ip(l, local) && same_ip(p, peer)) {
                     continue;
@@ -787,7 +785,7 @@ fn last_ack_ms(fd: i32) -> Option<u64> {
 /// ack frame is sent now and then so that a live peer has something to acknowledge).
 fn check_suspect(v: &Vc, s: &mut Suspect, now: u64) -> bool {
     let c = v.mem().conn();
-    let Some(&fd) = fdtable::fds_of(v).first() else { return true };
+    let Some(&fd) = crate::vc::fds_of(v).first() else { return true };
     if c.link_down.load(Acquire) != 0 || c.broken.load(Acquire) != 0 {
         return true;
     }
@@ -821,7 +819,7 @@ fn work(w: &mut Work) {
     let now = sys::now_ms();
     let mut seen = Vec::new();
     REPLAYING.store(0, Relaxed);
-    for v in fdtable::distinct_vcs() {
+    for v in crate::vc::connections() {
         let c = v.mem().conn();
         if c.broken.load(Acquire) != 0 {
             continue;
@@ -843,7 +841,7 @@ fn work(w: &mut Work) {
                 let moved = w.last_wire.insert(c.gid, wire) != Some(wire);
                 if moved && c.fin_owed.load(Acquire) == 0 {
                     REPLAYING.store(1, Relaxed);
-                } else if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), fdtable::fds_of(&v).first()) {
+                } else if let (Some(_g), Some(&fd)) = (c.tx_lock.try_lock(), crate::vc::fds_of(&v).first()) {
                     if !v.replay_now(fd) {
                         REPLAYING.store(1, Relaxed);
                     }
@@ -893,7 +891,7 @@ fn work(w: &mut Work) {
     w.pending.retain(|g, _| seen.contains(g));
     w.must_dial.retain(|g| seen.contains(g));
     report_thaw(w);
-    let live: Vec<u128> = fdtable::distinct_vcs().iter().map(|v| v.mem().conn().gid).collect();
+    let live: Vec<u128> = crate::vc::connections().iter().map(|v| v.mem().conn().gid).collect();
     w.suspects.retain(|g, _| live.contains(g));
     w.last_wire.retain(|g, _| live.contains(g));
 }
@@ -903,7 +901,7 @@ fn work(w: &mut Work) {
 fn for_sandboxed_threads(v: &Vc) {
     let c = v.mem().conn();
     let owed = c.ctl_owed.swap(0, AcqRel);
-    let Some(&fd) = fdtable::fds_of(v).first() else { return };
+    let Some(&fd) = crate::vc::fds_of(v).first() else { return };
     if owed & crate::shm::CTL_HARVEST != 0 {
         crate::tcp_sink::harvest_acks(v.mem(), v.slot(), fd);
     }

@@ -11,21 +11,15 @@
 //! connections for that address here (`Moved`), and a thread that was blocked in `accept`
 //! on the placeholder is woken and accepts on the new listener (the hook retries).
 
-use crate::fdtable::{self, Entry};
 use crate::{log, sys};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
 /// Listeners that only exist on this node's addresses: neither wildcard nor loopback.
 fn specific_listeners() -> Vec<(i32, SocketAddr)> {
-    fdtable::snapshot()
+    crate::vc::listeners()
         .into_iter()
-        .filter_map(|(fd, e)| match e {
-            Entry::Listener(l) if !l.addr.ip().is_unspecified() && !l.addr.ip().is_loopback() => {
-                Some((fd, l.addr))
-            }
-            _ => None,
-        })
+        .filter(|(_, a)| !a.ip().is_unspecified() && !a.ip().is_loopback())
         .collect()
 }
 

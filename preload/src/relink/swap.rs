@@ -13,7 +13,7 @@ pub(super) fn kick(v: &Vc) {
     if v.parked() >= 0 {
         return;
     }
-    let fds = fdtable::fds_of(v);
+    let fds = crate::vc::fds_of(v);
     v.park_epoll(&fds);
     let Some(&fd0) = fds.first() else { return };
     // Our own handle on the old socket.
@@ -66,7 +66,7 @@ pub(super) fn placeholder(v6: bool) -> Option<i32> {
         crate::sys::fd::close(fd);
         return None;
     }
-    Some(fdtable::move_high(fd))
+    Some(crate::ownfd::move_high(fd))
 }
 
 /// Wakes whoever polls the placeholder (after the real socket took its place, or to show
@@ -115,7 +115,7 @@ pub(super) fn carry_state(from: i32, to: i32) {
 /// holds both halves' locks.
 pub(super) fn install(v: &Vc, nfd: i32) {
     let c = v.mem().conn();
-    let fds = fdtable::fds_of(v);
+    let fds = crate::vc::fds_of(v);
     log::debug(format_args!(
         "virtual connection {:032x}: new link {:?} -> {:?} under fds {fds:?}",
         c.gid,
@@ -153,7 +153,7 @@ pub(super) fn finish(v: &Vc) {
         s.set_relinking(false, true);
     }
     sys::futex_wake(&c.link_gen, i32::MAX);
-    if let Some(&fd) = fdtable::fds_of(v).first() {
+    if let Some(&fd) = crate::vc::fds_of(v).first() {
         // The caller holds the tx lock: push the replay now (the program may be waiting
         // for an answer to bytes only the replay carries).
         // After the peer's end of stream the new socket must read as ended too.
@@ -191,7 +191,7 @@ pub fn adopt(v: &Vc) {
         v.seen_gen(gen);
         return;
     }
-    let fds = fdtable::fds_of(v);
+    let fds = crate::vc::fds_of(v);
     let regs = epoll_detach(&fds);
     put_under(got, &fds);
     crate::sys::fd::close(got);

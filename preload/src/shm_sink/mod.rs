@@ -174,7 +174,7 @@ impl ShmLink {
             crate::sys::fd::close(t);
             return -1;
         }
-        let t = crate::fdtable::move_high(t);
+        let t = crate::ownfd::move_high(t);
         if self.peer_sock.compare_exchange(-1, t, AcqRel, Acquire).is_err() {
             crate::sys::fd::close(t);
         }
@@ -188,7 +188,7 @@ impl ShmLink {
     /// (see `announce`) unless every wait of the program looks at the ring first
     /// (`ready::elided`).
     fn leave(&self, fd: i32) {
-        if !crate::ready::elided(fd) {
+        if !crate::readiness::elided(fd) {
             self.announce(fd);
             return;
         }
@@ -221,7 +221,7 @@ impl ShmLink {
         if self.mode() != Mode::Shm {
             return;
         }
-        crate::ready::announced(fd);
+        crate::readiness::announced(fd);
         let mut ready = self.rx.before_sleep() == Ok(Sleep::Ready);
         if !ready && self.rx.bell_pending() {
             self.take_bells(fd);
@@ -274,7 +274,7 @@ impl ShmLink {
     }
 
     /// A full ring: spin a little, then sleep until the consumer makes room (or the
-    /// connection leaves the memory: `LINK_DOWN`).
+    /// connection leaves the memory: `IrbError::LinkDown`).
     pub fn wait_room(&self) -> Result<(), IrbError> {
         let until = sys::now_us() + crate::config::shm_spin_us();
         while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
@@ -289,7 +289,7 @@ impl ShmLink {
         self.tx.space_bell_taken();
         self.tx.room_wait_over();
         if self.moving() {
-            return Err(IrbError::Os(crate::relink::LINK_DOWN));
+            return Err(IrbError::LinkDown);
         }
         Ok(())
     }
@@ -357,7 +357,7 @@ impl ShmLink {
                 continue;
             }
             if self.moving() {
-                break if got > 0 { Ok(got) } else { Err(IrbError::Os(crate::relink::LINK_DOWN)) };
+                break if got > 0 { Ok(got) } else { Err(IrbError::LinkDown) };
             }
             if self.rx.before_sleep() == Ok(Sleep::Ok) {
                 sys::wait_fd(fd, libc::POLLIN, 200);
@@ -385,11 +385,11 @@ impl ShmLink {
             return Ok(true);
         }
         if self.moving() {
-            return Err(IrbError::Os(crate::relink::LINK_DOWN));
+            return Err(IrbError::LinkDown);
         }
         // (A scanned ring is marked sleeping by the scan itself, only when its wait may
         // sleep: a wait that reports other rings must not make the writers ring.)
-        if !crate::ready::scanned(fd) && self.rx.before_sleep() == Ok(Sleep::Ready) {
+        if !crate::readiness::scanned(fd) && self.rx.before_sleep() == Ok(Sleep::Ready) {
             return Ok(true);
         }
         self.take_bells(fd);
@@ -421,7 +421,7 @@ impl ShmLink {
     /// or replace the link's descriptors.
     pub fn protect(&self) {
         for slot in [&self.region, &self.peer_sock, &self.dgram] {
-            crate::fdtable::protect_slot(slot);
+            crate::ownfd::protect_slot(slot);
         }
     }
 
@@ -439,7 +439,7 @@ impl ShmLink {
 
     fn unprotect(&self) {
         for slot in [&self.region, &self.peer_sock, &self.dgram] {
-            crate::fdtable::unprotect_slot(slot);
+            crate::ownfd::unprotect_slot(slot);
         }
     }
 
@@ -541,7 +541,7 @@ impl Device for ShmSink {
             relink::link_broken_on(mem, "the connection leaves shared memory", gen);
         }
         if c.link_down.load(Acquire) != 0 {
-            return irb.complete(Err(IrbError::Os(relink::LINK_DOWN)));
+            return irb.complete(Err(IrbError::LinkDown));
         }
         let nonblock = || flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
         if mode == Mode::Pending {
@@ -556,9 +556,6 @@ impl Device for ShmSink {
                 Err(e) => return irb.complete(Err(e)),
             }
         }
-        // The layer's own calls on the socket (bells) must not leave their errno behind a
-        // call that succeeds.
-        let errno = sys::errno();
         let r = match (irb.kind(), &mut irb.buf) {
             (IrbKind::Send, Buf::Out(d)) => {
                 // (Under our tx lock: the send half is ours.)
@@ -569,12 +566,8 @@ impl Device for ShmSink {
             (IrbKind::Receive, Buf::In(b)) => link.recv(fd, b, flags),
             _ => return Disposition::Forward(irb),
         };
-        match r {
-            Err(IrbError::Os(relink::LINK_DOWN)) => {
-                relink::link_broken_on(mem, "the connection leaves shared memory", gen);
-            }
-            Ok(_) => sys::set_errno(errno),
-            _ => {}
+        if let Err(IrbError::LinkDown) = r {
+            relink::link_broken_on(mem, "the connection leaves shared memory", gen);
         }
         irb.complete(r)
     }

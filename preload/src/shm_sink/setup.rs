@@ -25,7 +25,7 @@ pub(super) fn dgram_bound(name: &str) -> Option<i32> {
         crate::sys::fd::close(s);
         return None;
     }
-    Some(crate::fdtable::move_high(s))
+    Some(crate::ownfd::move_high(s))
 }
 
 /// Sends descriptor `fd` to the abstract datagram socket `to`.
@@ -121,7 +121,7 @@ impl ShmLink {
             sys::fd::close(fd);
             return None;
         };
-        let fd = crate::fdtable::move_high(fd);
+        let fd = crate::ownfd::move_high(fd);
         let dgram = dgram_bound(&format!("vmi-shm-{tag}-c"));
         // (A fresh mapping of a file nobody else has opened yet.)
         let (Ok((tx, rx)), Some(dgram)) = (rings(&base, true, true), dgram) else {
@@ -169,7 +169,7 @@ impl ShmLink {
         sys::fd::unlink(&path);
         let size_ok = sys::fd::fstat(f).is_some_and(|st| st.st_size as usize == REGION);
         let base = if size_ok { map(f) } else { None };
-        let f = crate::fdtable::move_high(f);
+        let f = crate::ownfd::move_high(f);
         let refuse = |why: &str, base: Option<Arc<SharedMap>>| {
             crate::sys::fd::close(f);
             let mut withdrawn = false;
@@ -312,7 +312,7 @@ impl ShmLink {
                     // This process or another one sharing the connection withdrew it.
                     self.withdrawn();
                 }
-                _ if self.moving() => return Err(IrbError::Os(relink::LINK_DOWN)),
+                _ if self.moving() => return Err(IrbError::LinkDown),
                 _ if withdraw && self.offered_ms > 0 && sys::now_ms() >= self.offered_ms + limit => {
                     if self.head().state.compare_exchange(OFFERED, WITHDRAWN, AcqRel, Acquire).is_ok() {
                         log::info(format_args!(

@@ -58,6 +58,12 @@ impl RawAddr {
     }
 }
 
+/// `lseek`.
+pub fn lseek(fd: c_int, off: libc::off_t, whence: c_int) -> Result<libc::off_t, super::Errno> {
+    // SAFETY: no pointers.
+    super::cvt(unsafe { libc::lseek(fd, off, whence) })
+}
+
 /// `close`.
 #[inline]
 pub fn close(fd: c_int) -> c_int {

@@ -287,7 +287,8 @@ pub fn pause_us(us: u64) {
     let may_yield = allows_nr(libc::SYS_sched_yield);
     while super::now_us() < until {
         if may_yield {
-            super::process::sched_yield();
+            // SAFETY: no arguments.
+            unsafe { libc::sched_yield() };
         } else {
             std::hint::spin_loop();
         }

@@ -1,6 +1,8 @@
 //! Small safe wrappers over the system calls the layer makes for itself.
 
+pub mod cell;
 pub mod copy;
+pub mod entry;
 pub mod fd;
 pub mod gate;
 pub mod process;
@@ -10,6 +12,30 @@ pub mod shared;
 
 use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+
+/// An errno value: the one error type the C entry points turn into the program's errno
+/// ([`entry`] is the only place that sets it for the program).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Errno(pub c_int);
+
+impl Errno {
+    /// The calling thread's errno now (right after a failed call).
+    #[inline]
+    pub fn last() -> Errno {
+        Errno(errno())
+    }
+}
+
+/// A libc-style result (negative: failed, errno says why) as a `Result`, with errno read
+/// right after the call.
+#[inline]
+pub fn cvt<T: Copy + Default + PartialOrd>(r: T) -> Result<T, Errno> {
+    if r < T::default() {
+        Err(Errno::last())
+    } else {
+        Ok(r)
+    }
+}
 
 /// The calling thread's errno.
 pub fn errno() -> c_int {

@@ -9,6 +9,39 @@ pub fn getpid() -> i32 {
     unsafe { libc::getpid() }
 }
 
+static PID: AtomicI32 = AtomicI32::new(0);
+
+/// This process's id (cached; refreshed after fork; 0 where a sandbox forbids `getpid`).
+#[inline]
+pub fn pid() -> i32 {
+    let p = PID.load(Relaxed);
+    if p != 0 {
+        return p;
+    }
+    if !super::gate::allows_nr(libc::SYS_getpid) {
+        return 0;
+    }
+    let p = getpid();
+    PID.store(p, Relaxed);
+    p
+}
+
+/// A fork child forgets its parent's id.
+pub fn forget_pid() {
+    PID.store(0, Relaxed);
+}
+
+/// True in a child made by `vfork` (or `clone` with `CLONE_VM`) that has not exec'd yet: it
+/// shares this process's memory, the layer's tables included, but has descriptors of its own
+/// (Python's `subprocess` closes and moves descriptors there before its exec). Nothing it
+/// does may change those tables: they are its parent's.
+pub fn vforked() -> bool {
+    let p = PID.load(Relaxed);
+    // (A sandbox that forbids getpid: a vfork child there is not told apart.)
+    // (glibc's getpid asks the kernel: no cache to share.)
+    p != 0 && super::gate::allows_nr(libc::SYS_getpid) && p != getpid()
+}
+
 /// `getppid`.
 pub fn getppid() -> i32 {
     // SAFETY: no preconditions.
@@ -100,4 +133,31 @@ pub fn env_remove(key: &str) {
     // (`remove_var` is safe in this edition; it races with other threads' reads, which is
     // why the layer calls it at load only.)
     std::env::remove_var(key);
+}
+
+/// Values an exec about to happen uses, without a reference count of this process's own
+/// when it is a `vfork` child: there a successful exec never drops what it holds, and the
+/// counts live in the parent's memory (the child shares it), so they would stay raised for
+/// ever. The suspended parent's own references keep the values alive until the exec.
+pub struct ExecHeld<T> {
+    _arcs: Vec<std::sync::Arc<T>>,
+    ptrs: Vec<*const T>,
+}
+
+impl<T> ExecHeld<T> {
+    /// Takes `v` (a vfork child keeps only the addresses; see above).
+    pub fn new(v: Vec<std::sync::Arc<T>>) -> Self {
+        let ptrs = v.iter().map(std::sync::Arc::as_ptr).collect();
+        let _arcs = if vforked() { Vec::new() } else { v };
+        ExecHeld { _arcs, ptrs }
+    }
+
+    /// Runs `f` on each value.
+    pub fn each(&self, f: impl Fn(&T)) {
+        for &p in &self.ptrs {
+            // SAFETY: kept alive by `_arcs` or, in a vfork child, by the suspended parent's
+            // descriptor table (see the type's description).
+            f(unsafe { &*p })
+        }
+    }
 }
