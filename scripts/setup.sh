@@ -36,6 +36,7 @@ APT_PACKAGES=(
     netpipe-openmpi
     mandoc
     systemd
+    chromium
 )
 
 missing=()

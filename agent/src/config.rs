@@ -27,10 +27,12 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 11] = [
+pub const KEYS: [&str; 13] = [
     "key",
     "peers",
     "metrics",
+    "web",
+    "web-token",
     "socket",
     "port",
     "bind",
@@ -82,6 +84,55 @@ impl Serialize for Metrics {
     }
 }
 
+/// Where the web view is served: nowhere, or at an address (`PORT` alone: on
+/// [`DEFAULT_WEB_ADDR`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Web {
+    /// No web view (the default).
+    Off,
+    /// `http://ADDR:PORT/`.
+    At(SocketAddr),
+}
+
+/// Address the web view listens on when only a port is given.
+pub const DEFAULT_WEB_ADDR: &str = "127.0.0.1";
+
+impl FromStr for Web {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "off" {
+            return Ok(Web::Off);
+        }
+        if let Ok(port) = s.parse::<u16>() {
+            let ip: IpAddr = DEFAULT_WEB_ADDR.parse().expect("an address");
+            return Ok(Web::At(SocketAddr::new(ip, port)));
+        }
+        s.parse().map(Web::At).map_err(|e| format!("{s:?}: {e} (ADDR:PORT, PORT, or off)"))
+    }
+}
+
+impl fmt::Display for Web {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Web::Off => f.write_str("off"),
+            Web::At(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Web {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Web {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// One source of settings, the file or the command line; `None`: not set there.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -92,6 +143,10 @@ pub struct Layer {
     pub peers: Option<Vec<IpAddr>>,
     /// Prometheus metrics.
     pub metrics: Option<Metrics>,
+    /// The web view.
+    pub web: Option<Web>,
+    /// The file holding the web view's token.
+    pub web_token: Option<PathBuf>,
     /// Abstract Unix socket the node's layers and `vmictl` use.
     pub socket: Option<String>,
     /// TCP and UDP port for other agents.
@@ -120,6 +175,12 @@ pub struct Settings {
     pub peers: Vec<IpAddr>,
     /// Prometheus metrics.
     pub metrics: Metrics,
+    /// The web view.
+    pub web: Web,
+    /// The file holding the web view's token (`None`: no token asked for; only on a
+    /// loopback address).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub web_token: Option<PathBuf>,
     /// Abstract Unix socket name.
     pub socket: String,
     /// Agent-to-agent port.
@@ -202,6 +263,8 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             "--config" => cli.config = Some(val()?.into()),
             "--key" => l.key = Some(val()?.into()),
             "--metrics" => l.metrics = Some(value(&flag, &val()?)?),
+            "--web" => l.web = Some(value(&flag, &val()?)?),
+            "--web-token" => l.web_token = Some(val()?.into()),
             "--peers" => {
                 let v = val()?;
                 let peers = l.peers.get_or_insert_with(Vec::new);
@@ -389,6 +452,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     let (key, _) = pick("key", &cli.key, env_key, file, &f.key, PathBuf::from(crate::mesh::DEFAULT_KEY_PATH));
     let (peers, _) = pick("peers", &cli.peers, None, file, &f.peers, Vec::new());
     let (metrics, _) = pick("metrics", &cli.metrics, None, file, &f.metrics, Metrics::Off);
+    let (web, web_from) = pick("web", &cli.web, None, file, &f.web, Web::Off);
+    let web_token = cli.web_token.clone().or_else(|| f.web_token.clone());
     let (socket, socket_from) =
         pick("socket", &cli.socket, None, file, &f.socket, crate::DEFAULT_SOCKET.into());
     let (port, _) = pick("port", &cli.port, None, file, &f.port, crate::DEFAULT_PORT);
@@ -421,6 +486,16 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
             "dead-after {dead_after} ms ({da_from}) must be above probe-interval {probe_interval} ms ({pi_from}): a path is dead after missing several heartbeats"
         ));
     }
+    if web_token.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+        return Err("web-token: an empty path".into());
+    }
+    if let Web::At(a) = web {
+        if !a.ip().is_loopback() && web_token.is_none() {
+            return Err(format!(
+                "web {a} ({web_from}) is not a loopback address: anyone who reaches it could read the cluster's status, so it needs a token (web-token FILE, a file only its owner may read); or serve it on 127.0.0.1"
+            ));
+        }
+    }
     if sweep_every == 0 {
         return Err(format!("sweep-every 0 ({sw_from}): must be at least 1 ms"));
     }
@@ -431,6 +506,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         key,
         peers,
         metrics,
+        web,
+        web_token,
         socket,
         port,
         bind,
@@ -478,6 +555,7 @@ mod tests {
         assert_eq!(s.dead_after, 50);
         assert_eq!(s.sweep_every, 30_000);
         assert_eq!(s.metrics, Metrics::Off);
+        assert_eq!((s.web, s.web_token.as_ref()), (Web::Off, None));
         assert_eq!(s.key, PathBuf::from("/etc/vmi/cluster.key"));
         assert_eq!(s.log, "info");
         assert!(s.peers.is_empty() && s.node.is_none());
@@ -490,6 +568,8 @@ key = "/k"
 peers = ["10.0.0.2",
          "10.0.0.3"]
 metrics = "127.0.0.1:9187"
+web = "10.0.0.1:8080"
+web-token = "/t"
 socket = "s"
 port = 7000
 bind = "10.0.0.1"
@@ -504,6 +584,8 @@ log = "debug"
         assert_eq!(s.key, PathBuf::from("/k"));
         assert_eq!(s.peers.len(), 2);
         assert_eq!(s.metrics, Metrics::At("127.0.0.1:9187".parse().unwrap()));
+        assert_eq!(s.web, Web::At("10.0.0.1:8080".parse().unwrap()));
+        assert_eq!(s.web_token, Some(PathBuf::from("/t")));
         assert_eq!((s.socket.as_str(), s.port, s.node.as_deref()), ("s", 7000, Some("n1")));
         assert_eq!((s.probe_interval, s.dead_after, s.sweep_every), (20, 100, 5000));
         let cli = args(&["--port=7001", "--socket", "t", "--metrics", "off", "--peers", "10.0.0.9"]).unwrap();
@@ -556,6 +638,23 @@ log = "debug"
     }
 
     #[test]
+    fn the_web_view_beyond_loopback_needs_a_token() {
+        let s = resolve(&Layer::default(), no_env, &file("web = \"8080\"")).unwrap();
+        assert_eq!(s.web, Web::At("127.0.0.1:8080".parse().unwrap()));
+        let s = resolve(&Layer::default(), no_env, &file("web = \"[::1]:8080\"")).unwrap();
+        assert_eq!(s.web, Web::At("[::1]:8080".parse().unwrap()));
+        let e = resolve(&Layer::default(), no_env, &file("web = \"0.0.0.0:8080\"\n")).unwrap_err();
+        assert!(e.contains("needs a token") && e.contains("line 1"), "{e}");
+        let cli = args(&["--web", "10.0.0.1:8080"]).unwrap();
+        let e = resolve(&cli.layer, no_env, &file("")).unwrap_err();
+        assert!(e.contains("(--web)"), "{e}");
+        let cli = args(&["--web", "10.0.0.1:8080", "--web-token", "/t"]).unwrap();
+        assert!(resolve(&cli.layer, no_env, &file("")).is_ok());
+        assert!(args(&["--web", "localhost:80"]).is_err());
+        assert!(parse("web = \"nowhere\"").unwrap_err().message.contains("ADDR:PORT"));
+    }
+
+    #[test]
     fn the_command_line() {
         assert_eq!(args(&["--help", "--bogus"]).unwrap().action, Action::Help);
         assert_eq!(args(&["--init", "--key", "/k"]).unwrap().action, Action::Init);
@@ -603,7 +702,7 @@ log = "debug"
                 "peers" => format!("{k} = []"),
                 "port" | "probe-interval" | "dead-after" | "sweep-every" => format!("{k} = 1"),
                 "bind" => format!("{k} = \"127.0.0.1\""),
-                "metrics" => format!("{k} = \"off\""),
+                "metrics" | "web" => format!("{k} = \"off\""),
                 _ => format!("{k} = \"x\""),
             };
             assert!(parse(&v).is_ok(), "{v}");

@@ -18,6 +18,7 @@
 //! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
 //! * [`mesh`]: the cluster key, the encrypted agent channel, sealed heartbeats.
 //! * [`metrics`]: Prometheus metrics (`--metrics`).
+//! * [`web`]: the cluster in a browser (`--web`).
 //! * [`notify`]: readiness for systemd (`Type=notify`).
 //! * [`wire`]: reading and writing agent messages on a stream.
 
@@ -35,6 +36,7 @@ pub mod paths;
 pub mod peer;
 pub mod status;
 pub mod sweep;
+pub mod web;
 pub mod wire;
 
 /// Default abstract Unix socket name (the layer's `VMI_AGENT_SOCKET` default too).

@@ -42,6 +42,8 @@ pub struct Agent {
     pub refusals: Arc<Refusals>,
     /// What happened on the node.
     pub journal: Arc<Journal>,
+    /// Where the web view is served, once it is (`vmictl web` reads it from the status).
+    pub web: std::sync::OnceLock<serde_json::Value>,
     next_client: AtomicU64,
 }
 
@@ -94,6 +96,7 @@ impl Agent {
             key,
             refusals,
             journal,
+            web: std::sync::OnceLock::new(),
             next_client: AtomicU64::new(1),
         }
     }

@@ -3,7 +3,7 @@
 //! the environment (`VMI_CLUSTER_KEY`, `VMI_LOG`) and the command line, each overriding the
 //! one before (see [`agent::config`] and `vmi-agent --help`).
 
-use agent::config::{self, Action, Metrics, Settings};
+use agent::config::{self, Action, Metrics, Settings, Web};
 use agent::local::{self, Agent};
 use agent::mesh::ClusterKey;
 use agent::{net, paths, peer};
@@ -15,6 +15,7 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B..] [--metrics ADDR:PORT|off]
+                 [--web ADDR:PORT|PORT|off] [--web-token FILE]
                  [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS] [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
@@ -51,6 +52,14 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
   --metrics ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics
                  (metrics = \"ADDR:PORT\"; default off). Nothing secret is in them, but keep
                  ADDR local or firewalled
+  --web ADDR:PORT  serve a live view of the cluster to browsers at http://ADDR:PORT/: nodes,
+                 networks and path health as a picture, connections with their rates,
+                 recent events; read-only (web = \"ADDR:PORT\"; PORT alone is 127.0.0.1:PORT;
+                 default off). On loopback no token is needed; any other address needs
+                 --web-token, or the agent does not start
+  --web-token FILE  the web view's token (web-token = \"FILE\"; 16 or more visible
+                 characters, mode 0600; default none): every request must carry it, as
+                 `Authorization: Bearer TOKEN` or once as http://ADDR:PORT/?token=TOKEN
   --probe-interval MS  heartbeat on every network path to other nodes' agents, UDP on PORT
                  (probe-interval = MS; default 10)
   --dead-after MS  silence after which a path is dead and connections leave it
@@ -119,18 +128,30 @@ fn main() {
                 std::process::exit(1);
             }
         },
-        Action::Check => match ClusterKey::load(&settings.key) {
-            Ok(k) => {
-                print!("{}", settings.to_toml());
-                println!("# cluster key fingerprint {}; node name {}", k.fingerprint, node_name(&settings));
+        Action::Check => {
+            match ClusterKey::load(&settings.key).and_then(|k| web_token(&settings).map(|_| k)) {
+                Ok(k) => {
+                    print!("{}", settings.to_toml());
+                    println!(
+                        "# cluster key fingerprint {}; node name {}",
+                        k.fingerprint,
+                        node_name(&settings)
+                    );
+                }
+                Err(e) => {
+                    eprintln!("vmi-agent: {e}");
+                    std::process::exit(EXIT_CONFIG);
+                }
             }
-            Err(e) => {
-                eprintln!("vmi-agent: {e}");
-                std::process::exit(EXIT_CONFIG);
-            }
-        },
+        }
         _ => run(settings),
     }
+}
+
+/// The web view's token, if one is configured (read even when the view is off, so that
+/// `--check-config` finds a bad file before it is needed).
+fn web_token(s: &Settings) -> Result<Option<agent::web::Token>, String> {
+    s.web_token.as_deref().map(agent::web::Token::load).transpose()
 }
 
 fn node_name(s: &Settings) -> String {
@@ -140,6 +161,13 @@ fn node_name(s: &Settings) -> String {
 fn run(args: Settings) {
     let key = match ClusterKey::load(&args.key) {
         Ok(k) => k,
+        Err(e) => {
+            error!("{e}; not started");
+            std::process::exit(EXIT_CONFIG);
+        }
+    };
+    let token = match web_token(&args) {
+        Ok(t) => t,
         Err(e) => {
             error!("{e}; not started");
             std::process::exit(EXIT_CONFIG);
@@ -194,6 +222,12 @@ fn run(args: Settings) {
     if let Metrics::At(m) = args.metrics {
         if let Err(e) = agent::metrics::serve(agent.clone(), m) {
             error!("{e} (`metrics` chooses another address, or off)");
+            std::process::exit(1);
+        }
+    }
+    if let Web::At(w) = args.web {
+        if let Err(e) = agent::web::serve(agent.clone(), w, token) {
+            error!("{e} (`web` chooses another address, or off)");
             std::process::exit(1);
         }
     }

@@ -351,7 +351,9 @@ pub struct Refusals {
     pub replayed: AtomicU64,
     /// Local commands refused for want of rights.
     pub local: AtomicU64,
-    last: Mutex<[Option<Instant>; 5]>,
+    /// Requests to the web view without its token (or from a name it does not answer to).
+    pub web: AtomicU64,
+    last: Mutex<[Option<Instant>; 6]>,
     journal: Arc<Journal>,
 }
 
@@ -368,6 +370,8 @@ pub enum Refused {
     Replayed,
     /// See [`Refusals::local`].
     Local,
+    /// See [`Refusals::web`].
+    Web,
 }
 
 impl Refusals {
@@ -384,6 +388,7 @@ impl Refusals {
             Refused::Forged => (&self.forged, 2),
             Refused::Replayed => (&self.replayed, 3),
             Refused::Local => (&self.local, 4),
+            Refused::Web => (&self.web, 5),
         };
         let n = c.fetch_add(1, Relaxed) + 1;
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
@@ -397,10 +402,11 @@ impl Refusals {
                 "compare the cluster key's fingerprint in `vmictl status` on both nodes, and see who else sends to this UDP port",
                 "someone may be replaying captured traffic: see who sends to this UDP port",
                 "run the command as root, as the agent's user, or as the owner of the processes",
+                "the web view answers requests with the token of its web-token file (header `Authorization: Bearer TOKEN`, or ?token= once in a browser) and, without a token, only those naming it by address or as localhost; firewall its port from anyone else",
             ][i];
             warn!("refused: {what} ({n} of this kind so far; {hint})");
             drop(last);
-            let kind = ["channel", "clear", "forged_heartbeat", "replayed_heartbeat", "local"][i];
+            let kind = ["channel", "clear", "forged_heartbeat", "replayed_heartbeat", "local", "web"][i];
             self.journal.record(
                 "refused",
                 None,
@@ -417,6 +423,7 @@ impl Refusals {
             "forged_heartbeats": self.forged.load(Relaxed),
             "replayed_heartbeats": self.replayed.load(Relaxed),
             "local": self.local.load(Relaxed),
+            "web": self.web.load(Relaxed),
         })
     }
 }

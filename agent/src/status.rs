@@ -221,6 +221,7 @@ struct Report {
     paths: Vec<crate::paths::PathJson>,
     connections: Vec<ConnJson>,
     mesh: serde_json::Value,
+    web: serde_json::Value,
 }
 
 /// The JSON status report; with `only`, the processes, connections and listeners of that
@@ -310,6 +311,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
             "key": agent.key.fingerprint,
             "refused": agent.refusals.json(),
         }),
+        web: agent.web.get().cloned().unwrap_or(serde_json::Value::Null),
     })
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

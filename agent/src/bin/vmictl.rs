@@ -15,6 +15,7 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] events [--follow] [--json]
+       vmictl [--socket NAME] [--node NODE] web [--json]
        vmictl help [COMMAND] | --help | --version
 
 Looks at the node through its vmi agent, and changes what an operator may change.
@@ -25,6 +26,7 @@ commands:
   move           move a connection between shared memory and TCP
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node, and what happens next (--follow)
+  web            where the agent serves the cluster to a browser (vmi-agent --web)
   help COMMAND   the usage of COMMAND (as `vmictl COMMAND --help`)
 
 options (anywhere on the line):
@@ -32,7 +34,7 @@ options (anywhere on the line):
   --node NODE    run status, net or move on another node of the cluster (its name in
                  reports, or one of its addresses), through this node's agent and the
                  cluster's encrypted channel; changes need root there
-  --json         print JSON instead of a table (status, where, events)
+  --json         print JSON instead of a table (status, where, events, web)
 
 Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
 connection); 2 the command line is wrong. See vmictl(8).";
@@ -49,7 +51,8 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
                  physical link now), failovers, link (up, relinking or failed); mesh has
                  the cluster key's fingerprint (key) and counts of what was refused
-                 (channel, clear, forged_heartbeats, replayed_heartbeats, local). A user
+                 (channel, clear, forged_heartbeats, replayed_heartbeats, local, web);
+                 web is where the agent serves its web view (null: it does not). A user
                  other than root (or the agent's user) sees only their own processes,
                  listeners and connections
   --node NODE    the status of another node of the cluster
@@ -90,13 +93,24 @@ const USAGE_EVENTS: &str = "usage: vmictl [--socket NAME] events [--follow] [--j
                  interrupted
   --json         one object a line: {seq, ms, kind, pid?, ...}";
 
+const USAGE_WEB: &str = "usage: vmictl [--socket NAME] [--node NODE] web [--json]
+
+  web            the address of the agent's live web view of the cluster (nodes, networks
+                 and path health as a picture, connections with their rates, recent
+                 events), for a browser on the node; or, when the agent does not serve one,
+                 how to turn it on (vmi-agent --web 127.0.0.1:PORT, or web = in its
+                 configuration file). When the view needs a token, open the address once
+                 with ?token=TOKEN (the agent's web-token file)
+  --json         {addr, url, token} as the agent reports it (token: true if one is needed)";
+
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 5] = [
+const COMMANDS: [(&str, &str); 6] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
+    ("web", USAGE_WEB),
 ];
 
 fn usage_of(cmd: Option<&str>) -> &'static str {
@@ -136,19 +150,41 @@ fn human(n: u64) -> String {
     }
 }
 
+/// `vmictl web`: where the agent serves its web view, or how to turn it on (exit 1).
+fn print_web(v: &Value, json: bool) {
+    let node = v["node"].as_str().unwrap_or("?");
+    let w = &v["web"];
+    let Some(url) = w["url"].as_str() else {
+        fail(&format!(
+            "the agent of node {node} serves no web view; start it with `--web 127.0.0.1:PORT` (or `web = \"127.0.0.1:PORT\"` in its configuration file, /etc/vmi/agent.toml), then open http://127.0.0.1:PORT/ on the node (ssh -L PORT:127.0.0.1:PORT from elsewhere)"
+        ))
+    };
+    if json {
+        println!("{w}");
+        return;
+    }
+    println!("{url}");
+    if w["token"].as_bool() == Some(true) {
+        eprintln!(
+            "(the view needs the token of the agent's web-token file: open {url}?token=TOKEN once; the page keeps it for the tab)"
+        );
+    }
+}
+
 fn print_table(v: &Value) {
     println!("node {}", v["node"].as_str().unwrap_or("?"));
     if let Some(m) = v.get("mesh") {
         let r = &m["refused"];
         let n = |k: &str| r[k].as_u64().unwrap_or(0);
         println!(
-            "cluster key {} (refused: {} agent channels, {} messages in clear, {} forged and {} replayed heartbeats, {} local commands)",
+            "cluster key {} (refused: {} agent channels, {} messages in clear, {} forged and {} replayed heartbeats, {} local commands, {} web requests)",
             m["key"].as_str().unwrap_or("?"),
             n("channel"),
             n("clear"),
             n("forged_heartbeats"),
             n("replayed_heartbeats"),
-            n("local")
+            n("local"),
+            n("web")
         );
     }
     let procs = v["processes"].as_array().cloned().unwrap_or_default();
@@ -375,6 +411,7 @@ fn main() {
     let mut cluster = false;
     let mut whereis: Option<String> = None;
     let mut follow = false;
+    let mut web = false;
     // `--flag=value` is `--flag value`.
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -409,7 +446,7 @@ fn main() {
                     Some(c) if COMMANDS.iter().any(|(n, _)| *n == c) => println!("{}", usage_of(Some(&c))),
                     Some(c) => usage_error(
                         None,
-                        &format!("no command {c:?} (commands: status, net, move, where, events)"),
+                        &format!("no command {c:?} (commands: status, net, move, where, events, web)"),
                     ),
                 }
                 return;
@@ -426,6 +463,11 @@ fn main() {
             }
             "status" => {
                 name = word;
+                cmd = Some(Msg::Status)
+            }
+            "web" => {
+                name = word;
+                web = true;
                 cmd = Some(Msg::Status)
             }
             "net" => {
@@ -458,10 +500,10 @@ fn main() {
         usage_error(name, "--follow goes with events");
     }
     if json && matches!(name, Some("net" | "move")) {
-        usage_error(name, "--json goes with status, where and events");
+        usage_error(name, "--json goes with status, where, events and web");
     }
     if cluster {
-        if cmd != Msg::Status {
+        if cmd != Msg::Status || web {
             usage_error(name, "--cluster goes with status");
         }
         cmd = Msg::ClusterStatus;
@@ -513,7 +555,9 @@ fn main() {
         Err(e) => fail(&e.to_string()),
     };
     let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| fail(&format!("bad report: {e}")));
-    if let Some(gid) = whereis {
+    if web {
+        print_web(&v, json);
+    } else if let Some(gid) = whereis {
         let ends = where_is(&v, &gid);
         if json {
             println!("{}", Value::Array(ends));
