@@ -243,18 +243,24 @@ def test_mpich_connections_move_onto_shared_memory(procs, mpich_check):
         p = procs.start(H1, argv, layer=False, name="mpich-move-shm")
         deadline = time.monotonic() + 30
         while True:
-            gids = [g for g, n in Counter(c["gid"] for c in w.connections(H1)).items() if n == 2]
+            # The ranks' data connection (both ends here, bytes flowing): UCX's wire-up
+            # connections come first, carry a few bytes, and may be gone by the time they
+            # would be moved.
+            conns = w.connections(H1)
+            busy = {c["gid"] for c in conns if c.get("bytes_sent", 0) > 1 << 20}
+            gids = [g for g, n in Counter(c["gid"] for c in conns).items() if n == 2 and g in busy]
             if gids:
                 break
             assert time.monotonic() < deadline and p.alive(), \
                 f"no connection between the ranks seen:\n{w.summary(H1)}"
             time.sleep(0.1)
         time.sleep(1.0)
-        moved = 0
+        moved, said = 0, []
         for g in gids:
             r = vmictl(H1, "move", g, "shm")
             moved += r.returncode == 0
-        assert moved, "no rank connection could move onto shared memory"
+            said.append(f"{g}: {r.returncode} {r.stdout.strip()} {r.stderr.strip()}")
+        assert moved, "no rank connection could move onto shared memory:\n" + "\n".join(said)
         p.wait(timeout=RUN_TIMEOUT)
     lines = p.json_lines()
     assert len(lines) == 2 and all(r["errors"] == 0 and r["checked_bytes"] > 0 for r in lines), \

@@ -298,6 +298,11 @@ impl ShmLink {
                     bells_undelayed(fd);
                     self.peer_sock.store(theirs.unwrap_or(-1), Release);
                     self.mode.store(1, Release);
+                    // The accepting side may have written (and rung) already: its bell was
+                    // taken with the rest above. Bytes in the ring need a bell again, or a
+                    // program that waits on the descriptor (the caller here may be a send,
+                    // or the control thread) is never woken for them.
+                    self.announce(fd);
                 }
                 REFUSED => {
                     // (No bell comes with the answer: TCP frames follow at once.)
