@@ -57,10 +57,15 @@ fn caught<T>(f: impl FnOnce() -> Result<T, Errno>) -> Result<T, Errno> {
 /// the layer's own calls on the socket did meanwhile.
 #[inline(always)]
 fn data(h: impl FnOnce() -> Hooked<usize>, real: impl FnOnce() -> ssize_t) -> ssize_t {
-    let before = errno();
+    // (The thread's errno slot, looked up once for the read and the write back.)
+    // SAFETY: __errno_location always returns the calling thread's errno slot.
+    let slot = unsafe { libc::__errno_location() };
+    // SAFETY: as above.
+    let before = unsafe { *slot };
     match h() {
         Ok(Hook::Done(n)) => {
-            set_errno(before);
+            // SAFETY: as above (the same thread).
+            unsafe { *slot = before };
             n as ssize_t
         }
         Ok(Hook::Real) => real(),

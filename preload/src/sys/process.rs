@@ -18,6 +18,14 @@ pub fn pid() -> i32 {
     if p != 0 {
         return p;
     }
+    pid_slow()
+}
+
+/// (Out of line: the sandbox check reads thread-local state, whose address the compiler
+/// would otherwise compute in every caller's hot path.)
+#[cold]
+#[inline(never)]
+fn pid_slow() -> i32 {
     if !super::gate::allows_nr(libc::SYS_getpid) {
         return 0;
     }
