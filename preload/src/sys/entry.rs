@@ -590,22 +590,35 @@ pub unsafe extern "C" fn fork() -> libc::pid_t {
     kept(|| hooks::fork(|| cvt(unsafe { real::fork() })))
 }
 
+/// The exec calls: `envp` is the program's environment array (`None`: the process's own),
+/// `with` makes the program's exec with another one, `real` makes it as it was.
+///
+/// # Safety
+/// `envp` is a NULL-terminated array of C strings when given.
+unsafe fn exec_entry(
+    envp: Option<*const *const c_char>,
+    with: impl FnOnce(*const *const c_char) -> c_int,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
+    kept(|| {
+        hooks::exec(
+            // SAFETY: the caller's promise.
+            || unsafe { prog::env_vec(envp) },
+            |env| prog::with_envp(env, |e| cvt(with(e))),
+            || cvt(real()),
+        )
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn execve(
     path: *const c_char,
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    kept(|| {
-        hooks::exec(
-            // SAFETY: the program's environment array.
-            || unsafe { prog::env_vec(Some(envp)) },
-            // SAFETY: forwarding with the extended environment.
-            |env| prog::with_envp(env, |e| cvt(unsafe { real::execve(path, argv, e) })),
-            // SAFETY: forwarding.
-            || cvt(unsafe { real::execve(path, argv, envp) }),
-        )
-    })
+    // SAFETY: the program's environment array; forwarding, with the extended environment
+    // or as it was.
+    unsafe { exec_entry(Some(envp), |e| real::execve(path, argv, e), || real::execve(path, argv, envp)) }
 }
 
 #[no_mangle]
@@ -614,44 +627,21 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    kept(|| {
-        hooks::exec(
-            // SAFETY: the program's environment array.
-            || unsafe { prog::env_vec(Some(envp)) },
-            // SAFETY: forwarding with the extended environment.
-            |env| prog::with_envp(env, |e| cvt(unsafe { real::execvpe(file, argv, e) })),
-            // SAFETY: forwarding.
-            || cvt(unsafe { real::execvpe(file, argv, envp) }),
-        )
-    })
+    // SAFETY: as execve.
+    unsafe { exec_entry(Some(envp), |e| real::execvpe(file, argv, e), || real::execvpe(file, argv, envp)) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
-    kept(|| {
-        hooks::exec(
-            // SAFETY: the process's environment.
-            || unsafe { prog::env_vec(None) },
-            // SAFETY: forwarding to execve with the extended environment.
-            |env| prog::with_envp(env, |e| cvt(unsafe { real::execve(path, argv, e) })),
-            // SAFETY: forwarding.
-            || cvt(unsafe { real::execv(path, argv) }),
-        )
-    })
+    // SAFETY: the process's environment; forwarding to execve with the extended one, or to
+    // execv.
+    unsafe { exec_entry(None, |e| real::execve(path, argv, e), || real::execv(path, argv)) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
-    kept(|| {
-        hooks::exec(
-            // SAFETY: the process's environment.
-            || unsafe { prog::env_vec(None) },
-            // SAFETY: forwarding to execvpe with the extended environment.
-            |env| prog::with_envp(env, |e| cvt(unsafe { real::execvpe(file, argv, e) })),
-            // SAFETY: forwarding.
-            || cvt(unsafe { real::execvp(file, argv) }),
-        )
-    })
+    // SAFETY: as execv, with execvpe and execvp.
+    unsafe { exec_entry(None, |e| real::execvpe(file, argv, e), || real::execvp(file, argv)) }
 }
 
 /// The `sock_fprog` a seccomp install passes, as bytes.
