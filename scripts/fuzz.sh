@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-200000}"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked -q
-for t in frame_header rx_stream agent_msg stats_slot seccomp_filter proc_status core_link_bytes mx_packet agent_mesh agent_config exec_record proc_fdinfo; do
+for t in frame_header rx_stream agent_msg stats_slot seccomp_filter proc_status core_link_bytes mx_packet agent_mesh agent_config exec_record proc_fdinfo proc_arp; do
     echo "--- fuzz $t ($runs runs)"
     log="$(mktemp)"
     if ! cargo fuzz run -s none "$t" -- -runs="$runs" -max_len=4096 >"$log" 2>&1; then

@@ -93,6 +93,11 @@ pub struct Iface {
     pub addr: IpAddr,
     /// Prefix length of the address's subnet.
     pub prefix: u8,
+    /// The interface's MAC address (`None` when it has none, e.g. a tunnel, or it cannot be
+    /// read).
+    pub mac: Option<[u8; 6]>,
+    /// The interface's MTU.
+    pub mtu: Option<u32>,
 }
 
 impl Iface {
@@ -151,7 +156,8 @@ pub fn interfaces() -> Vec<Iface> {
                 if let Some((addr, prefix)) = got {
                     let link_local = matches!(addr, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80);
                     if !addr.is_loopback() && !link_local {
-                        out.push(Iface { name, addr, prefix });
+                        let (mac, mtu) = (iface_mac(&name), iface_mtu(&name));
+                        out.push(Iface { name, addr, prefix, mac, mtu });
                     }
                 }
             }
@@ -161,4 +167,76 @@ pub fn interfaces() -> Vec<Iface> {
     // SAFETY: frees what getifaddrs allocated.
     unsafe { libc::freeifaddrs(ifa) };
     out
+}
+
+/// An interface request for `name` (`SIOCGIF*` through a datagram socket: the answer is the
+/// calling thread's network namespace's, which `/sys/class/net` need not be).
+fn if_ioctl(name: &str, req: libc::c_ulong) -> Option<libc::ifreq> {
+    let name = base_name(name).as_bytes();
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ || name.contains(&0) {
+        return None;
+    }
+    // SAFETY: a zeroed ifreq is valid; the kernel fills at most the struct.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in ifr.ifr_name.iter_mut().zip(name) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: a socket we close below; the ioctl writes only into `ifr`.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let r = libc::ioctl(fd, req as _, &mut ifr as *mut libc::ifreq);
+        libc::close(fd);
+        (r == 0).then_some(ifr)
+    }
+}
+
+/// The MAC address of interface `name` (`SIOCGIFHWADDR`); `None` for an interface that is not
+/// Ethernet-like (a tunnel, loopback) or has an all-zero address.
+pub fn iface_mac(name: &str) -> Option<[u8; 6]> {
+    let ifr = if_ioctl(name, libc::SIOCGIFHWADDR as libc::c_ulong)?;
+    // SAFETY: SIOCGIFHWADDR fills the hardware-address member of the union.
+    let hw = unsafe { ifr.ifr_ifru.ifru_hwaddr };
+    if hw.sa_family != libc::ARPHRD_ETHER {
+        return None;
+    }
+    let mut mac = [0u8; 6];
+    for (d, s) in mac.iter_mut().zip(hw.sa_data.iter()) {
+        *d = *s as u8;
+    }
+    (mac != [0; 6]).then_some(mac)
+}
+
+/// The MTU of interface `name` (`SIOCGIFMTU`).
+pub fn iface_mtu(name: &str) -> Option<u32> {
+    let ifr = if_ioctl(name, libc::SIOCGIFMTU as libc::c_ulong)?;
+    // SAFETY: SIOCGIFMTU fills the MTU member of the union.
+    let mtu = unsafe { ifr.ifr_ifru.ifru_mtu };
+    u32::try_from(mtu).ok().filter(|&m| m > 0)
+}
+
+/// The interface of an address alias (`eth0` for `eth0:1`), as the kernel's tables name it.
+pub fn base_name(name: &str) -> &str {
+    name.split(':').next().unwrap_or(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mac_and_mtu_of_interfaces() {
+        assert_eq!(iface_mac("lo"), None, "loopback has no Ethernet address");
+        assert!(iface_mtu("lo").is_some_and(|m| m > 0));
+        for bad in ["", "no-such-if0", "a/b", "averyveryverylongname", "e\0"] {
+            assert_eq!((iface_mac(bad), iface_mtu(bad)), (None, None), "{bad:?}");
+        }
+        assert_eq!(base_name("eth0:1"), "eth0");
+        for i in interfaces() {
+            assert_eq!(i.mac, iface_mac(&i.name));
+            assert_ne!(i.mac, Some([0; 6]));
+        }
+    }
 }

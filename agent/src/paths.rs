@@ -17,6 +17,10 @@
 //! one of the receiver's last [`FRESH_ROUNDS`] (so a path lives only while both directions
 //! work), and a heartbeat number is taken once. A stranger cannot forge one, and one recorded
 //! earlier cannot keep a dead path alive.
+//!
+//! Each path also carries the peer's MAC address on that network, as the kernel's neighbour
+//! table (`/proc/net/arp`, resolved by the heartbeats themselves) says: read when a path comes
+//! alive and once a second, never guessed (none while the entry is missing or incomplete).
 
 use crate::events::Events;
 use crate::journal::Journal;
@@ -27,6 +31,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use substrate::procfs::{format_mac, parse_proc_arp};
 use substrate::wire::agent::Msg;
 use tracing::{debug, info, warn};
 
@@ -49,11 +54,13 @@ struct Peer {
     /// The last heartbeat heard from it on this path (start-up number, heartbeat number):
     /// echoed in ours.
     heard: (u64, u64),
+    /// Its MAC address on the path's network, from the neighbour table.
+    mac: Option<[u8; 6]>,
 }
 
 impl Peer {
     fn new(node: String, port: u16) -> Self {
-        Peer { node, port, last_seen: None, dead: false, heard: (0, 0) }
+        Peer { node, port, last_seen: None, dead: false, heard: (0, 0), mac: None }
     }
 }
 
@@ -65,6 +72,10 @@ struct State {
     peers: HashMap<IpAddr, Peer>,
     /// This agent's latest heartbeat number.
     seq: u64,
+    /// When the neighbour table was last read.
+    arp_read: Option<Instant>,
+    /// A path came alive since: read the neighbour table soon.
+    arp_due: bool,
 }
 
 impl State {
@@ -110,6 +121,10 @@ pub struct NetJson {
     pub addr: String,
     /// "up" or "down" (taken out of service).
     pub admin: &'static str,
+    /// The interface's MAC address (`aa:bb:cc:dd:ee:ff`), if it has one.
+    pub mac: Option<String>,
+    /// The interface's MTU.
+    pub mtu: Option<u32>,
 }
 
 /// Another node as this agent knows it.
@@ -138,7 +153,15 @@ pub struct PathJson {
     pub state: &'static str,
     /// Milliseconds since the peer was last heard on this path.
     pub silent_ms: Option<u64>,
+    /// The peer's MAC address on this network, from the kernel's neighbour table; `None`
+    /// while the entry is missing or incomplete.
+    pub peer_mac: Option<String>,
 }
+
+/// How often the neighbour table is read for the peers' MAC addresses.
+const ARP_EVERY: Duration = Duration::from_secs(1);
+/// The soonest it is read again after a path came alive.
+const ARP_SOON: Duration = Duration::from_millis(100);
 
 impl Health {
     /// Path health for the agent of `node`, whose agents use `port` and share `key`.
@@ -345,6 +368,8 @@ impl Health {
                 name: i.name.clone(),
                 addr: i.addr.to_string(),
                 admin: if st.admin_down.contains(&i.name) { "down" } else { "up" },
+                mac: i.mac.as_ref().map(format_mac),
+                mtu: i.mtu,
             })
             .collect()
     }
@@ -378,6 +403,7 @@ impl Health {
                     network: i.name.clone(),
                     state,
                     silent_ms: p.last_seen.map(|t| now.duration_since(t).as_millis() as u64),
+                    peer_mac: p.mac.as_ref().map(format_mac),
                 })
             })
             .collect();
@@ -421,6 +447,7 @@ impl Health {
         if echo_boot != self.boot || echo_seq > mine || mine - echo_seq > self.fresh {
             return;
         }
+        let came_alive = p.last_seen.is_none() || p.dead;
         p.last_seen = Some(now);
         if p.dead {
             p.dead = false;
@@ -435,6 +462,37 @@ impl Health {
                 peer: SocketAddr::new(from.ip(), 0),
                 up: true,
             });
+        }
+        if came_alive {
+            st.arp_due = true;
+        }
+    }
+
+    /// Reads the peers' MAC addresses from the kernel's neighbour table when it is due: once
+    /// every [`ARP_EVERY`], or [`ARP_SOON`] after the last read when a path came alive.
+    fn refresh_macs(&self, now: Instant) {
+        {
+            let mut st = self.lock();
+            let since = st.arp_read.map(|t| now.saturating_duration_since(t));
+            let due = since.is_none_or(|d| d >= ARP_EVERY || (st.arp_due && d >= ARP_SOON));
+            if !due || st.peers.is_empty() {
+                return;
+            }
+            // A path that comes alive while the table is read asks for the next read.
+            st.arp_read = Some(now);
+            st.arp_due = false;
+        }
+        let table = std::fs::read("/proc/net/arp").map(|t| parse_proc_arp(&t)).unwrap_or_default();
+        let mut st = self.lock();
+        let State { ifaces, peers, .. } = &mut *st;
+        for (ip, p) in peers.iter_mut() {
+            let dev = ifaces.iter().find(|i| i.contains(*ip)).map(|i| net::base_name(&i.name));
+            p.mac = match (ip, dev) {
+                (IpAddr::V4(v4), Some(dev)) => {
+                    table.iter().find(|e| e.ip == *v4 && e.device == dev).map(|e| e.mac)
+                }
+                _ => None,
+            };
         }
     }
 
@@ -494,6 +552,7 @@ impl Health {
             }
         }
         drop(st);
+        self.refresh_macs(now);
         let port = self.port;
         for (i, ip, node, cannot_send, quiet) in died {
             let refused = cannot_send.is_some();

@@ -1,5 +1,6 @@
-//! Parsers of the `/proc` text the layer reads about its own process (outside input: the
-//! kernel writes it, but its format is only a convention, so nothing here trusts it).
+//! Parsers of the `/proc` text the layer reads about its own process, and the agent about the
+//! node's neighbours (outside input: the kernel writes it, but its format is only a
+//! convention, so nothing here trusts it).
 
 /// What `/proc/<pid>/status` says about the process's sandbox and threads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -126,5 +127,125 @@ mod fdinfo_tests {
             vec![EpollTarget { fd: 7, events: 1, data: 0, ino: None }]
         );
         assert!(parse_epoll_fdinfo("tfd: x events: 1 data: 0\ntfd: 3 events: zz data: 0\ntfd:\n").is_empty());
+    }
+}
+
+/// A complete entry of the kernel's IPv4 neighbour table, as `/proc/net/arp` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArpEntry {
+    /// The neighbour's address.
+    pub ip: std::net::Ipv4Addr,
+    /// Its hardware (MAC) address.
+    pub mac: [u8; 6],
+    /// The interface it was resolved on.
+    pub device: String,
+}
+
+/// `ATF_COM`: the entry is resolved.
+const ATF_COM: u32 = 0x2;
+
+/// The complete entries of `/proc/net/arp` text (a header line, then lines such as
+/// `10.81.0.2  0x1  0x2  aa:bb:cc:dd:ee:ff  *  eth0`). Lines whose address, flags, hardware
+/// address (six two-digit hexadecimal octets, not all zero) or device do not parse, and
+/// entries not resolved (flags without 0x2), are skipped.
+pub fn parse_proc_arp(text: &[u8]) -> Vec<ArpEntry> {
+    let mut out = Vec::new();
+    for line in text.split(|&b| b == b'\n') {
+        let Ok(line) = std::str::from_utf8(line) else { continue };
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [ip, _hw_type, flags, mac, _mask, device] = f[..] else { continue };
+        let Ok(ip) = ip.parse::<std::net::Ipv4Addr>() else { continue };
+        let Some(flags) = flags.strip_prefix("0x").and_then(|v| u32::from_str_radix(v, 16).ok()) else {
+            continue;
+        };
+        if flags & ATF_COM == 0 {
+            continue;
+        }
+        let Some(mac) = parse_mac(mac) else { continue };
+        if device.is_empty() || device.len() > 15 || device.contains('/') {
+            continue;
+        }
+        out.push(ArpEntry { ip, mac, device: device.to_string() });
+    }
+    out
+}
+
+/// Six colon-separated two-digit hexadecimal octets, not all zero.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in mac.iter_mut() {
+        let p = parts.next()?;
+        if p.len() != 2 || !p.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    if parts.next().is_some() || mac == [0; 6] {
+        return None;
+    }
+    Some(mac)
+}
+
+/// A MAC address as `aa:bb:cc:dd:ee:ff`.
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    let [a, b, c, d, e, f] = mac;
+    format!("{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{f:02x}")
+}
+
+#[cfg(test)]
+mod arp_tests {
+    use super::*;
+
+    const REAL: &str = "IP address       HW type     Flags       HW address            Mask     Device\n\
+10.81.0.2        0x1         0x2         6a:0e:3f:12:9b:c4     *        vmimac1a\n\
+10.81.1.2        0x1         0x0         00:00:00:00:00:00     *        vmimac1b\n\
+192.168.1.1      0x1         0x6         AA:BB:CC:DD:EE:01     *        eth0\n";
+
+    #[test]
+    fn complete_entries_of_a_real_table() {
+        let t = parse_proc_arp(REAL.as_bytes());
+        assert_eq!(
+            t,
+            vec![
+                ArpEntry {
+                    ip: "10.81.0.2".parse().unwrap(),
+                    mac: [0x6a, 0x0e, 0x3f, 0x12, 0x9b, 0xc4],
+                    device: "vmimac1a".into()
+                },
+                ArpEntry {
+                    ip: "192.168.1.1".parse().unwrap(),
+                    mac: [0xaa, 0xbb, 0xcc, 0xdd, 0xee, 0x01],
+                    device: "eth0".into()
+                },
+            ]
+        );
+        assert_eq!(format_mac(&t[0].mac), "6a:0e:3f:12:9b:c4");
+    }
+
+    #[test]
+    fn malformed_lines_are_skipped() {
+        let bad = "10.81.0.2 0x1 0x2 6a:0e:3f:12:9b * eth0\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:c4:01 * eth0\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:g4 * eth0\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:+4 * eth0\n\
+                   10.81.0.2 0x1 0x2 6a:e:3f:12:9b:c44 * eth0\n\
+                   10.81.0.256 0x1 0x2 6a:0e:3f:12:9b:c4 * eth0\n\
+                   ::1 0x1 0x2 6a:0e:3f:12:9b:c4 * eth0\n\
+                   10.81.0.2 0x1 2 6a:0e:3f:12:9b:c4 * eth0\n\
+                   10.81.0.2 0x1 0xzz 6a:0e:3f:12:9b:c4 * eth0\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:c4 *\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:c4 * eth0 extra\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:c4 * a/b\n\
+                   10.81.0.2 0x1 0x2 6a:0e:3f:12:9b:c4 * averyveryverylongname\n\
+                   \n\u{0}\u{7f}";
+        assert!(parse_proc_arp(bad.as_bytes()).is_empty());
+        assert!(parse_proc_arp(b"\xff\xfe 0x1 0x2 6a:0e:3f:12:9b:c4 * eth0").is_empty());
+        assert!(parse_proc_arp(b"").is_empty());
+        // A good line among bad ones, with tabs and a missing final newline.
+        let t = parse_proc_arp(b"garbage\n\xff\n10.0.0.1\t0x1\t0x2\t02:00:00:00:00:01\t*\teth1");
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].mac, [2, 0, 0, 0, 0, 1]);
+        assert_eq!(t[0].device, "eth1");
     }
 }

@@ -46,6 +46,10 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  path to other nodes, and every virtual connection
   --json         the same as one JSON object:
                  {node, processes[], listeners[], networks[], paths[], connections[], mesh}
+                 each network has name, addr, admin, mac and mtu (the interface's); each
+                 path has node, local, peer, network, state, silent_ms and peer_mac (the
+                 peer's MAC address on that network from the kernel's neighbour table;
+                 null while its entry is missing or incomplete)
                  each connection has gid, pid, local, peer (what the program sees),
                  substrate, direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
                  unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
@@ -208,9 +212,11 @@ fn print_table(v: &Value) {
     println!("\nnetworks: {}", ns.len());
     for n in &ns {
         println!(
-            "  {:<10} {:<24} {}",
+            "  {:<10} {:<24} {:<17} mtu {:<5} {}",
             n["name"].as_str().unwrap_or(""),
             n["addr"].as_str().unwrap_or(""),
+            n["mac"].as_str().unwrap_or("-"),
+            n["mtu"].as_u64().map(|m| m.to_string()).unwrap_or_else(|| "-".into()),
             if n["admin"] == "down" { "OUT OF SERVICE" } else { "in service" }
         );
     }
@@ -219,10 +225,11 @@ fn print_table(v: &Value) {
     for p in &ps {
         let silent = p["silent_ms"].as_u64().map(|m| format!("heard {m} ms ago")).unwrap_or_default();
         println!(
-            "  {:<16} {:<18} -> {:<18} {:<8} {:<7} {}",
+            "  {:<16} {:<18} -> {:<18} {:<17} {:<8} {:<7} {}",
             p["node"].as_str().unwrap_or(""),
             p["local"].as_str().unwrap_or(""),
             p["peer"].as_str().unwrap_or(""),
+            p["peer_mac"].as_str().unwrap_or("-"),
             p["network"].as_str().unwrap_or(""),
             p["state"].as_str().unwrap_or(""),
             silent
@@ -312,10 +319,11 @@ fn print_cluster(v: &Value) {
     for n in &nodes {
         for p in n["paths"].as_array().into_iter().flatten() {
             println!(
-                "  {:<16} {:<16} -> {:<16} {:<8} {}",
+                "  {:<16} {:<16} -> {:<16} {:<17} {:<8} {}",
                 n["node"].as_str().unwrap_or("?"),
                 p["local"].as_str().unwrap_or(""),
                 p["peer"].as_str().unwrap_or(""),
+                p["peer_mac"].as_str().unwrap_or("-"),
                 p["network"].as_str().unwrap_or(""),
                 p["state"].as_str().unwrap_or("")
             );
