@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1392,3 +1393,49 @@ def sha256_file(path):
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def clean_env(**extra):
+    """The environment without the settings the agent or the layer read from it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VMI_CLUSTER_KEY", "VMI_LOG", "VMI_AGENT_SOCKET", "LD_PRELOAD", "NOTIFY_SOCKET")}
+    env.update(extra)
+    return env
+
+
+class AgentProc:
+    """vmi-agent in a namespace, its output in files; readiness through NOTIFY_SOCKET."""
+
+    def __init__(self, ns, args, logdir, name):
+        self.ns = ns
+        self.err_path = logdir / f"{name}.err"
+        self.notify_path = logdir / f"{name}.notify"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        env = clean_env(NOTIFY_SOCKET=str(self.notify_path))
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net=/run/netns/{ns}", str(AGENT_BIN), *map(str, args)],
+                stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout=10.0):
+        self.notify.settimeout(timeout)
+        try:
+            msg = self.notify.recv(4096).decode()
+        except socket.timeout:
+            raise AssertionError(f"no READY=1 within {timeout} s; rc {self.proc.poll()}\n{self.log()}")
+        assert "READY=1" in msg.split("\n"), msg
+        return msg
+
+    def log(self):
+        return self.err_path.read_text(errors="replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self.notify.close()

@@ -8,15 +8,12 @@ bridges of a third namespace (vmimac-br); all of them, and the agents, gone when
 """
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from helpers import AGENT_BIN, VMICTL_BIN
+from helpers import AGENT_BIN, VMICTL_BIN, AgentProc, clean_env
 
 NODES = ("vmimac1", "vmimac2")
 BRIDGE_NS = "vmimac-br"
@@ -33,13 +30,6 @@ def sh(*argv):
     r = run(argv)
     assert r.returncode == 0, f"{' '.join(map(str, argv))}: {r.stderr}"
     return r.stdout
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VMI_CLUSTER_KEY", "VMI_LOG", "VMI_AGENT_SOCKET", "LD_PRELOAD", "NOTIFY_SOCKET")}
-    env.update(extra)
-    return env
 
 
 def dev(node, net):
@@ -83,40 +73,6 @@ def wait(what, check, timeout=TIMEOUT):
     raise AssertionError(f"{what} not within {timeout} s: {last}")
 
 
-class Agent:
-    def __init__(self, ns, args, logdir):
-        self.err_path = logdir / f"{ns}.err"
-        self.notify_path = logdir / f"{ns}.notify"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(self.notify_path))
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{ns}", str(AGENT_BIN), *map(str, args)],
-                stdout=err, stderr=subprocess.STDOUT, env=clean_env(NOTIFY_SOCKET=str(self.notify_path)),
-                start_new_session=True)
-
-    def wait_ready(self, timeout=10):
-        self.notify.settimeout(timeout)
-        try:
-            msg = self.notify.recv(4096).decode()
-        except socket.timeout:
-            raise AssertionError(f"no READY=1 within {timeout} s; rc {self.proc.poll()}\n{self.log()}")
-        assert "READY=1" in msg.split("\n"), msg
-
-    def log(self):
-        return self.err_path.read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        self.notify.close()
-
-
 def delete_namespaces():
     for ns in (*NODES, BRIDGE_NS):
         run(["ip", "netns", "del", ns])
@@ -145,9 +101,10 @@ def macnet(tmp_path):
         sh(AGENT_BIN, "--init", "--key", key)
         for node in (1, 2):
             other = 3 - node
-            a = Agent(NODES[node - 1], ["--key", key, "--socket", SOCK, "--node", f"mac{node}",
-                                        "--peers", f"{ip_of(other, 0)},{ip_of(other, 1)}",
-                                        "--probe-interval", "10", "--dead-after", "200"], tmp_path)
+            ns = NODES[node - 1]
+            a = AgentProc(ns, ["--key", key, "--socket", SOCK, "--node", f"mac{node}",
+                               "--peers", f"{ip_of(other, 0)},{ip_of(other, 1)}",
+                               "--probe-interval", "10", "--dead-after", "200"], tmp_path, ns)
             agents.append(a)
         for a in agents:
             a.wait_ready()

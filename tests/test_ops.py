@@ -11,15 +11,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import AGENT_BIN, REPO, VMICTL_BIN
+from helpers import AGENT_BIN, REPO, VMICTL_BIN, AgentProc, clean_env
 
 NS_PREFIX = "vmiops"
 MAN = REPO / "man"
@@ -35,14 +32,6 @@ AGENT_ACTIONS = {"--config", "--init", "--check-config", "--help", "--version"}
 
 def run(argv, timeout=10, **kw):
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def clean_env(**extra):
-    """The environment without the settings the agent or the layer read from it."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VMI_CLUSTER_KEY", "VMI_LOG", "VMI_AGENT_SOCKET", "LD_PRELOAD", "NOTIFY_SOCKET")}
-    env.update(extra)
-    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,44 +269,6 @@ class Netns:
     def close(self):
         for n in self.names:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
-
-
-class AgentProc:
-    """vmi-agent in a namespace, its output in files; readiness through NOTIFY_SOCKET."""
-
-    def __init__(self, ns, args, logdir, name):
-        self.ns = ns
-        self.err_path = logdir / f"{name}.err"
-        self.notify_path = logdir / f"{name}.notify"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(self.notify_path))
-        env = clean_env(NOTIFY_SOCKET=str(self.notify_path))
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{ns}", str(AGENT_BIN), *map(str, args)],
-                stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout=START_TIMEOUT):
-        self.notify.settimeout(timeout)
-        try:
-            msg = self.notify.recv(4096).decode()
-        except socket.timeout:
-            raise AssertionError(f"no READY=1 within {timeout} s; rc {self.proc.poll()}\n{self.log()}")
-        assert "READY=1" in msg.split("\n"), msg
-        return msg
-
-    def log(self):
-        return self.err_path.read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        self.notify.close()
 
 
 @pytest.fixture

@@ -24,12 +24,11 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 
 import pytest
 
-from helpers import AGENT_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN
+from helpers import AGENT_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, clean_env
 
 PREFIX = "vmiweb"
 HOSTS = [f"{PREFIX}{i}" for i in (1, 2, 3)]
@@ -60,13 +59,6 @@ def run(argv, timeout=15, **kw):
 
 def in_ns(ns, argv, **kw):
     return run(["nsenter", f"--net=/run/netns/{ns}", *argv], **kw)
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VMI_CLUSTER_KEY", "VMI_LOG", "VMI_AGENT_SOCKET", "LD_PRELOAD", "NOTIFY_SOCKET")}
-    env.update(extra)
-    return env
 
 
 def delete_namespaces():
