@@ -104,19 +104,8 @@ impl ClusterKey {
 
     /// Reads the key from `path`, refusing a file others can read or write.
     pub fn load(path: &Path) -> Result<Self, String> {
-        use std::os::unix::fs::MetadataExt;
         let hint = "create one with `vmi-agent --init` on one node and copy it to the others (mode 0600)";
-        let md =
-            std::fs::metadata(path).map_err(|e| format!("cluster key {}: {e}; {hint}", path.display()))?;
-        if md.mode() & 0o077 != 0 {
-            return Err(format!(
-                "cluster key {} is open to other users (mode {:o}); `chmod 600 {}`",
-                path.display(),
-                md.mode() & 0o777,
-                path.display()
-            ));
-        }
-        let text = std::fs::read(path).map_err(|e| format!("cluster key {}: {e}", path.display()))?;
+        let text = read_private(path, "cluster key", hint)?;
         Self::parse(&text).map_err(|e| format!("cluster key {}: {e}; {hint}", path.display()))
     }
 
@@ -426,6 +415,23 @@ impl Refusals {
             "web": self.web.load(Relaxed),
         })
     }
+}
+
+/// Reads a secret's file (`what`: how messages name it), refusing one that other users can
+/// read or write; `hint` ends the message when the file cannot be read.
+pub fn read_private(path: &Path, what: &str, hint: &str) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let sep = if hint.is_empty() { "" } else { "; " };
+    let md = std::fs::metadata(path).map_err(|e| format!("{what} {}: {e}{sep}{hint}", path.display()))?;
+    if md.mode() & 0o077 != 0 {
+        return Err(format!(
+            "{what} {} is open to other users (mode {:o}); `chmod 600 {}`",
+            path.display(),
+            md.mode() & 0o777,
+            path.display()
+        ));
+    }
+    std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))
 }
 
 #[cfg(test)]

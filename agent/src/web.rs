@@ -74,17 +74,7 @@ impl Token {
     /// Reads the token from `path`, refusing a file others can read or write (as the cluster
     /// key).
     pub fn load(path: &Path) -> Result<Token, String> {
-        use std::os::unix::fs::MetadataExt;
-        let md = std::fs::metadata(path).map_err(|e| format!("web token {}: {e}", path.display()))?;
-        if md.mode() & 0o077 != 0 {
-            return Err(format!(
-                "web token {} is open to other users (mode {:o}); `chmod 600 {}`",
-                path.display(),
-                md.mode() & 0o777,
-                path.display()
-            ));
-        }
-        let text = std::fs::read(path).map_err(|e| format!("web token {}: {e}", path.display()))?;
+        let text = crate::mesh::read_private(path, "web token", "")?;
         Self::parse(&text).map_err(|e| format!("web token {}: {e}", path.display()))
     }
 
