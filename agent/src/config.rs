@@ -499,6 +499,13 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     if sweep_every == 0 {
         return Err(format!("sweep-every 0 ({sw_from}): must be at least 1 ms"));
     }
+    // Targets and levels only: span and field filters compile patterns whose cost a crafted
+    // value can make unbounded (a configuration of a few hundred bytes took gigabytes).
+    if log.len() > 512 || !log.chars().all(|c| c.is_ascii_alphanumeric() || "_:=,-. ".contains(c)) {
+        return Err(format!(
+            "log {log:?} ({log_from}): a level (error, warn, info, debug, trace) or a list of target=level, at most 512 characters"
+        ));
+    }
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log) {
         return Err(format!("log {log:?} ({log_from}): {e} (error, warn, info, debug, or a tracing filter)"));
     }
