@@ -2,11 +2,12 @@
 """Two builds of vmi side by side in one run: bench.py alternates between them, round after
 round, and the layer's figures of each are put in one table (median and range).
 
-    benchmarks/harness/builds.py --old DIR --new DIR [--rounds N] [--only connrate,failover,calls]
-                                 [--out DIR]
+    benchmarks/harness/builds.py --old DIR --new DIR [--rounds N]
+                                 [--only connrate,failover,calls,migration]
+                                 [--migration-mb 10] [--migration-reps 3] [--out DIR]
 
-DIR is a folder with libvmi_preload.so, vmi-agent, vmictl and the benchmark programs (a
-`target/release` of each build). Each round runs `bench.py --only ... --reps 1` once with
+DIR is a folder with libvmi_preload.so, vmi-agent, vmictl, vmi-migrate (a `target/release`
+of each build). Each round runs `bench.py --only ... --reps 1` once with
 each build, in alternating order (old first in even rounds), so a machine that gets slower
 or faster during the run weighs on both alike. The figures are the layer's (the native
 baseline of each bench.py run is printed too, as a check that the machine did not change):
@@ -16,7 +17,11 @@ baseline of each bench.py run is printed too, as a check that the machine did no
   silent (veth off its bridge), in ms;
 - calls: nanoseconds per write/read/write/read round trip on one connection held by one
   process (`vc_calls`, 64 B, 1 KiB, 16 KiB), the layer's cost per call with no wake-up in
-  the way.
+  the way;
+- migration: `migration.py --bin-dir DIR --sizes MB --reps R` in each round (its own hosts,
+  vmimb1..3): the peer's longest receive gap while `vmi-migrate` moves the streaming sender
+  (MB MiB of ballast) to another host with CRIU, in ms, with vmi-migrate's phases beside it.
+  Every repetition of every round is one value. Needs CRIU (/opt/vmi/criu/bin/criu).
 
 Writes builds.md and builds.json into --out (default benchmarks/results/builds).
 """
@@ -42,17 +47,47 @@ def run(bin_dir, only, out):
     return json.loads((out / "results.json").read_text())["benchmarks"]
 
 
-def figures(b):
-    """{figure name: value} of one bench.py result."""
+def run_migration(bin_dir, mb, reps, out):
+    """migration.py with this build; its rows (a failed repetition stays out of the figures
+    and is counted)."""
+    cmd = [sys.executable, str(HERE / "migration.py"), "--bin-dir", str(bin_dir), "--sizes",
+           str(mb), "--reps", str(reps), "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600 + 120 * reps)
+    (out / "migration.log").write_text(r.stdout + "\n--- stderr\n" + r.stderr)
+    try:
+        return json.loads((out / "migration.json").read_text())
+    except (OSError, ValueError):
+        sys.stderr.write(r.stdout[-2000:] + r.stderr[-2000:])
+        return [{"ok": False, "intact": False, "outcome": f"migration.py rc={r.returncode}"}]
+
+
+PHASES = ("freeze", "dump", "transfer", "restore", "thaw")
+
+
+def figures(b, mig=None):
+    """{figure name: [values]} of one bench.py result (and migration.py rows)."""
     f = {}
+
+    def add(name, v):
+        if v is not None:
+            f.setdefault(name, []).append(v)
     for r in b.get("connrate", {}).get("runs", []):
-        f[f"connrate {r['mode']} (conn/s)"] = r["conns_per_sec"]
+        add(f"connrate {r['mode']} (conn/s)", r["conns_per_sec"])
     for r in b.get("failover", {}).get("runs", []):
-        f[f"failover {r['kind']} {r['mode']} stall (ms)"] = r["stall_ms"]
+        add(f"failover {r['kind']} {r['mode']} stall (ms)", r["stall_ms"])
     for r in b.get("calls", {}).get("runs", []):
         for size in (64, 1024, 16384):
             if f"rt_{size}_ns" in r:
-                f[f"calls {size} B {r['mode']} (ns per round trip)"] = r[f"rt_{size}_ns"]
+                add(f"calls {size} B {r['mode']} (ns per round trip)", r[f"rt_{size}_ns"])
+    for r in mig or []:
+        if not (r.get("ok") and r.get("intact")):
+            add("migration failed runs", 1)
+            continue
+        mb = r["size_mb"]
+        add(f"migration {mb} MiB downtime seen by the peer (ms)", r["downtime_ms"])
+        for ph in PHASES:
+            add(f"migration {mb} MiB {ph} (ms)", r.get(ph))
+        add(f"migration {mb} MiB image (MiB)", r.get("image_mb"))
     return f
 
 
@@ -69,24 +104,42 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="connrate,failover")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "builds")
+    ap.add_argument("--migration-mb", type=int, default=10,
+                    help="MiB of ballast of the migrated sender (default 10)")
+    ap.add_argument("--migration-reps", type=int, default=3,
+                    help="migrations per build and round (default 3)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    bench_only = ",".join(x for x in only if x != "migration")
     got = {"old": [], "new": []}
     for i in range(a.rounds):
         for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
             d = a.old if which == "old" else a.new
             print(f"round {i + 1}/{a.rounds}: {which} ({d})", flush=True)
-            got[which].append(figures(run(d, a.only, a.out / f"{which}-{i}")))
+            b = run(d, bench_only, a.out / f"{which}-{i}") if bench_only else {}
+            mig = None
+            if "migration" in only:
+                mdir = a.out / f"{which}-{i}" / "migration"
+                mdir.mkdir(parents=True, exist_ok=True)
+                mig = run_migration(d, a.migration_mb, a.migration_reps, mdir)
+            got[which].append(figures(b, mig))
+            # What is known so far, in case the run is cut short.
+            (a.out / "builds.json").write_text(json.dumps(got, indent=1))
     names = sorted({k for side in got.values() for f in side for k in f})
-    lines = [f"# Two builds side by side ({a.rounds} alternating rounds; median (range))", "",
-             f"old: `{a.old}`  ", f"new: `{a.new}`", "",
-             "| figure | old | new | new/old (medians) |", "| --- | --- | --- | --- |"]
+    lines = [f"# Two builds side by side ({a.rounds} alternating rounds; median (range), values)",
+             "", f"old: `{a.old}`  ", f"new: `{a.new}`", "",
+             "| figure | old | new | new/old (medians) | values old / new |",
+             "| --- | --- | --- | --- | --- |"]
     for n in names:
-        o = [f[n] for f in got["old"] if n in f]
-        w = [f[n] for f in got["new"] if n in f]
+        o = [v for f in got["old"] for v in f.get(n, [])]
+        w = [v for f in got["new"] for v in f.get(n, [])]
+        if n == "migration failed runs":
+            lines.append(f"| {n} | {len(o)} | {len(w)} | - | |")
+            continue
         ratio = (f"{statistics.median(w) / statistics.median(o):.2f}"
                  if o and w and statistics.median(o) else "-")
-        lines.append(f"| {n} | {summary(o)} | {summary(w)} | {ratio} |")
+        lines.append(f"| {n} | {summary(o)} | {summary(w)} | {ratio} | {len(o)} / {len(w)} |")
     md = "\n".join(lines) + "\n"
     (a.out / "builds.md").write_text(md)
     (a.out / "builds.json").write_text(json.dumps(got, indent=1))

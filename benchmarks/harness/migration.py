@@ -3,6 +3,7 @@
 to another host with CRIU; the peer measures how long its receive side stood still.
 
     sudo python3 benchmarks/harness/migration.py [--sizes 10,100,1000] [--reps 2] [--out DIR]
+                                                 [--bin-dir DIR]
 
 Three namespace hosts (scripts/topo.sh, prefix vmimb, networks 10.93.0/24 and 10.93.1/24), a
 vmi-agent in each. For each size S (MiB of resident memory the sender holds) and repetition:
@@ -16,6 +17,9 @@ vmi-agent in each. For each size S (MiB of resident memory the sender holds) and
   SHA-256 must be equal at both ends and no byte may be out of place.
 
 Prints a table, writes migration.json and (with matplotlib) migration.png in --out.
+--bin-dir takes libvmi_preload.so, vmi-agent and vmi-migrate from another build (default
+target/release); builds.py uses it to put two builds side by side. An agent from before the
+cluster key (no `--init`) runs without one.
 """
 
 import argparse
@@ -31,6 +35,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 REL = REPO / "target" / "release"
 LIB, AGENT, MIGRATE = REL / "libvmi_preload.so", REL / "vmi-agent", REL / "vmi-migrate"
+
+
+def use_bin_dir(d):
+    global REL, LIB, AGENT, MIGRATE
+    REL = Path(d).resolve()
+    LIB, AGENT, MIGRATE = REL / "libvmi_preload.so", REL / "vmi-agent", REL / "vmi-migrate"
 STREAM = REPO / "benchmarks" / "programs" / "failover_stream.py"
 TOPO = REPO / "scripts" / "topo.sh"
 PREFIX = "vmimb"
@@ -195,7 +205,10 @@ def main():
     ap.add_argument("--sizes", default="10,100,1000")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "migration"))
+    ap.add_argument("--bin-dir", default=str(REL),
+                    help="folder with libvmi_preload.so, vmi-agent, vmi-migrate")
     a = ap.parse_args()
+    use_bin_dir(a.bin_dir)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     logdir = out / "logs"
@@ -203,6 +216,10 @@ def main():
     for b in (LIB, AGENT, MIGRATE):
         if not b.exists():
             sys.exit(f"{b} missing: cargo build --release")
+    def on_term(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
     topo("down-all", PREFIX)
     agents = []
     rows = []
@@ -210,11 +227,14 @@ def main():
         topo("up", "3", PREFIX)
         key = logdir / "cluster.key"
         key.unlink(missing_ok=True)
-        subprocess.run([str(AGENT), "--init", "--key", str(key)], check=True, capture_output=True)
+        # An agent from before the cluster key has no --init and ignores VMI_CLUSTER_KEY.
+        init = subprocess.run([str(AGENT), "--init", "--key", str(key)], capture_output=True)
+        env = {"VMI_LOG": "info"}
+        if init.returncode == 0:
+            env["VMI_CLUSTER_KEY"] = key
         for i in (1, 2, 3):
             agents.append(start(host(i), [AGENT], logdir / f"agent{i}.out",
-                                logdir / f"agent{i}.err", layer=False,
-                                extra_env={"VMI_LOG": "info", "VMI_CLUSTER_KEY": key}))
+                                logdir / f"agent{i}.err", layer=False, extra_env=env))
         time.sleep(1.0)
         for size in [int(s) for s in a.sizes.split(",")]:
             for rep in range(a.reps):
