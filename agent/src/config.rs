@@ -22,14 +22,20 @@ pub const DEFAULT_DEAD_AFTER_MS: u64 = crate::paths::DEFAULT_DEAD_AFTER.as_milli
 pub const DEFAULT_SWEEP_EVERY_MS: u64 = 30_000;
 /// Default log filter.
 pub const DEFAULT_LOG: &str = "info";
+/// Most cluster heads one node pushes to.
+pub const MAX_HEADS: usize = 8;
+/// Most entries of a grid view.
+pub const MAX_GRID: usize = 256;
 /// Default address the agent listens on for other agents.
 pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 13] = [
+pub const KEYS: [&str; 15] = [
     "key",
     "peers",
+    "head",
+    "grid",
     "metrics",
     "web",
     "web-token",
@@ -133,6 +139,69 @@ impl Serialize for Web {
     }
 }
 
+/// One cluster of a grid view: `NAME=HEADADDR@KEYFILE` (`HEADADDR` an address, or
+/// `ADDR:PORT` when that cluster's agents use another port; several entries of one name are
+/// alternative heads, tried in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GridMember {
+    /// The cluster's name in reports.
+    pub name: String,
+    /// Its head's address.
+    pub head: IpAddr,
+    /// Its agents' port (`None`: this agent's port).
+    pub port: Option<u16>,
+    /// That cluster's key file.
+    pub key: PathBuf,
+}
+
+impl FromStr for GridMember {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let form = "NAME=HEADADDR@KEYFILE, e.g. \"rack2=10.0.2.1@/etc/vmi/rack2.key\"";
+        let (name, rest) = s.split_once('=').ok_or_else(|| format!("{s:?}: {form}"))?;
+        let (head, key) = rest.split_once('@').ok_or_else(|| format!("{s:?}: {form}"))?;
+        if name.is_empty()
+            || name.len() > 64
+            || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(format!("{s:?}: the name is 1 to 64 letters, digits, '.', '_' or '-' ({form})"));
+        }
+        let (head, port) = match head.parse::<SocketAddr>() {
+            Ok(a) if a.port() != 0 => (a.ip(), Some(a.port())),
+            Ok(_) => return Err(format!("{s:?}: port 0")),
+            Err(_) => {
+                (head.parse::<IpAddr>().map_err(|e| format!("{s:?}: head {head:?}: {e} ({form})"))?, None)
+            }
+        };
+        if key.is_empty() || key.contains('\0') {
+            return Err(format!("{s:?}: no key file ({form})"));
+        }
+        Ok(GridMember { name: name.to_string(), head, port, key: key.into() })
+    }
+}
+
+impl fmt::Display for GridMember {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.port {
+            Some(p) => write!(f, "{}={}@{}", self.name, SocketAddr::new(self.head, p), self.key.display()),
+            None => write!(f, "{}={}@{}", self.name, self.head, self.key.display()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for GridMember {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for GridMember {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// One source of settings, the file or the command line; `None`: not set there.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -141,6 +210,10 @@ pub struct Layer {
     pub key: Option<PathBuf>,
     /// Other nodes of the cluster, probed from the start.
     pub peers: Option<Vec<IpAddr>>,
+    /// The cluster's heads (nodes push their summary there, queries go there first).
+    pub head: Option<Vec<IpAddr>>,
+    /// Clusters this agent shows as a grid.
+    pub grid: Option<Vec<GridMember>>,
     /// Prometheus metrics.
     pub metrics: Option<Metrics>,
     /// The web view.
@@ -173,6 +246,10 @@ pub struct Settings {
     pub key: PathBuf,
     /// Other nodes of the cluster.
     pub peers: Vec<IpAddr>,
+    /// The cluster's heads.
+    pub head: Vec<IpAddr>,
+    /// Clusters of the grid view.
+    pub grid: Vec<GridMember>,
     /// Prometheus metrics.
     pub metrics: Metrics,
     /// The web view.
@@ -271,6 +348,17 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
                 for p in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                     peers.push(value("--peers", p)?);
                 }
+            }
+            "--head" => {
+                let v = val()?;
+                let heads = l.head.get_or_insert_with(Vec::new);
+                for h in v.split(',').map(str::trim).filter(|h| !h.is_empty()) {
+                    heads.push(value("--head", h)?);
+                }
+            }
+            "--grid" => {
+                let v = val()?;
+                l.grid.get_or_insert_with(Vec::new).push(value("--grid", &v)?);
             }
             "--socket" => l.socket = Some(val()?),
             "--port" => l.port = Some(value(&flag, &val()?)?),
@@ -451,6 +539,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     let env_log = env("VMI_LOG").filter(|v| !v.is_empty()).map(|v| (v, "VMI_LOG"));
     let (key, _) = pick("key", &cli.key, env_key, file, &f.key, PathBuf::from(crate::mesh::DEFAULT_KEY_PATH));
     let (peers, _) = pick("peers", &cli.peers, None, file, &f.peers, Vec::new());
+    let (head, head_from) = pick("head", &cli.head, None, file, &f.head, Vec::new());
+    let (grid, grid_from) = pick("grid", &cli.grid, None, file, &f.grid, Vec::new());
     let (metrics, _) = pick("metrics", &cli.metrics, None, file, &f.metrics, Metrics::Off);
     let (web, web_from) = pick("web", &cli.web, None, file, &f.web, Web::Off);
     let web_token = cli.web_token.clone().or_else(|| f.web_token.clone());
@@ -496,6 +586,12 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
             ));
         }
     }
+    if head.len() > MAX_HEADS {
+        return Err(format!("head ({head_from}): at most {MAX_HEADS} heads"));
+    }
+    if grid.len() > MAX_GRID {
+        return Err(format!("grid ({grid_from}): at most {MAX_GRID} entries"));
+    }
     if sweep_every == 0 {
         return Err(format!("sweep-every 0 ({sw_from}): must be at least 1 ms"));
     }
@@ -512,6 +608,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     Ok(Settings {
         key,
         peers,
+        head,
+        grid,
         metrics,
         web,
         web_token,
@@ -574,6 +672,8 @@ mod tests {
 key = "/k"
 peers = ["10.0.0.2",
          "10.0.0.3"]
+head = ["10.0.0.9"]
+grid = ["a=10.0.1.1@/a.key", "b=[::1]:7000@/b.key"]
 metrics = "127.0.0.1:9187"
 web = "10.0.0.1:8080"
 web-token = "/t"
@@ -590,6 +690,11 @@ log = "debug"
         let s = resolve(&Layer::default(), no_env, &f).unwrap();
         assert_eq!(s.key, PathBuf::from("/k"));
         assert_eq!(s.peers.len(), 2);
+        assert_eq!(s.head, vec!["10.0.0.9".parse::<IpAddr>().unwrap()]);
+        assert_eq!(s.grid.len(), 2);
+        assert_eq!((s.grid[0].name.as_str(), s.grid[0].port), ("a", None));
+        assert_eq!((s.grid[1].head.to_string().as_str(), s.grid[1].port), ("::1", Some(7000)));
+        assert_eq!(s.grid[1].key, PathBuf::from("/b.key"));
         assert_eq!(s.metrics, Metrics::At("127.0.0.1:9187".parse().unwrap()));
         assert_eq!(s.web, Web::At("10.0.0.1:8080".parse().unwrap()));
         assert_eq!(s.web_token, Some(PathBuf::from("/t")));
@@ -627,6 +732,20 @@ log = "debug"
         let e = parse("[agent]\nport = 1\n").unwrap_err();
         assert_eq!((e.line, e.key.as_deref()), (Some(1), Some("agent")), "{e}");
         assert!(parse("port = ").is_err());
+        for bad in [
+            "x",
+            "a=10.0.0.1",
+            "a=nowhere@/k",
+            "=10.0.0.1@/k",
+            "a b=10.0.0.1@/k",
+            "a=10.0.0.1@",
+            "a=1.2.3.4:0@/k",
+        ] {
+            let e = parse(&format!("grid = [{bad:?}]\n")).unwrap_err();
+            assert_eq!(e.key.as_deref(), Some("grid"), "{bad}: {e}");
+        }
+        let e = parse("head = [\"somewhere\"]\n").unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("head"), "{e}");
     }
 
     #[test]
@@ -706,15 +825,17 @@ log = "debug"
     fn every_key_is_a_flag_and_a_field() {
         for k in KEYS {
             let v = match k {
-                "peers" => format!("{k} = []"),
+                "peers" | "head" | "grid" => format!("{k} = []"),
                 "port" | "probe-interval" | "dead-after" | "sweep-every" => format!("{k} = 1"),
                 "bind" => format!("{k} = \"127.0.0.1\""),
                 "metrics" | "web" => format!("{k} = \"off\""),
                 _ => format!("{k} = \"x\""),
             };
             assert!(parse(&v).is_ok(), "{v}");
-            let v1 = if k == "peers" {
+            let v1 = if k == "peers" || k == "head" {
                 "10.0.0.1".to_string()
+            } else if k == "grid" {
+                "c=10.0.0.1@/k".to_string()
             } else {
                 v.split(" = ").nth(1).unwrap().trim_matches('"').to_string()
             };

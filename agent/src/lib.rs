@@ -6,6 +6,8 @@
 //! connection of the node to `vmictl` from the statistics tables the processes share with it.
 //!
 //! * [`cluster`]: commands run on other nodes, and the status of the whole cluster.
+//! * [`hier`]: cluster heads (summaries pushed to them, queries answered from them) and grid
+//!   views over several clusters.
 //! * [`config`]: the agent's settings: configuration file, environment, command line.
 //! * [`directory`]: listeners and expected connections, no I/O (unit-tested).
 //! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
@@ -26,6 +28,7 @@ pub mod cluster;
 pub mod config;
 pub mod directory;
 pub mod events;
+pub mod hier;
 pub mod journal;
 pub mod local;
 pub mod mesh;

@@ -506,6 +506,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. }) => command(agent, Asker::local(&s), m),
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
+            Msg::GridStatus => crate::hier::grid_status(agent, Asker::local(&s)),
+            Msg::WatchCluster { to, follow } => {
+                return crate::cluster::watch(agent, Asker::local(&s), s, &to, follow)
+            }
             Msg::Watch { after, follow } => return watch(agent, Asker::local(&s), s, after, follow),
             Msg::Events { pid } => {
                 // From now on this connection is the process's event channel.

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{error, info, warn};
 
-const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B..] [--metrics ADDR:PORT|off]
+const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B..] [--head A,B..]
+                 [--grid NAME=HEADADDR@KEYFILE].. [--metrics ADDR:PORT|off]
                  [--web ADDR:PORT|PORT|off] [--web-token FILE]
                  [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS] [--log FILTER]
@@ -48,6 +49,17 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
   --peers A,B..  other nodes of the cluster (peers = [\"A\", \"B\"]; one address per node is
                  enough): probed from the start, so `vmictl --cluster status` and
                  `vmictl --node` know them before any connection does. Repeatable; default none
+  --head A,B..   the cluster's heads (head = [\"A\", \"B\"]; give every node the same list):
+                 this node pushes a summary of itself (its status, the owners of its
+                 processes, its newest events) to each every 2 s and when something happens;
+                 `vmictl --cluster status`, `where` and `--cluster events` are answered by the
+                 first head that answers, in one exchange; when none does, this agent asks
+                 every node it knows and says so. Any agent can be a head. Repeatable;
+                 default none (every query asks every node)
+  --grid NAME=HEADADDR@KEYFILE  a cluster of this agent's grid view (grid = [\"...\", ...]):
+                 `vmictl --grid status` asks its head (HEADADDR, or ADDR:PORT) through a
+                 channel with that cluster's key (KEYFILE, mode 0600). Entries of one NAME
+                 are alternative heads. Repeatable; default none
   --node NAME    name shown in reports (node = \"NAME\"; default: first IPv4 address)
   --metrics ADDR:PORT  serve Prometheus metrics at http://ADDR:PORT/metrics
                  (metrics = \"ADDR:PORT\"; default off). Nothing secret is in them, but keep
@@ -129,7 +141,9 @@ fn main() {
             }
         },
         Action::Check => {
-            match ClusterKey::load(&settings.key).and_then(|k| web_token(&settings).map(|_| k)) {
+            match ClusterKey::load(&settings.key).and_then(|k| web_token(&settings).map(|_| k)).and_then(
+                |k| agent::hier::init(settings.head.clone(), &settings.grid, settings.port).map(|_| k),
+            ) {
                 Ok(k) => {
                     print!("{}", settings.to_toml());
                     println!(
@@ -173,6 +187,10 @@ fn run(args: Settings) {
             std::process::exit(EXIT_CONFIG);
         }
     };
+    if let Err(e) = agent::hier::init(args.head.clone(), &args.grid, args.port) {
+        error!("{e}; not started");
+        std::process::exit(EXIT_CONFIG);
+    }
     let node = node_name(&args);
     let unix = match UnixAddr::from_abstract_name(args.socket.as_bytes())
         .and_then(|a| UnixListener::bind_addr(&a))
@@ -219,6 +237,19 @@ fn run(args: Settings) {
     ));
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
+    if !args.head.is_empty() {
+        info!(
+            "cluster heads: {} (this node pushes its summary there; cluster queries go there first)",
+            args.head.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    if !args.grid.is_empty() {
+        info!(
+            "grid view of {} (`vmictl --grid status`)",
+            args.grid.iter().map(|g| format!("{} at {}", g.name, g.head)).collect::<Vec<_>>().join(", ")
+        );
+    }
+    agent::hier::push_forever(agent.clone());
     if let Metrics::At(m) = args.metrics {
         if let Err(e) = agent::metrics::serve(agent.clone(), m) {
             error!("{e} (`metrics` chooses another address, or off)");

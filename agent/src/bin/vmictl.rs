@@ -11,10 +11,11 @@ use substrate::wire::agent::Msg;
 
 const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
+       vmictl [--socket NAME] --grid status [--json]
        vmictl [--socket NAME] [--node NODE] net down|up NET
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
        vmictl [--socket NAME] where GID [--json]
-       vmictl [--socket NAME] events [--follow] [--json]
+       vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
        vmictl [--socket NAME] [--node NODE] web [--json]
        vmictl help [COMMAND] | --help | --version
 
@@ -25,15 +26,19 @@ commands:
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
   where          on which node(s) and in which process(es) a connection lives
-  events         what happened on the node, and what happens next (--follow)
+  events         what happened on the node (or on NODE, or on every node with --cluster),
+                 and what happens next (--follow)
   web            where the agent serves the cluster to a browser (vmi-agent --web)
   help COMMAND   the usage of COMMAND (as `vmictl COMMAND --help`)
 
 options (anywhere on the line):
   --socket NAME  the agent's abstract socket (default vmi-agent, or $VMI_AGENT_SOCKET)
-  --node NODE    run status, net or move on another node of the cluster (its name in
-                 reports, or one of its addresses), through this node's agent and the
-                 cluster's encrypted channel; changes need root there
+  --node NODE    run status, net, move, events or web on another node of the cluster (its
+                 name in reports, or one of its addresses), through this node's agent and
+                 the cluster's encrypted channel; changes need root there
+  --cluster      status or events of every node of the cluster (through its head, if the
+                 agents have one, else from every node)
+  --grid         status of every cluster of the agent's grid view (vmi-agent --grid)
   --json         print JSON instead of a table (status, where, events, web)
 
 Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
@@ -41,6 +46,7 @@ connection); 2 the command line is wrong. See vmictl(8).";
 
 const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
+       vmictl [--socket NAME] --grid status [--json]
 
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
@@ -60,9 +66,21 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  other than root (or the agent's user) sees only their own processes,
                  listeners and connections
   --node NODE    the status of another node of the cluster
-  --cluster      every node this node's agent knows (nodes it has connections with and
-                 its peers): a line per node, the paths between them, unreachable nodes;
-                 --json: {node, nodes: [status report of each node], unreachable: []}";
+  --cluster      every node of the cluster: a line per node, the paths between them,
+                 unreachable nodes; answered by the first cluster head that answers
+                 (vmi-agent --head), else by asking every node this node's agent knows
+                 (nodes it has connections with and its peers);
+                 --json: {node, nodes: [status report of each node], unreachable:
+                 [{node, addrs, error, stale?}], via (head or fan-out), head (the head's
+                 address, via a head), fallback (why no head answered, when there are
+                 heads)}. A head lists a node whose summary is older than 6 s, or whose
+                 heartbeats stopped, as unreachable (stale)
+  --grid         every cluster of this agent's grid view (vmi-agent --grid), each asked
+                 of its head with that cluster's key: its nodes with their health and
+                 figures, and unreachable nodes; --json: {node, clusters: [{cluster,
+                 head, head_node, key, nodes: [{node, health, networks, networks_up,
+                 paths, paths_alive, processes, connections, tcp, shm, links_not_up,
+                 failovers, age_ms}], unreachable, error?}]}";
 
 const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE] net down|up NET
 
@@ -86,16 +104,23 @@ const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
                  asked of every node this node's agent knows
   --json         a JSON array of the connection's ends, each with its node";
 
-const USAGE_EVENTS: &str = "usage: vmictl [--socket NAME] events [--follow] [--json]
+const USAGE_EVENTS: &str =
+    "usage: vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
 
   events         what happened on the node (the last 4096 events): connections made and
                  closed, paths dead and alive, networks out of and back in service, links
                  rebuilt (relink), moves between substrates, checkpoint phases, refusals.
                  Users other than root see the node's events and those of their own
                  processes
+  --node NODE    the events of another node of the cluster, each naming its node
+  --cluster      the events of every node of the cluster (through its head, if the
+                 agents have one: the newest it holds), each naming its node; a node
+                 that does not answer in time is reported (kind unreachable) and does
+                 not hold up the others; kind fan-out or head says how they are read
+                 when a head stops answering or answers again
   --follow       then every new one as it happens, until the agent stops or vmictl is
-                 interrupted
-  --json         one object a line: {seq, ms, kind, pid?, ...}";
+                 interrupted (other nodes' events within a second)
+  --json         one object a line: {seq, ms, kind, node?, pid?, ...}";
 
 const USAGE_WEB: &str = "usage: vmictl [--socket NAME] [--node NODE] web [--json]
 
@@ -286,8 +311,17 @@ fn where_is(v: &Value, gid: &str) -> Vec<Value> {
 fn print_cluster(v: &Value) {
     let nodes = v["nodes"].as_array().cloned().unwrap_or_default();
     let bad = v["unreachable"].as_array().cloned().unwrap_or_default();
+    let via = match (v["via"].as_str(), v["head"].as_str()) {
+        (Some("head"), Some(h)) => {
+            format!("answered by cluster head {h} ({})", v["head_node"].as_str().unwrap_or("?"))
+        }
+        _ => match v["fallback"].as_str() {
+            Some(f) => format!("every node asked from here: {f}"),
+            None => "every node asked from here".to_string(),
+        },
+    };
     println!(
-        "cluster seen from node {}: {} nodes answered, {} unreachable",
+        "cluster seen from node {}: {} nodes answered, {} unreachable; {via}",
         v["node"].as_str().unwrap_or("?"),
         nodes.len(),
         bad.len()
@@ -339,6 +373,53 @@ fn print_cluster(v: &Value) {
     }
 }
 
+fn print_grid(v: &Value) {
+    let clusters = v["clusters"].as_array().cloned().unwrap_or_default();
+    println!("grid seen from node {}: {} clusters", v["node"].as_str().unwrap_or("?"), clusters.len());
+    for c in &clusters {
+        let name = c["cluster"].as_str().unwrap_or("?");
+        if let Some(e) = c["error"].as_str() {
+            println!("\ncluster {name} (key {}): {e}", c["key"].as_str().unwrap_or("?"));
+            continue;
+        }
+        let nodes = c["nodes"].as_array().cloned().unwrap_or_default();
+        let bad = c["unreachable"].as_array().cloned().unwrap_or_default();
+        println!(
+            "\ncluster {name} (key {}, head {} at {}): {} nodes, {} unreachable",
+            c["key"].as_str().unwrap_or("?"),
+            c["head_node"].as_str().unwrap_or("?"),
+            c["head"].as_str().unwrap_or("?"),
+            nodes.len(),
+            bad.len()
+        );
+        println!(
+            "  {:<16} {:<9} {:>9} {:>9} {:>7} {:>7} {:>9} {:>9}",
+            "NODE", "HEALTH", "NETWORKS", "PATHS UP", "PROCS", "CONNS", "TCP/SHM", "FAILOVERS"
+        );
+        for n in &nodes {
+            let u = |k: &str| n[k].as_u64().unwrap_or(0);
+            println!(
+                "  {:<16} {:<9} {:>9} {:>9} {:>7} {:>7} {:>9} {:>9}",
+                n["node"].as_str().unwrap_or("?"),
+                n["health"].as_str().unwrap_or("?"),
+                format!("{}/{}", u("networks_up"), u("networks")),
+                format!("{}/{}", u("paths_alive"), u("paths")),
+                u("processes"),
+                u("connections"),
+                format!("{}/{}", u("tcp"), u("shm")),
+                u("failovers")
+            );
+        }
+        for b in &bad {
+            println!(
+                "  unreachable: node {} ({})",
+                b["node"].as_str().unwrap_or("?"),
+                b["error"].as_str().unwrap_or("")
+            );
+        }
+    }
+}
+
 /// The node's agent on its abstract socket `socket`, or the end with why not.
 fn connect(socket: &str) -> UnixStream {
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
@@ -346,11 +427,12 @@ fn connect(socket: &str) -> UnixStream {
         .unwrap_or_else(|e| fail(&format!("no agent on @{socket} in this network namespace: {e}")))
 }
 
-/// Prints the node's events (and with `follow`, every new one) until the agent stops.
-fn watch(socket: &str, follow: bool, json: bool) {
+/// Prints the events `m` asks for (and with its `follow`, every new one) until the agent
+/// stops.
+fn watch(socket: &str, m: Msg, json: bool) {
     use std::io::Write;
     let mut s = connect(socket);
-    write_msg(&mut s, &Msg::Watch { after: 0, follow }).unwrap_or_else(|e| fail(&e.to_string()));
+    write_msg(&mut s, &m).unwrap_or_else(|e| fail(&e.to_string()));
     let out = std::io::stdout();
     loop {
         match read_msg(&mut s) {
@@ -372,12 +454,13 @@ fn watch(socket: &str, follow: bool, json: bool) {
     }
 }
 
-/// One event as a line: UTC time, kind, its fields.
+/// One event as a line: UTC time, its node (events of other nodes), kind, its fields.
 fn event_line(v: &Value) -> String {
     let ms = v["ms"].as_u64().unwrap_or(0);
     let (s, m) = (ms / 1000, ms % 1000);
+    let node = v["node"].as_str().map(|n| format!("{n:<16} ")).unwrap_or_default();
     let mut line = format!(
-        "{:02}:{:02}:{:02}.{m:03}  {:<10}",
+        "{:02}:{:02}:{:02}.{m:03}  {node}{:<10}",
         (s / 3600) % 24,
         (s / 60) % 60,
         s % 60,
@@ -385,7 +468,7 @@ fn event_line(v: &Value) -> String {
     );
     if let Some(o) = v.as_object() {
         for (k, x) in o {
-            if matches!(k.as_str(), "ms" | "kind" | "seq") {
+            if matches!(k.as_str(), "ms" | "kind" | "seq" | "node") {
                 continue;
             }
             match x {
@@ -420,6 +503,7 @@ fn main() {
     let mut whereis: Option<String> = None;
     let mut follow = false;
     let mut web = false;
+    let mut grid = false;
     // `--flag=value` is `--flag value`.
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -439,6 +523,7 @@ fn main() {
             "--json" => json = true,
             "--node" => node = Some(it.next().unwrap_or_else(|| usage_error(name, "--node needs a value"))),
             "--cluster" => cluster = true,
+            "--grid" => grid = true,
             "--follow" => follow = true,
             "-h" | "--help" => {
                 println!("{}", usage_of(name));
@@ -510,18 +595,29 @@ fn main() {
     if json && matches!(name, Some("net" | "move")) {
         usage_error(name, "--json goes with status, where, events and web");
     }
+    if let Msg::Watch { .. } = cmd {
+        if grid || (cluster && node.is_some()) {
+            usage_error(name, "events go with --node NODE or --cluster (not both), not with --grid");
+        }
+        let m = match (&node, cluster) {
+            (Some(to), _) => Msg::WatchCluster { to: to.clone(), follow },
+            (None, true) => Msg::WatchCluster { to: String::new(), follow },
+            (None, false) => Msg::Watch { after: 0, follow },
+        };
+        watch(&socket, m, json);
+        return;
+    }
+    if grid {
+        if cmd != Msg::Status || web || cluster || node.is_some() {
+            usage_error(name, "--grid goes with status (not with --cluster or --node)");
+        }
+        cmd = Msg::GridStatus;
+    }
     if cluster {
         if cmd != Msg::Status || web {
-            usage_error(name, "--cluster goes with status");
+            usage_error(name, "--cluster goes with status and events");
         }
         cmd = Msg::ClusterStatus;
-    }
-    if let Msg::Watch { .. } = cmd {
-        if node.is_some() || cluster {
-            usage_error(name, "events are read on the node itself (no --node or --cluster)");
-        }
-        watch(&socket, follow, json);
-        return;
     }
     if let Some(to) = node {
         if cluster || whereis.is_some() {
@@ -587,6 +683,8 @@ fn main() {
         }
     } else if json {
         println!("{json_text}");
+    } else if grid {
+        print_grid(&v);
     } else if cluster {
         print_cluster(&v);
     } else {

@@ -312,6 +312,42 @@ pub enum Msg {
         /// new, not a recording.
         echo_seq: u64,
     },
+    /// Agent → agent (inside `AsUser`), or run on this node: the node's events after number
+    /// `after` that the user may see, answered with a `StatusReply` holding
+    /// `{node, boot, last, events}`.
+    Journal {
+        /// Events after this number (0: all kept).
+        after: u64,
+    },
+    /// `vmictl` → agent: the events of node `to` (a name or an address), or of every node
+    /// of the cluster (`to` empty), each as a `Happened` naming its node; then `Ok`, or
+    /// (with `follow`) every later event as it happens.
+    WatchCluster {
+        /// The node, or empty for the whole cluster.
+        to: String,
+        /// Keep sending new events.
+        follow: bool,
+    },
+    /// Agent → its cluster head (inside `AsUser`): a summary of the node (its status, the
+    /// owners of its processes, its latest events), as JSON; answered with a `StatusReply`.
+    Summary {
+        /// The summary.
+        json: String,
+    },
+    /// Agent → its cluster head (inside `AsUser`): the status of every node the head holds,
+    /// as `ClusterStatus` answers it (`brief`: a line of figures per node).
+    HeadStatus {
+        /// Figures per node instead of each node's whole report.
+        brief: bool,
+    },
+    /// Agent → its cluster head (inside `AsUser`): the events of every node the head holds
+    /// after the head's number `after`.
+    HeadEvents {
+        /// Events after this number of the head's (0: all it holds).
+        after: u64,
+    },
+    /// `vmictl` → agent: the status of every cluster of the agent's grid view.
+    GridStatus,
 }
 
 /// Why a message was refused.
@@ -515,6 +551,12 @@ impl Msg {
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
             Msg::Probe { .. } => "Probe",
+            Msg::Journal { .. } => "Journal",
+            Msg::WatchCluster { .. } => "WatchCluster",
+            Msg::Summary { .. } => "Summary",
+            Msg::HeadStatus { .. } => "HeadStatus",
+            Msg::HeadEvents { .. } => "HeadEvents",
+            Msg::GridStatus => "GridStatus",
         }
     }
 
@@ -709,6 +751,28 @@ impl Msg {
                 w.u8(33);
                 w.addrs(addrs);
             }
+            Msg::Journal { after } => {
+                w.u8(40);
+                w.u64(*after);
+            }
+            Msg::WatchCluster { to, follow } => {
+                w.u8(41);
+                w.str(to);
+                w.u8(*follow as u8);
+            }
+            Msg::Summary { json } => {
+                w.u8(42);
+                w.str(json);
+            }
+            Msg::HeadStatus { brief } => {
+                w.u8(43);
+                w.u8(*brief as u8);
+            }
+            Msg::HeadEvents { after } => {
+                w.u8(44);
+                w.u64(*after);
+            }
+            Msg::GridStatus => w.u8(45),
         }
         let body = (w.0.len() - 4) as u32;
         w.0[..4].copy_from_slice(&body.to_le_bytes());
@@ -807,6 +871,12 @@ impl Msg {
             37 => Msg::ClusterStatus,
             38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
             39 => Msg::Happened { json: r.str()? },
+            40 => Msg::Journal { after: r.u64()? },
+            41 => Msg::WatchCluster { to: r.str()?, follow: r.bool()? },
+            42 => Msg::Summary { json: r.str()? },
+            43 => Msg::HeadStatus { brief: r.bool()? },
+            44 => Msg::HeadEvents { after: r.u64()? },
+            45 => Msg::GridStatus,
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -880,6 +950,15 @@ mod tests {
             Msg::ClusterStatus,
             Msg::Watch { after: 26, follow: true },
             Msg::Happened { json: "{}".into() },
+            Msg::Journal { after: 27 },
+            Msg::WatchCluster { to: "n3".into(), follow: true },
+            Msg::WatchCluster { to: String::new(), follow: false },
+            Msg::Summary { json: "{\"node\":\"n\"}".into() },
+            Msg::HeadStatus { brief: true },
+            Msg::HeadStatus { brief: false },
+            Msg::HeadEvents { after: 28 },
+            Msg::GridStatus,
+            Msg::AsUser { uid: 0, cmd: Msg::HeadEvents { after: 29 }.encode() },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
@@ -897,6 +976,10 @@ mod tests {
         assert_eq!(Msg::decode(&[2, 5, 0]), Err(AgentWireError::BadFamily(5)));
         assert_eq!(Msg::decode(&[3, 4, 1, 2, 3, 4, 0]), Err(AgentWireError::Truncated));
         assert_eq!(Msg::decode(&[8, 0]), Err(AgentWireError::TrailingBytes(1)));
+        assert_eq!(Msg::decode(&[43, 2]), Err(AgentWireError::BadBool));
+        assert_eq!(Msg::decode(&[40, 1, 2]), Err(AgentWireError::Truncated));
+        assert_eq!(Msg::decode(&[45, 0]), Err(AgentWireError::TrailingBytes(1)));
+        assert_eq!(Msg::decode(&[46]), Err(AgentWireError::UnknownTag(46)));
         assert_eq!(Msg::decode(&[9, 255, 255, 255, 255]), Err(AgentWireError::Truncated));
         assert!(Msg::body_len([255, 255, 255, 255]).is_err());
     }
