@@ -454,11 +454,16 @@ def test_api_cluster_is_what_vmictl_shows(web):
         for k in ("bytes_sent", "bytes_received"):
             assert was[k] <= end[k] <= now[k], (k, was, end, now)
     assert set(ends[0]) == set(client_end), "the API's connections have the fields of vmictl's"
-    # The node's events, from a number on.
+    # The cluster's events, from a number on: this node's and the other nodes', each naming
+    # its node (the server's end of the connection was made on web2).
     code, _, body = curl(HOSTS[0], f"{VIEW}/api/events?since=0")
     ev = json.loads(body)
     assert code == 200 and ev["node"] == "web1" and ev["last"] >= len(ev["events"]) > 0, ev
-    assert any(e["kind"] == "connection" and e.get("gid") == client_end["gid"] for e in ev["events"]), ev
+    assert ev["via"] == "fan-out", ev["via"]
+    for node, side in (("web1", "out"), ("web2", "in")):
+        assert any(e["kind"] == "connection" and e.get("gid") == client_end["gid"] and e["node"] == node
+                   and e["side"] == side for e in ev["events"]), (node, ev)
+    assert [e["seq"] for e in ev["events"]] == sorted({e["seq"] for e in ev["events"]}), "numbered once each"
     code, _, body = curl(HOSTS[0], f"{VIEW}/api/events?since={ev['last']}")
     assert json.loads(body)["events"] == [] or all(e["seq"] > ev["last"] for e in json.loads(body)["events"])
     # vmictl web names the view; an agent without one says how to turn it on.
@@ -507,6 +512,10 @@ def test_the_page_in_chromium_shows_the_cluster(web, browser):
     assert {(a["data-from"], a["data-local"], a["data-peer"]) for a in lines} == \
         {(n, p["local"], p["peer"]) for n, p in all_paths(status)}
     assert "connection" in dom.text.get("ev-list", ""), "no connection event listed"
+    # Events of the other nodes too, each with its node.
+    listed = browser.eval("[...document.querySelectorAll('#ev-list li[data-kind=\"connection\"]')].map(l => l.dataset.node)")
+    assert {"web1", "web2"} <= set(listed), listed
+    assert "web2" in dom.text.get("ev-list", "")
     # It keeps polling.
     polls = browser.polls()
     browser.wait(f"Number(document.body.dataset.polls) > {polls}", timeout=5, what="another poll")

@@ -41,7 +41,7 @@ pub fn journal(agent: &Agent, asker: Asker, after: u64) -> Msg {
         .into_iter()
         .map(|e| {
             let mut j = e.json;
-            j["node"] = Value::from(agent.node.clone());
+            hier::with_node(&mut j, &agent.node);
             j
         })
         .collect();

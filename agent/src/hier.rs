@@ -125,6 +125,19 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Names event `e` as one of node `node`'s: its field `node` (a path's event names the node
+/// at the path's other end there) becomes `peer_node`.
+pub fn with_node(e: &mut Value, node: &str) {
+    if let Some(o) = e.as_object_mut() {
+        if let Some(peer) = o.remove("node") {
+            if peer.as_str() != Some(node) {
+                o.insert("peer_node".into(), peer);
+            }
+        }
+        o.insert("node".into(), Value::from(node));
+    }
+}
+
 /// Whose processes' details `asker` sees: `None` all (root), else that user's.
 pub fn only(asker: Asker) -> Option<u32> {
     if asker.may_run_node() {
@@ -365,7 +378,7 @@ impl Store {
                 continue;
             }
             have = seq;
-            ev["node"] = Value::from(node.clone());
+            with_node(&mut ev, &node);
             self.next += 1;
             self.events.push_back(HeadEvent {
                 hseq: self.next,
@@ -662,6 +675,9 @@ mod tests {
         assert_eq!((evs.len(), last), (3, 3));
         assert_eq!(boots["n1"], 5);
         assert!(evs.iter().all(|e| e["node"].is_string()));
+        let mut path = json!({ "kind": "path", "node": "n9", "state": "alive" });
+        with_node(&mut path, "n1");
+        assert_eq!((path["node"].as_str(), path["peer_node"].as_str()), (Some("n1"), Some("n9")));
         let (evs, _, _) = s.events(0, Some(1000));
         assert_eq!(evs.len(), 2, "the node's own event and user 1000's: {evs:?}");
         assert_eq!(s.events(3, None).0.len(), 0);

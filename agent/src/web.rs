@@ -1,13 +1,16 @@
 //! The cluster in a browser (`vmi-agent --web ADDR:PORT`): one self-contained page
 //! (`web/index.html`, its script and style inline) that polls two read-only JSON endpoints
 //! of this agent and draws the nodes, networks and paths, the connections with their rates
-//! and the node's recent events.
+//! and the cluster's recent events.
 //!
 //! * `/`: the page.
 //! * `/api/cluster`: what `vmictl --cluster status --json` prints, as root would see it (the
 //!   view is the node operator's): `{node, nodes: [status report...], unreachable: [...]}`.
-//! * `/api/events?since=N`: this node's events after number N (the newest [`EVENTS_MAX`]),
-//!   `{node, last, events: [...]}`; `last` is the N to ask with next time.
+//! * `/api/events?since=N`: the cluster's events after number N (the newest [`EVENTS_MAX`]),
+//!   `{node, last, via, events: [...]}`: every node's, as `vmictl --cluster events` reads
+//!   them (through the cluster head, or from every node), each naming its `node`, numbered
+//!   by this view (`seq`; the node's own number is `node_seq`); `last` is the N to ask with
+//!   next time, `via` how they were read (head or fan-out).
 //!
 //! Nothing served changes anything. On a loopback address no token is needed, but requests
 //! must name the server by an address or `localhost` (a web site that rebinds its own name to
@@ -17,10 +20,12 @@
 //! sends the header). Tokens are compared as SHA-256 digests, in constant time. Refused
 //! requests are counted and logged like every other refusal ([`crate::mesh::Refusals`]).
 
+use crate::cluster::Merged;
 use crate::local::{Agent, Asker};
 use crate::mesh::Refused;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -39,6 +44,21 @@ pub const EVENTS_MAX: usize = 200;
 /// How long an answer of `/api/cluster` is reused: every node is asked at most this often,
 /// however many browsers watch.
 const CLUSTER_CACHE: Duration = Duration::from_millis(500);
+
+/// Other nodes' events are asked for at most this often, however many browsers watch.
+const EVENTS_CACHE: Duration = Duration::from_millis(500);
+
+/// Events of the cluster the view keeps (the newest).
+const EVENTS_KEEP: usize = 2000;
+
+/// The cluster's events as the view numbers them.
+#[derive(Default)]
+struct Events {
+    merged: Merged,
+    kept: VecDeque<Value>,
+    next: u64,
+    at: Option<Instant>,
+}
 
 /// Threads answering requests (a cluster status may wait for a slow node).
 const WORKERS: usize = 4;
@@ -120,6 +140,7 @@ struct View {
     agent: Arc<Agent>,
     token: Option<Token>,
     cluster: Mutex<Option<(Instant, String)>>,
+    events: Mutex<Events>,
 }
 
 fn header(name: &str, value: &str) -> Header {
@@ -172,10 +193,32 @@ impl View {
             .find(|(k, _)| k == "since")
             .and_then(|(_, v)| v.parse::<u64>().ok())
             .unwrap_or(0);
-        let (events, last) = self.agent.journal.since(since, None, Duration::ZERO);
-        let skip = events.len().saturating_sub(EVENTS_MAX);
-        let events: Vec<Value> = events.into_iter().skip(skip).map(|e| e.json).collect();
-        json!({ "node": self.agent.node, "last": last, "events": events }).to_string()
+        let mut ev = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if ev.at.is_none_or(|t| t.elapsed() >= EVENTS_CACHE) {
+            // As `vmictl --cluster events` run by root on this node.
+            let root = Asker { uid: Some(0), remote: false };
+            let new = ev.merged.pull(&self.agent, root, None);
+            for mut e in new {
+                ev.next += 1;
+                let seq = ev.next;
+                if let Some(o) = e.as_object_mut() {
+                    let own = o.remove("seq").unwrap_or(Value::Null);
+                    o.insert("node_seq".into(), own);
+                    o.insert("seq".into(), seq.into());
+                }
+                ev.kept.push_back(e);
+            }
+            while ev.kept.len() > EVENTS_KEEP {
+                ev.kept.pop_front();
+            }
+            ev.at = Some(Instant::now());
+        }
+        let newer: Vec<&Value> =
+            ev.kept.iter().filter(|e| e["seq"].as_u64().is_some_and(|n| n > since)).collect();
+        let skip = newer.len().saturating_sub(EVENTS_MAX);
+        let events: Vec<Value> = newer.into_iter().skip(skip).cloned().collect();
+        json!({ "node": self.agent.node, "last": ev.next, "via": ev.merged.via, "events": events })
+            .to_string()
     }
 
     fn refuse(&self, req: &Request, what: &str) {
@@ -268,7 +311,7 @@ pub fn serve(agent: Arc<Agent>, addr: SocketAddr, token: Option<Token>) -> Resul
             " (no token: loopback only)"
         }
     );
-    let view = Arc::new(View { agent, token, cluster: Mutex::new(None) });
+    let view = Arc::new(View { agent, token, cluster: Mutex::new(None), events: Mutex::default() });
     for i in 0..WORKERS {
         let (server, view) = (server.clone(), view.clone());
         std::thread::Builder::new()
