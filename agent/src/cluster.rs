@@ -489,6 +489,13 @@ pub fn watch(agent: &Agent, asker: Asker, mut s: UnixStream, to: &str, follow: b
             info!("cluster events for {}: {}", asker.uid.map_or("?".into(), |u| format!("user {u}")), m.via);
         }
         first = false;
+        if to.is_some() && !follow {
+            // One node asked once: its failure is the answer.
+            if let Some(e) = events.iter().find(|e| e["kind"] == "unreachable") {
+                let reason = e["detail"].as_str().unwrap_or("it did not answer").to_string();
+                return write_msg(&mut s, &Msg::Error { reason });
+            }
+        }
         for e in events {
             write_msg(&mut s, &Msg::Happened { json: e.to_string() })?;
         }

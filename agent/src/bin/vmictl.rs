@@ -655,6 +655,7 @@ fn main() {
     write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
     let json_text = match read_msg(&mut s) {
         Ok(Msg::StatusReply { json }) => json,
+        Ok(Msg::Error { reason }) => fail(&reason),
         Ok(other) => fail(&format!("unexpected answer {other:?}")),
         Err(e) => fail(&e.to_string()),
     };
