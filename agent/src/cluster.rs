@@ -144,7 +144,8 @@ fn ask_heads(agent: &Agent, asker: Asker, m: &Msg) -> Result<(String, Value), St
         };
         match answer {
             Msg::StatusReply { json } => match serde_json::from_str::<Value>(&json) {
-                Ok(v) => return Ok((h.to_string(), v)),
+                Ok(v) if v.is_object() => return Ok((h.to_string(), v)),
+                Ok(_) => errors.push(format!("{h}: bad answer: not a JSON object")),
                 Err(e) => errors.push(format!("{h}: bad answer: {e}")),
             },
             Msg::Error { reason } => errors.push(format!("{h}: {reason}")),

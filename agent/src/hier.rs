@@ -326,6 +326,9 @@ impl Store {
         }
         let mut v: Value =
             serde_json::from_str(text).map_err(|e| format!("a summary that is not JSON: {e}"))?;
+        if !v.is_object() {
+            return Err("a summary that is not a JSON object".into());
+        }
         let node = match v["node"].as_str() {
             Some(n) if !n.is_empty() && n.len() <= 255 => n.to_string(),
             _ => return Err("a summary without a node name".into()),
@@ -371,8 +374,8 @@ impl Store {
         entry.left_out = v["connections_left_out"].as_u64().unwrap_or(0);
         let mut have = entry.have;
         for e in v["events"].as_array_mut().map(std::mem::take).unwrap_or_default() {
-            let mut e = e;
-            let mut ev = e["event"].take();
+            let Value::Object(mut e) = e else { continue };
+            let mut ev = e.remove("event").unwrap_or(Value::Null);
             let Some(seq) = ev["seq"].as_u64() else { continue };
             if seq <= have || !ev.is_object() {
                 continue;
@@ -382,7 +385,7 @@ impl Store {
             self.next += 1;
             self.events.push_back(HeadEvent {
                 hseq: self.next,
-                uid: uid_of(&e["uid"]),
+                uid: e.get("uid").and_then(uid_of),
                 has_pid: ev.get("pid").is_some_and(|p| !p.is_null()),
                 json: ev,
             });
@@ -692,6 +695,48 @@ mod tests {
         assert!(bad[0]["error"].as_str().unwrap().starts_with("stale"));
         let (nodes, bad) = s.status(t0 + FORGET_AFTER, None, &[], false);
         assert_eq!((nodes.len(), bad.len()), (0, 0));
+    }
+
+    /// Summaries come from other agents: whatever their shape, a head neither panics nor
+    /// grows beyond its bounds (a small deterministic fuzzer over a valid summary's text).
+    #[test]
+    fn any_summary_text_is_taken_or_refused() {
+        let good = summary_text("n1", 5, &[(1, None, None), (2, Some(10), Some(1000))]);
+        let pieces = ["[]", "{}", "null", "1", "\"x\"", "-1", "1e400", "[{}]", "{\"event\":1}", "true"];
+        let mut s = Store::default();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let t0 = Instant::now();
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut t = good.clone().into_bytes();
+            for _ in 0..(x % 4 + 1) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let at = (x as usize) % t.len();
+                match x % 3 {
+                    0 => t[at] = (x >> 8) as u8,
+                    1 => {
+                        let end = (at + (x >> 16) as usize % 12).min(t.len());
+                        t.drain(at..end);
+                    }
+                    _ => {
+                        let p = pieces[(x >> 24) as usize % pieces.len()];
+                        t.splice(at..at, p.bytes());
+                    }
+                }
+                if t.is_empty() {
+                    t.push(b'{');
+                }
+            }
+            let text = String::from_utf8_lossy(&t);
+            let _ = s.ingest(&text, t0);
+            let _ = s.status(t0, Some(1000), &[], true);
+            let _ = s.events(0, Some(1000));
+        }
+        assert!(s.nodes.len() <= NODES_MAX && s.events.len() <= HEAD_EVENTS_MAX);
     }
 
     #[test]
