@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import subprocess
 import time
 
@@ -435,6 +436,48 @@ def test_the_configuration_of_heads_and_grids(hx, tmp_path):
     assert r.returncode == 1 and "no grid view" in r.stderr, r
     r = vmictl("a1", "--grid", "--cluster", "status")
     assert r.returncode == 2, r
+
+
+def test_a_node_that_does_not_answer_holds_nobody_up(hx):
+    whole_a("a2")
+    whole_a("ops")
+    stopped = hx.agents["a3"].proc.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        # Fan-out (ops has no head): a3 is reported, the others' events come all the same.
+        t0 = time.monotonic()
+        evs = events("ops", "--cluster")
+        took = time.monotonic() - t0
+        assert took < 4, f"--cluster events took {took:.1f} s with a3's agent stopped"
+        assert any(e["kind"] == "unreachable" and e["node"] == "a3" and "did not answer" in e["detail"]
+                   for e in evs), evs
+        assert any(e["node"] == "a2" and e["kind"] == "connection" for e in evs), evs
+        t0 = time.monotonic()
+        s = ctl_json("ops", "--cluster", "status")
+        took_status = time.monotonic() - t0
+        assert took_status < 4 and [u["node"] for u in s["unreachable"]] == ["a3"], (took_status, s["unreachable"])
+        assert {"a1", "a2", "ops"} <= set(names(s)), s
+        # Through the head: a3's heartbeats stopped too.
+        s = wait_for("a3 unreachable through the head", lambda: (lambda s: [u["node"] for u in s["unreachable"]] == ["a3"]
+                                                                  and s)(ctl_json("a2", "--cluster", "status")), 5)
+        assert s["via"] == "head"
+        print(f"\nvmihx: a3's agent stopped: --cluster events (fan-out) {took:.2f} s, --cluster status (fan-out) "
+              f"{took_status:.2f} s")
+        # The head stopped as well: a2 falls back within the bound.
+        os.kill(hx.agents["a1"].proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            s = ctl_json("a2", "--cluster", "status")
+            took = time.monotonic() - t0
+            assert s["via"] == "fan-out" and "did not answer within" in s["fallback"], s
+            assert took < 6, f"the fallback took {took:.1f} s"
+            assert sorted(u["node"] for u in s["unreachable"]) == ["a1", "a3"], s["unreachable"]
+        finally:
+            os.kill(hx.agents["a1"].proc.pid, signal.SIGCONT)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    whole_a("a2")
+    whole_a("ops")
 
 
 def test_a_nodes_agent_killed_and_restarted(hx):

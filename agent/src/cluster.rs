@@ -12,12 +12,13 @@
 
 use crate::hier;
 use crate::local::{command, Agent, Asker};
+use crate::mesh::Channel;
 use crate::net;
-use crate::wire::write_msg;
+use crate::wire::{read_msg, write_msg};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
@@ -102,6 +103,37 @@ fn ask(agent: &Agent, asker: Asker, ip: IpAddr, m: &Msg) -> Msg {
     }
 }
 
+/// Time a node has to answer a request for its events, or a head a query, before it is
+/// reported as not answering (the others are not held up).
+pub const ANSWER_WITHIN: Duration = Duration::from_millis(1500);
+
+/// Asks the agent of the node at `ip` for `m` on `asker`'s behalf over a channel of its own
+/// (not the shared one, which a slow agent holds), giving up after about `within`.
+fn ask_within(agent: &Agent, asker: Asker, ip: IpAddr, m: &Msg, within: Duration) -> Msg {
+    let Some(uid) = asker.uid else {
+        return Msg::Error { reason: "the kernel did not say who asks".into() };
+    };
+    let start = Instant::now();
+    let left = || within.saturating_sub(start.elapsed()).max(Duration::from_millis(10));
+    let answer = (|| -> io::Result<Msg> {
+        let s = TcpStream::connect_timeout(&SocketAddr::new(ip, agent.port), within)?;
+        s.set_read_timeout(Some(left()))?;
+        s.set_write_timeout(Some(left()))?;
+        s.set_nodelay(true)?;
+        let mut c = Channel::dial(s, &agent.key)?;
+        c.stream().set_read_timeout(Some(left()))?;
+        write_msg(&mut c, &Msg::AsUser { uid, cmd: m.encode() })?;
+        read_msg(&mut c)
+    })();
+    match answer {
+        Ok(a) => a,
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Msg::Error {
+            reason: format!("the agent at {ip} did not answer within {} ms", within.as_millis()),
+        },
+        Err(e) => Msg::Error { reason: format!("the agent at {ip} did not answer: {e}") },
+    }
+}
+
 /// Serves another node's `AsUser` request (and the hierarchy's: summaries pushed to this
 /// agent as a head, queries of what it holds).
 pub fn as_user(agent: &Agent, uid: u32, cmd: &[u8]) -> Msg {
@@ -140,7 +172,7 @@ fn ask_heads(agent: &Agent, asker: Asker, m: &Msg) -> Result<(String, Value), St
                 _ => Msg::Error { reason: "not a head query".into() },
             }
         } else {
-            ask(agent, asker, *h, m)
+            ask_within(agent, asker, *h, m, ANSWER_WITHIN)
         };
         match answer {
             Msg::StatusReply { json } => match serde_json::from_str::<Value>(&json) {
@@ -215,11 +247,14 @@ fn fan_out(agent: &Agent, asker: Asker) -> Msg {
             .map(|n| {
                 sc.spawn(move || {
                     let mut last = "no address".to_string();
-                    // The working path first, then every other address of the node.
+                    // The working path first, then every other address of the node, all
+                    // within ANSWER_WITHIN: a node that does not answer holds nobody up.
                     let order =
                         n.reach.into_iter().chain(n.addrs.iter().copied().filter(|a| Some(*a) != n.reach));
+                    let start = Instant::now();
                     for ip in order {
-                        match ask(agent, asker, ip, &Msg::Status) {
+                        let Some(left) = ANSWER_WITHIN.checked_sub(start.elapsed()) else { break };
+                        match ask_within(agent, asker, ip, &Msg::Status, left) {
                             Msg::StatusReply { json } => {
                                 return serde_json::from_str::<Value>(&json)
                                     .map_err(|e| format!("bad report: {e}"))
@@ -327,12 +362,17 @@ impl Merged {
         let mut out = Vec::new();
         if let Some(to) = to {
             let after = self.nodes.get(to).map_or(0, |c| c.1);
-            let mut answer = remote(agent, asker, to, &Msg::Journal { after }.encode());
+            let journal_of = |after: u64| match resolve(agent, to) {
+                Err(reason) => Msg::Error { reason },
+                Ok(None) => journal(agent, asker, after),
+                Ok(Some(ip)) => ask_within(agent, asker, ip, &Msg::Journal { after }, ANSWER_WITHIN),
+            };
+            let mut answer = journal_of(after);
             if let Msg::StatusReply { json } = &answer {
                 let v: Value = serde_json::from_str(json).unwrap_or(Value::Null);
                 if self.nodes.get(to).is_some_and(|c| Some(c.0) != v["boot"].as_u64()) && after > 0 {
                     // Its agent started again: read its events from the start.
-                    answer = remote(agent, asker, to, &Msg::Journal { after: 0 }.encode());
+                    answer = journal_of(0);
                 }
             }
             match answer {
@@ -430,16 +470,16 @@ impl Merged {
                 .map(|(n, (boot, after))| {
                     sc.spawn(move || {
                         let mut last = "no address".to_string();
-                        let order = n
-                            .reach
-                            .into_iter()
-                            .chain(n.addrs.iter().copied().filter(|a| Some(*a) != n.reach));
+                        // One address, the working path's if any: the answer stays
+                        // within ANSWER_WITHIN (twice, when the node's agent started again).
+                        let order = n.reach.or(n.addrs.first().copied()).into_iter();
                         for ip in order {
-                            let mut a = ask(agent, asker, ip, &Msg::Journal { after });
+                            let within = ANSWER_WITHIN;
+                            let mut a = ask_within(agent, asker, ip, &Msg::Journal { after }, within);
                             if let Msg::StatusReply { json } = &a {
                                 let v: Value = serde_json::from_str(json).unwrap_or(Value::Null);
                                 if after > 0 && v["boot"].as_u64() != Some(boot) {
-                                    a = ask(agent, asker, ip, &Msg::Journal { after: 0 });
+                                    a = ask_within(agent, asker, ip, &Msg::Journal { after: 0 }, within);
                                 }
                             }
                             match a {
