@@ -382,14 +382,14 @@ def test_two_clusters_under_one_grid_view(hx):
         cs = {c["cluster"]: c for c in g["clusters"]}
         return (sorted(cs) == ["a", "b"] and sorted(n["node"] for n in cs["a"]["nodes"]) == sorted(CLUSTER_A)
                 and sorted(n["node"] for n in cs["b"]["nodes"]) == sorted(CLUSTER_B)
-                and not cs["a"]["unreachable"] and not cs["b"]["unreachable"] and cs)
+                and not cs["a"]["unreachable"] and not cs["b"]["unreachable"]
+                and all(n["health"] == "ok" for c in cs.values() for n in c["nodes"]) and cs)
     cs = wait_for("both clusters whole in the grid view", whole_grid)
     assert (cs["a"]["key"], cs["b"]["key"]) == (key_a, key_b)
     assert (cs["a"]["head"], cs["a"]["head_node"], cs["b"]["head"], cs["b"]["head_node"]) == (ip("a1"), "a1", ip("b1"), "b1")
     assert all(n["key"] == key_a for n in cs["a"]["nodes"]) and all(n["key"] == key_b for n in cs["b"]["nodes"])
     a = {n["node"]: n for n in cs["a"]["nodes"]}
     assert a["a2"]["connections"] >= 1 and a["a2"]["tcp"] >= 1, a
-    assert all(n["health"] == "ok" for n in cs["a"]["nodes"] + cs["b"]["nodes"]), cs
     text = vmictl("ops", "--grid", "status").stdout
     assert f"cluster a (key {key_a}, head a1 at {ip('a1')}): 3 nodes" in text, text
     assert f"cluster b (key {key_b}, head b1 at {ip('b1')}): 2 nodes" in text, text

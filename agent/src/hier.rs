@@ -44,6 +44,9 @@ pub const SUMMARY_MAX: usize = 512 << 10;
 pub const NODES_MAX: usize = 1024;
 /// Most events sent with one summary (the newest).
 pub const PUSH_EVENTS_MAX: usize = 256;
+/// A head's own summary is taken again for a query only when it is older than this (or
+/// something happened).
+const OWN_FRESH: Duration = Duration::from_millis(250);
 /// Events a head keeps, of all its nodes together.
 pub const HEAD_EVENTS_MAX: usize = 8192;
 
@@ -520,7 +523,16 @@ fn silent_nodes(agent: &Agent) -> Vec<String> {
 
 /// Takes this node's own summary into the store (a head answers for itself too).
 fn ingest_own(agent: &Agent) {
-    let have = store().nodes.get(&agent.node).filter(|e| e.boot == boot()).map(|e| e.have);
+    let last = agent.journal.last();
+    let (have, fresh) = store()
+        .nodes
+        .get(&agent.node)
+        .filter(|e| e.boot == boot())
+        .map_or((None, false), |e| (Some(e.have), e.have == last && e.at.elapsed() < OWN_FRESH));
+    if fresh {
+        // Taken a moment ago and nothing happened since: many askers cost one report.
+        return;
+    }
     let text = summary(agent, have);
     if let Err(e) = store().ingest(&text, Instant::now()) {
         debug!("this node's own summary: {e}");
@@ -674,6 +686,10 @@ mod tests {
         assert_eq!(nodes[0]["listeners"].as_array().unwrap().len(), 1);
         let (nodes, _) = s.status(t0, Some(1000), &[], true);
         assert_eq!((nodes[0]["connections"].as_u64(), nodes[0]["health"].as_str()), (Some(1), Some("ok")));
+        let mut r = s.status(t0, None, &[], false).0[0].clone();
+        assert_eq!(brief_of(&r, Duration::ZERO)["health"], "ok");
+        r["paths"] = json!([{ "state": "alive" }, { "state": "dead" }]);
+        assert_eq!(brief_of(&r, Duration::ZERO)["health"], "degraded");
         let (evs, last, boots) = s.events(0, None);
         assert_eq!((evs.len(), last), (3, 3));
         assert_eq!(boots["n1"], 5);
