@@ -423,7 +423,7 @@ impl Store {
                 let error = if age >= STALE_AFTER {
                     format!("stale: no summary from its agent for {} s", age.as_secs())
                 } else {
-                    "its agent's heartbeats stopped".to_string()
+                    "this head hears no heartbeat from it (its agent stopped, or every network between them is dead or out of service)".to_string()
                 };
                 unreachable.push(json!({
                     "node": name, "addrs": e.addrs, "error": error, "stale": true, "age_ms": age.as_millis() as u64,
