@@ -166,6 +166,7 @@ def sample(pids):
     out = {}
     for name, pid in pids.items():
         out[name] = {"rss_kb": status_kb(pid, "VmRSS"), "pss_kb": pss_kb(pid),
+                     "anon_kb": status_kb(pid, "RssAnon"), "shmem_kb": status_kb(pid, "RssShmem"),
                      "cpu_s": cpu_s(pid), "ctxt": ctxt(pid), "fds": nfds(pid),
                      "control_cpu_s": control_cpu(pid), "threads": len(threads(pid))}
     out["_t"] = time.monotonic()
@@ -420,6 +421,8 @@ def derive(r):
         f[f"{ag}_rss_active_kib"] = aa[ag]["rss_kb"]
         if r.get("after_status"):
             f[f"{ag}_rss_status_kib"] = r["after_status"][ag]["rss_kb"]
+            f[f"{ag}_shmem_status_kib"] = r["after_status"][ag].get("shmem_kb")
+            f[f"{ag}_anon_status_kib"] = r["after_status"][ag].get("anon_kb")
         f[f"{ag}_threads"] = s[ag]["threads"]
         f[f"{ag}_kib_per_conn"] = (s[ag]["rss_kb"] - b[ag]["rss_kb"]) / n
         f[f"{ag}_fds_setup"] = s[ag]["fds"]
@@ -463,6 +466,8 @@ ROWS = [
     ("agent, client host: RSS after set-up (MiB)", "agent_client_rss_setup_kib", "mib"),
     ("agent, client host: RSS after the `vmictl status` calls (MiB)", "agent_client_rss_status_kib",
      "mib"),
+    ("... of which shared memory (RssShmem, MiB)", "agent_client_shmem_status_kib", "mib"),
+    ("... of which anonymous (RssAnon, MiB)", "agent_client_anon_status_kib", "mib"),
     ("agent, client host: RSS after the active phase (MiB)", "agent_client_rss_active_kib", "mib"),
     ("agent, server host: RSS after set-up (MiB)", "agent_server_rss_setup_kib", "mib"),
     ("agent, server host: RSS after the active phase (MiB)", "agent_server_rss_active_kib", "mib"),
