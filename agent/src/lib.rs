@@ -34,6 +34,7 @@ pub mod net;
 pub mod notify;
 pub mod paths;
 pub mod peer;
+pub mod relinks;
 pub mod status;
 pub mod sweep;
 pub mod web;

@@ -90,7 +90,8 @@ const USAGE_EVENTS: &str = "usage: vmictl [--socket NAME] events [--follow] [--j
 
   events         what happened on the node (the last 4096 events): connections made and
                  closed, paths dead and alive, networks out of and back in service, links
-                 rebuilt (relink), moves between substrates, checkpoint phases, refusals.
+                 rebuilt (relink; failover: the stall the process saw and the bytes it
+                 sent again), moves between substrates, checkpoint phases, refusals.
                  Users other than root see the node's events and those of their own
                  processes
   --follow       then every new one as it happens, until the agent stops or vmictl is

@@ -312,6 +312,21 @@ pub enum Msg {
         /// new, not a recording.
         echo_seq: u64,
     },
+    /// Layer → agent (event channel): a link of `gid` was rebuilt after a failure.
+    Relinked {
+        /// The connection.
+        gid: u128,
+        /// Milliseconds from the moment this side saw the link fail to the rebuilt link.
+        stall_ms: u32,
+        /// Bytes this side sends again on the new link (the peer had not delivered them).
+        replayed: u64,
+        /// True when this side dialed the new link (false: the peer's node handed it over).
+        dialer: bool,
+        /// The new link's local address.
+        local: SocketAddr,
+        /// The new link's peer address.
+        peer: SocketAddr,
+    },
 }
 
 /// Why a message was refused.
@@ -514,6 +529,7 @@ impl Msg {
             Msg::ClusterStatus => "ClusterStatus",
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
+            Msg::Relinked { .. } => "Relinked",
             Msg::Probe { .. } => "Probe",
         }
     }
@@ -701,6 +717,15 @@ impl Msg {
                 w.u64(*after);
                 w.u8(*follow as u8);
             }
+            Msg::Relinked { gid, stall_ms, replayed, dialer, local, peer } => {
+                w.u8(64);
+                w.u128(*gid);
+                w.u32(*stall_ms);
+                w.u64(*replayed);
+                w.u8(*dialer as u8);
+                w.addr(local);
+                w.addr(peer);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -807,6 +832,14 @@ impl Msg {
             37 => Msg::ClusterStatus,
             38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
             39 => Msg::Happened { json: r.str()? },
+            64 => Msg::Relinked {
+                gid: r.u128()?,
+                stall_ms: r.u32()?,
+                replayed: r.u64()?,
+                dialer: r.bool()?,
+                local: r.addr()?,
+                peer: r.addr()?,
+            },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -880,6 +913,14 @@ mod tests {
             Msg::ClusterStatus,
             Msg::Watch { after: 26, follow: true },
             Msg::Happened { json: "{}".into() },
+            Msg::Relinked {
+                gid: 7 << 64 | 9,
+                stall_ms: 812,
+                replayed: 1 << 33,
+                dialer: true,
+                local: "10.0.0.1:40000".parse().unwrap(),
+                peer: "[fe80::1]:7787".parse().unwrap(),
+            },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
