@@ -26,7 +26,7 @@ import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
                      PORTS, PROGRAMS, assert_same_stream, extra_agent, link_down, link_up,
-                     python_prog, vmictl_status, wait_status)
+                     python_prog, vmictl, vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
 
@@ -147,6 +147,20 @@ def test_client_migrates_mid_stream(procs, third_agent):
     # The connection is the same virtual connection, now listed by host 3's agent.
     after = conn_in(H3, before["gid"])
     assert after["peer"] == p.addr and after["local"] == before["local"], (before, after)
+    # The cluster view follows it: asked from the server's node, the connection lives on
+    # host 3 and host 2, no longer on host 1 (whose agent drops the table of the process it
+    # no longer has, although its pid lives on in host 3), and host 2's agent knows host 3
+    # from the rebuilt link.
+    names = {h: vmictl_status(h)["node"] for h in (H1, H2, H3)}
+    want = sorted([names[H3], names[H2]])
+    ends = None
+    for _ in range(50):
+        r = vmictl(H2, "where", before["gid"], "--json", timeout=15)
+        ends = json.loads(r.stdout) if r.returncode == 0 else r.stderr
+        if isinstance(ends, list) and sorted(e["node"] for e in ends) == want:
+            break
+        time.sleep(0.2)
+    assert isinstance(ends, list) and sorted(e["node"] for e in ends) == want, (want, ends)
     p.check()
 
 

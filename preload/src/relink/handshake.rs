@@ -356,6 +356,10 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
             n
         })
     });
+    // The dialer may live on a node this node's agent has not heard of (its process was
+    // restored there): the agent starts probing it, so that its paths, `vmictl where` and
+    // the cluster view know where the connection lives now.
+    let _ = agent::request(&Msg::Paths { peers: theirs.clone() });
     c.set_peer_agents(&theirs);
     if take {
         // (A refusal is said in the offer's header and by one bell, before any frame.)
