@@ -22,6 +22,26 @@ def lines(proc):
     return [json.loads(x) for x in proc.stdout().splitlines() if x.startswith("{")]
 
 
+def vmictl_json(host, *args):
+    r = vmictl(host, *args, "--json", timeout=15)
+    assert r.returncode == 0, f"vmictl {args} in {host}: {r.stderr}{r.stdout}"
+    return json.loads(r.stdout)
+
+
+def wait_cluster(host, ok, seconds=10):
+    """`vmictl --cluster status --json` in host, as {node: its report}, once ok(it) holds."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        view = {n["node"]: n for n in vmictl_json(host, "--cluster", "status")["nodes"]}
+        try:
+            if ok(view):
+                return view
+        except KeyError:
+            pass
+        time.sleep(0.2)
+    return None
+
+
 def test_events_follow_a_failover(procs, faults):
     followers = {h: follow(procs, h) for h in (H1, H2)}
     time.sleep(0.5)
@@ -35,6 +55,14 @@ def test_events_follow_a_failover(procs, faults):
     # Host 2 sees its link go at once; host 1 after 50 ms of silence.
     wait_status(H1, lambda s: "dead" in [p["state"] for p in s["paths"] if p["peer"] == H2_IP],
                 10, f"the path to {H2_IP} dead")
+    # The cluster view, right after the failover and seen from host 1: host 2's own report
+    # (through the other network) has the path to host 1 dead and both ends have failed over.
+    names = {h: vmictl_json(h, "status")["node"] for h in (H1, H2)}
+    view = wait_cluster(H1, lambda v: (
+        any(p["peer"] == H1_IP and p["state"] == "dead" for p in v[names[H2]]["paths"])
+        and all(any(c["gid"] == gid and c["failovers"] >= 1 for c in v[n]["connections"])
+                for n in names.values())))
+    assert view, "the cluster view did not show the failover"
     faults.link_up(H2, ETH0)
     assert wait_paths_alive([H1, H2]), "paths did not come back"
     cli.wait(timeout=40)
