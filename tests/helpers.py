@@ -174,6 +174,7 @@ PORTS = {
     "migrate_restore_fails": 17908,
     "migrate_ssh": 17909,
     "migrate_ssh_fails": 17910,
+    "migrate_vmictl": 17914,
     "migrate_specific": 17911,
     "migrate_shm": 17912,
     "migrate_shm_closed": 17913,

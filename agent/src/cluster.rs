@@ -11,12 +11,13 @@ use crate::local::{command, Agent, Asker};
 use crate::net;
 use serde_json::{json, Value};
 use std::net::IpAddr;
+use std::time::Duration;
 use substrate::wire::agent::Msg;
 use tracing::debug;
 
 /// Commands another node may ask for.
 fn forwardable(m: &Msg) -> bool {
-    matches!(m, Msg::Status | Msg::Net { .. } | Msg::Move { .. })
+    matches!(m, Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Migrate { .. })
 }
 
 /// Where node `to` (a node name or one of its addresses) is reached: `None` for this node.
@@ -57,7 +58,14 @@ fn ask(agent: &Agent, asker: Asker, ip: IpAddr, m: &Msg) -> Msg {
     let Some(uid) = asker.uid else {
         return Msg::Error { reason: "the kernel did not say who asks".into() };
     };
-    match agent.peers.ask(ip, agent.port, &Msg::AsUser { uid, cmd: m.encode() }) {
+    let asked = Msg::AsUser { uid, cmd: m.encode() };
+    let answer = if let Msg::Migrate { .. } = m {
+        // Long, and never to be sent twice.
+        agent.peers.ask_once(ip, agent.port, &asked, crate::migrate::TIMEOUT + Duration::from_secs(10))
+    } else {
+        agent.peers.ask(ip, agent.port, &asked)
+    };
+    match answer {
         Ok(a) => a,
         Err(e) => Msg::Error { reason: format!("the agent at {ip} did not answer: {e}") },
     }

@@ -30,6 +30,7 @@ pub mod journal;
 pub mod local;
 pub mod mesh;
 pub mod metrics;
+pub mod migrate;
 pub mod net;
 pub mod notify;
 pub mod paths;

@@ -13,6 +13,7 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
        vmictl [--socket NAME] [--node NODE] net down|up NET
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+       vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] events [--follow] [--json]
        vmictl [--socket NAME] [--node NODE] web [--json]
@@ -24,6 +25,7 @@ commands:
   status         the node's processes under the layer, networks, paths, connections
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
+  migrate        move a process and its connections to another host (CRIU)
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node, and what happens next (--follow)
   web            where the agent serves the cluster to a browser (vmi-agent --web)
@@ -31,10 +33,10 @@ commands:
 
 options (anywhere on the line):
   --socket NAME  the agent's abstract socket (default vmi-agent, or $VMI_AGENT_SOCKET)
-  --node NODE    run status, net or move on another node of the cluster (its name in
+  --node NODE    run status, net, move or migrate on another node of the cluster (its name in
                  reports, or one of its addresses), through this node's agent and the
                  cluster's encrypted channel; changes need root there
-  --json         print JSON instead of a table (status, where, events, web)
+  --json         print JSON instead of a table (status, migrate, where, events, web)
 
 Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
 connection); 2 the command line is wrong. See vmictl(8).";
@@ -108,11 +110,22 @@ const USAGE_WEB: &str = "usage: vmictl [--socket NAME] [--node NODE] web [--json
                  with ?token=TOKEN (the agent's web-token file)
   --json         {addr, url, token} as the agent reports it (token: true if one is needed)";
 
+const USAGE_MIGRATE: &str = "usage: vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
+
+  migrate PID --to HOST
+                 move process PID of the node (under the layer), with its connections, to
+                 HOST with CRIU: the node's agent runs vmi-migrate (beside vmi-agent, or
+                 $VMI_MIGRATE there) and answers with its report; HOST is a namespace host
+                 of that machine or ssh:[USER@]MACHINE (see vmi-migrate --help). Needs root
+                 or the process's owner; root on another node with --node
+  --json         vmi-migrate's report as one JSON object";
+
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 6] = [
+const COMMANDS: [(&str, &str); 7] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
+    ("migrate", USAGE_MIGRATE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
     ("web", USAGE_WEB),
@@ -455,7 +468,9 @@ fn main() {
                     Some(c) if COMMANDS.iter().any(|(n, _)| *n == c) => println!("{}", usage_of(Some(&c))),
                     Some(c) => usage_error(
                         None,
-                        &format!("no command {c:?} (commands: status, net, move, where, events, web)"),
+                        &format!(
+                            "no command {c:?} (commands: status, net, move, migrate, where, events, web)"
+                        ),
                     ),
                 }
                 return;
@@ -488,6 +503,18 @@ fn main() {
                 };
                 let net = operand(&mut it, "net", "a network name (or address)");
                 cmd = Some(Msg::Net { name: net, up });
+            }
+            "migrate" => {
+                name = word;
+                let pid = operand(&mut it, "migrate", "a process id");
+                let pid = pid
+                    .parse::<u32>()
+                    .unwrap_or_else(|_| usage_error(name, &format!("{pid} is not a process id")));
+                if operand(&mut it, "migrate", "--to HOST") != "--to" {
+                    usage_error(name, "migrate PID needs --to HOST");
+                }
+                let to = operand(&mut it, "migrate", "a host after --to");
+                cmd = Some(Msg::Migrate { pid, to });
             }
             "move" => {
                 name = word;
@@ -535,7 +562,9 @@ fn main() {
         c => c.clone(),
     };
     let mut s = connect(&socket);
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    // A migration takes as long as CRIU does (the agent gives up after 300 s).
+    let wait = if matches!(inner, Msg::Migrate { .. }) { 320 } else { 10 };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(wait)));
     let done = match &inner {
         Msg::Net { name, up } => {
             Some(format!("network {name} {}", if *up { "back in service" } else { "out of service" }))
@@ -564,6 +593,31 @@ fn main() {
         Err(e) => fail(&e.to_string()),
     };
     let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| fail(&format!("bad report: {e}")));
+    if let Msg::Migrate { pid, to } = &inner {
+        let ok = v["ok"] == Value::Bool(true);
+        if json {
+            println!("{json_text}");
+        } else if ok {
+            let phases: Vec<String> = v
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, x)| Some(format!("{} {} ms", k.strip_suffix("_ms")?, x)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            println!(
+                "process {pid}: {}; {} connection(s), {} rebuilt ({})",
+                v["outcome"].as_str().unwrap_or("moved"),
+                v["connections"],
+                v["rebuilt"],
+                phases.join(", ")
+            );
+        } else {
+            eprintln!("vmictl: migration of process {pid} to {to} failed: {}", v["outcome"]);
+        }
+        std::process::exit(if ok { 0 } else { 1 });
+    }
     if web {
         print_web(&v, json);
     } else if let Some(gid) = whereis {

@@ -327,6 +327,15 @@ pub enum Msg {
         /// The new link's peer address.
         peer: SocketAddr,
     },
+    /// `vmictl` → agent (or an agent → agent, inside `AsUser`): move process `pid` of this
+    /// node to host `to` with CRIU (the agent runs vmi-migrate); answered with its report
+    /// (`StatusReply`) or an `Error`.
+    Migrate {
+        /// The process.
+        pid: u32,
+        /// Where it goes (as vmi-migrate's `--to`).
+        to: String,
+    },
 }
 
 /// Why a message was refused.
@@ -530,6 +539,7 @@ impl Msg {
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
             Msg::Relinked { .. } => "Relinked",
+            Msg::Migrate { .. } => "Migrate",
             Msg::Probe { .. } => "Probe",
         }
     }
@@ -726,6 +736,11 @@ impl Msg {
                 w.addr(local);
                 w.addr(peer);
             }
+            Msg::Migrate { pid, to } => {
+                w.u8(65);
+                w.u32(*pid);
+                w.str(to);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -832,6 +847,7 @@ impl Msg {
             37 => Msg::ClusterStatus,
             38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
             39 => Msg::Happened { json: r.str()? },
+            65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
                 stall_ms: r.u32()?,
@@ -913,6 +929,7 @@ mod tests {
             Msg::ClusterStatus,
             Msg::Watch { after: 26, follow: true },
             Msg::Happened { json: "{}".into() },
+            Msg::Migrate { pid: 4242, to: "ssh:root@node7".into() },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
