@@ -24,10 +24,8 @@ pub fn bad_target(to: &str) -> Option<String> {
         Some("the target must have 1 to 255 characters".into())
     } else if to.starts_with('-') {
         Some(format!("{to:?} is not a host (it starts with '-')"))
-    } else if let Some(c) = to.chars().find(|c| !ok_char(*c)) {
-        Some(format!("{to:?} is not a host (character {c:?})"))
     } else {
-        None
+        to.chars().find(|c| !ok_char(*c)).map(|c| format!("{to:?} is not a host (character {c:?})"))
     }
 }
 
