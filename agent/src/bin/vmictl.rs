@@ -11,7 +11,7 @@ use substrate::wire::agent::Msg;
 
 const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
-       vmictl [--socket NAME] [--node NODE] net down|up NET
+       vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
        vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
@@ -66,13 +66,15 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  its peers): a line per node, the paths between them, unreachable nodes;
                  --json: {node, nodes: [status report of each node], unreachable: []}";
 
-const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE] net down|up NET
+const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
 
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
   net up NET     put it back in service
   Both need root or the agent's user (on NODE with --node). `vmictl status` lists the
-  networks and whether each is in service.";
+  networks and whether each is in service.
+  --cluster      on every node of the cluster view, a line per node (--json: an object
+                 per node, {node, network, ok, detail}); exit status 1 if any node did not";
 
 const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID shm|tcp
 
@@ -354,6 +356,55 @@ fn print_cluster(v: &Value) {
 }
 
 /// The node's agent on its abstract socket `socket`, or the end with why not.
+/// `--cluster net down|up NET`: the change on every node of the cluster view, one line (or
+/// JSON object) per node; exit status 1 if any node did not make it.
+fn cluster_net(socket: &str, net: &str, up: bool, json: bool) -> ! {
+    let ask = |m: &Msg| -> Result<Msg, String> {
+        let mut s = connect(socket);
+        let _ = s.set_read_timeout(Some(Duration::from_secs(15)));
+        write_msg(&mut s, m).map_err(|e| e.to_string())?;
+        read_msg(&mut s).map_err(|e| e.to_string())
+    };
+    let view: Value = match ask(&Msg::ClusterStatus) {
+        Ok(Msg::StatusReply { json }) => serde_json::from_str(&json).unwrap_or(Value::Null),
+        Ok(Msg::Error { reason }) => fail(&reason),
+        Ok(other) => fail(&format!("unexpected answer {other:?}")),
+        Err(e) => fail(&e),
+    };
+    let mut nodes: Vec<String> = view["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["node"].as_str().map(String::from))
+        .collect();
+    nodes.extend(
+        view["unreachable"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n["node"].as_str().map(String::from)),
+    );
+    let mut failed = false;
+    for n in nodes {
+        let cmd = Msg::Remote { to: n.clone(), cmd: Msg::Net { name: net.to_string(), up }.encode() };
+        let (ok, what) = match ask(&cmd) {
+            Ok(Msg::Ok) => (true, if up { "back in service" } else { "out of service" }.to_string()),
+            Ok(Msg::Error { reason }) => (false, reason),
+            Ok(other) => (false, format!("unexpected answer {}", other.name())),
+            Err(e) => (false, e),
+        };
+        failed |= !ok;
+        if json {
+            println!("{}", serde_json::json!({ "node": n, "network": net, "ok": ok, "detail": what }));
+        } else if ok {
+            println!("node {n}: network {net} {what}");
+        } else {
+            println!("node {n}: {what}");
+        }
+    }
+    std::process::exit(i32::from(failed))
+}
+
 fn connect(socket: &str) -> UnixStream {
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
     UnixStream::connect_addr(&addr)
@@ -535,12 +586,15 @@ fn main() {
     if follow && name != Some("events") {
         usage_error(name, "--follow goes with events");
     }
-    if json && matches!(name, Some("net" | "move")) {
+    if json && (matches!(name, Some("move")) || (name == Some("net") && !cluster)) {
         usage_error(name, "--json goes with status, where, events and web");
     }
     if cluster {
+        if let (Msg::Net { name: net, up }, None) = (&cmd, &node) {
+            cluster_net(&socket, net, *up, json);
+        }
         if cmd != Msg::Status || web {
-            usage_error(name, "--cluster goes with status");
+            usage_error(name, "--cluster goes with status and net");
         }
         cmd = Msg::ClusterStatus;
     }
