@@ -161,6 +161,7 @@ PORTS = {
     "failover_fork_idle_holder": 17813,     # and 17814
     "failover_spawn": 17815,
     "failover_after_subprocess": 17816,
+    "failover_exit_after_shutdown": 17817,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
     "migrate_client": 17901,
@@ -173,6 +174,7 @@ PORTS = {
     "migrate_restore_fails": 17908,
     "migrate_ssh": 17909,
     "migrate_ssh_fails": 17910,
+    "migrate_vmictl": 17914,
     "migrate_specific": 17911,
     "migrate_shm": 17912,
     "migrate_shm_closed": 17913,

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
-                     PORTS, PROGRAMS, assert_same_stream, extra_agent, link_down, link_up,
-                     python_prog, vmictl_status, wait_status)
+                     NOBODY, PORTS, PROGRAMS, VMICTL_BIN, assert_same_stream, extra_agent,
+                     host_argv, link_down, link_up, public_copies, python_prog, vmictl,
+                     vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
 
@@ -46,10 +47,10 @@ def third_agent(topology, tmp_path_factory):
         yield agent
 
 
-def migrate(proc, to, *extra, expect_ok=True):
+def migrate(proc, to, *extra, expect_ok=True, argv=None):
     """Runs vmi-migrate on proc's process; returns its JSON report. While it runs, the
     original's exit is reaped (it is the test's child) so that its pid is free for the
-    restore."""
+    restore. argv: the command that migrates instead (it prints vmi-migrate's report)."""
     stop = threading.Event()
 
     def reap():
@@ -59,7 +60,7 @@ def migrate(proc, to, *extra, expect_ok=True):
     t = threading.Thread(target=reap, daemon=True)
     t.start()
     try:
-        r = subprocess.run([str(MIGRATE_BIN), str(proc.pid), "--to", to, "--json", *extra],
+        r = subprocess.run(argv or [str(MIGRATE_BIN), str(proc.pid), "--to", to, "--json", *extra],
                            capture_output=True, text=True, timeout=MIGRATE_TIMEOUT)
     finally:
         stop.set()
@@ -147,6 +148,20 @@ def test_client_migrates_mid_stream(procs, third_agent):
     # The connection is the same virtual connection, now listed by host 3's agent.
     after = conn_in(H3, before["gid"])
     assert after["peer"] == p.addr and after["local"] == before["local"], (before, after)
+    # The cluster view follows it: asked from the server's node, the connection lives on
+    # host 3 and host 2, no longer on host 1 (whose agent drops the table of the process it
+    # no longer has, although its pid lives on in host 3), and host 2's agent knows host 3
+    # from the rebuilt link.
+    names = {h: vmictl_status(h)["node"] for h in (H1, H2, H3)}
+    want = sorted([names[H3], names[H2]])
+    ends = None
+    for _ in range(50):
+        r = vmictl(H2, "where", before["gid"], "--json", timeout=15)
+        ends = json.loads(r.stdout) if r.returncode == 0 else r.stderr
+        if isinstance(ends, list) and sorted(e["node"] for e in ends) == want:
+            break
+        time.sleep(0.2)
+    assert isinstance(ends, list) and sorted(e["node"] for e in ends) == want, (want, ends)
     p.check()
 
 
@@ -216,6 +231,40 @@ def test_server_migrates_mid_stream(procs, third_agent):
     assert report["rebuilt"] == 1, report
     assert netns_of(p.srv.pid) == H3
     conn_in(H3, before["gid"])
+    p.check()
+
+
+def test_migrate_through_vmictl_from_another_node(procs, third_agent):
+    """An operator on host 1 moves the server of host 2 to host 3 (`vmictl --node NODE
+    migrate`: host 1's agent asks host 2's through the cluster's channel, which runs
+    vmi-migrate), then the client of host 1 to host 3 with a local `vmictl migrate`. Not
+    root, or a target that is not a host: refused, nothing moves."""
+    p = Pair(procs, PORTS["migrate_vmictl"], 8)
+    p.wait_flowing()
+    h2 = vmictl_status(H2)["node"]
+    with public_copies(VMICTL_BIN) as d:
+        r = subprocess.run(host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                                          "--clear-groups", d / "vmictl", "--node", h2,
+                                          "migrate", str(p.srv.pid), "--to", H3], {}),
+                           capture_output=True, text=True, timeout=15)
+    assert r.returncode == 1 and "not allowed" in r.stderr, r
+    r = vmictl(H2, "migrate", str(p.srv.pid), "--to", "--criu=/bin/false", timeout=15)
+    assert r.returncode == 1 and "not a host" in r.stderr, r
+    r = vmictl(H2, "migrate", "1", "--to", H3, timeout=15)
+    assert r.returncode == 1 and "not under the layer" in r.stderr, r
+    assert netns_of(p.srv.pid) == H2
+    ctl = host_argv(H1, [str(VMICTL_BIN), "--node", h2, "migrate", str(p.srv.pid), "--to", H3,
+                         "--json"], {})
+    report, _ = migrate(p.srv, H3, argv=ctl)
+    assert report["connections"] == 1 and report["rebuilt"] == 1, report
+    assert netns_of(p.srv.pid) == H3
+    ctl = host_argv(H1, [str(VMICTL_BIN), "migrate", str(p.cli.pid), "--to", H3, "--json"], {})
+    report, _ = migrate(p.cli, H3, argv=ctl)
+    assert report["connections"] == 1, report
+    assert netns_of(p.cli.pid) == H3
+    events = [json.loads(x) for x in vmictl(H2, "events", "--json").stdout.splitlines()]
+    done = [e for e in events if e["kind"] == "migration" and e.get("phase") == "done"]
+    assert done and done[-1]["to"] == H3, events[-10:]
     p.check()
 
 

@@ -124,7 +124,7 @@ def test_help_of_every_command():
 @pytest.mark.parametrize("argv", [
     ["bogus"], ["help", "bogus"], ["--bogus"], ["net", "sideways", "eth0"], ["net"],
     ["move", "nothex", "tcp"], ["move", "00" * 16, "sideways"], ["where"], ["status", "--follow"],
-    ["--cluster", "net", "down", "eth0"], ["status", "status"], ["--socket"], [],
+    ["--cluster", "move", "00" * 16, "tcp"], ["migrate", "12"], ["migrate", "x", "--to", "h"], ["status", "status"], ["--socket"], [],
 ])
 def test_vmictl_usage_errors_exit_2(argv):
     r = run([VMICTL_BIN, *argv], env=clean_env())

@@ -33,6 +33,7 @@ SCENARIOS = [
     "shutdown_wr_bulk",
     "close_before_peer_reads",
     "close_with_unread",
+    "exit_after_shutdown_wr",
     "dup",
     "dup2",
     "dup3",

@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 
 /// Commands another node may ask for.
 fn forwardable(m: &Msg) -> bool {
-    matches!(m, Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Journal { .. })
+    matches!(m, Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Migrate { .. } | Msg::Journal { .. })
 }
 
 /// How often `--follow` asks for new events of other nodes.
@@ -97,7 +97,14 @@ fn ask(agent: &Agent, asker: Asker, ip: IpAddr, m: &Msg) -> Msg {
     let Some(uid) = asker.uid else {
         return Msg::Error { reason: "the kernel did not say who asks".into() };
     };
-    match agent.peers.ask(ip, agent.port, &Msg::AsUser { uid, cmd: m.encode() }) {
+    let asked = Msg::AsUser { uid, cmd: m.encode() };
+    let answer = if let Msg::Migrate { .. } = m {
+        // Long, and never to be sent twice.
+        agent.peers.ask_once(ip, agent.port, &asked, crate::migrate::TIMEOUT + Duration::from_secs(10))
+    } else {
+        agent.peers.ask(ip, agent.port, &asked)
+    };
+    match answer {
         Ok(a) => a,
         Err(e) => Msg::Error { reason: format!("the agent at {ip} did not answer: {e}") },
     }

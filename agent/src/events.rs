@@ -43,6 +43,8 @@ pub struct Events {
     early: Mutex<Vec<(u64, u32, u128, bool)>>,
     /// Where what happens is recorded.
     pub journal: Arc<Journal>,
+    /// Failovers the processes reported, for the metrics.
+    pub relinks: crate::relinks::Relinks,
 }
 
 fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
@@ -196,6 +198,21 @@ impl Events {
                     // The process cannot be checkpointed now; it goes on as it was.
                     self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, Some(reason));
                     self.frozen_cv.notify_all();
+                }
+                Ok((Msg::Relinked { gid, stall_ms, replayed, dialer, local, peer }, _)) => {
+                    self.relinks.note(dialer, stall_ms, replayed);
+                    self.journal.record(
+                        "failover",
+                        Some(pid),
+                        serde_json::json!({
+                            "gid": format!("{gid:032x}"),
+                            "stall_ms": stall_ms,
+                            "replayed": replayed,
+                            "side": if dialer { "dialer" } else { "holder" },
+                            "local": local.to_string(),
+                            "peer": peer.to_string(),
+                        }),
+                    );
                 }
                 Ok((Msg::Release { gid }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {

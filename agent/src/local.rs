@@ -311,7 +311,8 @@ impl Asker {
         self.may_run_node() || (self.uid.is_some() && owner_of(pid) == self.uid)
     }
 
-    fn describe(&self) -> String {
+    /// "user N", or "user N of another node".
+    pub fn describe(&self) -> String {
         let who = self.uid.map_or("an unknown user".to_string(), |u| format!("user {u}"));
         if self.remote {
             format!("{who} of another node")
@@ -383,6 +384,7 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
                 Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
             }
         }
+        Msg::Migrate { pid, to } => crate::migrate::run(agent, asker, pid, &to),
         other => Msg::Error { reason: format!("{} cannot be run from another node", other.name()) },
     }
 }
@@ -503,7 +505,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     None => Msg::Plain,
                 }
             }
-            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. }) => command(agent, Asker::local(&s), m),
+            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Migrate { .. }) => {
+                command(agent, Asker::local(&s), m)
+            }
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
             Msg::GridStatus => crate::hier::grid_status(agent, Asker::local(&s)),

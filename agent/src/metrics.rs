@@ -85,7 +85,7 @@ pub fn render(agent: &Agent) -> String {
     }
     reg.register(
         "events",
-        "Events since the agent started, by kind (connection, closed, path, network, relink, move, migration, refused)",
+        "Events since the agent started, by kind (connection, closed, path, network, relink, failover, move, migration, refused)",
         events,
     );
     let refused = Family::<Labels, Counter>::default();
@@ -95,6 +95,7 @@ pub fn render(agent: &Agent) -> String {
         }
     }
     reg.register("refused", "What the agent refused since it started, by kind", refused);
+    agent.events.relinks.register(&mut reg);
 
     let mut out = String::new();
     if let Err(e) = encode(&mut out, &reg) {

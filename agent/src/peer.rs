@@ -89,6 +89,21 @@ impl PeerClient {
     }
 }
 
+impl PeerClient {
+    /// Sends `m` once on a channel of its own and waits up to `wait` for the answer: for a
+    /// command that must not run twice (a migration) and may take long. Never retried.
+    pub fn ask_once(&self, ip: IpAddr, port: u16, m: &Msg, wait: Duration) -> io::Result<Msg> {
+        let s = TcpStream::connect_timeout(&SocketAddr::new(ip, port), PEER_TIMEOUT)?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        s.set_write_timeout(Some(Duration::from_secs(2)))?;
+        s.set_nodelay(true)?;
+        let mut c = Channel::dial(s, &self.key)?;
+        write_msg(&mut c, m)?;
+        c.stream().set_read_timeout(Some(wait))?;
+        read_msg(&mut c)
+    }
+}
+
 /// An address for log lines (`?` when the socket had none).
 fn show(a: Option<SocketAddr>) -> String {
     a.map_or_else(|| "?".into(), |a| a.to_string())

@@ -100,11 +100,28 @@ pub struct Procs {
     orphans: Vec<Arc<Table>>,
 }
 
+/// True if process `pid` exists and lives on this node: in this agent's network namespace.
+/// (A process checkpointed here and restored on another node keeps its pid; where nodes
+/// are network namespaces of one machine it is still there for `kill`, in another node's
+/// namespace, and its table here must go.)
 fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks existence.
-    pid > 0
+    let exists = pid > 0
         && (unsafe { libc::kill(pid as i32, 0) } == 0
-            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
+    exists && on_this_node(pid)
+}
+
+/// False only when `pid` is known to be in another network namespace than this agent.
+fn on_this_node(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    static OURS: std::sync::OnceLock<Option<(u64, u64)>> = std::sync::OnceLock::new();
+    let ns = |p: &str| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    match (OURS.get_or_init(|| ns("/proc/self/ns/net")), ns(&format!("/proc/{pid}/ns/net"))) {
+        (Some(ours), Some(theirs)) => *ours == theirs,
+        // Not readable (another user's process, or no /proc): as before, by pid alone.
+        _ => true,
+    }
 }
 
 impl Procs {

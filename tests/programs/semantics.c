@@ -961,6 +961,47 @@ static void c_close_before_peer_reads(int fd)
     close(fd);
 }
 
+/* The writer half-closes with bytes still on their way and ends at once with _exit (no
+ * destructors run): the reader, slow, still gets every byte and then the end of stream.
+ * Under the layer the writer's socket holds acknowledgements it never read; closed as they
+ * are, it would reset the link and lose the tail that was still queued. */
+#define EXIT_FIRST (1u << 20)
+#define EXIT_REST (32u << 20)
+static void s_exit_after_shutdown_wr(int fd)
+{
+    uint8_t *b = malloc(EXIT_FIRST + EXIT_REST);
+    fill(b, EXIT_FIRST + EXIT_REST, 0);
+    STEP("write 1 MiB, let the reader take it");
+    write_all(fd, b, EXIT_FIRST);
+    sleep_ms(300);
+    STEP("write 32 MiB more, shutdown(SHUT_WR), _exit(0)");
+    write_all(fd, b + EXIT_FIRST, EXIT_REST);
+    CHECK(shutdown(fd, SHUT_WR) == 0, "shutdown: %s", errname(errno));
+    STEP("done");
+    emit(1, NULL);
+    fflush(NULL);
+    _exit(0);
+}
+
+static void c_exit_after_shutdown_wr(int fd)
+{
+    STEP("read the first 1 MiB at once");
+    uint8_t *got = malloc(EXIT_FIRST);
+    read_exact(fd, got, EXIT_FIRST);
+    long bad = mismatch(got, EXIT_FIRST, 0);
+    CHECK(bad < 0, "byte %ld differs", bad);
+    free(got);
+    STEP("wait 1 s (the writer exits meanwhile), then read to the end of stream");
+    sleep_ms(1000);
+    size_t n;
+    got = read_to_eof(fd, &n);
+    CHECK(n == EXIT_REST, "read %zu more bytes before end of stream, expected %u", n, EXIT_REST);
+    bad = mismatch(got, n, EXIT_FIRST);
+    CHECK(bad < 0, "byte %ld differs", bad);
+    free(got);
+    close(fd);
+}
+
 /* Closing with unread received bytes: native TCP resets the connection. */
 static void s_close_with_unread(int fd)
 {
@@ -1434,6 +1475,7 @@ static const struct scenario SCENARIOS[] = {
     {"shutdown_wr_bulk", s_shutdown_wr_bulk, c_shutdown_wr_bulk, 0},
     {"close_before_peer_reads", s_close_before_peer_reads, c_close_before_peer_reads, 0},
     {"close_with_unread", s_close_with_unread, c_close_with_unread, 0},
+    {"exit_after_shutdown_wr", s_exit_after_shutdown_wr, c_exit_after_shutdown_wr, 0},
     {"dup", serve_echo, c_dup, 0},
     {"dup2", serve_echo, c_dup2, 0},
     {"dup3", serve_echo, c_dup3, 0},

@@ -12,8 +12,9 @@ use substrate::wire::agent::Msg;
 const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
        vmictl [--socket NAME] --grid status [--json]
-       vmictl [--socket NAME] [--node NODE] net down|up NET
+       vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+       vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
        vmictl [--socket NAME] [--node NODE] web [--json]
@@ -25,6 +26,7 @@ commands:
   status         the node's processes under the layer, networks, paths, connections
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
+  migrate        move a process and its connections to another host (CRIU)
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node (or on NODE, or on every node with --cluster),
                  and what happens next (--follow)
@@ -33,13 +35,13 @@ commands:
 
 options (anywhere on the line):
   --socket NAME  the agent's abstract socket (default vmi-agent, or $VMI_AGENT_SOCKET)
-  --node NODE    run status, net, move, events or web on another node of the cluster (its
-                 name in reports, or one of its addresses), through this node's agent and
-                 the cluster's encrypted channel; changes need root there
+  --node NODE    run status, net, move, migrate, events or web on another node of the
+                 cluster (its name in reports, or one of its addresses), through this
+                 node's agent and the cluster's encrypted channel; changes need root there
   --cluster      status or events of every node of the cluster (through its head, if the
-                 agents have one, else from every node)
+                 agents have one, else from every node); net on every node
   --grid         status of every cluster of the agent's grid view (vmi-agent --grid)
-  --json         print JSON instead of a table (status, where, events, web)
+  --json         print JSON instead of a table (status, migrate, where, events, web)
 
 Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
 connection); 2 the command line is wrong. See vmictl(8).";
@@ -82,13 +84,15 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  paths, paths_alive, processes, connections, tcp, shm, links_not_up,
                  failovers, age_ms}], unreachable, error?}]}";
 
-const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE] net down|up NET
+const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
 
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
   net up NET     put it back in service
   Both need root or the agent's user (on NODE with --node). `vmictl status` lists the
-  networks and whether each is in service.";
+  networks and whether each is in service.
+  --cluster      on every node of the cluster view, a line per node (--json: an object
+                 per node, {node, network, ok, detail}); exit status 1 if any node did not";
 
 const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID shm|tcp
 
@@ -109,7 +113,8 @@ const USAGE_EVENTS: &str =
 
   events         what happened on the node (the last 4096 events): connections made and
                  closed, paths dead and alive, networks out of and back in service, links
-                 rebuilt (relink), moves between substrates, checkpoint phases, refusals.
+                 rebuilt (relink; failover: the stall the process saw and the bytes it
+                 sent again), moves between substrates, checkpoint phases, refusals.
                  Users other than root see the node's events and those of their own
                  processes
   --node NODE    the events of another node of the cluster, each naming its node
@@ -132,11 +137,22 @@ const USAGE_WEB: &str = "usage: vmictl [--socket NAME] [--node NODE] web [--json
                  with ?token=TOKEN (the agent's web-token file)
   --json         {addr, url, token} as the agent reports it (token: true if one is needed)";
 
+const USAGE_MIGRATE: &str = "usage: vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
+
+  migrate PID --to HOST
+                 move process PID of the node (under the layer), with its connections, to
+                 HOST with CRIU: the node's agent runs vmi-migrate (beside vmi-agent, or
+                 $VMI_MIGRATE there) and answers with its report; HOST is a namespace host
+                 of that machine or ssh:[USER@]MACHINE (see vmi-migrate --help). Needs root
+                 or the process's owner; root on another node with --node
+  --json         vmi-migrate's report as one JSON object";
+
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 6] = [
+const COMMANDS: [(&str, &str); 7] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
+    ("migrate", USAGE_MIGRATE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
     ("web", USAGE_WEB),
@@ -421,6 +437,55 @@ fn print_grid(v: &Value) {
 }
 
 /// The node's agent on its abstract socket `socket`, or the end with why not.
+/// `--cluster net down|up NET`: the change on every node of the cluster view, one line (or
+/// JSON object) per node; exit status 1 if any node did not make it.
+fn cluster_net(socket: &str, net: &str, up: bool, json: bool) -> ! {
+    let ask = |m: &Msg| -> Result<Msg, String> {
+        let mut s = connect(socket);
+        let _ = s.set_read_timeout(Some(Duration::from_secs(15)));
+        write_msg(&mut s, m).map_err(|e| e.to_string())?;
+        read_msg(&mut s).map_err(|e| e.to_string())
+    };
+    let view: Value = match ask(&Msg::ClusterStatus) {
+        Ok(Msg::StatusReply { json }) => serde_json::from_str(&json).unwrap_or(Value::Null),
+        Ok(Msg::Error { reason }) => fail(&reason),
+        Ok(other) => fail(&format!("unexpected answer {other:?}")),
+        Err(e) => fail(&e),
+    };
+    let mut nodes: Vec<String> = view["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["node"].as_str().map(String::from))
+        .collect();
+    nodes.extend(
+        view["unreachable"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n["node"].as_str().map(String::from)),
+    );
+    let mut failed = false;
+    for n in nodes {
+        let cmd = Msg::Remote { to: n.clone(), cmd: Msg::Net { name: net.to_string(), up }.encode() };
+        let (ok, what) = match ask(&cmd) {
+            Ok(Msg::Ok) => (true, if up { "back in service" } else { "out of service" }.to_string()),
+            Ok(Msg::Error { reason }) => (false, reason),
+            Ok(other) => (false, format!("unexpected answer {}", other.name())),
+            Err(e) => (false, e),
+        };
+        failed |= !ok;
+        if json {
+            println!("{}", serde_json::json!({ "node": n, "network": net, "ok": ok, "detail": what }));
+        } else if ok {
+            println!("node {n}: network {net} {what}");
+        } else {
+            println!("node {n}: {what}");
+        }
+    }
+    std::process::exit(i32::from(failed))
+}
+
 fn connect(socket: &str) -> UnixStream {
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
     UnixStream::connect_addr(&addr)
@@ -539,7 +604,9 @@ fn main() {
                     Some(c) if COMMANDS.iter().any(|(n, _)| *n == c) => println!("{}", usage_of(Some(&c))),
                     Some(c) => usage_error(
                         None,
-                        &format!("no command {c:?} (commands: status, net, move, where, events, web)"),
+                        &format!(
+                            "no command {c:?} (commands: status, net, move, migrate, where, events, web)"
+                        ),
                     ),
                 }
                 return;
@@ -573,6 +640,18 @@ fn main() {
                 let net = operand(&mut it, "net", "a network name (or address)");
                 cmd = Some(Msg::Net { name: net, up });
             }
+            "migrate" => {
+                name = word;
+                let pid = operand(&mut it, "migrate", "a process id");
+                let pid = pid
+                    .parse::<u32>()
+                    .unwrap_or_else(|_| usage_error(name, &format!("{pid} is not a process id")));
+                if operand(&mut it, "migrate", "--to HOST") != "--to" {
+                    usage_error(name, "migrate PID needs --to HOST");
+                }
+                let to = operand(&mut it, "migrate", "a host after --to");
+                cmd = Some(Msg::Migrate { pid, to });
+            }
             "move" => {
                 name = word;
                 let gid = operand(&mut it, "move", "a GID");
@@ -592,7 +671,7 @@ fn main() {
     if follow && name != Some("events") {
         usage_error(name, "--follow goes with events");
     }
-    if json && matches!(name, Some("net" | "move")) {
+    if json && (matches!(name, Some("move")) || (name == Some("net") && !cluster)) {
         usage_error(name, "--json goes with status, where, events and web");
     }
     if let Msg::Watch { .. } = cmd {
@@ -614,8 +693,11 @@ fn main() {
         cmd = Msg::GridStatus;
     }
     if cluster {
+        if let (Msg::Net { name: net, up }, None) = (&cmd, &node) {
+            cluster_net(&socket, net, *up, json);
+        }
         if cmd != Msg::Status || web {
-            usage_error(name, "--cluster goes with status and events");
+            usage_error(name, "--cluster goes with status, events and net");
         }
         cmd = Msg::ClusterStatus;
     }
@@ -630,7 +712,9 @@ fn main() {
         c => c.clone(),
     };
     let mut s = connect(&socket);
-    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    // A migration takes as long as CRIU does (the agent gives up after 300 s).
+    let wait = if matches!(inner, Msg::Migrate { .. }) { 320 } else { 10 };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(wait)));
     let done = match &inner {
         Msg::Net { name, up } => {
             Some(format!("network {name} {}", if *up { "back in service" } else { "out of service" }))
@@ -660,6 +744,31 @@ fn main() {
         Err(e) => fail(&e.to_string()),
     };
     let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| fail(&format!("bad report: {e}")));
+    if let Msg::Migrate { pid, to } = &inner {
+        let ok = v["ok"] == Value::Bool(true);
+        if json {
+            println!("{json_text}");
+        } else if ok {
+            let phases: Vec<String> = v
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, x)| Some(format!("{} {} ms", k.strip_suffix("_ms")?, x)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            println!(
+                "process {pid}: {}; {} connection(s), {} rebuilt ({})",
+                v["outcome"].as_str().unwrap_or("moved"),
+                v["connections"],
+                v["rebuilt"],
+                phases.join(", ")
+            );
+        } else {
+            eprintln!("vmictl: migration of process {pid} to {to} failed: {}", v["outcome"]);
+        }
+        std::process::exit(if ok { 0 } else { 1 });
+    }
     if web {
         print_web(&v, json);
     } else if let Some(gid) = whereis {

@@ -81,14 +81,10 @@ pub(super) fn dial(v: &Vc) -> Option<u64> {
             log::debug(format_args!("resume {:032x}: cannot reach {peer} from {}", c.gid, local.ip()));
             continue;
         };
+        let at = ends(fd);
         match resume_as_dialer(v, fd) {
-            Ok(()) => {
-                log::info(format_args!(
-                    "virtual connection {:032x}: link rebuilt from {} to {peer} after {} ms",
-                    c.gid,
-                    local.ip(),
-                    sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
-                ));
+            Ok(replayed) => {
+                report(v, at, replayed, true);
                 return None;
             }
             Err(Final(e, why)) => {
@@ -113,8 +109,40 @@ pub(super) fn dial(v: &Vc) -> Option<u64> {
 /// Bytes replayed on rebuilt links, for the report after a migration.
 pub(super) static REPLAYED: AtomicU64 = AtomicU64::new(0);
 
-pub(super) fn note_replay(tx: &substrate::reliability::TxState, peer_delivered: u64) {
-    REPLAYED.fetch_add(tx.next_seq.saturating_sub(peer_delivered), Relaxed);
+pub(super) fn note_replay(tx: &substrate::reliability::TxState, peer_delivered: u64) -> u64 {
+    let n = tx.next_seq.saturating_sub(peer_delivered);
+    REPLAYED.fetch_add(n, Relaxed);
+    n
+}
+
+/// The two addresses of a link's socket (unspecified where the kernel does not say).
+type Ends = (SocketAddr, SocketAddr);
+
+fn ends(fd: i32) -> Ends {
+    let unknown = || SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), 0);
+    (sys::local_addr(fd).unwrap_or_else(unknown), sys::peer_addr(fd).unwrap_or_else(unknown))
+}
+
+/// A rebuilt link (with its socket's addresses `ends`): one log line, and the failover
+/// told to the node's agent (its stall and what this side sends again), which records it as
+/// an event and in its relink-time histogram.
+fn report(v: &Vc, ends: Ends, replayed: u64, dialer: bool) {
+    let c = v.mem().conn();
+    let stall_ms = sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire));
+    let (local, peer) = ends;
+    log::info(format_args!(
+        "virtual connection {:032x}: link rebuilt {} {peer} from {local} after {stall_ms} ms, {replayed} bytes sent again",
+        c.gid,
+        if dialer { "to" } else { "by the peer at" },
+    ));
+    super::send_event(&Msg::Relinked {
+        gid: c.gid,
+        stall_ms: stall_ms.min(u32::MAX as u64) as u32,
+        replayed,
+        dialer,
+        local,
+        peer,
+    });
 }
 
 pub(super) fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
@@ -147,7 +175,7 @@ pub(super) fn my_agents() -> Vec<SocketAddr> {
     }
 }
 
-pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
+pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<u64, Failure> {
     let c = v.mem().conn();
     let nonce_a = sys::random_u128();
     let mine = my_agents();
@@ -202,15 +230,15 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
         Some(Msg::Error { reason }) => return Err(Retry(format!("refused: {reason}"))),
         other => return Err(Retry(format!("no answer to the proof ({other:?})"))),
     };
-    c.with_tx_held(|tx| {
+    let replayed = c.with_tx_held(|tx| {
         c.with_rx_held(|rx| {
             tx.relink(delivered_b, delivered_a).map_err(|e| {
                 Final(libc::ECONNRESET, format!("the peer's stream position is impossible: {e}"))
             })?;
-            note_replay(tx, delivered_b);
+            let n = note_replay(tx, delivered_b);
             rx.relink(delivered_b);
             publish(v.mem(), tx, rx);
-            Ok(())
+            Ok(n)
         })
     })?;
     c.set_peer_agents(&theirs);
@@ -220,7 +248,7 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<(), Failure> {
         v.join_shm(l);
     }
     install(v, fd);
-    Ok(())
+    Ok(replayed)
 }
 
 /// Whether this side may put the connection on shared memory (the peer must be on this
@@ -320,13 +348,18 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
         close(fd);
         return;
     }
-    c.with_tx_held(|tx| {
+    let replayed = c.with_tx_held(|tx| {
         c.with_rx_held(|rx| {
-            note_replay(tx, delivered_a);
+            let n = note_replay(tx, delivered_a);
             rx.relink(delivered_a);
             publish(v.mem(), tx, rx);
+            n
         })
     });
+    // The dialer may live on a node this node's agent has not heard of (its process was
+    // restored there): the agent starts probing it, so that its paths, `vmictl where` and
+    // the cluster view know where the connection lives now.
+    let _ = agent::request(&Msg::Paths { peers: theirs.clone() });
     c.set_peer_agents(&theirs);
     if take {
         // (A refusal is said in the offer's header and by one bell, before any frame.)
@@ -334,11 +367,8 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
             v.join_shm(l);
         }
     }
+    report(&v, ends(fd), replayed, false);
     install(&v, fd);
-    log::info(format_args!(
-        "virtual connection {gid:032x}: link rebuilt by the peer from {from} after {} ms",
-        sys::now_ms().saturating_sub(c.down_since_ms.load(Acquire))
-    ));
 }
 
 pub(super) fn publish(

@@ -348,6 +348,30 @@ pub enum Msg {
     },
     /// `vmictl` → agent: the status of every cluster of the agent's grid view.
     GridStatus,
+    /// Layer → agent (event channel): a link of `gid` was rebuilt after a failure.
+    Relinked {
+        /// The connection.
+        gid: u128,
+        /// Milliseconds from the moment this side saw the link fail to the rebuilt link.
+        stall_ms: u32,
+        /// Bytes this side sends again on the new link (the peer had not delivered them).
+        replayed: u64,
+        /// True when this side dialed the new link (false: the peer's node handed it over).
+        dialer: bool,
+        /// The new link's local address.
+        local: SocketAddr,
+        /// The new link's peer address.
+        peer: SocketAddr,
+    },
+    /// `vmictl` → agent (or an agent → agent, inside `AsUser`): move process `pid` of this
+    /// node to host `to` with CRIU (the agent runs vmi-migrate); answered with its report
+    /// (`StatusReply`) or an `Error`.
+    Migrate {
+        /// The process.
+        pid: u32,
+        /// Where it goes (as vmi-migrate's `--to`).
+        to: String,
+    },
 }
 
 /// Why a message was refused.
@@ -550,6 +574,8 @@ impl Msg {
             Msg::ClusterStatus => "ClusterStatus",
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
+            Msg::Relinked { .. } => "Relinked",
+            Msg::Migrate { .. } => "Migrate",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -743,6 +769,20 @@ impl Msg {
                 w.u64(*after);
                 w.u8(*follow as u8);
             }
+            Msg::Relinked { gid, stall_ms, replayed, dialer, local, peer } => {
+                w.u8(64);
+                w.u128(*gid);
+                w.u32(*stall_ms);
+                w.u64(*replayed);
+                w.u8(*dialer as u8);
+                w.addr(local);
+                w.addr(peer);
+            }
+            Msg::Migrate { pid, to } => {
+                w.u8(65);
+                w.u32(*pid);
+                w.str(to);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -877,6 +917,15 @@ impl Msg {
             43 => Msg::HeadStatus { brief: r.bool()? },
             44 => Msg::HeadEvents { after: r.u64()? },
             45 => Msg::GridStatus,
+            65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
+            64 => Msg::Relinked {
+                gid: r.u128()?,
+                stall_ms: r.u32()?,
+                replayed: r.u64()?,
+                dialer: r.bool()?,
+                local: r.addr()?,
+                peer: r.addr()?,
+            },
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -959,6 +1008,15 @@ mod tests {
             Msg::HeadEvents { after: 28 },
             Msg::GridStatus,
             Msg::AsUser { uid: 0, cmd: Msg::HeadEvents { after: 29 }.encode() },
+            Msg::Migrate { pid: 4242, to: "ssh:root@node7".into() },
+            Msg::Relinked {
+                gid: 7 << 64 | 9,
+                stall_ms: 812,
+                replayed: 1 << 33,
+                dialer: true,
+                local: "10.0.0.1:40000".parse().unwrap(),
+                peer: "[fe80::1]:7787".parse().unwrap(),
+            },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },

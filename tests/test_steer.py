@@ -1,0 +1,51 @@
+"""Steering the whole cluster from one node: `vmictl --cluster net down|up NET` takes a network
+out of service on every node the cluster view lists (and puts it back), with a line per node;
+a user who is not root is refused on every node and nothing changes."""
+
+import json
+import subprocess
+
+from helpers import (ETH1, H1, H1_IP, H2, H2_IP, H3, NOBODY, VMICTL_BIN, extra_agent, host_argv,
+                     public_copies, vmictl, vmictl_status, wait_status)
+
+
+def admin(host, net):
+    return {n["name"]: n["admin"] for n in vmictl_status(host)["networks"]}[net]
+
+
+def test_a_network_out_of_service_on_every_node(procs, tmp_path):
+    with extra_agent(H3, tmp_path, "agent-steer", args=["--peers", f"{H1_IP},{H2_IP}"]):
+        names = {h: vmictl_status(h)["node"] for h in (H1, H2, H3)}
+        wait_status(H3, lambda s: {p["node"] for p in s["paths"]} >= {names[H1], names[H2]},
+                    10, "host 3 hears hosts 1 and 2")
+        try:
+            with public_copies(VMICTL_BIN) as d:
+                r = subprocess.run(host_argv(H3, ["setpriv", f"--reuid={NOBODY}",
+                                                  f"--regid={NOBODY}", "--clear-groups",
+                                                  d / "vmictl", "--cluster", "net", "down",
+                                                  ETH1], {}),
+                                   capture_output=True, text=True, timeout=30)
+            assert r.returncode == 1, r
+            lines = r.stdout.splitlines()
+            assert len(lines) == 3 and all("not allowed" in x for x in lines), r.stdout
+            assert all(admin(h, ETH1) == "up" for h in names), "a refused change was made"
+
+            r = vmictl(H3, "--cluster", "net", "down", ETH1, "--json", timeout=30)
+            assert r.returncode == 0, r.stdout + r.stderr
+            per_node = {x["node"]: x for x in map(json.loads, r.stdout.splitlines())}
+            assert set(per_node) == set(names.values()), per_node
+            assert all(x["ok"] for x in per_node.values()), per_node
+            assert all(admin(h, ETH1) == "down" for h in names), \
+                {h: admin(h, ETH1) for h in names}
+
+            r = vmictl(H3, "--cluster", "net", "up", ETH1, timeout=30)
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert sorted(r.stdout.splitlines()) == sorted(
+                f"node {n}: network {ETH1} back in service" for n in names.values()), r.stdout
+            assert all(admin(h, ETH1) == "up" for h in names)
+            # A network some node does not have: that node says so, the others did it.
+            r = vmictl(H3, "--cluster", "net", "down", "eth7", timeout=30)
+            assert r.returncode == 1 and len(r.stdout.splitlines()) == 3, r.stdout
+        finally:
+            for h in names:
+                vmictl(h, "net", "up", ETH1, timeout=15)
