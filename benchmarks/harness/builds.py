@@ -21,7 +21,10 @@ baseline of each bench.py run is printed too, as a check that the machine did no
 - migration: `migration.py --bin-dir DIR --sizes MB --reps R` in each round (its own hosts,
   vmimb1..3): the peer's longest receive gap while `vmi-migrate` moves the streaming sender
   (MB MiB of ballast) to another host with CRIU, in ms, with vmi-migrate's phases beside it.
-  Every repetition of every round is one value. Needs CRIU (/opt/vmi/criu/bin/criu).
+  Every repetition of every round is one value. Needs CRIU (/opt/vmi/criu/bin/criu);
+- scale: `scale.py --bin-dir DIR --conns N --reps 1` in each round (hosts vmisc1..2; N from
+  --scale-conns, default 10,000): the agents' memory and CPU per connection, while idle, and
+  the time of `vmictl status --json` with N virtual connections (layer runs only).
 
 Writes builds.md and builds.json into --out (default benchmarks/results/builds).
 """
@@ -63,8 +66,33 @@ def run_migration(bin_dir, mb, reps, out):
 
 PHASES = ("freeze", "dump", "transfer", "restore", "thaw")
 
+SCALE_FIGURES = {
+    "agent_client_kib_per_conn": "agent RSS growth per connection, client host (KiB)",
+    "agent_server_kib_per_conn": "agent RSS growth per connection, server host (KiB)",
+    "agent_client_anon_status_kib": "agent RssAnon after vmictl status, client host (KiB)",
+    "agent_client_cpu_setup_us_per_conn": "agent CPU per connection set up, client host (us)",
+    "agent_server_cpu_setup_us_per_conn": "agent CPU per connection set up, server host (us)",
+    "agent_client_cpu_idle_pct": "agent CPU while idle, client host (%)",
+    "agent_client_ctxt_idle_per_s": "agent context switches/s while idle, client host",
+    "control_cpu_idle_pct": "control threads' CPU while idle (%)",
+    "status_ms_client": "vmictl status --json, client host (ms)",
+    "setup_s": "set-up of all connections, 4 clients (s)",
+}
 
-def figures(b, mig=None):
+
+def run_scale(bin_dir, n, out):
+    cmd = [sys.executable, str(HERE / "scale.py"), "--bin-dir", str(bin_dir), "--conns", str(n),
+           "--reps", "1", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    (out / "scale.log").write_text(r.stdout + "\n--- stderr\n" + r.stderr)
+    try:
+        return json.loads((out / "scale.json").read_text()).get("figures", {})
+    except (OSError, ValueError):
+        sys.stderr.write(r.stdout[-2000:] + r.stderr[-2000:])
+        return {}
+
+
+def figures(b, mig=None, scale=None):
     """{figure name: [values]} of one bench.py result (and migration.py rows)."""
     f = {}
 
@@ -88,6 +116,13 @@ def figures(b, mig=None):
         for ph in PHASES:
             add(f"migration {mb} MiB {ph} (ms)", r.get(ph))
         add(f"migration {mb} MiB image (MiB)", r.get("image_mb"))
+    for key, runs in (scale or {}).items():
+        mode, n = key.split()
+        if mode != "layer":
+            continue
+        for run_f in runs:
+            for k, label in SCALE_FIGURES.items():
+                add(f"scale N={int(n):,}: {label}", run_f.get(k))
     return f
 
 
@@ -108,10 +143,12 @@ def main():
                     help="MiB of ballast of the migrated sender (default 10)")
     ap.add_argument("--migration-reps", type=int, default=3,
                     help="migrations per build and round (default 3)")
+    ap.add_argument("--scale-conns", type=int, default=10000,
+                    help="connections of the scale figure (default 10000)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bench_only = ",".join(x for x in only if x != "migration")
+    bench_only = ",".join(x for x in only if x not in ("migration", "scale"))
     got = {"old": [], "new": []}
     for i in range(a.rounds):
         for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
@@ -123,7 +160,12 @@ def main():
                 mdir = a.out / f"{which}-{i}" / "migration"
                 mdir.mkdir(parents=True, exist_ok=True)
                 mig = run_migration(d, a.migration_mb, a.migration_reps, mdir)
-            got[which].append(figures(b, mig))
+            sc = None
+            if "scale" in only:
+                sdir = a.out / f"{which}-{i}" / "scale"
+                sdir.mkdir(parents=True, exist_ok=True)
+                sc = run_scale(d, a.scale_conns, sdir)
+            got[which].append(figures(b, mig, sc))
             # What is known so far, in case the run is cut short.
             (a.out / "builds.json").write_text(json.dumps(got, indent=1))
     names = sorted({k for side in got.values() for f in side for k in f})
