@@ -321,6 +321,11 @@ fn uid_of(v: &Value) -> Option<u32> {
 }
 
 impl Store {
+    /// How many nodes and events the head holds now.
+    pub fn held(&self) -> (usize, usize) {
+        (self.nodes.len(), self.events.len())
+    }
+
     /// Takes a node's summary (its JSON text); the number of the node's latest event now
     /// held, or why it is refused.
     pub fn ingest(&mut self, text: &str, now: Instant) -> Result<u64, String> {
