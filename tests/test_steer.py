@@ -1,6 +1,7 @@
 """Steering the whole cluster from one node: `vmictl --cluster net down|up NET` takes a network
 out of service on every node the cluster view lists (and puts it back), with a line per node;
-a user who is not root is refused on every node and nothing changes."""
+a user who is not root is refused on every node and nothing changes. `net` and `move` answer
+in JSON too, here and on another node, errors included."""
 
 import json
 import subprocess
@@ -46,6 +47,19 @@ def test_a_network_out_of_service_on_every_node(procs, tmp_path):
             # A network some node does not have: that node says so, the others did it.
             r = vmictl(H3, "--cluster", "net", "down", "eth7", timeout=30)
             assert r.returncode == 1 and len(r.stdout.splitlines()) == 3, r.stdout
+            # One node, here or there, with --json; and an error as JSON.
+            r = vmictl(H1, "net", "down", ETH1, "--json", timeout=15)
+            assert r.returncode == 0, r
+            assert json.loads(r.stdout) == {"network": ETH1, "admin": "down", "node": None,
+                                            "ok": True}, r.stdout
+            r = vmictl(H3, "--node", names[H1], "net", "up", ETH1, "--json", timeout=15)
+            assert r.returncode == 0, r
+            assert json.loads(r.stdout) == {"network": ETH1, "admin": "up", "node": names[H1],
+                                            "ok": True}, r.stdout
+            assert admin(H1, ETH1) == "up"
+            r = vmictl(H1, "move", "00" * 16, "tcp", "--json", timeout=15)
+            a = json.loads(r.stdout)
+            assert r.returncode == 1 and a["ok"] is False and "no process" in a["error"], r
         finally:
             for h in names:
                 vmictl(h, "net", "up", ETH1, timeout=15)

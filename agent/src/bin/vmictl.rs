@@ -12,8 +12,8 @@ use substrate::wire::agent::Msg;
 const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --cluster status [--json]
        vmictl [--socket NAME] --grid status [--json]
-       vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
-       vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+       vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET [--json]
+       vmictl [--socket NAME] [--node NODE] move GID shm|tcp [--json]
        vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
@@ -41,7 +41,7 @@ options (anywhere on the line):
   --cluster      status or events of every node of the cluster (through its head, if the
                  agents have one, else from every node); net on every node
   --grid         status of every cluster of the agent's grid view (vmi-agent --grid)
-  --json         print JSON instead of a table (status, migrate, where, events, web)
+  --json         print JSON instead of a table or a line (every command)
 
 Exit status: 0 done; 1 the command failed (no agent, not allowed, no such network or
 connection); 2 the command line is wrong. See vmictl(8).";
@@ -84,7 +84,7 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  paths, paths_alive, processes, connections, tcp, shm, links_not_up,
                  failovers, age_ms}], unreachable, error?}]}";
 
-const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET
+const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET [--json]
 
   net down NET   take network NET (interface name or address) out of service: connections
                  move off it without loss, new ones avoid it
@@ -92,15 +92,17 @@ const USAGE_NET: &str = "usage: vmictl [--socket NAME] [--node NODE | --cluster]
   Both need root or the agent's user (on NODE with --node). `vmictl status` lists the
   networks and whether each is in service.
   --cluster      on every node of the cluster view, a line per node (--json: an object
-                 per node, {node, network, ok, detail}); exit status 1 if any node did not";
+                 per node, {node, network, ok, detail}); exit status 1 if any node did not
+  --json         {network, admin, node, ok, error?} (node: NODE of --node, or null)";
 
-const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID shm|tcp
+const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID shm|tcp [--json]
 
   move GID tcp   move a connection off shared memory onto TCP, without loss, and keep it
                  there (through later link rebuilds too)
   move GID shm   move it back onto shared memory (when both ends are on this node)
   GID is 32 hexadecimal digits, as `vmictl status` shows it. Needs root or the owner of
-  the connection's processes.";
+  the connection's processes.
+  --json         {gid, to, node, ok, error?} (node: NODE of --node, or null)";
 
 const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
 
@@ -671,9 +673,6 @@ fn main() {
     if follow && name != Some("events") {
         usage_error(name, "--follow goes with events");
     }
-    if json && (matches!(name, Some("move")) || (name == Some("net") && !cluster)) {
-        usage_error(name, "--json goes with status, where, events and web");
-    }
     if let Msg::Watch { .. } = cmd {
         if grid || (cluster && node.is_some()) {
             usage_error(name, "events go with --node NODE or --cluster (not both), not with --grid");
@@ -701,6 +700,7 @@ fn main() {
         }
         cmd = Msg::ClusterStatus;
     }
+    let target = node.clone();
     if let Some(to) = node {
         if cluster || whereis.is_some() {
             usage_error(name, "--node does not go with --cluster or where");
@@ -716,24 +716,39 @@ fn main() {
     let wait = if matches!(inner, Msg::Migrate { .. }) { 320 } else { 10 };
     let _ = s.set_read_timeout(Some(Duration::from_secs(wait)));
     let done = match &inner {
-        Msg::Net { name, up } => {
-            Some(format!("network {name} {}", if *up { "back in service" } else { "out of service" }))
-        }
-        Msg::Move { gid, shm } => {
-            Some(format!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" }))
-        }
+        Msg::Net { name, up } => Some((
+            format!("network {name} {}", if *up { "back in service" } else { "out of service" }),
+            serde_json::json!({ "network": name, "admin": if *up { "up" } else { "down" } }),
+        )),
+        Msg::Move { gid, shm } => Some((
+            format!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" }),
+            serde_json::json!({ "gid": format!("{gid:032x}"), "to": if *shm { "shm" } else { "tcp" } }),
+        )),
         _ => None,
     };
-    if let Some(done) = done {
+    if let Some((done, mut as_json)) = done {
+        as_json["node"] = target.clone().map_or(Value::Null, Value::String);
         write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
-        match read_msg(&mut s) {
-            Ok(Msg::Ok) => {
+        let outcome = match read_msg(&mut s) {
+            Ok(Msg::Ok) => Ok(()),
+            Ok(Msg::Error { reason }) => Err(reason),
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(e.to_string()),
+        };
+        if json {
+            as_json["ok"] = Value::Bool(outcome.is_ok());
+            if let Err(e) = &outcome {
+                as_json["error"] = Value::String(e.clone());
+            }
+            println!("{as_json}");
+            std::process::exit(i32::from(outcome.is_err()));
+        }
+        match outcome {
+            Ok(()) => {
                 println!("{done}");
                 return;
             }
-            Ok(Msg::Error { reason }) => fail(&reason),
-            Ok(other) => fail(&format!("unexpected answer {other:?}")),
-            Err(e) => fail(&e.to_string()),
+            Err(reason) => fail(&reason),
         }
     }
     write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
