@@ -81,6 +81,10 @@ def test_cluster_status_and_where_a_connection_lives(procs, agent_control, tmp_p
         cli, addr = rated_stream(procs, H1, H1_IP, H2, port(1), 32 * MiB, 4 * MiB)
         gid = wait_status(H1, lambda s: next((c["gid"] for c in s["connections"]
                                               if c["local"] == addr), None), 10, "connection")
+        # The GID says which cluster issued it: the cluster id, the key fingerprint's first
+        # four hexadecimal digits.
+        mesh = ctl_json(H2, "status")["mesh"]
+        assert gid[:4] == mesh["cluster_id"] == mesh["key"][:4], (gid, mesh)
         # Host 3 knows hosts 1 and 2 from --peers only (no connection of its own).
         assert whole_cluster(H3, names.values()), "host 3 does not see the whole cluster"
         ends = ctl_json(H3, "where", gid)

@@ -498,3 +498,14 @@ def test_a_nodes_agent_killed_and_restarted(hx):
     s = whole_a("a2")
     assert s["via"] == "head"
     whole_a("ops")
+
+
+def test_gids_say_which_cluster_issued_them(hx):
+    """A GID's first four hexadecimal digits are the id of the cluster that issued it (the
+    first four of its key's fingerprint); the two clusters' ids differ."""
+    a, b = ctl_json("a2", "status")["mesh"], ctl_json("b1", "status")["mesh"]
+    assert a["cluster_id"] == a["key"][:4] and b["cluster_id"] == b["key"][:4], (a, b)
+    assert a["cluster_id"] != b["cluster_id"], (a, b)
+    assert hx.gid[:4] == a["cluster_id"], (hx.gid, a)
+    ends = ctl_json("a2", "where", hx.gid)
+    assert ends and all(e["gid"][:4] == a["cluster_id"] for e in ends), ends

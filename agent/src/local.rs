@@ -159,6 +159,8 @@ impl Agent {
     /// network toward `dst` is dead and the destination node has another address on a
     /// working one, the connection is made to that address instead (the answer's `alias`).
     fn connect(&self, src: SocketAddr, dst: SocketAddr, gid: u128, secret: u128, window: u64) -> Msg {
+        // The GID says which cluster issued it (the layer takes the answer's).
+        let gid = substrate::Gid(gid).issued_by(self.key.cluster_id).0;
         let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
         if let Some(ip) = self.health.alternative(dst.ip()) {
             // The network toward `dst` is down; the same node may take the connection on
@@ -469,7 +471,8 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
                 let answer = agent.connect(src, dst, gid, secret, window);
-                if let (Msg::Virtual { alias, .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
+                if let (Msg::Virtual { alias, gid, .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
+                    let gid = *gid;
                     agent.events.hold(id, pid, gid, true);
                     let peer = if *alias != NO_ADDR { *alias } else { dst };
                     agent.journal.record(

@@ -62,6 +62,9 @@ pub struct ClusterKey {
     /// A short public name of the key (SHA-256 of a derived value): nodes with the same
     /// fingerprint hold the same key.
     pub fingerprint: String,
+    /// The cluster's id, the fingerprint's first 16 bits: the top 16 bits of every GID the
+    /// cluster's agents issue (a GID says which cluster issued it).
+    pub cluster_id: u16,
 }
 
 impl std::fmt::Debug for ClusterKey {
@@ -86,6 +89,7 @@ impl ClusterKey {
             psk: derive(k, b"agent channel psk v1"),
             probe: derive(k, b"heartbeat aead v1"),
             fingerprint: fp[..8].iter().map(|b| format!("{b:02x}")).collect(),
+            cluster_id: u16::from_be_bytes([fp[0], fp[1]]),
         }
     }
 

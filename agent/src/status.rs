@@ -326,6 +326,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
         connections: conns,
         mesh: serde_json::json!({
             "key": agent.key.fingerprint,
+            "cluster_id": format!("{:04x}", agent.key.cluster_id),
             "refused": agent.refusals.json(),
         }),
         web: agent.web.get().cloned().unwrap_or(serde_json::Value::Null),

@@ -53,7 +53,15 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
     let m =
         Msg::Connect { src: local, dst, gid, secret, window: config::window(), aim: dst, agents: Vec::new() };
     match agent::request(&m) {
-        Some(Msg::Virtual { window, addrs, alias, .. }) => {
+        Some(Msg::Virtual { gid: issued, window, addrs, alias, .. }) => {
+            // The agent puts its cluster's id in the GID's top bits; the rest is ours.
+            if !substrate::Gid(issued).same_draw(substrate::Gid(gid)) {
+                log::warn(format_args!(
+                    "the node agent answered a connect with GID {issued:032x}, not ours ({gid:032x}): plain TCP"
+                ));
+                return None;
+            }
+            let gid = issued;
             let via = (alias.port() != 0).then(|| {
                 log::info(format_args!("the network toward {dst} is down: connecting through {alias}"));
                 alias
