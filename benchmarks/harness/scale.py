@@ -345,6 +345,14 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
         res["after_idle"] = sample(pids)
         # vmictl status --json, timed in both hosts; and the count of virtual connections.
         cpids = {c.pid for c in clients}
+        perf = None
+        if a.perf_status and mode == "layer":
+            # Where the client host's agent spends the time of `vmictl status --json`.
+            perf = subprocess.Popen(["perf", "record", "-F", "2999", "-g", "-p",
+                                     str(agents.procs[CLIENT].pid), "-o",
+                                     str(logdir / f"perf-status-{tag}.data")],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
         for h, who in ((CLIENT, cpids), (SERVER, {s.pid for s in servers})):
             times, counts = [], []
             for _ in range(a.status_reps):
@@ -361,6 +369,15 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
             if max(good) != expect:
                 res["errors"].append(f"vmictl in {h} lists {max(good)} connections of the "
                                      f"programs, {expect} expected")
+        if perf is not None:
+            perf.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                perf.wait(timeout=30)
+            rep_txt = subprocess.run(["perf", "report", "--stdio", "--no-children", "-g", "none",
+                                      "--percent-limit", "1", "-i",
+                                      str(logdir / f"perf-status-{tag}.data")],
+                                     capture_output=True, text=True, timeout=300).stdout
+            (logdir / f"perf-status-{tag}.txt").write_text(rep_txt)
         res["after_status"] = sample(pids)
         time.sleep(1.0)
         res["before_active"] = sample(pids)
@@ -597,6 +614,9 @@ def main():
     ap.add_argument("--status-reps", type=int, default=3)
     ap.add_argument("--bin-dir", type=Path, default=REPO / "target" / "release")
     ap.add_argument("--agent-args", default="")
+    ap.add_argument("--perf-status", action="store_true",
+                    help="perf record the client host's agent while vmictl status --json runs "
+                    "(layered runs; logs/perf-status-*.txt)")
     ap.add_argument("--per-server", type=int, default=15000,
                     help="most connections one server process holds (default 15000: the "
                     "descriptor limit here is 20,000 and cannot be raised without "
