@@ -614,6 +614,9 @@ def main():
     ap.add_argument("--status-reps", type=int, default=3)
     ap.add_argument("--bin-dir", type=Path, default=REPO / "target" / "release")
     ap.add_argument("--agent-args", default="")
+    ap.add_argument("--port-range", default="1024 65000",
+                    help="net.ipv4.ip_local_port_range of the client host (default '1024 65000'; "
+                    "the kernel's default is '32768 60999')")
     ap.add_argument("--perf-status", action="store_true",
                     help="perf record the client host's agent while vmictl status --json runs "
                     "(layered runs; logs/perf-status-*.txt)")
@@ -656,8 +659,8 @@ def main():
         topo("up", "2", PREFIX)
         # 30,000 connections from one address to one port need more than the default
         # 28,232 ephemeral ports.
-        subprocess.run(wrap(CLIENT, ["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"],
-                            limit=False), check=True)
+        subprocess.run(wrap(CLIENT, ["sysctl", "-qw",
+                                     f"net.ipv4.ip_local_port_range={a.port_range}"]), check=True)
         agents = Agents(bins, logdir, a.agent_args.split())
         port = 24000
         k = 0
