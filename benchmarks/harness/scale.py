@@ -12,7 +12,11 @@ background). For each N, repetition and mode (native and layer alternating which
 
 * server: `programs/scale_conns.c server` in vmisc2, accepts and holds every connection;
 * clients: --procs `scale_conns client` processes in vmisc1, N/procs connections each (each
-  carries one byte when opened), all opening at once;
+  carries one byte when opened), all opening at once; above --per-server connections one
+  server per client, each on its own port (the descriptor limit here is 20,000 and cannot be
+  raised); the client host's ephemeral port range is --port-range (default 1024-65000: the
+  layer binds each socket to a port of its own before connect, and the kernel's default
+  range holds 28,232);
 * phases, each read from /proc (VmRSS of /proc/PID/status, Pss of smaps_rollup, utime+stime
   of /proc/PID/stat, voluntary + involuntary context switches of every thread):
   before (after each client's warm-up connection), after set-up (1 s after the last client
