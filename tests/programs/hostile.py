@@ -231,6 +231,11 @@ def attack(args):
         emit(out)
         return 1
     out["server_window"] = struct.unpack("<Q", rest[32:40])[0]
+    # The agent puts its cluster's id in the GID's top 16 bits (the rest is ours).
+    issued = int.from_bytes(rest[0:16], "little")
+    if issued & ((1 << 112) - 1) != gid & ((1 << 112) - 1):
+        out["error"] = f"the agent answered GID {issued:032x} for ours {gid:032x}"
+    out["gid"] = f"{issued:032x}"
 
     sock.settimeout(5)
     sock.connect((dst_ip, dst_port))
