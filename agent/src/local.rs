@@ -551,6 +551,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 }
             }
             Msg::Unfreeze { pid } if may_manage(&s, pid) => {
+                agent.events.relinks.migrated(false);
                 agent.events.unfreeze(pid);
                 agent.journal.record(
                     "migration",
@@ -560,6 +561,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 Msg::Ok
             }
             Msg::Moved { pid, listeners, to } if may_manage(&s, pid) => {
+                agent.events.relinks.migrated(true);
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
                 agent.journal.record(
                     "migration",
