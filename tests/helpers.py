@@ -989,6 +989,50 @@ def public_copies(*files):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def as_nobody(host, argv, env=None, timeout=20):
+    """argv run in host as the unprivileged user NOBODY; the CompletedProcess."""
+    return subprocess.run(host_argv(host, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                                           "--clear-groups", *map(str, argv)], env or {}),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def vmictl_as_nobody(host, *args, timeout=20):
+    """`vmictl ARGS` in host as NOBODY (from a copy any user may run)."""
+    with public_copies(VMICTL_BIN) as d:
+        return as_nobody(host, [d / "vmictl", *args], timeout=timeout)
+
+
+def scrape_metrics(host, addr):
+    """The OpenMetrics text an agent serves at http://addr/metrics, fetched inside host."""
+    r = subprocess.run(host_argv(host, ["curl", "-sS", "--fail", "--max-time", "5",
+                                        f"http://{addr}/metrics"], {}),
+                       capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def metric_samples(text, name):
+    """{labels text: value} of every sample of metric `name` in OpenMetrics text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        base, _, rest = key.partition("{")
+        if base == name:
+            out[rest.rstrip("}")] = float(value)
+    return out
+
+
+def metric(text, name, **labels):
+    """The value of the sample of `name` with these labels (0 when absent)."""
+    for rest, value in metric_samples(text, name).items():
+        got = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        if all(got.get(k) == f'"{v}"' for k, v in labels.items()):
+            return value
+    return 0.0
+
+
 def ip_cmd(*args):
     """`ip ARGS` on the machine (pass "-n", HOST to act inside a host); its stdout."""
     argv = ["ip", *[str(a) for a in args]]

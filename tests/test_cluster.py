@@ -4,11 +4,10 @@ finds both ends of a connection; only root changes another node; a node whose ag
 listed as unreachable and comes back with its agent."""
 
 import json
-import subprocess
 import time
 
-from helpers import (ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP, NOBODY, VMICTL_BIN, block_port,
-                     extra_agent, host_argv, public_copies, python_prog, rated_stream, vmictl,
+from helpers import (ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP, block_port, extra_agent, metric,
+                     python_prog, rated_stream, scrape_metrics, vmictl, vmictl_as_nobody,
                      wait_status)
 
 MiB = 1 << 20
@@ -51,11 +50,7 @@ def test_commands_on_another_node(procs):
     nets = {n["name"]: n["admin"] for n in ctl_json(H2, "status")["networks"]}
     assert nets[ETH1] == "up", nets
     # Not root on the asking node: refused there, nothing changes.
-    with public_copies(VMICTL_BIN) as d:
-        r = subprocess.run(host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                                          "--clear-groups", d / "vmictl", "--node", h2, "net",
-                                          "down", ETH1], {}),
-                           capture_output=True, text=True, timeout=15)
+    r = vmictl_as_nobody(H1, "--node", h2, "net", "down", ETH1)
     assert r.returncode != 0 and "not allowed" in r.stderr + r.stdout, r
     nets = {n["name"]: n["admin"] for n in ctl_json(H2, "status")["networks"]}
     assert nets[ETH1] == "up", nets
@@ -102,33 +97,10 @@ def test_cluster_status_and_where_a_connection_lives(procs, agent_control, tmp_p
         cli.wait(timeout=30)
 
 
-def scrape(host, addr):
-    r = subprocess.run(host_argv(host, ["curl", "-sS", "--fail", "--max-time", "5",
-                                        f"http://{addr}/metrics"], {}),
-                       capture_output=True, text=True, timeout=10)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
-def metric(text, name, **labels):
-    """The value of one sample of the OpenMetrics text (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-        if all(got.get(k) == f'"{v}"' for k, v in labels.items()):
-            return float(value)
-    return 0.0
-
-
 def test_metrics_for_prometheus(procs, tmp_path):
     maddr = "127.0.0.1:19787"
     with extra_agent(H3, tmp_path, "agent-metrics", args=["--metrics", maddr]):
-        text = scrape(H3, maddr)
+        text = scrape_metrics(H3, maddr)
         assert text.rstrip().endswith("# EOF"), text[-200:]
         assert "# TYPE vmi_refused counter" in text and "# TYPE vmi_processes gauge" in text
         assert metric(text, "vmi_processes") == 0
@@ -138,7 +110,7 @@ def test_metrics_for_prometheus(procs, tmp_path):
         procs.run(H2, python_prog("stranger.py", "clear-connect", "--target", f"{H3_IP}:7787",
                                   "--src", f"{H2_IP}:{port(3)}", "--dst", addr),
                   layer=False, name="clear-connect")
-        text = scrape(H3, maddr)
+        text = scrape_metrics(H3, maddr)
         assert "# TYPE vmi_connections gauge" in text and "# TYPE vmi_events counter" in text
         assert metric(text, "vmi_connections", substrate="tcp", link="up") == 1, text
         assert metric(text, "vmi_processes") == 1

@@ -3,12 +3,11 @@ path dead, link rebuilt, path alive, connection closed), read back afterwards, a
 another user only as far as it concerns the node or that user's own processes."""
 
 import json
-import subprocess
 import time
 
-from helpers import (ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, NOBODY, VMICTL_BIN, block_port,
-                     extra_agent, host_argv, public_copies, rated_stream, vmictl, wait_paths_alive,
-                     wait_status)
+from helpers import (ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, VMICTL_BIN, block_port, extra_agent,
+                     metric_samples, rated_stream, scrape_metrics, vmictl, vmictl_as_nobody,
+                     wait_paths_alive, wait_status)
 
 MiB = 1 << 20
 
@@ -95,35 +94,11 @@ def test_events_follow_a_failover(procs, faults):
     text = vmictl(H1, "events", timeout=10).stdout
     assert f"gid={gid}" in text and "relink" in text + vmictl(H2, "events").stdout, text[-2000:]
     # Another user sees the node's events, not those of root's processes.
-    with public_copies(VMICTL_BIN) as d:
-        r = subprocess.run(host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                                          "--clear-groups", d / "vmictl", "events", "--json"],
-                                     {}), capture_output=True, text=True, timeout=15)
+    r = vmictl_as_nobody(H1, "events", "--json")
     assert r.returncode == 0, r.stderr
     theirs = [json.loads(x) for x in r.stdout.splitlines()]
     assert any(e["kind"] == "path" for e in theirs), theirs[-5:]
     assert not any(e.get("gid") == gid for e in theirs), [e for e in theirs if "gid" in e][:5]
-
-
-def scrape(host, addr):
-    r = subprocess.run(host_argv(host, ["curl", "-sS", "--fail", "--max-time", "5",
-                                        f"http://{addr}/metrics"], {}),
-                       capture_output=True, text=True, timeout=10)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
-
-
-def samples(text, name):
-    """{labels text: value} of every sample of metric `name` (OpenMetrics text)."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        key, value = line.rsplit(" ", 1)
-        base, _, rest = key.partition("{")
-        if base == name:
-            out[rest.rstrip("}")] = float(value)
-    return out
 
 
 def test_failover_stall_in_events_and_metrics(procs, faults, tmp_path):
@@ -131,9 +106,9 @@ def test_failover_stall_in_events_and_metrics(procs, faults, tmp_path):
     relink-time histogram, which agree with each other."""
     maddr = "127.0.0.1:19788"
     with extra_agent(H3, tmp_path, "agent-relinks", args=["--metrics", maddr]):
-        text = scrape(H3, maddr)
+        text = scrape_metrics(H3, maddr)
         assert "# TYPE vmi_relink_seconds histogram" in text, text[-800:]
-        zero = samples(text, "vmi_relink_seconds_count")
+        zero = metric_samples(text, "vmi_relink_seconds_count")
         assert len(zero) == 2 and not any(zero.values()), zero
         cli, addr = rated_stream(procs, H3, H3_IP, H1, block_port("cluster", 11), 40 * MiB,
                                  8 * MiB)
@@ -150,13 +125,13 @@ def test_failover_stall_in_events_and_metrics(procs, faults, tmp_path):
         fo = [e for e in map(json.loads, r.stdout.splitlines())
               if e["kind"] == "failover" and e["gid"] == gid]
         assert fo and all(0 <= e["stall_ms"] < 15000 for e in fo), fo
-        text = scrape(H3, maddr)
-        count = sum(samples(text, "vmi_relink_seconds_count").values())
-        total = sum(samples(text, "vmi_relink_seconds_sum").values())
+        text = scrape_metrics(H3, maddr)
+        count = sum(metric_samples(text, "vmi_relink_seconds_count").values())
+        total = sum(metric_samples(text, "vmi_relink_seconds_sum").values())
         assert count == len(fo), (count, fo)
         assert abs(total - sum(e["stall_ms"] for e in fo) / 1000) < 0.001, (total, fo)
-        replayed = sum(samples(text, "vmi_replayed_bytes_total").values())
+        replayed = sum(metric_samples(text, "vmi_replayed_bytes_total").values())
         assert replayed == sum(e["replayed"] for e in fo), (replayed, fo)
-        buckets = samples(text, "vmi_relink_seconds_bucket")
+        buckets = metric_samples(text, "vmi_relink_seconds_bucket")
         assert max(buckets.values()) == count and len(buckets) >= 17, buckets
         assert "gid" not in text.lower()

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN,
-                     NOBODY, PORTS, PROGRAMS, VMICTL_BIN, assert_same_stream, extra_agent,
-                     host_argv, link_down, link_up, public_copies, python_prog, vmictl,
-                     vmictl_status, wait_status)
+from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN, PORTS,
+                     PROGRAMS, VMICTL_BIN, assert_same_stream, extra_agent, host_argv, link_down,
+                     link_up, python_prog, vmictl, vmictl_as_nobody, vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
 
@@ -242,11 +241,7 @@ def test_migrate_through_vmictl_from_another_node(procs, third_agent):
     p = Pair(procs, PORTS["migrate_vmictl"], 8)
     p.wait_flowing()
     h2 = vmictl_status(H2)["node"]
-    with public_copies(VMICTL_BIN) as d:
-        r = subprocess.run(host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                                          "--clear-groups", d / "vmictl", "--node", h2,
-                                          "migrate", str(p.srv.pid), "--to", H3], {}),
-                           capture_output=True, text=True, timeout=15)
+    r = vmictl_as_nobody(H1, "--node", h2, "migrate", p.srv.pid, "--to", H3)
     assert r.returncode == 1 and "not allowed" in r.stderr, r
     r = vmictl(H2, "migrate", str(p.srv.pid), "--to", "--criu=/bin/false", timeout=15)
     assert r.returncode == 1 and "not a host" in r.stderr, r

@@ -4,10 +4,9 @@ a user who is not root is refused on every node and nothing changes. `net` and `
 in JSON too, here and on another node, errors included."""
 
 import json
-import subprocess
 
-from helpers import (ETH1, H1, H1_IP, H2, H2_IP, H3, NOBODY, VMICTL_BIN, extra_agent, host_argv,
-                     public_copies, vmictl, vmictl_status, wait_status)
+from helpers import (ETH1, H1, H1_IP, H2, H2_IP, H3, extra_agent, vmictl, vmictl_as_nobody,
+                     vmictl_status, wait_status)
 
 
 def admin(host, net):
@@ -20,12 +19,7 @@ def test_a_network_out_of_service_on_every_node(procs, tmp_path):
         wait_status(H3, lambda s: {p["node"] for p in s["paths"]} >= {names[H1], names[H2]},
                     10, "host 3 hears hosts 1 and 2")
         try:
-            with public_copies(VMICTL_BIN) as d:
-                r = subprocess.run(host_argv(H3, ["setpriv", f"--reuid={NOBODY}",
-                                                  f"--regid={NOBODY}", "--clear-groups",
-                                                  d / "vmictl", "--cluster", "net", "down",
-                                                  ETH1], {}),
-                                   capture_output=True, text=True, timeout=30)
+            r = vmictl_as_nobody(H3, "--cluster", "net", "down", ETH1, timeout=30)
             assert r.returncode == 1, r
             lines = r.stdout.splitlines()
             assert len(lines) == 3 and all("not allowed" in x for x in lines), r.stdout
@@ -60,6 +54,11 @@ def test_a_network_out_of_service_on_every_node(procs, tmp_path):
             r = vmictl(H1, "move", "00" * 16, "tcp", "--json", timeout=15)
             a = json.loads(r.stdout)
             assert r.returncode == 1 and a["ok"] is False and "no process" in a["error"], r
+            # The same asked of host 1 from host 3: host 1's answer comes back.
+            r = vmictl(H3, "--node", names[H1], "move", "00" * 16, "tcp", "--json", timeout=15)
+            a = json.loads(r.stdout)
+            assert r.returncode == 1 and a["node"] == names[H1] and \
+                "no process on this node holds" in a["error"], r
         finally:
             for h in names:
                 vmictl(h, "net", "up", ETH1, timeout=15)

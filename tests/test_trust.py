@@ -24,11 +24,10 @@ from pathlib import Path
 import pytest
 
 from programs.stranger import pcap_packets
-from helpers import (AGENT_BIN, AGENT_PORT, ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, PRELOAD_LIB,
-                     NOBODY, PYTHON, VMICTL_BIN, Watcher, assert_plain, assert_same_stream,
+from helpers import (AGENT_BIN, AGENT_PORT, ETH0, H1, H1_IP, H2, H2_IP, H3, H3_IP, NOBODY,
+                     PRELOAD_LIB, PYTHON, VMICTL_BIN, as_nobody, assert_plain, assert_same_stream,
                      assert_virtual, block_port, extra_agent, host_argv, public_copies,
-                     python_prog,
-                     vmictl_status, wait_status)
+                     python_prog, vmictl_status, wait_status, Watcher)
 
 MiB = 1 << 20
 
@@ -185,12 +184,6 @@ def test_agent_traffic_carries_no_secret_and_no_message_in_clear(procs, tmp_path
     everything = b"".join(s["bytes"] for s in streams.values()) + b"".join(udp)
     for n in needles:
         assert n not in everything, f"{n!r} appears in the agents' traffic"
-
-
-def as_nobody(host, argv, env=None):
-    return subprocess.run(host_argv(host, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                                           "--clear-groups", *map(str, argv)], env or {}),
-                          capture_output=True, text=True, timeout=20)
 
 
 @pytest.fixture
