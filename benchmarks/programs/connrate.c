@@ -30,6 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "conns.h"
+
 static double now(void)
 {
     struct timespec ts;
@@ -37,45 +39,18 @@ static double now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static int make_addr(const char *ip, int port, struct sockaddr_in *sa)
-{
-    memset(sa, 0, sizeof(*sa));
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((unsigned short)port);
-    if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1) {
-        fprintf(stderr, "connrate: bad address %s\n", ip);
-        return -1;
-    }
-    return 0;
-}
-
-static int listen_on(const char *ip, int port)
+static int listen_at(const char *ip, int port)
 {
     struct sockaddr_in sa;
-    if (make_addr(ip, port, &sa) < 0)
+    if (make_addr("connrate", ip, port, &sa) < 0)
         return -1;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) {
-        perror("socket");
-        return -1;
-    }
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
-        perror("bind");
-        return -1;
-    }
-    if (listen(fd, 4096) < 0) {
-        perror("listen");
-        return -1;
-    }
-    return fd;
+    return listen_on(&sa);
 }
 
 static int server(const char *ip, int port)
 {
-    int lclose = listen_on(ip, port);
-    int lhold = listen_on(ip, port + 1);
+    int lclose = listen_at(ip, port);
+    int lhold = listen_at(ip, port + 1);
     if (lclose < 0 || lhold < 0)
         return 1;
     int ep = epoll_create1(0);
@@ -146,7 +121,7 @@ static int connect_to(const struct sockaddr_in *sa)
 static int client(const char *ip, int port, long count, double seconds)
 {
     struct sockaddr_in sa, sk;
-    if (make_addr(ip, port, &sa) < 0 || make_addr(ip, port + 1, &sk) < 0)
+    if (make_addr("connrate", ip, port, &sa) < 0 || make_addr("connrate", ip, port + 1, &sk) < 0)
         return 1;
     int keeper = connect_to(&sk);
     if (keeper < 0) {

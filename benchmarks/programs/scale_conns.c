@@ -30,6 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "conns.h"
+
 static double now(void)
 {
     struct timespec ts;
@@ -49,41 +51,15 @@ static void sleep_until(double t)
     }
 }
 
-static int make_addr(const char *ip, int port, struct sockaddr_in *sa)
-{
-    memset(sa, 0, sizeof(*sa));
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((unsigned short)port);
-    if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1) {
-        fprintf(stderr, "scale_conns: bad address %s\n", ip);
-        return -1;
-    }
-    return 0;
-}
-
-static void raise_nofile(void)
-{
-    struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
-        rl.rlim_cur = rl.rlim_max;
-        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
-            perror("setrlimit");
-    }
-}
-
 static int server(const char *ip, int port)
 {
     raise_nofile();
     struct sockaddr_in sa;
-    if (make_addr(ip, port, &sa) < 0)
+    if (make_addr("scale_conns", ip, port, &sa) < 0)
         return 1;
-    int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    int one = 1;
-    setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(lfd, 4096) < 0) {
-        perror("bind/listen");
+    int lfd = listen_on(&sa);
+    if (lfd < 0)
         return 1;
-    }
     int ep = epoll_create1(0);
     struct epoll_event ev = {.events = EPOLLIN};
     ev.data.fd = lfd;
@@ -201,7 +177,7 @@ static int client(const char *ip, int port, long n)
 {
     raise_nofile();
     struct sockaddr_in sa;
-    if (make_addr(ip, port, &sa) < 0)
+    if (make_addr("scale_conns", ip, port, &sa) < 0)
         return 1;
     n_conns = n;
     fds = calloc((size_t)n + 1, sizeof(int));
