@@ -989,6 +989,17 @@ def public_copies(*files):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def capture(argv, timeout=20, **kw):
+    """argv run to its end, output captured as text; the CompletedProcess."""
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout,
+                          **kw)
+
+
+def in_netns(ns, argv, **kw):
+    """argv run inside network namespace ns (nsenter: the network namespace only), captured."""
+    return capture(["nsenter", f"--net=/run/netns/{ns}", *argv], **kw)
+
+
 def as_nobody(host, argv, env=None, timeout=20):
     """argv run in host as the unprivileged user NOBODY; the CompletedProcess."""
     return subprocess.run(host_argv(host, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from helpers import (AGENT_BIN, NOBODY, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc,
-                     clean_env, public_copies)
+                     capture as run, clean_env, in_netns, public_copies)
 
 PREFIX = "vmihx"
 SWITCH = f"{PREFIX}-sw"
@@ -43,12 +43,8 @@ def ip(node):
     return f"10.252.0.{NODES[node]}"
 
 
-def run(argv, timeout=20, **kw):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
-
-
 def in_ns(node, argv, **kw):
-    return run(["nsenter", f"--net=/run/netns/{ns(node)}", *argv], **kw)
+    return in_netns(ns(node), argv, **kw)
 
 
 def vmictl(node, *args, timeout=20):

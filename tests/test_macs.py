@@ -8,22 +8,18 @@ bridges of a third namespace (vmimac-br); all of them, and the agents, gone when
 """
 
 import json
-import subprocess
 import time
 
 import pytest
 
-from helpers import AGENT_BIN, VMICTL_BIN, AgentProc, clean_env
+from helpers import (AGENT_BIN, VMICTL_BIN, AgentProc, capture as run, clean_env,
+                     in_netns as in_ns)
 
 NODES = ("vmimac1", "vmimac2")
 BRIDGE_NS = "vmimac-br"
 NETS = ("10.81.0", "10.81.1")
 SOCK = "vmimac"
 TIMEOUT = 15.0
-
-
-def run(argv, timeout=10, **kw):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def sh(*argv):
@@ -39,10 +35,6 @@ def dev(node, net):
 
 def ip_of(node, net):
     return f"{NETS[net]}.{node}"
-
-
-def in_ns(ns, argv, **kw):
-    return run(["nsenter", f"--net=/run/netns/{ns}", *argv], **kw)
 
 
 def links(ns):

@@ -8,7 +8,6 @@ documentation fails here.
 """
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,7 +15,8 @@ import time
 
 import pytest
 
-from helpers import AGENT_BIN, REPO, VMICTL_BIN, AgentProc, clean_env
+from helpers import (AGENT_BIN, REPO, VMICTL_BIN, AgentProc, capture as run, clean_env,
+                     in_netns as in_ns)
 
 NS_PREFIX = "vmiops"
 MAN = REPO / "man"
@@ -28,10 +28,6 @@ PATH_TIMEOUT = 10.0
 
 # Flags that are not settings (no configuration key).
 AGENT_ACTIONS = {"--config", "--init", "--check-config", "--help", "--version"}
-
-
-def run(argv, timeout=10, **kw):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,10 +295,6 @@ def ops(tmp_path):
         for a in o.agents:
             a.stop()
         o.netns.close()
-
-
-def in_ns(ns, argv, **kw):
-    return run(["nsenter", f"--net=/run/netns/{ns}", *argv], **kw)
 
 
 def listening(ns):

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import AGENT_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, clean_env
+from helpers import (AGENT_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, capture as run,
+                     clean_env, in_netns as in_ns)
 
 PREFIX = "vmiweb"
 HOSTS = [f"{PREFIX}{i}" for i in (1, 2, 3)]
@@ -51,14 +52,6 @@ def ip_of(host, net=0):
 
 def node_of(host):
     return f"web{HOSTS.index(host) + 1}"
-
-
-def run(argv, timeout=15, **kw):
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def in_ns(ns, argv, **kw):
-    return run(["nsenter", f"--net=/run/netns/{ns}", *argv], **kw)
 
 
 def delete_namespaces():
