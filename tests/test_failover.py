@@ -314,41 +314,6 @@ def test_link_fails_after_fork_while_holder_is_idle(procs, faults, streamer):
     assert cli.returncode == 0 and srv.returncode == 0, (cli.returncode, srv.returncode)
 
 
-def test_exit_right_after_shutdown_on_a_rebuilt_link(procs, faults, tmp_path):
-    """A server half-closes and ends at once with os._exit (no destructors run) while much of
-    its stream is still queued, on a link rebuilt by a failover (its socket, handed over by
-    the agent, is the process's alone). Its layer's socket holds acknowledgements the program
-    never read: closed as it is, the kernel would reset the link and drop the queued tail
-    with the end of stream. The client must read every byte and then the end."""
-    port = PORTS["failover_exit_after_shutdown"]
-    addr = f"{SERVER_IP}:{port}"
-    go = tmp_path / "go"
-    srv = procs.server(SERVER, python_prog("exit_stream.py", "server", "--bind", addr,
-                                           "--wait-file", go, "--rest", 48 << 20),
-                       port, layer=True, name="exit-stream-server")
-    cli = procs.start(CLIENT, python_prog("exit_stream.py", "client", "--connect", addr),
-                      layer=True, name="exit-stream-client")
-    deadline = time.monotonic() + FLOWING_TIMEOUT
-    while not any(r.get("event") == "first" for r in cli.json_lines()):
-        assert time.monotonic() < deadline, cli.failure("the first bytes never came")
-        time.sleep(0.02)
-    gid = wait_status(CLIENT, lambda s: next((c["gid"] for c in s["connections"]
-                                              if c["peer"] == addr), None), 10, "connection")
-    faults.link_down(CLIENT, ETH0)
-    wait_status(CLIENT, lambda s: any(c["gid"] == gid and c["failovers"] >= 1
-                                      and c["link"] == "up" for c in s["connections"]),
-                15, "the rebuilt link")
-    faults.link_up(CLIENT, ETH0)
-    go.touch()
-    cli.wait(timeout=40, check=False)
-    srv.wait(timeout=20, check=False)
-    c, s = cli.last_json(), srv.last_json()
-    assert "error" not in c, (c, s)
-    assert c["recv_bytes"] == s["sent_bytes"] == (1 << 20) + (48 << 20), (c, s)
-    assert c["recv_sha256"] == s["sent_sha256"], (c, s)
-    assert cli.returncode == 0 and srv.returncode == 0, (cli.returncode, srv.returncode)
-
-
 @pytest.mark.parametrize("spawn", ["fork", "subprocess"])
 def test_link_fails_after_exec_with_bytes_in_flight(procs, faults, spawn):
     """A server sends 96 KiB that the client does not read yet (they wait in the kernels'
