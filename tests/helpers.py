@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 # ---------------------------------------------------------------------------------------------
 # Paths and binaries
 
@@ -986,6 +988,16 @@ def public_copies(*files):
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def require_root_and_build():
+    """Fails the calling fixture unless it runs as root with the agent, vmictl and the layer
+    built (tests that make network namespaces of their own)."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root (network namespaces)", pytrace=False)
+    for path in (AGENT_BIN, VMICTL_BIN, PRELOAD_LIB):
+        if not path.is_file():
+            pytest.fail(f"{path} is missing: build the workspace first", pytrace=False)
 
 
 def capture(argv, timeout=20, **kw):

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from helpers import (AGENT_BIN, NOBODY, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc,
-                     capture as run, clean_env, in_netns, public_copies)
+                     capture as run, clean_env, in_netns, public_copies, require_root_and_build)
 
 PREFIX = "vmihx"
 SWITCH = f"{PREFIX}-sw"
@@ -174,11 +174,7 @@ class Hx:
 
 @pytest.fixture(scope="module")
 def hx(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.fail("needs root (network namespaces)", pytrace=False)
-    for path in (AGENT_BIN, VMICTL_BIN, PRELOAD_LIB):
-        if not path.is_file():
-            pytest.fail(f"{path} is missing: build the workspace first", pytrace=False)
+    require_root_and_build()
     tmp = tmp_path_factory.mktemp("hier")
     h = Hx(tmp)
     atexit.register(h.close)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (AGENT_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, capture as run,
-                     clean_env, in_netns as in_ns)
+                     clean_env, in_netns as in_ns, require_root_and_build)
 
 PREFIX = "vmiweb"
 HOSTS = [f"{PREFIX}{i}" for i in (1, 2, 3)]
@@ -352,11 +352,7 @@ class Dom(html.parser.HTMLParser):
 
 @pytest.fixture(scope="module")
 def web(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.fail("needs root (network namespaces)", pytrace=False)
-    for path in (AGENT_BIN, VMICTL_BIN, PRELOAD_LIB):
-        if not path.is_file():
-            pytest.fail(f"{path} is missing: build the workspace first", pytrace=False)
+    require_root_and_build()
     tmp = tmp_path_factory.mktemp("web")
     w = Web(tmp)
     atexit.register(w.close)
