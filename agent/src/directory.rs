@@ -8,6 +8,10 @@ use std::time::{Duration, Instant};
 /// How long an announced connection waits for its accept.
 pub const PENDING_TTL: Duration = Duration::from_secs(30);
 
+/// How long a connection announced without its source port waits for the port (the
+/// layer sends it right after `connect`; a process killed in between never does).
+pub const UNBOUND_TTL: Duration = Duration::from_secs(5);
+
 /// A registered listener.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenerRec {
@@ -37,6 +41,18 @@ pub struct Expected {
     pub agents: Vec<SocketAddr>,
 }
 
+/// What an accepted connection is, as far as the directory knows now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// Announced: a virtual connection.
+    Found(Expected),
+    /// Not announced, but a connection to the same address was announced without its port,
+    /// whose port has not come yet: it may be this one.
+    Wait,
+    /// Plain TCP.
+    Plain,
+}
+
 /// A listener whose process moved to another node: connections to it go there.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Forward {
@@ -51,6 +67,10 @@ pub struct Forward {
 pub struct Directory {
     listeners: Vec<ListenerRec>,
     expected: HashMap<(SocketAddr, SocketAddr), Expected>,
+    /// Announced without a source port (the kernel picks it at `connect`), by GID: the
+    /// destination and the rest.
+    unbound: HashMap<u128, (SocketAddr, Expected)>,
+    swept: Option<Instant>,
     forwards: Vec<Forward>,
 }
 
@@ -130,23 +150,55 @@ impl Directory {
     }
 
     /// A connecting layer announces `src → dst`. Returns the listener's window if `dst` is a
-    /// listener under the layer (the connection is then expected), `None` otherwise.
+    /// listener under the layer (the connection is then expected), `None` otherwise. A
+    /// source port 0 means the port comes later ([`Directory::bind`]).
     pub fn expect(&mut self, src: SocketAddr, dst: SocketAddr, e: Expected) -> Option<u64> {
         let w = self.listener_for(dst)?.window;
         let now = e.at;
-        self.expected.retain(|_, x| now.duration_since(x.at) < PENDING_TTL);
-        self.expected.insert((src, dst), e);
+        // Expired entries go at most once per 1/64 of the time to live (a sweep of every
+        // entry at each announcement would cost O(n) per connection at 100,000 pending).
+        if self.swept.map_or(true, |t| now.saturating_duration_since(t) > PENDING_TTL / 64) {
+            self.expected.retain(|_, x| now.saturating_duration_since(x.at) < PENDING_TTL);
+            self.unbound.retain(|_, x| now.saturating_duration_since(x.1.at) < UNBOUND_TTL);
+            self.swept = Some(now);
+        }
+        if src.port() == 0 {
+            self.unbound.insert(e.gid, (dst, e));
+        } else {
+            self.expected.insert((src, dst), e);
+        }
         Some(w)
     }
 
-    /// A listener accepted `peer → local`: the expected connection, if it was announced.
-    pub fn accept(&mut self, local: SocketAddr, peer: SocketAddr) -> Option<Expected> {
-        self.expected.remove(&(peer, local))
+    /// The kernel bound connection `gid`, announced without a port, to `src`: expected from
+    /// there now. False if no such announcement waits here.
+    pub fn bind(&mut self, gid: u128, src: SocketAddr) -> bool {
+        match self.unbound.remove(&gid) {
+            Some((dst, e)) => {
+                self.expected.insert((src, dst), e);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A listener accepted `peer → local`: the expected connection if it was announced;
+    /// [`Lookup::Wait`] while a connection to `local` announced without a port may still be
+    /// this one.
+    pub fn accept(&mut self, local: SocketAddr, peer: SocketAddr) -> Lookup {
+        if let Some(e) = self.expected.remove(&(peer, local)) {
+            return Lookup::Found(e);
+        }
+        if self.unbound.values().any(|(dst, _)| *dst == local) {
+            Lookup::Wait
+        } else {
+            Lookup::Plain
+        }
     }
 
     /// Connections announced and not accepted yet.
     pub fn expected_count(&self) -> usize {
-        self.expected.len()
+        self.expected.len() + self.unbound.len()
     }
 }
 
@@ -172,10 +224,40 @@ mod tests {
             d.expect(a("10.0.0.2:4000"), a("10.0.0.1:80"), ex(1, 2, 3, a("10.0.0.1:80"), now)),
             Some(77)
         );
-        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:4001")), None);
-        let e = d.accept(a("10.0.0.1:80"), a("10.0.0.2:4000")).unwrap();
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:4001")), Lookup::Plain);
+        let Lookup::Found(e) = d.accept(a("10.0.0.1:80"), a("10.0.0.2:4000")) else { panic!("announced") };
         assert_eq!((e.gid, e.secret, e.window), (1, 2, 3));
-        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:4000")), None, "consumed");
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:4000")), Lookup::Plain, "consumed");
+    }
+
+    #[test]
+    fn announced_without_port_then_bound() {
+        let mut d = Directory::default();
+        let now = Instant::now();
+        d.listen(a("0.0.0.0:80"), 77, 1);
+        assert_eq!(d.expect(a("10.0.0.2:0"), a("10.0.0.1:80"), ex(9, 2, 3, a("10.0.0.1:80"), now)), Some(77));
+        // Accepted before the port came: it may be the announced one.
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:41000")), Lookup::Wait);
+        // Another address of the node is not concerned.
+        assert_eq!(d.accept(a("10.0.1.1:80"), a("10.0.1.2:41000")), Lookup::Plain);
+        assert!(!d.bind(8, a("10.0.0.2:41000")), "no such announcement");
+        assert!(d.bind(9, a("10.0.0.2:41000")));
+        assert!(!d.bind(9, a("10.0.0.2:41000")), "bound once");
+        let Lookup::Found(e) = d.accept(a("10.0.0.1:80"), a("10.0.0.2:41000")) else { panic!("bound") };
+        assert_eq!(e.gid, 9);
+        // Nothing waits any more: a plain connection is plain at once.
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:41001")), Lookup::Plain);
+        assert_eq!(d.expected_count(), 0);
+    }
+
+    #[test]
+    fn unbound_announcements_expire() {
+        let mut d = Directory::default();
+        d.listen(a("0.0.0.0:80"), 1, 1);
+        let t0 = Instant::now();
+        d.expect(a("10.0.0.2:0"), a("10.0.0.1:80"), ex(1, 1, 1, a("10.0.0.1:80"), t0));
+        d.expect(a("10.0.0.2:0"), a("10.0.0.1:80"), ex(2, 1, 1, a("10.0.0.1:80"), t0 + UNBOUND_TTL * 2));
+        assert_eq!(d.expected_count(), 1, "the first one's process never said its port");
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! * [`local`]: the Unix socket the node's layers and `vmictl` talk to (abstract, so each
 //!   network namespace has its own agent).
 //! * [`peer`]: the TCP port other nodes' agents talk to, and the client side of it.
+//! * [`ports`]: source ports that come after the announcement of a connection.
 //! * [`paths`]: the node's networks and the health of every path to other nodes.
 //! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
 //! * [`journal`]: the node's events (`vmictl events`).
@@ -38,6 +39,7 @@ pub mod net;
 pub mod notify;
 pub mod paths;
 pub mod peer;
+pub mod ports;
 pub mod relinks;
 pub mod status;
 pub mod sweep;

@@ -1,7 +1,7 @@
 //! The agent's Unix socket: the node's layers register listeners, announce and look up
 //! connections, and hand over their statistics tables; `vmictl` asks for status.
 
-use crate::directory::Directory;
+use crate::directory::{Directory, Lookup};
 use crate::events::Events;
 use crate::journal::Journal;
 use crate::mesh::{ClusterKey, Refusals, Refused};
@@ -15,15 +15,24 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use substrate::wire::agent::{Msg, NO_ADDR};
 use tracing::{debug, info, warn};
+
+/// Longest an accept waits for the source port of a connection announced without one
+/// (the connecting layer sends it right after `connect`: well under a millisecond on one
+/// network). Only accepts at an address with such a connection in flight wait at all.
+pub const BOUND_WAIT: Duration = Duration::from_millis(500);
 
 /// The agent's shared state.
 pub struct Agent {
     /// Listeners and expected connections.
     pub dir: Mutex<Directory>,
+    /// Signalled when source ports arrive for connections announced without one.
+    pub bound: Condvar,
+    /// Source ports for announcements passed on to other agents.
+    pub ports: crate::ports::Ports,
     /// Processes under the layer and their statistics tables.
     pub procs: Mutex<Procs>,
     /// Connections to other agents.
@@ -79,6 +88,8 @@ impl Agent {
         let refusals = Arc::new(Refusals::new(journal.clone()));
         Agent {
             dir: Mutex::new(Directory::default()),
+            bound: Condvar::new(),
+            ports: crate::ports::Ports::new(key.clone()),
             procs: Mutex::new(Procs::default()),
             peers: PeerClient::new(key.clone()),
             port,
@@ -98,6 +109,52 @@ impl Agent {
             journal,
             web: std::sync::OnceLock::new(),
             next_client: AtomicU64::new(1),
+        }
+    }
+
+    /// Source ports of connections announced without one (port 0: the connect failed):
+    /// the announcement waiting here is completed, or the port goes where the
+    /// announcement went.
+    pub fn bound(&self, ports: Vec<(u128, SocketAddr)>) {
+        let mut elsewhere = Vec::new();
+        {
+            let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
+            for (gid, src) in ports {
+                let src = SocketAddr::new(normalize(src.ip()), src.port());
+                if !d.bind(gid, src) {
+                    elsewhere.push((gid, src));
+                }
+            }
+        }
+        self.bound.notify_all();
+        for (gid, src) in elsewhere {
+            if !self.ports.pass_on(gid, src) {
+                debug!("source port {src} of connection {gid:032x}: no announcement for it here");
+            }
+        }
+    }
+
+    /// The connection a listener accepted from `peer` at `local`, if it was announced. When
+    /// a connection to `local` was announced without its source port, the answer waits for
+    /// the port, at most [`BOUND_WAIT`].
+    pub fn accepted(&self, local: SocketAddr, peer: SocketAddr) -> Option<crate::directory::Expected> {
+        let deadline = Instant::now() + BOUND_WAIT;
+        let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match d.accept(local, peer) {
+                Lookup::Found(e) => return Some(e),
+                Lookup::Plain => return None,
+                Lookup::Wait => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        debug!(
+                            "{peer} -> {local}: a connection announced without its port is still waiting for it; this one is plain TCP"
+                        );
+                        return None;
+                    }
+                    d = self.bound.wait_timeout(d, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
         }
     }
 
@@ -136,6 +193,9 @@ impl Agent {
         let m = Msg::Connect { src, dst: via, gid, secret, window, aim, agents };
         match self.peers.ask(target.ip(), target.port(), &m) {
             Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
+                if src.port() == 0 {
+                    self.ports.route(gid, target);
+                }
                 info!("connection {gid:032x}: listener {dst} moved, {src} -> {via} (the node the listener is on now)");
                 Msg::Virtual { gid, secret, window, addrs, alias: via }
             }
@@ -180,6 +240,9 @@ impl Agent {
                 };
                 if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) = self.peers.ask(ip, self.port, &m)
                 {
+                    if from.port() == 0 {
+                        self.ports.route(gid, SocketAddr::new(ip, self.port));
+                    }
                     info!(
                         "connection {gid:032x}: the network toward {dst} is down; {from} -> {via} (the same node, another network) instead"
                     );
@@ -204,6 +267,9 @@ impl Agent {
         match self.peers.ask(dst.ip(), self.port, &m) {
             Ok(Msg::Virtual { gid, secret, window, addrs, alias }) => {
                 // (`alias`: the listener moved to another node, connect there.)
+                if src.port() == 0 {
+                    self.ports.route(gid, SocketAddr::new(dst.ip(), self.port));
+                }
                 self.health.learn(&addrs);
                 Msg::Virtual { gid, secret, window, addrs, alias }
             }
@@ -465,6 +531,11 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 agent.dir.lock().unwrap_or_else(|e| e.into_inner()).listen(addr, window, id);
                 Msg::Ok
             }
+            Msg::Bound { ports } => {
+                // Not answered: the layer does not wait for it.
+                agent.bound(ports);
+                continue;
+            }
             Msg::Unlisten { addr } => {
                 agent.dir.lock().unwrap_or_else(|e| e.into_inner()).unlisten(addr, id);
                 Msg::Ok
@@ -486,7 +557,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
-                let found = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).accept(local, peer);
+                let found = agent.accepted(local, peer);
                 if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
                     agent.events.hold(id, pid, e.gid, false);
                     agent.journal.record(

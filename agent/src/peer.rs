@@ -174,6 +174,10 @@ fn serve_agent(agent: &Agent, c: &mut Channel, from: Option<SocketAddr>) -> io::
                 agent.expect_here(Announce { src, dst, gid, secret, window, aim, agents })
             }
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
+            Msg::Bound { ports } => {
+                agent.bound(ports);
+                Msg::Ok
+            }
             Msg::AsUser { uid, cmd } => crate::cluster::as_user(agent, uid, &cmd),
             other => Msg::Error { reason: format!("unexpected message from an agent: {}", other.name()) },
         };

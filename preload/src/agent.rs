@@ -277,6 +277,19 @@ pub fn request(m: &Msg) -> Option<Msg> {
     answer
 }
 
+/// Sends `m` to the node agent without waiting: for messages the agent does not answer.
+pub fn tell(m: &Msg) {
+    if !crate::sandbox::may_set_up() {
+        return;
+    }
+    let mut st = lock_awake();
+    let now = sys::now_ns();
+    let Some(fd) = ensure(&mut st, now) else { return };
+    if !write_all(fd, &m.encode(), None) {
+        let _: Option<()> = fail(&mut st, now);
+    }
+}
+
 fn fail<T>(st: &mut State, now: u64) -> Option<T> {
     let fd = crate::ownfd::unprotect(OWN_AGENT);
     if fd >= 0 {

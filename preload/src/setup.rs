@@ -7,7 +7,7 @@
 use crate::fdtable::{self, Entry, Listener};
 use crate::vc::{Setup, Vc};
 use crate::{agent, config, log, sys};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use substrate::wire::agent::Msg;
 
@@ -22,32 +22,24 @@ pub struct Pending {
     pub via: Option<SocketAddr>,
     /// Shared memory offered to the accepting layer (both ends on this node).
     shm: Option<crate::shm_sink::ShmLink>,
+    /// Announced without a source port: the agent learns it after `connect`.
+    unbound: bool,
 }
 
 /// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
-/// if so, registers the connection. Binds the socket to an ephemeral port first when the
-/// program did not bind it, so the registration can name the source port.
+/// if so, registers the connection. A socket the program did not bind is announced without
+/// its source port: the kernel picks the port at `connect` (per destination, as for any
+/// connection, so a node is not held to one port per connection in all), and
+/// [`after_connect`] tells the agent which one.
 pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
     if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 || !crate::sandbox::may_set_up() {
         return None;
     }
-    let fam = sys::tcp_family(fd)?;
+    sys::tcp_family(fd)?;
     if agent::known_down() || agent::known_plain(&dst) {
         return None;
     }
-    let mut local = sys::local_addr(fd)?;
-    if local.port() == 0 {
-        let any = if fam == libc::AF_INET6 {
-            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
-        } else {
-            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
-        };
-        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&any, fam == libc::AF_INET6)) != 0 {
-            log::debug(format_args!("cannot bind before connect ({}): plain TCP", sys::errno()));
-            return None;
-        }
-        local = sys::local_addr(fd)?;
-    }
+    let local = sys::local_addr(fd)?;
     let gid = u128::from_le_bytes(sys::random16());
     let secret = u128::from_le_bytes(sys::random16());
     let m =
@@ -70,7 +62,8 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
                 .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
                 .flatten();
-            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm })
+            let unbound = local.port() == 0;
+            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm, unbound })
         }
         Some(Msg::Plain) => {
             agent::remember_plain(dst);
@@ -87,6 +80,11 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
 /// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
 pub fn after_connect(fd: i32, p: Pending) {
     let local = sys::local_addr(fd).unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+    if p.unbound {
+        // The accepting side's agent holds the accept until this comes (or a short time
+        // passes): sent before anything else, not waited for.
+        agent::tell(&Msg::Bound { ports: vec![(p.gid, local)] });
+    }
     let s = Setup {
         gid: p.gid,
         secret: p.secret,
@@ -120,6 +118,11 @@ pub fn after_connect(fd: i32, p: Pending) {
 
 /// The real `connect` failed: the connection the agent set up for it never existed here.
 pub fn connect_failed(p: Pending) {
+    if p.unbound {
+        // Port 0: never bound; the accepting side need not wait for it.
+        let none = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
+        agent::tell(&Msg::Bound { ports: vec![(p.gid, none)] });
+    }
     crate::relink::released(p.gid, false);
 }
 

@@ -363,6 +363,13 @@ pub enum Msg {
         /// The new link's peer address.
         peer: SocketAddr,
     },
+    /// Layer → its agent, and agent → the agent that took the `Connect`: the ports the
+    /// kernel chose at `connect` for connections announced without one (source port 0). Not
+    /// answered when a layer sends it (the layer does not wait); `Ok` between agents.
+    Bound {
+        /// Each connection and its source address as the kernel bound it.
+        ports: Vec<(u128, SocketAddr)>,
+    },
     /// `vmictl` → agent (or an agent → agent, inside `AsUser`): move process `pid` of this
     /// node to host `to` with CRIU (the agent runs vmi-migrate); answered with its report
     /// (`StatusReply`) or an `Error`.
@@ -575,6 +582,7 @@ impl Msg {
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
             Msg::Relinked { .. } => "Relinked",
+            Msg::Bound { .. } => "Bound",
             Msg::Migrate { .. } => "Migrate",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
@@ -778,6 +786,14 @@ impl Msg {
                 w.addr(local);
                 w.addr(peer);
             }
+            Msg::Bound { ports } => {
+                w.u8(66);
+                w.u32(ports.len() as u32);
+                for (gid, a) in ports {
+                    w.u128(*gid);
+                    w.addr(a);
+                }
+            }
             Msg::Migrate { pid, to } => {
                 w.u8(65);
                 w.u32(*pid);
@@ -926,6 +942,14 @@ impl Msg {
                 local: r.addr()?,
                 peer: r.addr()?,
             },
+            66 => {
+                let n = r.count(16 + MIN_ADDR)?;
+                let mut ports = Vec::with_capacity(n);
+                for _ in 0..n {
+                    ports.push((r.u128()?, r.addr()?));
+                }
+                Msg::Bound { ports }
+            }
             t => return Err(AgentWireError::UnknownTag(t)),
         };
         if !r.0.is_empty() {
@@ -1017,6 +1041,8 @@ mod tests {
                 local: "10.0.0.1:40000".parse().unwrap(),
                 peer: "[fe80::1]:7787".parse().unwrap(),
             },
+            Msg::Bound { ports: vec![(1 << 100 | 5, a), (6, b)] },
+            Msg::Bound { ports: vec![] },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
