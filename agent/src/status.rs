@@ -59,7 +59,7 @@ impl Table {
 
     /// Every used slot.
     pub fn slots(&self) -> Vec<SlotView> {
-        let n = SlotView::table_slots(&self.bytes(0, TABLE_HEADER), self.len).unwrap_or(0);
+        let n = SlotView::table_in_use(&self.bytes(0, TABLE_HEADER), self.len).unwrap_or(0);
         let mut out = Vec::new();
         for i in 0..n {
             let off = TABLE_HEADER + i * SLOT_SIZE;

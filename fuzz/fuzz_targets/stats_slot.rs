@@ -7,4 +7,5 @@ use substrate::stats::SlotView;
 fuzz_target!(|data: &[u8]| {
     let _ = SlotView::parse(data);
     let _ = SlotView::table_slots(data, data.len());
+    let _ = SlotView::table_in_use(data, data.len());
 });

@@ -3,6 +3,7 @@
 //! read-write lock. (The layer's own descriptors are in [`crate::ownfd`].)
 
 use crate::vc::Vc;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::{Arc, RwLock};
@@ -10,7 +11,33 @@ use std::sync::{Arc, RwLock};
 const BITMAP_FDS: usize = 1 << 16;
 
 static MANAGED: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
-static TABLE: RwLock<Vec<Option<Entry>>> = RwLock::new(Vec::new());
+static TABLE: RwLock<Table> = RwLock::new(Table { slots: Vec::new(), by_vc: BTreeMap::new() });
+
+/// The entries by descriptor, and each virtual connection's descriptors (lowest first), so
+/// that finding a connection's descriptors does not walk the table: the control thread does
+/// it for every connection in its sweeps and failovers.
+struct Table {
+    slots: Vec<Option<Entry>>,
+    by_vc: BTreeMap<usize, Vec<i32>>,
+}
+
+impl Table {
+    fn note(&mut self, fd: i32, e: &Option<Entry>, on: bool) {
+        let Some(Entry::Vc(v)) = e else { return };
+        let key = Arc::as_ptr(v) as usize;
+        if on {
+            let fds = self.by_vc.entry(key).or_default();
+            if let Err(at) = fds.binary_search(&fd) {
+                fds.insert(at, fd);
+            }
+        } else if let Some(fds) = self.by_vc.get_mut(&key) {
+            fds.retain(|&f| f != fd);
+            if fds.is_empty() {
+                self.by_vc.remove(&key);
+            }
+        }
+    }
+}
 static ENTRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// True if the table holds anything (one load: the exec hook's fast path).
@@ -66,7 +93,7 @@ pub fn get(fd: i32) -> Option<Entry> {
         return None;
     }
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    t.get(fd as usize).cloned().flatten()
+    t.slots.get(fd as usize).cloned().flatten()
 }
 
 /// The virtual connection on `fd`, if it is one.
@@ -87,10 +114,13 @@ pub fn insert(fd: i32, e: Entry) -> Option<Entry> {
         return None;
     }
     let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
-    if t.len() <= fd as usize {
-        t.resize(fd as usize + 1, None);
+    if t.slots.len() <= fd as usize {
+        t.slots.resize(fd as usize + 1, None);
     }
-    let old = t[fd as usize].replace(e);
+    let new = Some(e);
+    t.note(fd, &new, true);
+    let old = std::mem::replace(&mut t.slots[fd as usize], new);
+    t.note(fd, &old, false);
     if old.is_none() {
         ENTRIES.fetch_add(1, Relaxed);
     }
@@ -105,7 +135,8 @@ pub fn remove(fd: i32) -> Option<Entry> {
     }
     let mut t = TABLE.write().unwrap_or_else(|e| e.into_inner());
     set_bit(fd, false);
-    let old = t.get_mut(fd as usize).and_then(|s| s.take());
+    let old = t.slots.get_mut(fd as usize).and_then(|s| s.take());
+    t.note(fd, &old, false);
     if old.is_some() {
         ENTRIES.fetch_sub(1, Relaxed);
     }
@@ -115,13 +146,14 @@ pub fn remove(fd: i32) -> Option<Entry> {
 /// All entries (for fork and exec handling).
 pub fn snapshot() -> Vec<(i32, Entry)> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    t.iter().enumerate().filter_map(|(i, e)| e.clone().map(|e| (i as i32, e))).collect()
+    t.slots.iter().enumerate().filter_map(|(i, e)| e.clone().map(|e| (i as i32, e))).collect()
 }
 
 /// Every listener in the table: descriptor and address.
 pub fn listeners() -> Vec<(i32, SocketAddr)> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    t.iter()
+    t.slots
+        .iter()
         .enumerate()
         .filter_map(|(fd, e)| match e {
             Some(Entry::Listener(l)) => Some((fd as i32, l.addr)),
@@ -136,7 +168,7 @@ pub fn install() {
 }
 
 thread_local! {
-    static FORK_GUARD: std::cell::RefCell<Option<std::sync::RwLockWriteGuard<'static, Vec<Option<Entry>>>>> =
+    static FORK_GUARD: std::cell::RefCell<Option<std::sync::RwLockWriteGuard<'static, Table>>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -159,26 +191,17 @@ pub fn after_fork_child() {
 /// The descriptors of this process that name `vc`.
 pub fn fds_of(vc: &Vc) -> Vec<i32> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    t.iter()
-        .enumerate()
-        .filter_map(|(i, e)| match e {
-            Some(Entry::Vc(v)) if std::ptr::eq(Arc::as_ptr(v), vc) => Some(i as i32),
-            _ => None,
-        })
-        .collect()
+    t.by_vc.get(&(vc as *const Vc as usize)).cloned().unwrap_or_default()
 }
 
 /// Each distinct virtual connection in the table, once.
 pub fn distinct_vcs() -> Vec<Arc<Vc>> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
-    let mut out: Vec<Arc<Vc>> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for e in t.iter().flatten() {
-        if let Entry::Vc(v) = e {
-            if seen.insert(Arc::as_ptr(v) as usize) {
-                out.push(v.clone());
-            }
-        }
-    }
-    out
+    t.by_vc
+        .values()
+        .filter_map(|fds| match fds.first().and_then(|&fd| t.slots.get(fd as usize)) {
+            Some(Some(Entry::Vc(v))) => Some(v.clone()),
+            _ => None,
+        })
+        .collect()
 }

@@ -9,7 +9,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering::*};
 use std::sync::OnceLock;
 use substrate::devices::Counters;
-use substrate::stats::{encode_addr, off, SLOT_SIZE, TABLE_BYTES, TABLE_HEADER, TABLE_MAGIC, TABLE_SLOTS};
+use substrate::stats::{
+    encode_addr, off, HIGH, SLOT_SIZE, TABLE_BYTES, TABLE_HEADER, TABLE_MAGIC, TABLE_SLOTS,
+};
 
 /// The mapped table (its memfd stays open, close-on-exec, as the layer's own descriptor
 /// `OWN_STATS`, protected from the program's closes).
@@ -69,7 +71,10 @@ impl Table {
             if used.load(Relaxed) != 0 || used.compare_exchange(0, 2, Acquire, Relaxed).is_err() {
                 continue;
             }
+            // Lowest free slots first: the table's pages are touched only as far as the most
+            // connections open at once, and the agent reads only that far (`HIGH`).
             self.hint.store(((i + 1) % TABLE_SLOTS) as u32, Relaxed);
+            m.u32(HIGH).fetch_max(i as u32 + 1, Relaxed);
             // We own the slot (state 2 = being filled); readers look after the release below.
             for w in (4..SLOT_SIZE).step_by(4) {
                 m.u32(at + w).store(0, Relaxed);
@@ -148,5 +153,8 @@ impl Slot {
     /// Frees the slot.
     pub fn free(&self) {
         self.map.u32(self.at + off::USED).store(0, Release);
+        if let Some(t) = TABLE.get().and_then(|t| t.as_ref()) {
+            t.hint.fetch_min(((self.at - TABLE_HEADER) / SLOT_SIZE) as u32, Relaxed);
+        }
     }
 }

@@ -13,6 +13,9 @@ pub const TABLE_HEADER: usize = 64;
 pub const SLOT_SIZE: usize = 192;
 /// Slots per table.
 pub const TABLE_SLOTS: usize = 65536;
+/// Header offset of a u32: every slot in use lies below this index (the layer takes the
+/// lowest free slot, so readers need not touch the rest of the table).
+pub const HIGH: usize = 16;
 /// Total table size in bytes.
 pub const TABLE_BYTES: usize = TABLE_HEADER + SLOT_SIZE * TABLE_SLOTS;
 
@@ -171,5 +174,39 @@ impl SlotView {
         }
         let n = u32::from_le_bytes(header[8..12].try_into().ok()?) as usize;
         (TABLE_HEADER + n.checked_mul(SLOT_SIZE)? <= total_len).then_some(n)
+    }
+
+    /// The slots a reader must look at: those below the header's high mark, at most
+    /// [`SlotView::table_slots`].
+    pub fn table_in_use(header: &[u8], total_len: usize) -> Option<usize> {
+        let n = Self::table_slots(header, total_len)?;
+        let high = u32::from_le_bytes(header.get(HIGH..HIGH + 4)?.try_into().ok()?) as usize;
+        Some(high.min(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(slots: u32, high: u32) -> Vec<u8> {
+        let mut h = vec![0u8; TABLE_HEADER];
+        h[..8].copy_from_slice(&TABLE_MAGIC.to_le_bytes());
+        h[8..12].copy_from_slice(&slots.to_le_bytes());
+        h[HIGH..HIGH + 4].copy_from_slice(&high.to_le_bytes());
+        h
+    }
+
+    #[test]
+    fn readers_stop_at_the_high_mark() {
+        assert_eq!(SlotView::table_in_use(&header(65536, 12), TABLE_BYTES), Some(12));
+        assert_eq!(SlotView::table_in_use(&header(65536, 0), TABLE_BYTES), Some(0));
+        // A mark past the table (a confused or hostile writer) is bounded by it.
+        assert_eq!(SlotView::table_in_use(&header(4, u32::MAX), TABLE_HEADER + 4 * SLOT_SIZE), Some(4));
+        // A table bigger than its file is refused.
+        assert_eq!(SlotView::table_in_use(&header(5, 1), TABLE_HEADER + 4 * SLOT_SIZE), None);
+        let mut bad = header(4, 1);
+        bad[0] ^= 1;
+        assert_eq!(SlotView::table_in_use(&bad, TABLE_BYTES), None);
     }
 }
