@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import procfs
+
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = REPO / "benchmarks" / "programs"
 PREFIX = "vmib"
@@ -1181,15 +1183,7 @@ class Harness:
                     self.error(name, f"{mode} rep {rep + 1}", str(e))
 
     # ---------------------------------------------------------------- 5. idle connections
-    @staticmethod
-    def proc_status_kb(pid: int, key: str) -> int | None:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        return None
+    proc_status_kb = staticmethod(procfs.status_kb)
 
     @staticmethod
     def cpu_seconds(pid: int) -> float | None:

@@ -5,6 +5,7 @@ held natively.
 
     sudo flock /tmp/vmi-bench.lock python3 benchmarks/harness/scale.py \\
         [--conns 1000,10000] [--procs 4] [--reps 2] [--idle 10] [--active 10] [--bin-dir DIR]
+        [--failover 30] [--failover-after 3] [--failover-wait 120]
 
 Two namespace hosts (scripts/topo.sh, prefix vmisc, networks 10.97.0/24 and 10.97.1/24), a
 vmi-agent in each, started afresh before every run (native runs too, so that both see the same
@@ -12,17 +13,30 @@ background). For each N, repetition and mode (native and layer alternating which
 
 * server: `programs/scale_conns.c server` in vmisc2, accepts and holds every connection;
 * clients: --procs `scale_conns client` processes in vmisc1, N/procs connections each (each
-  carries one byte when opened), all opening at once; above --per-server connections one
+  carries its 8-byte id when opened), all opening at once; above --per-server connections one
   server per client, each on its own port (the descriptor limit here is 20,000 and cannot be
-  raised); the client host's ephemeral port range is --port-range (default 1024-65000: the
-  layer binds each socket to a port of its own before connect, and the kernel's default
-  range holds 28,232);
+  raised); the client host's ephemeral port range is --port-range (default 1024-65000; the
+  kernel's default range holds 28,232 ports, for each destination since the layer no longer
+  binds before connect, but a rebuilt link is bound to its address before it dials the peer
+  node's agent, so after a failover each moved connection holds a port of its own);
 * phases, each read from /proc (VmRSS of /proc/PID/status, Pss of smaps_rollup, utime+stime
   of /proc/PID/stat, voluntary + involuntary context switches of every thread):
   before (after each client's warm-up connection), after set-up (1 s after the last client
   reported), idle (--idle seconds with nothing sent), active (--active seconds in which every
   connection sends 64 B once a second, spread evenly), and `vmictl status --json` timed in both
   hosts (--status-reps times each, after the idle phase);
+* failover (layered runs only: natively the connections of a network that goes down are lost,
+  there is nothing to compare): the connections send 64 B a second again for --failover
+  seconds; --failover-after seconds in, the client host's eth0 goes down (`ip -n vmisc1 link
+  set dev eth0 down`, the loud failure of tests/test_failover.py) and stays down until the
+  run ends. Measured: the first and the last connection moved, from the `failover` events
+  (one per rebuilt link, stamped by the agent, with the stall the process saw) that
+  `vmictl events --follow --json` shows in both hosts, and the time until `vmictl status
+  --json` in the client host shows every connection of the clients on 10.97.1/24 with its link
+  up (polled; then the server host must show the same); the agents' CPU over the phase;
+* bytes: at the end every client prints the bytes it sent, in all and per connection, and
+  each server those it received on the connections that closed; once the servers have seen
+  every connection close, both must match on every connection (natively too);
 * checks: every connection is virtual in the layered run (vmictl status: the clients' pids
   hold N + procs connections in vmisc1, the server's N + procs in vmisc2), none in the native
   run; the server host has N + procs established TCP connections on the port (`ss`).
@@ -47,6 +61,8 @@ import threading
 import time
 from pathlib import Path
 
+from procfs import cpu_s, ctxt, nfds, pss_kb, status_kb, threads
+
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = REPO / "benchmarks" / "programs"
 TOPO = REPO / "scripts" / "topo.sh"
@@ -56,7 +72,6 @@ CLIENT, SERVER = f"{PREFIX}1", f"{PREFIX}2"
 SERVER_IP = f"{NET0}.2"
 TARGET_PROGRAM_KIB = 16.0  # issue 17: memory per idle connection in the program
 TARGET_AGENT_KIB = 1.0     # ... and in the agent
-CLK = os.sysconf("SC_CLK_TCK")
 
 LIVE = []  # every Popen we started (each in its own session)
 
@@ -99,63 +114,6 @@ def topo(*args):
 
 
 # ------------------------------------------------------------------------------ /proc readings
-
-def status_kb(pid, key):
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def pss_kb(pid):
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def cpu_s(pid, tid=None):
-    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
-    try:
-        f = Path(path).read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / CLK
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def threads(pid):
-    """{tid: comm} of a process."""
-    out = {}
-    with contextlib.suppress(OSError):
-        for t in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                out[int(t)] = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
-    return out
-
-
-def ctxt(pid):
-    """Context switches (voluntary + involuntary) of every thread of a process."""
-    total = 0
-    for tid in threads(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-                if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
-                    total += int(line.split()[1])
-    return total
-
-
-def nfds(pid):
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return None
-
 
 def control_cpu(pid):
     """CPU seconds of the layer's control threads of a process (None: it has none)."""
@@ -285,6 +243,8 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
         env["LD_PRELOAD"] = str(bins["preload"])
         env["VMI_LOG"] = "warn"
     servers, clients = [], []
+    link_down = False
+    want = n + a.procs
     # One server holds everything, unless that is more than its descriptors allow: then one
     # server (own port) per client process.
     nsrv = 1 if n + a.procs <= a.per_server else a.procs
@@ -293,7 +253,7 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
         for j in range(nsrv):
             logf = open(logdir / f"server{j}-{tag}.log", "wb")
             servers.append(start(wrap(SERVER, [prog, "server", SERVER_IP, port + j]), env,
-                                 out=logf, err=subprocess.STDOUT))
+                                 out=subprocess.PIPE, err=logf, stdin=subprocess.PIPE))
             logf.close()
         for j, srv in enumerate(servers):
             deadline = time.monotonic() + 15
@@ -305,7 +265,8 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
         per = [n // a.procs + (1 if i < n % a.procs else 0) for i in range(a.procs)]
         for i, k in enumerate(per):
             errf = open(logdir / f"client{i}-{tag}.log", "wb")
-            clients.append(start(wrap(CLIENT, [prog, "client", SERVER_IP, port + i % nsrv, k]),
+            clients.append(start(wrap(CLIENT, [prog, "client", SERVER_IP, port + i % nsrv, k,
+                                               i]),
                                  env, out=subprocess.PIPE, err=errf, stdin=subprocess.PIPE))
             errf.close()
         for i, c in enumerate(clients):
@@ -393,21 +354,226 @@ def one(a, bins, agents, prog, mode, n, rep, port, logdir):
         res["active"] = act
         if any(j is None or j.get("errors") for j in act):
             res["errors"].append(f"active phase: {act}")
+        if mode == "layer" and a.failover > 0:
+            link_down = True
+            plain = dict(os.environ)
+            plain.pop("LD_PRELOAD", None)
+            failover(a, bins, agents, clients, servers, res, plain)
+        # The clients close: each says what it sent; the servers must have received as much,
+        # connection by connection, once they have seen every connection close.
         for c in clients:
             with contextlib.suppress(OSError):
                 c.stdin.close()
+        sent = [read_json_line(c, 60 + n / 1000) for c in clients]
+        res["sent"] = sent
         for c in clients:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 c.wait(timeout=30)
+        res["received"] = received(servers, want, timeout=60 + n / 1000)
+        check_bytes(res)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         res["errors"].append(f"{type(e).__name__}: {e}")
     finally:
+        if link_down:
+            set_link(CLIENT, "eth0", "up", res)
         for c in clients:
             stop(c)
         for srv in servers:
             stop(srv)
         agents.stop()
     return res
+
+
+def set_link(host, dev, state, res=None):
+    """`ip -n HOST link set dev DEV STATE` (as tests/helpers.py link_down / link_up)."""
+    r = subprocess.run(["ip", "-n", host, "link", "set", "dev", dev, state],
+                       capture_output=True, text=True, timeout=15)
+    if r.returncode != 0 and res is not None:
+        res["errors"].append(f"ip -n {host} link set dev {dev} {state}: {r.stderr.strip()}")
+    return r.returncode == 0
+
+
+class Follower:
+    """`vmictl events --follow --json` in a host: the failover and relink events (`ms`: wall
+    clock, as the agent stamps them), and how many events it missed (gaps in the sequence
+    numbers: a follower that falls more than the journal's 4,096 events behind)."""
+
+    def __init__(self, bins, host, env):
+        self.p = start(wrap(host, [bins["vmictl"], "events", "--follow", "--json"]), env,
+                       out=subprocess.PIPE)
+        self.events, self.missed, self.last_seq = [], 0, None
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            seq = e.get("seq")
+            if isinstance(seq, int):
+                if self.last_seq is not None and seq > self.last_seq + 1:
+                    self.missed += seq - self.last_seq - 1
+                self.last_seq = seq
+            if e.get("kind") in ("failover", "relink"):
+                self.events.append({k: e.get(k) for k in ("kind", "ms", "gid", "pid", "stall_ms",
+                                                          "side", "local", "replayed")})
+
+    def close(self):
+        stop(self.p)
+        self.t.join(5)
+
+
+def moved_counts(st, pids):
+    """(connections of `pids`, on network 1 with their link up, relinking, failed)."""
+    if not isinstance(st, dict):
+        return None
+    mine = [c for c in st.get("connections", []) if isinstance(c, dict) and c.get("pid") in pids]
+    on1 = sum(1 for c in mine if c.get("link") == "up"
+              and str(c.get("link_local") or "").startswith(NET1 + "."))
+    return (len(mine), on1, sum(1 for c in mine if c.get("link") == "relinking"),
+            sum(1 for c in mine if c.get("link") == "failed"))
+
+
+def failover(a, bins, agents, clients, servers, res, env):
+    """Network 0 of the client host goes down (`ip link set dev eth0 down` in it, the loud
+    failure of tests/test_failover.py) while every connection sends 64 B a second; how long
+    until every connection runs on network 1. The link stays down until the run's end."""
+    cpids = {c.pid for c in clients}
+    spids = {s.pid for s in servers}
+    want = res["opened"] + a.procs
+    _, st = agents.status(CLIENT)
+    mc = moved_counts(st, cpids)
+    res["failover_before"] = mc
+    if mc is not None:
+        res["failover_on_net0_before"] = sum(
+            1 for c in st.get("connections", []) if isinstance(c, dict) and c.get("pid") in cpids
+            and str(c.get("link_local") or "").startswith(NET0 + "."))
+    follow = {h: Follower(bins, h, env) for h in (CLIENT, SERVER)}
+    try:
+        time.sleep(1.0)
+        for c in clients:
+            c.stdin.write(f"active {a.failover}\n".encode())
+            c.stdin.flush()
+        time.sleep(a.failover_after)
+        t_down = time.time()
+        res["before_failover"] = sample({"agent_client": agents.procs[CLIENT].pid,
+                                         "agent_server": agents.procs[SERVER].pid})
+        t0 = time.monotonic()
+        if not set_link(CLIENT, "eth0", "down", res):
+            return
+        log(f"  eth0 of {CLIENT} down; {want} connections to move")
+        polls = []
+        deadline = t0 + a.failover_wait
+        done = None
+        while time.monotonic() < deadline:
+            ts = time.monotonic() - t0
+            _, st = agents.status(CLIENT)
+            te = time.monotonic() - t0
+            mc = moved_counts(st, cpids)
+            polls.append([round(ts, 3), round(te, 3), mc])
+            if mc is not None and mc[1] >= want:
+                done = te
+                break
+            if mc is not None and mc[2] == 0 and mc[1] + mc[3] >= want:
+                break  # no link still being rebuilt: the rest have failed
+            time.sleep(0.2)
+        res["failover_polls"] = polls
+        res["failover_all_moved_s"] = done
+        # The same from the servers' side.
+        _, st = agents.status(SERVER)
+        res["failover_server_side"] = moved_counts(st, spids)
+        if done is None:
+            last = polls[-1][2] if polls else None
+            res["errors"].append(f"failover: after {a.failover_wait:.0f} s {last} (connections, "
+                                 f"on {NET1}/24, relinking, failed) of {want}")
+        elif res["failover_server_side"] is None or res["failover_server_side"][1] < want:
+            res["errors"].append(f"failover: the server host shows {res['failover_server_side']}"
+                                 f" (connections, on {NET1}/24, relinking, failed) of {want}")
+        act = [read_json_line(c, a.failover + 60) for c in clients]
+        res["failover_active"] = act
+        res["after_failover"] = sample({"agent_client": agents.procs[CLIENT].pid,
+                                        "agent_server": agents.procs[SERVER].pid})
+        time.sleep(2.0)
+    finally:
+        for f in follow.values():
+            f.close()
+    ms0 = t_down * 1000
+    for h, short in ((CLIENT, "client"), (SERVER, "server")):
+        f = follow[h]
+        # (The follower first prints the journal's last events: only those after the link
+        # went down count.)
+        ev = [e for e in f.events if e["kind"] == "failover" and e["pid"] in (cpids | spids)
+              and (e.get("ms") or 0) >= ms0]
+        res[f"failover_events_before_{short}"] = sum(
+            1 for e in f.events if e["kind"] == "failover" and (e.get("ms") or 0) < ms0)
+        res[f"failover_events_{short}"] = len(ev)
+        res[f"failover_gids_{short}"] = len({e["gid"] for e in ev})
+        res[f"failover_missed_{short}"] = f.missed
+        res[f"relink_events_{short}"] = sum(1 for e in f.events if e["kind"] == "relink")
+        if ev:
+            ms = sorted(e["ms"] for e in ev)
+            stalls = sorted(e["stall_ms"] for e in ev if e.get("stall_ms") is not None)
+            res[f"failover_first_s_{short}"] = (ms[0] - ms0) / 1000
+            res[f"failover_last_s_{short}"] = (ms[-1] - ms0) / 1000
+            # When each tenth of them had moved (s after the link went down).
+            res[f"failover_deciles_s_{short}"] = [round((ms[min(len(ms) - 1, len(ms) * k // 10)]
+                                                         - ms0) / 1000, 3) for k in range(11)]
+            if stalls:
+                res[f"failover_stall_ms_{short}"] = {
+                    "min": stalls[0], "median": statistics.median(stalls), "max": stalls[-1]}
+            res[f"failover_sides_{short}"] = {s: sum(1 for e in ev if e.get("side") == s)
+                                              for s in ("dialer", "holder")}
+    errs = [j.get("errors", 0) if j else None for j in res.get("failover_active", [])]
+    res["failover_send_errors"] = None if None in errs else sum(errs)
+    log(f"  failover: first {res.get('failover_first_s_client')}, last "
+        f"{res.get('failover_last_s_client')} s (events, client host: "
+        f"{res.get('failover_gids_client')} connections, {res.get('failover_missed_client')} "
+        f"events missed), all on {NET1}/24 per vmictl after {done} s")
+
+
+def received(servers, want, timeout):
+    """The servers' counts once they have seen `want` connections close (or at `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = []
+        for srv in servers:
+            with contextlib.suppress(OSError):
+                srv.stdin.write(b"stats\n")
+                srv.stdin.flush()
+            got.append(read_json_line(srv, 30))
+        closed = sum(g["closed"] + g.get("failed", 0) for g in got if g)
+        if (None not in got and closed >= want) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def check_bytes(res):
+    """Bytes the clients sent against the bytes the servers received, in all and (through the
+    fingerprint, a sum over connections of a hash of id and count) connection by connection."""
+    sent, got = res.get("sent") or [], res.get("received") or []
+    if not sent or not got or None in sent or None in got:
+        res["errors"].append(f"bytes: a client or server did not report (sent {sent}, "
+                             f"received {got})")
+        res["bytes_equal"] = None
+        return
+    s_bytes = sum(j["bytes"] for j in sent)
+    s_conns = sum(j["conns"] for j in sent)
+    s_fp = sum(j["fingerprint"] for j in sent) % (1 << 64)
+    r_bytes = sum(j["closed_bytes"] for j in got)
+    r_conns = sum(j["closed"] for j in got)
+    r_fp = sum(j["fingerprint"] for j in got) % (1 << 64)
+    res["bytes_sent"], res["bytes_received"] = s_bytes, r_bytes
+    res["bytes_conns"] = [s_conns, r_conns]
+    res["bytes_equal"] = s_bytes == r_bytes and s_conns == r_conns and s_fp == r_fp
+    if not res["bytes_equal"]:
+        res["errors"].append(f"bytes: clients sent {s_bytes} on {s_conns} connections, servers "
+                             f"received {r_bytes} on {r_conns} closed ones (fingerprints "
+                             f"{'equal' if s_fp == r_fp else 'differ'}); received in all "
+                             f"{sum(j['bytes'] for j in got)}; "
+                             f"{sum(j.get('failed', 0) for j in got)} connections ended with an "
+                             "error in the servers")
 
 
 # ------------------------------------------------------------------------------ figures
@@ -463,6 +629,22 @@ def derive(r):
     f["control_threads"] = len(ctl)
     f["control_cpu_idle_pct"] = (100 * sum(x1 - x0 for x1, x0 in ctl) / didle) if ctl else None
     f["setup_s"] = r.get("setup_s")
+    f["bytes_equal"] = r.get("bytes_equal")
+    f["bytes_received_mib"] = (r["bytes_received"] / 2**20
+                               if r.get("bytes_received") is not None else None)
+    for k in ("failover_on_net0_before", "failover_first_s_client", "failover_last_s_client",
+              "failover_all_moved_s", "failover_gids_client", "failover_gids_server",
+              "failover_missed_client", "failover_send_errors"):
+        f[k] = r.get(k)
+    st = r.get("failover_stall_ms_client") or {}
+    f["failover_stall_median_ms"], f["failover_stall_max_ms"] = st.get("median"), st.get("max")
+    lates = [j.get("max_late_ms") for j in r.get("failover_active") or [] if j]
+    f["failover_max_late_ms"] = max(lates) if lates else None
+    if r.get("before_failover") and r.get("after_failover"):
+        b0, b1 = r["before_failover"], r["after_failover"]
+        dt = b1["_t"] - b0["_t"]
+        for ag in ("agent_client", "agent_server"):
+            f[f"{ag}_cpu_failover_pct"] = 100 * (b1[ag]["cpu_s"] - b0[ag]["cpu_s"]) / dt
     for h, short in ((CLIENT, "client"), (SERVER, "server")):
         t = r.get(f"status_s_{h}")
         f[f"status_ms_{short}"] = statistics.median(t) * 1000 if t else None
@@ -514,9 +696,34 @@ ROWS = [
     ("programs: context switches/s while idle", "programs_ctxt_idle_per_s", "{:.1f}"),
     ("layer's control threads: CPU while idle (%)", "control_cpu_idle_pct", "{:.2f}"),
     ("programs: CPU while active (%)", "programs_cpu_active_pct", "{:.1f}"),
-    ("set-up of all connections, 4 clients at once (s)", "setup_s", "{:.2f}"),
+    ("set-up of all connections, the clients at once (s)", "setup_s", "{:.2f}"),
     ("`vmictl status --json`, client host (ms)", "status_ms_client", "{:.0f}"),
     ("`vmictl status --json`, server host (ms)", "status_ms_server", "{:.0f}"),
+    ("bytes received by the servers (MiB)", "bytes_received_mib", "{:.1f}"),
+    ("bytes sent = received, every connection (after the close)", "bytes_equal", "yes/no"),
+    # The failover (layer only: natively a connection on a network that goes down is lost,
+    # so the native runs have no such phase).
+    ("failover: connections on network 0 when it went down", "failover_on_net0_before",
+     "layer {:.0f}"),
+    ("failover: first connection moved (s after the link went down)", "failover_first_s_client",
+     "layer {:.3f}"),
+    ("failover: last connection moved (s)", "failover_last_s_client", "layer {:.3f}"),
+    ("failover: all on network 1 per `vmictl status` (s, polled)", "failover_all_moved_s",
+     "layer {:.2f}"),
+    ("failover: connections with a failover event, client / server host",
+     ("failover_gids_client", "failover_gids_server"), "layer pair"),
+    ("failover: events the follower missed (client host)", "failover_missed_client",
+     "layer {:.0f}"),
+    ("failover: stall per connection as its process saw it, median (ms)",
+     "failover_stall_median_ms", "layer {:.0f}"),
+    ("failover: stall per connection, longest (ms)", "failover_stall_max_ms", "layer {:.0f}"),
+    ("failover: sends that failed", "failover_send_errors", "layer {:.0f}"),
+    ("failover: latest 10 ms send slot of the clients (ms late)", "failover_max_late_ms",
+     "layer {:.0f}"),
+    ("agent, client host: CPU during the failover phase (%)", "agent_client_cpu_failover_pct",
+     "layer {:.1f}"),
+    ("agent, server host: CPU during the failover phase (%)", "agent_server_cpu_failover_pct",
+     "layer {:.1f}"),
 ]
 
 
@@ -529,17 +736,35 @@ def report(runs, a):
     lines = [f"# {a.procs} client processes, N connections to one server; median (range) of "
              f"{a.reps} runs per cell", "", "| " + " | ".join(head) + " |",
              "|" + " --- |" * len(head)]
-    for label, key, fmt in ROWS:
+    for label, key, rowfmt in ROWS:
         cells = []
         for n in ns:
             for m in ("native", "layer"):
-                xs = [f.get(key) for f in figs.get((n, m), [])]
-                if fmt == "mib":
+                fs = figs.get((n, m), [])
+                fmt = rowfmt
+                if fmt.startswith("layer") and m == "native":
+                    cells.append("n/a")
+                    continue
+                if fmt == "layer pair":
+                    cells.append(" / ".join(med_range([f.get(k) for f in fs], "{:.0f}")
+                                            for k in key))
+                    continue
+                if fmt.startswith("layer "):
+                    fmt = fmt[6:]
+                xs = [f.get(key) for f in fs]
+                if fmt == "yes/no":
+                    xs = [x for x in xs if x is not None]
+                    cells.append("-" if not xs else
+                                 "yes" if all(xs) else f"**no** ({xs.count(False)} of {len(xs)})")
+                elif fmt == "mib":
                     cells.append(med_range([x / 1024 if x is not None else None for x in xs],
                                            "{:.1f}"))
                 else:
                     cells.append(med_range(xs, fmt))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("n/a: the failover is the layer's (natively the connections of a network that "
+                 "goes down are lost), so native runs have no failover phase.")
     lines.append("")
     for n in ns:
         lay = figs.get((n, "layer"), [])
@@ -628,6 +853,13 @@ def main():
                     help="most connections one server process holds (default 15000: the "
                     "descriptor limit here is 20,000 and cannot be raised without "
                     "CAP_SYS_RESOURCE); above it, one server per client process")
+    ap.add_argument("--failover", type=float, default=30.0,
+                    help="layered runs: seconds of sending (64 B/s per connection) in the failover "
+                    "phase, eth0 of the client host going down --failover-after seconds in "
+                    "(default 30; 0: no failover phase)")
+    ap.add_argument("--failover-after", type=float, default=3.0)
+    ap.add_argument("--failover-wait", type=float, default=120.0,
+                    help="longest wait for every connection to be on network 1 (default 120 s)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -656,6 +888,7 @@ def main():
             "git": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
                                   capture_output=True, text=True).stdout.strip(),
             "loadavg_before": os.getloadavg(), "args": {k: str(v) for k, v in vars(a).items()},
+            "vmi_env": {k: v for k, v in os.environ.items() if k.startswith("VMI_")},
             "nofile": list(__import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE))}
     agents = None
     try:
