@@ -25,8 +25,8 @@ background). For each N, repetition and mode (native and layer alternating which
   reported), idle (--idle seconds with nothing sent), active (--active seconds in which every
   connection sends 64 B once a second, spread evenly), and `vmictl status --json` timed in both
   hosts (--status-reps times each, after the idle phase);
-* failover (layered runs only: natively the connections of a network that goes down are lost,
-  there is nothing to compare): the connections send 64 B a second again for --failover
+* failover (layered runs only: natively a TCP connection cannot move to another network, it
+  stalls until its own comes back or it times out; there is nothing to compare): the connections send 64 B a second again for --failover
   seconds; --failover-after seconds in, the client host's eth0 goes down (`ip -n vmisc1 link
   set dev eth0 down`, the loud failure of tests/test_failover.py) and stays down until the
   run ends. Measured: the first and the last connection moved, from the `failover` events
@@ -701,8 +701,8 @@ ROWS = [
     ("`vmictl status --json`, server host (ms)", "status_ms_server", "{:.0f}"),
     ("bytes received by the servers (MiB)", "bytes_received_mib", "{:.1f}"),
     ("bytes sent = received, every connection (after the close)", "bytes_equal", "yes/no"),
-    # The failover (layer only: natively a connection on a network that goes down is lost,
-    # so the native runs have no such phase).
+    # The failover (layer only: natively a TCP connection cannot move to another network, so
+    # the native runs have no such phase).
     ("failover: connections on network 0 when it went down", "failover_on_net0_before",
      "layer {:.0f}"),
     ("failover: first connection moved (s after the link went down)", "failover_first_s_client",
@@ -763,8 +763,8 @@ def report(runs, a):
                     cells.append(med_range(xs, fmt))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("n/a: the failover is the layer's (natively the connections of a network that "
-                 "goes down are lost), so native runs have no failover phase.")
+    lines.append("n/a: native runs have no failover phase (natively a TCP connection cannot "
+                 "move to another network: it stalls until its own comes back or it times out).")
     lines.append("")
     for n in ns:
         lay = figs.get((n, "layer"), [])
