@@ -157,7 +157,7 @@ impl Directory {
         let now = e.at;
         // Expired entries go at most once per 1/64 of the time to live (a sweep of every
         // entry at each announcement would cost O(n) per connection at 100,000 pending).
-        if self.swept.map_or(true, |t| now.saturating_duration_since(t) > PENDING_TTL / 64) {
+        if self.swept.is_none_or(|t| now.saturating_duration_since(t) > PENDING_TTL / 64) {
             self.expected.retain(|_, x| now.saturating_duration_since(x.at) < PENDING_TTL);
             self.unbound.retain(|_, x| now.saturating_duration_since(x.1.at) < UNBOUND_TTL);
             self.swept = Some(now);

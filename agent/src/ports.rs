@@ -47,7 +47,7 @@ impl Ports {
     pub fn route(&self, gid: u128, agent: SocketAddr) {
         let now = Instant::now();
         let mut r = self.routes.lock().unwrap_or_else(|e| e.into_inner());
-        if r.swept.map_or(true, |t| now.saturating_duration_since(t) > UNBOUND_TTL) {
+        if r.swept.is_none_or(|t| now.saturating_duration_since(t) > UNBOUND_TTL) {
             r.to.retain(|_, (_, at)| now.saturating_duration_since(*at) < UNBOUND_TTL);
             r.swept = Some(now);
         }
