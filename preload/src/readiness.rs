@@ -54,6 +54,18 @@ impl FdBits {
         }
     }
 
+    /// Calls `f` with every descriptor whose bit is set, lowest first.
+    pub(crate) fn each(&self, mut f: impl FnMut(c_int)) {
+        for (i, w) in self.0.iter().enumerate() {
+            let mut bits = w.load(SeqCst);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                f((i * 64 + b) as c_int);
+                bits &= bits - 1;
+            }
+        }
+    }
+
     pub(crate) fn clear(&self, fd: c_int) {
         if let Some((w, b)) = self.at(fd) {
             if w.load(Relaxed) & b != 0 {

@@ -235,6 +235,10 @@ impl Vc {
         event: impl FnOnce() -> Option<libc::epoll_event>,
         forward: impl FnOnce() -> Result<i32, Errno>,
     ) -> Result<i32, Errno> {
+        if op != libc::EPOLL_CTL_DEL {
+            // (Noted before the call: a link rebuilt meanwhile must look at this instance.)
+            relink::note_epfd(epfd);
+        }
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
         if p.parked {
             let i = p.regs.iter().position(|r| r.0 == epfd && r.1 == fd);

@@ -7,6 +7,57 @@ use super::*;
 /// (epoll fd, fd, events, data).
 pub type EpollReg = (i32, i32, u32, u64);
 
+/// Epoll instances of this process: every one found by the first look through all its
+/// descriptors, and every one the program registered a virtual connection with since
+/// ([`note_epfd`], from its `epoll_ctl` calls). A rebuilt link then reads the `fdinfo` of
+/// these only, not a link name per descriptor of the process: with N connections per
+/// process a failover of them all would otherwise cost O(N²) system calls. Inherited with
+/// the memory at `fork` (so are the instances); an exec starts with a look through all.
+static EPFDS: crate::readiness::FdBits = crate::readiness::FdBits::new();
+/// The first look was made.
+static LOOKED: AtomicBool = AtomicBool::new(false);
+/// An epoll instance beyond the bitmap was registered with: look through all every time.
+static BEYOND: AtomicBool = AtomicBool::new(false);
+
+/// The program registered a virtual connection with epoll instance `epfd`.
+pub(crate) fn note_epfd(epfd: i32) {
+    if epfd >= 0 && (epfd as usize) < crate::readiness::EPFD_BITS {
+        EPFDS.set(epfd);
+    } else {
+        BEYOND.store(true, Relaxed);
+    }
+}
+
+fn is_epoll(fd: i32) -> bool {
+    std::fs::read_link(format!("/proc/self/fd/{fd}")).is_ok_and(|l| l.as_os_str() == "anon_inode:[eventpoll]")
+}
+
+/// The epoll instances to look at for a rebuilt link.
+fn epoll_instances() -> Vec<i32> {
+    let mut out = Vec::new();
+    if LOOKED.load(Acquire) && !BEYOND.load(Relaxed) {
+        EPFDS.each(|fd| out.push(fd));
+        out.retain(|&fd| {
+            let yes = is_epoll(fd);
+            if !yes {
+                EPFDS.clear(fd);
+            }
+            yes
+        });
+        return out;
+    }
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return out };
+    for e in dir.flatten() {
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if is_epoll(fd) {
+            note_epfd(fd);
+            out.push(fd);
+        }
+    }
+    LOOKED.store(true, Release);
+    out
+}
+
 /// The epoll registrations of the sockets under `fds`, read from `/proc/self/fdinfo` (the
 /// kernel lists every epoll instance's targets with their events, data and inode), so the
 /// program's `epoll_ctl` calls cost nothing extra.
@@ -18,12 +69,7 @@ pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
         }
     }
     let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return out };
-    for e in dir.flatten() {
-        let Some(epfd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        if !std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == "anon_inode:[eventpoll]") {
-            continue;
-        }
+    for epfd in epoll_instances() {
         let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };
         for t in substrate::procfs::parse_epoll_fdinfo(&info) {
             if inos.iter().any(|&(f, i)| f == t.fd && t.ino.is_none_or(|x| x == i)) {

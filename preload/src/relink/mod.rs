@@ -45,7 +45,7 @@ pub mod relisten;
 mod swap;
 
 pub use epoll::EpollReg;
-pub(crate) use epoll::{epoll_attach, epoll_detach};
+pub(crate) use epoll::{epoll_attach, epoll_detach, note_epfd};
 use freeze::*;
 pub use freeze::{thaw_name, FROZEN};
 pub use handshake::MOVED;
