@@ -522,7 +522,8 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
-            Msg::Locate { gid } => crate::registry::locate(gid),
+            // (Other users see only their own connections: they ask the nodes.)
+            Msg::Locate { gid } if Asker::local(&s).may_run_node() => crate::registry::locate(gid),
             Msg::GridStatus => crate::hier::grid_status(agent, Asker::local(&s)),
             Msg::WatchCluster { to, follow } => {
                 return crate::cluster::watch(agent, Asker::local(&s), s, &to, follow)

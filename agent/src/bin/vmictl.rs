@@ -108,8 +108,8 @@ const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
 
   where GID      on which node(s) and in which process(es) connection GID lives now:
                  from the cluster directory when the agent keeps one (vmi-agent
-                 --directory) and it lists the connection, else asked of every node this
-                 node's agent knows
+                 --directory), the user is root and it lists the connection, else asked
+                 of every node this node's agent knows
   --json         a JSON array of the connection's ends, each with its node";
 
 const USAGE_EVENTS: &str =
