@@ -37,6 +37,9 @@ APT_PACKAGES=(
     mandoc
     systemd
     chromium
+    etcd-server
+    etcd-client
+    protobuf-compiler
 )
 
 missing=()
@@ -77,6 +80,13 @@ if command -v systemctl >/dev/null 2>&1; then
     systemctl disable ssh >/dev/null 2>&1 || true
 fi
 service ssh stop >/dev/null 2>&1 || true
+
+# And etcd on 127.0.0.1:2379 (the directory tests start their own cluster).
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop etcd >/dev/null 2>&1 || true
+    systemctl disable etcd >/dev/null 2>&1 || true
+fi
+service etcd stop >/dev/null 2>&1 || true
 
 # Python packages, for whichever python3 comes first on PATH.
 PY=python3

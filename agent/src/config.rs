@@ -31,7 +31,7 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 15] = [
+pub const KEYS: [&str; 17] = [
     "key",
     "peers",
     "head",
@@ -46,8 +46,100 @@ pub const KEYS: [&str; 15] = [
     "probe-interval",
     "dead-after",
     "sweep-every",
+    "directory",
+    "directory-ttl",
     "log",
 ];
+
+/// Most etcd endpoints of a directory.
+pub const MAX_ENDPOINTS: usize = 16;
+/// Longest lease time to live of the directory, seconds.
+pub const MAX_DIRECTORY_TTL_S: u64 = 3600;
+
+/// Where the cluster's directory is kept: nowhere (each agent knows what it sees, the
+/// default), or in etcd.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DirectorySpec {
+    /// No directory.
+    #[default]
+    Off,
+    /// etcd at these `HOST:PORT` endpoints.
+    Etcd(Vec<String>),
+}
+
+impl DirectorySpec {
+    /// The endpoints as the etcd client takes them (`http://HOST:PORT`).
+    pub fn urls(&self) -> Vec<String> {
+        match self {
+            DirectorySpec::Off => Vec::new(),
+            DirectorySpec::Etcd(e) => e.iter().map(|h| format!("http://{h}")).collect(),
+        }
+    }
+}
+
+impl FromStr for DirectorySpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let form = "etcd://HOST:PORT[,HOST:PORT..], e.g. etcd://10.0.0.5:2379,10.0.0.6:2379 (or off)";
+        if s == "off" {
+            return Ok(DirectorySpec::Off);
+        }
+        let Some(rest) = s.strip_prefix("etcd://") else {
+            return Err(format!("{s:?}: not an etcd directory; the form is {form}"));
+        };
+        let mut out = Vec::new();
+        for e in rest.split(',') {
+            let e = e.trim();
+            let (host, port) = match e.rsplit_once(':') {
+                Some((h, p)) if !h.is_empty() => (h, p),
+                _ => return Err(format!("{s:?}: endpoint {e:?} has no HOST:PORT ({form})")),
+            };
+            let port: u16 = port.parse().map_err(|_| {
+                format!("{s:?}: endpoint {e:?}: port {port:?} is not a number from 1 to 65535 ({form})")
+            })?;
+            let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+            let host_ok = bare.parse::<IpAddr>().is_ok()
+                || (bare.len() <= 253
+                    && bare.split('.').all(|l| {
+                        !l.is_empty()
+                            && l.len() <= 63
+                            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    }));
+            if port == 0 || !host_ok || (bare != host && bare.parse::<std::net::Ipv6Addr>().is_err()) {
+                return Err(format!(
+                    "{s:?}: endpoint {e:?}: HOST is a name or an address and PORT 1 to 65535 ({form})"
+                ));
+            }
+            out.push(e.to_string());
+        }
+        if out.len() > MAX_ENDPOINTS {
+            return Err(format!("{s:?}: at most {MAX_ENDPOINTS} endpoints"));
+        }
+        Ok(DirectorySpec::Etcd(out))
+    }
+}
+
+impl fmt::Display for DirectorySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DirectorySpec::Off => f.write_str("off"),
+            DirectorySpec::Etcd(e) => write!(f, "etcd://{}", e.join(",")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DirectorySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for DirectorySpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
 
 /// Where Prometheus metrics are served: nowhere, or at an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,6 +326,10 @@ pub struct Layer {
     pub dead_after: Option<u64>,
     /// Period of the `/dev/shm` sweep, ms.
     pub sweep_every: Option<u64>,
+    /// The cluster's directory (etcd).
+    pub directory: Option<DirectorySpec>,
+    /// The directory lease's time to live, seconds.
+    pub directory_ttl: Option<u64>,
     /// Log filter (tracing's `EnvFilter` syntax: `error`, `warn`, `info`, `debug`, ...).
     pub log: Option<String>,
 }
@@ -273,6 +369,10 @@ pub struct Settings {
     pub dead_after: u64,
     /// Period of the `/dev/shm` sweep, ms.
     pub sweep_every: u64,
+    /// The cluster's directory.
+    pub directory: DirectorySpec,
+    /// The directory lease's time to live, seconds.
+    pub directory_ttl: u64,
     /// Log filter.
     pub log: String,
 }
@@ -367,6 +467,8 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             "--probe-interval" => l.probe_interval = Some(value(&flag, &val()?)?),
             "--dead-after" => l.dead_after = Some(value(&flag, &val()?)?),
             "--sweep-every" => l.sweep_every = Some(value(&flag, &val()?)?),
+            "--directory" => l.directory = Some(value(&flag, &val()?)?),
+            "--directory-ttl" => l.directory_ttl = Some(value(&flag, &val()?)?),
             "--log" => l.log = Some(val()?),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -555,6 +657,15 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         pick("dead-after", &cli.dead_after, None, file, &f.dead_after, DEFAULT_DEAD_AFTER_MS);
     let (sweep_every, sw_from) =
         pick("sweep-every", &cli.sweep_every, None, file, &f.sweep_every, DEFAULT_SWEEP_EVERY_MS);
+    let (directory, _) = pick("directory", &cli.directory, None, file, &f.directory, DirectorySpec::Off);
+    let (directory_ttl, ttl_from) = pick(
+        "directory-ttl",
+        &cli.directory_ttl,
+        None,
+        file,
+        &f.directory_ttl,
+        crate::registry::DEFAULT_TTL_S,
+    );
     let (log, log_from) = pick("log", &cli.log, env_log, file, &f.log, DEFAULT_LOG.into());
     if key.as_os_str().is_empty() {
         return Err("key: an empty path".into());
@@ -592,6 +703,11 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     if grid.len() > MAX_GRID {
         return Err(format!("grid ({grid_from}): at most {MAX_GRID} entries"));
     }
+    if !(2..=MAX_DIRECTORY_TTL_S).contains(&directory_ttl) {
+        return Err(format!(
+            "directory-ttl {directory_ttl} ({ttl_from}): from 2 to {MAX_DIRECTORY_TTL_S} seconds (the agent renews its lease every third of it)"
+        ));
+    }
     if sweep_every == 0 {
         return Err(format!("sweep-every 0 ({sw_from}): must be at least 1 ms"));
     }
@@ -620,6 +736,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         probe_interval,
         dead_after,
         sweep_every,
+        directory,
+        directory_ttl,
         log,
     })
 }
@@ -634,6 +752,34 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn directory_values() {
+        let d: DirectorySpec = "etcd://10.0.0.1:2379,etcd1:2379,[::1]:2379".parse().unwrap();
+        assert_eq!(d.urls(), vec!["http://10.0.0.1:2379", "http://etcd1:2379", "http://[::1]:2379"]);
+        assert_eq!(d.to_string(), "etcd://10.0.0.1:2379,etcd1:2379,[::1]:2379");
+        assert_eq!("off".parse::<DirectorySpec>().unwrap(), DirectorySpec::Off);
+        for bad in [
+            "etcd:/x:1",
+            "http://10.0.0.1:2379",
+            "etcd://",
+            "etcd://h",
+            "etcd://h:0",
+            "etcd://h:99999",
+            "etcd://a b:1",
+            "etcd://h:1,",
+            "etcd://[zz]:1",
+        ] {
+            assert!(bad.parse::<DirectorySpec>().is_err(), "{bad}");
+        }
+        assert!(resolve(&args(&["--directory-ttl", "1"]).unwrap().layer, no_env, &File::default()).is_err());
+        let s =
+            resolve(&args(&["--directory", "etcd://h:1"]).unwrap().layer, no_env, &File::default()).unwrap();
+        assert_eq!(
+            (s.directory_ttl, s.directory.urls()),
+            (crate::registry::DEFAULT_TTL_S, vec!["http://h:1".to_string()])
+        );
+    }
 
     fn args(a: &[&str]) -> Result<Cli, String> {
         parse_args(a.iter().map(|s| s.to_string()))
@@ -826,7 +972,10 @@ log = "debug"
         for k in KEYS {
             let v = match k {
                 "peers" | "head" | "grid" => format!("{k} = []"),
-                "port" | "probe-interval" | "dead-after" | "sweep-every" => format!("{k} = 1"),
+                "port" | "probe-interval" | "dead-after" | "sweep-every" | "directory-ttl" => {
+                    format!("{k} = 1")
+                }
+                "directory" => format!("{k} = \"etcd://10.0.0.1:2379\""),
                 "bind" => format!("{k} = \"127.0.0.1\""),
                 "metrics" | "web" => format!("{k} = \"off\""),
                 _ => format!("{k} = \"x\""),

@@ -185,6 +185,7 @@ impl Events {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.insert(gid, active);
                     }
+                    crate::registry::hold(gid, active, pid);
                     // A process holding it here again (back after a failed checkpoint, or
                     // restored on this node).
                     self.moving().remove(&gid);
@@ -215,8 +216,9 @@ impl Events {
                     );
                 }
                 Ok((Msg::Release { gid }, _)) => {
-                    if let Some(c) = self.lock().get_mut(&id) {
-                        c.holds.remove(&gid);
+                    let side = self.lock().get_mut(&id).and_then(|c| c.holds.remove(&gid));
+                    if let Some(active) = side {
+                        crate::registry::release(gid, active, true);
                     }
                     self.journal.record(
                         "closed",
@@ -238,7 +240,11 @@ impl Events {
         }
         let gone = self.lock().remove(&id);
         if let Some(c) = gone {
-            for gid in c.holds.keys() {
+            // Frozen for a checkpoint: the node it is restored on takes its records over.
+            let moving =
+                matches!(self.frozen.lock().unwrap_or_else(|e| e.into_inner()).get(&pid), Some(None));
+            for (gid, active) in &c.holds {
+                crate::registry::release(*gid, *active, !moving);
                 self.journal.record(
                     "closed",
                     Some(pid),

@@ -18,6 +18,7 @@
 //! * [`events`]: each process's event channel (path changes, rebuilt links handed over).
 //! * [`journal`]: the node's events (`vmictl events`).
 //! * [`status`]: the processes' statistics tables and the JSON report.
+//! * [`registry`]: the cluster directory in etcd (`--directory`), on a thread of its own.
 //! * [`sweep`]: shared-memory offers left by processes that died before they were taken.
 //! * [`mesh`]: the cluster key, the encrypted agent channel, sealed heartbeats.
 //! * [`metrics`]: Prometheus metrics (`--metrics`).
@@ -40,6 +41,7 @@ pub mod notify;
 pub mod paths;
 pub mod peer;
 pub mod ports;
+pub mod registry;
 pub mod relinks;
 pub mod status;
 pub mod sweep;

@@ -182,7 +182,7 @@ impl Agent {
     /// answer's `alias` then names the address to connect to instead).
     pub fn expect_here(&self, a: Announce) -> Msg {
         let fwd = self.dir.lock().unwrap_or_else(|e| e.into_inner()).forward_for(a.dst).cloned();
-        let Some(f) = fwd else { return self.expect_local(a) };
+        let Some(f) = fwd.map(crate::registry::follow) else { return self.expect_local(a) };
         let Announce { src, dst, gid, secret, window, aim, agents } = a;
         // The agent address of the new node on the network `dst` is on, if it has one.
         let ifaces = net::interfaces();
@@ -496,7 +496,10 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                             info!("local client {id} closed: {e}");
                         }
                     }
-                    agent.dir.lock().unwrap_or_else(|e| e.into_inner()).drop_owner(id);
+                    let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
+                    d.drop_owner(id);
+                    crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
+                    drop(d);
                     agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
                     agent.events.client_gone(id);
                 });
@@ -528,7 +531,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Listen { addr, window } => {
                 debug!("listener {addr} (client {id})");
-                agent.dir.lock().unwrap_or_else(|e| e.into_inner()).listen(addr, window, id);
+                let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
+                d.listen(addr, window, id);
+                crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
                 Msg::Ok
             }
             Msg::Bound { ports } => {
@@ -537,7 +542,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 continue;
             }
             Msg::Unlisten { addr } => {
-                agent.dir.lock().unwrap_or_else(|e| e.into_inner()).unlisten(addr, id);
+                let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
+                d.unlisten(addr, id);
+                crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
                 Msg::Ok
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
@@ -545,6 +552,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 if let (Msg::Virtual { alias, gid, .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
                     let gid = *gid;
                     agent.events.hold(id, pid, gid, true);
+                    crate::registry::hold(gid, true, pid);
                     let peer = if *alias != NO_ADDR { *alias } else { dst };
                     agent.journal.record(
                         "connection",
@@ -560,6 +568,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let found = agent.accepted(local, peer);
                 if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
                     agent.events.hold(id, pid, e.gid, false);
+                    crate::registry::hold(e.gid, false, pid);
                     agent.journal.record(
                         "connection",
                         Some(pid),
@@ -584,6 +593,8 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
+            // (Other users see only their own connections: they ask the nodes.)
+            Msg::Locate { gid } if Asker::local(&s).may_run_node() => crate::registry::locate(gid),
             Msg::GridStatus => crate::hier::grid_status(agent, Asker::local(&s)),
             Msg::WatchCluster { to, follow } => {
                 return crate::cluster::watch(agent, Asker::local(&s), s, &to, follow)
@@ -639,6 +650,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     Some(pid),
                     serde_json::json!({ "phase": "moved away", "to": to.iter().map(|a| a.to_string()).collect::<Vec<_>>() }),
                 );
+                crate::registry::moved(listeners.clone(), to.clone());
                 for l in listeners {
                     info!("listener {l} of process {pid} moved to the node at {to:?}");
                     d.forward(l, to.clone());

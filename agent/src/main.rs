@@ -18,7 +18,8 @@ const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B.
                  [--grid NAME=HEADADDR@KEYFILE].. [--metrics ADDR:PORT|off]
                  [--web ADDR:PORT|PORT|off] [--web-token FILE]
                  [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
-                 [--probe-interval MS] [--dead-after MS] [--sweep-every MS] [--log FILTER]
+                 [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
+                 [--directory etcd://HOST:PORT,..] [--directory-ttl S] [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
        vmi-agent --check-config [--config FILE] [flags as above]
        vmi-agent --help | --version
@@ -79,6 +80,14 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
   --sweep-every MS  how often /dev/shm is searched for shared-memory offers whose process
                  died before the peer took them; they are removed (sweep-every = MS;
                  default 30000)
+  --directory etcd://HOST:PORT[,HOST:PORT..]  keep the cluster's directory in etcd
+                 (directory = \"etcd://...\"; default off): this node under a lease its agent
+                 keeps alive, its networks and listeners, where each connection's ends live;
+                 a moved listener is looked up there first (at most 300 ms). etcd down or
+                 slow never stops connections: the agent goes on with what it knows and
+                 registers again when etcd is back
+  --directory-ttl S  the directory lease's time to live, seconds (directory-ttl = S;
+                 default 10, 2 to 3600): a dead node's entries go within it
   --log FILTER   log level or tracing filter: error, warn, info, debug (log = \"FILTER\";
                  $VMI_LOG overrides the file; default info)
   -h, --help     this text;  -V, --version  the version
@@ -250,6 +259,23 @@ fn run(args: Settings) {
         );
     }
     agent::hier::push_forever(agent.clone());
+    if args.directory != config::DirectorySpec::Off {
+        let health = agent.health.clone();
+        let name = node.clone();
+        let cfg = agent::registry::Config {
+            endpoints: args.directory.urls(),
+            ttl_s: args.directory_ttl,
+            cluster_id: agent.key.cluster_id,
+            node: node.clone(),
+            describe: Box::new(move || agent::registry::describe(&name, health.advertised())),
+            journal: agent.journal.clone(),
+        };
+        info!("cluster directory in etcd at {} (lease {} s)", args.directory, args.directory_ttl);
+        if let Err(e) = agent::registry::start(cfg) {
+            error!("{e}");
+            std::process::exit(1);
+        }
+    }
     if let Metrics::At(m) = args.metrics {
         if let Err(e) = agent::metrics::serve(agent.clone(), m) {
             error!("{e} (`metrics` chooses another address, or off)");

@@ -239,6 +239,8 @@ struct Report {
     connections: Vec<ConnJson>,
     mesh: serde_json::Value,
     web: serde_json::Value,
+    /// The cluster directory (`null`: none configured).
+    directory: serde_json::Value,
 }
 
 /// The JSON status report; with `only`, the processes, connections and listeners of that
@@ -330,6 +332,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
             "refused": agent.refusals.json(),
         }),
         web: agent.web.get().cloned().unwrap_or(serde_json::Value::Null),
+        directory: crate::registry::status_json(),
     })
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

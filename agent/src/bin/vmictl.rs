@@ -106,8 +106,10 @@ const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID s
 
 const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
 
-  where GID      on which node(s) and in which process(es) connection GID lives now,
-                 asked of every node this node's agent knows
+  where GID      on which node(s) and in which process(es) connection GID lives now:
+                 from the cluster directory when the agent keeps one (vmi-agent
+                 --directory), the user is root and it lists the connection, else asked
+                 of every node this node's agent knows
   --json         a JSON array of the connection's ends, each with its node";
 
 const USAGE_EVENTS: &str =
@@ -309,6 +311,47 @@ fn print_table(v: &Value) {
             if c["error"].as_u64().unwrap_or(0) != 0 { "  BROKEN" } else { "" },
         );
     }
+}
+
+/// `vmictl where GID` answered by the cluster directory, when the agent has one and it
+/// lists the connection (the program ends here); otherwise nothing is printed and the
+/// caller asks the nodes.
+fn where_from_directory(socket: &str, gid: &str, json: bool) {
+    let Ok(g) = u128::from_str_radix(gid, 16) else { return };
+    let mut s = connect(socket);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if write_msg(&mut s, &Msg::Locate { gid: g }).is_err() {
+        return;
+    }
+    let Ok(Msg::StatusReply { json: text }) = read_msg(&mut s) else { return };
+    let Ok(v) = serde_json::from_str::<Value>(&text) else { return };
+    let ends = v["ends"].as_array().cloned().unwrap_or_default();
+    if ends.is_empty() {
+        return;
+    }
+    if json {
+        let out: Vec<Value> = ends
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "node": e["node"], "pid": e["pid"], "direction": e["side"],
+                    "agents": e["agents"], "source": "directory", "lookup_us": v["lookup_us"],
+                })
+            })
+            .collect();
+        println!("{}", Value::Array(out));
+    } else {
+        for e in &ends {
+            println!(
+                "node {:<16} pid {:>7}  {:<3} (cluster directory, {} us)",
+                e["node"].as_str().unwrap_or(""),
+                e["pid"],
+                e["side"].as_str().unwrap_or(""),
+                v["lookup_us"]
+            );
+        }
+    }
+    std::process::exit(0);
 }
 
 /// Every end of connection `gid` in a cluster report, with its node.
@@ -699,6 +742,9 @@ fn main() {
             usage_error(name, "--cluster goes with status, events and net");
         }
         cmd = Msg::ClusterStatus;
+    }
+    if let (Some(gid), None) = (&whereis, &node) {
+        where_from_directory(&socket, gid, json);
     }
     let target = node.clone();
     if let Some(to) = node {

@@ -284,6 +284,12 @@ pub enum Msg {
     },
     /// `vmictl` → agent: the status of every node this agent knows, as one JSON report.
     ClusterStatus,
+    /// `vmictl` → agent: where the ends of connection `gid` live, by the cluster directory
+    /// (answered with a `StatusReply`, or an `Error` when no directory answers).
+    Locate {
+        /// The connection.
+        gid: u128,
+    },
     /// `vmictl` → agent: the node's events after number `after`, each as a `Happened`; then
     /// `Ok`, or (with `follow`) every later event as it happens.
     Watch {
@@ -579,6 +585,7 @@ impl Msg {
             Msg::Remote { .. } => "Remote",
             Msg::AsUser { .. } => "AsUser",
             Msg::ClusterStatus => "ClusterStatus",
+            Msg::Locate { .. } => "Locate",
             Msg::Watch { .. } => "Watch",
             Msg::Happened { .. } => "Happened",
             Msg::Relinked { .. } => "Relinked",
@@ -772,6 +779,10 @@ impl Msg {
                 w.bytes(cmd);
             }
             Msg::ClusterStatus => w.u8(37),
+            Msg::Locate { gid } => {
+                w.u8(90);
+                w.u128(*gid);
+            }
             Msg::Watch { after, follow } => {
                 w.u8(38);
                 w.u64(*after);
@@ -925,6 +936,7 @@ impl Msg {
             35 => Msg::Remote { to: r.str()?, cmd: r.bytes()? },
             36 => Msg::AsUser { uid: r.u32()?, cmd: r.bytes()? },
             37 => Msg::ClusterStatus,
+            90 => Msg::Locate { gid: r.u128()? },
             38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
             39 => Msg::Happened { json: r.str()? },
             40 => Msg::Journal { after: r.u64()? },
@@ -1021,6 +1033,7 @@ mod tests {
             Msg::Remote { to: "n2".into(), cmd: Msg::Status.encode() },
             Msg::AsUser { uid: 25, cmd: Msg::Net { name: "eth1".into(), up: true }.encode() },
             Msg::ClusterStatus,
+            Msg::Locate { gid: 0xfeed },
             Msg::Watch { after: 26, follow: true },
             Msg::Happened { json: "{}".into() },
             Msg::Journal { after: 27 },

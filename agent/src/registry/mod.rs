@@ -1,0 +1,704 @@
+//! The cluster directory in etcd (`--directory etcd://HOST:PORT,..`): off unless asked for.
+//!
+//! One thread of its own runs the etcd client on a current-thread tokio runtime; the rest of
+//! the agent talks to it through a channel and never waits on etcd: writes are queued and
+//! done in the background, a lookup waits at most [`LOOKUP_BOUND`] and then falls back to
+//! what the agent knows. The thread keeps a mirror of what this node put there (its
+//! listeners, the ends of connections its processes hold, the listeners that moved away
+//! from it), so that when etcd comes back after an outage, or the node's lease ended, it
+//! registers again under a new lease and writes the mirror anew.
+//!
+//! ```text
+//!  local.rs / events.rs ──Cmd──► [registry thread: tokio current-thread]
+//!        (listen, hold,           ├─ lease: grant, keep alive every ttl/3
+//!         release, moved)         ├─ puts and deletes, CAS on mod_revision for a moved GID
+//!  expect_here ──Lookup──►        ├─ watch on node/ → NodeCache → journal (joined, left)
+//!        ◄── answer within 300 ms └─ Status (for `vmictl status`)
+//! ```
+//! Without the option nothing here runs: every function below returns at once.
+
+pub mod record;
+
+use crate::journal::Journal;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, DeleteOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions,
+};
+use record::{NodeCache, NodeChange, NodeRec, PlaceRec};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+/// Longest a lookup waits for the directory before the agent goes on without it.
+pub const LOOKUP_BOUND: Duration = Duration::from_millis(300);
+/// Default lease time to live, seconds.
+pub const DEFAULT_TTL_S: u64 = 10;
+/// Longest one etcd request may take before the session counts as broken.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Wait between two attempts to reach etcd (doubling up to [`MAX_BACKOFF`]).
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Operations per transaction when the mirror is written anew.
+const BATCH: usize = 64;
+
+/// What the directory thread needs to start.
+pub struct Config {
+    /// etcd endpoints (`http://HOST:PORT`).
+    pub endpoints: Vec<String>,
+    /// Lease time to live, seconds.
+    pub ttl_s: u64,
+    /// The cluster id (prefix of every key).
+    pub cluster_id: u16,
+    /// This node's name.
+    pub node: String,
+    /// This node's record as it is now (asked at every registration).
+    pub describe: Box<dyn Fn() -> NodeRec + Send>,
+    /// The node's journal.
+    pub journal: Arc<Journal>,
+}
+
+enum Cmd {
+    Listeners(BTreeSet<SocketAddr>),
+    Hold { gid: u128, active: bool, pid: u32 },
+    Release { gid: u128, active: bool, delete: bool },
+    Moved { addrs: Vec<SocketAddr>, to: Vec<SocketAddr> },
+    Lookup { key: String, prefix: bool, reply: std::sync::mpsc::SyncSender<Vec<(String, Vec<u8>)>> },
+}
+
+/// What `vmictl status` shows of the directory.
+#[derive(Default)]
+struct State {
+    connected: bool,
+    lease: Option<i64>,
+    last_error: Option<String>,
+    outages: u64,
+    registrations: u64,
+    registered_ms: Option<u64>,
+    nodes: NodeCache,
+}
+
+struct Handle {
+    tx: mpsc::UnboundedSender<Cmd>,
+    state: Arc<Mutex<State>>,
+    endpoints: Vec<String>,
+    ttl_s: u64,
+    prefix: String,
+    node: String,
+}
+
+static DIR: OnceLock<Handle> = OnceLock::new();
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn send(c: Cmd) {
+    if let Some(h) = DIR.get() {
+        let _ = h.tx.send(c);
+    }
+}
+
+/// True if a directory is configured.
+pub fn enabled() -> bool {
+    DIR.get().is_some()
+}
+
+/// Starts the directory thread (once).
+pub fn start(cfg: Config) -> Result<(), String> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let state = Arc::new(Mutex::new(State::default()));
+    let prefix = record::prefix(cfg.cluster_id);
+    let h = Handle {
+        tx,
+        state: state.clone(),
+        endpoints: cfg.endpoints.clone(),
+        ttl_s: cfg.ttl_s,
+        prefix: prefix.clone(),
+        node: cfg.node.clone(),
+    };
+    if DIR.set(h).is_err() {
+        return Err("the directory is already started".into());
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("directory: cannot make its runtime: {e}"))?;
+    let w = Worker { cfg, prefix, rx, state, mirror: Mirror::default(), agents: Vec::new() };
+    std::thread::Builder::new()
+        .name("vmi-directory".into())
+        .spawn(move || rt.block_on(w.run()))
+        .map_err(|e| format!("directory: cannot start its thread: {e}"))?;
+    Ok(())
+}
+
+/// The node's listeners are now `addrs` (the whole set: the thread puts and deletes the
+/// difference).
+pub fn listeners<I: IntoIterator<Item = SocketAddr>>(addrs: I) {
+    if enabled() {
+        send(Cmd::Listeners(addrs.into_iter().collect()));
+    }
+}
+
+/// Process `pid` of this node holds end `active` of connection `gid` (set up here, or
+/// restored here after a migration: the record then moves here by compare-and-swap).
+pub fn hold(gid: u128, active: bool, pid: u32) {
+    send(Cmd::Hold { gid, active, pid });
+}
+
+/// End `active` of connection `gid` is no longer held here; `delete`: its record goes
+/// (false when its process was frozen for a checkpoint: the node it is restored on moves the
+/// record by compare-and-swap, and until then it stays, under this node's lease).
+pub fn release(gid: u128, active: bool, delete: bool) {
+    send(Cmd::Release { gid, active, delete });
+}
+
+/// The listeners at `addrs` moved from this node to the node whose agents are at `to`.
+pub fn moved(addrs: Vec<SocketAddr>, to: Vec<SocketAddr>) {
+    send(Cmd::Moved { addrs, to });
+}
+
+/// Most nodes one lookup of a moved listener follows.
+const MAX_HOPS: usize = 8;
+
+/// A moved listener's forward, as the directory knows it now: from this node's record of
+/// where it went, node to node through their records of where it went next (a process
+/// migrated several times), all within [`LOOKUP_BOUND`] together. The forward this node
+/// knows when the directory has no answer.
+pub fn follow(f: crate::directory::Forward) -> crate::directory::Forward {
+    let Some(h) = DIR.get() else { return f };
+    let t = Instant::now();
+    let deadline = t + LOOKUP_BOUND;
+    let mut node = h.node.clone();
+    let mut to: Option<PlaceRec> = None;
+    let mut seen = vec![node.clone()];
+    for _ in 0..MAX_HOPS {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(kvs) = lookup(record::moved_key(&h.prefix, &node, f.addr), false, left) else { break };
+        let Some(p) =
+            kvs.first().and_then(|(_, v)| record::parse_place(v).ok()).filter(|p| !p.agents.is_empty())
+        else {
+            break;
+        };
+        let next =
+            h.state.lock().unwrap_or_else(|e| e.into_inner()).nodes.node_at(&p.agents).map(str::to_string);
+        to = Some(p);
+        match next {
+            Some(n) if !seen.contains(&n) => {
+                seen.push(n.clone());
+                node = n;
+            }
+            _ => break,
+        }
+    }
+    match to {
+        Some(p) => {
+            info!(
+                "directory: listener {} moved on to node {} ({} node(s) followed in {} us)",
+                f.addr,
+                seen.last().map_or("?", |s| s.as_str()),
+                seen.len() - 1,
+                t.elapsed().as_micros()
+            );
+            crate::directory::Forward { addr: f.addr, to: p.agents }
+        }
+        None => f,
+    }
+}
+
+fn lookup(key: String, prefix: bool, wait: Duration) -> Option<Vec<(String, Vec<u8>)>> {
+    let h = DIR.get()?;
+    if wait.is_zero() || !h.state.lock().unwrap_or_else(|e| e.into_inner()).connected {
+        return None;
+    }
+    let (reply, answer) = std::sync::mpsc::sync_channel(1);
+    h.tx.send(Cmd::Lookup { key, prefix, reply }).ok()?;
+    answer.recv_timeout(wait).ok()
+}
+
+/// Where the ends of connection `gid` live, by the directory: `[(side, place)]`, side
+/// `out` (the connecting end) or `in`. `None`: no directory or no answer in time.
+pub fn where_gid(gid: u128) -> Option<Vec<(String, PlaceRec)>> {
+    let h = DIR.get()?;
+    let kvs = lookup(record::gid_prefix(&h.prefix, gid), true, LOOKUP_BOUND)?;
+    Some(
+        kvs.iter()
+            .filter_map(|(k, v)| {
+                let side = k.rsplit('/').next()?.to_string();
+                Some((side, record::parse_place(v).ok()?))
+            })
+            .collect(),
+    )
+}
+
+/// The answer to `vmictl where GID` from the directory: `{"gid", "ends": [{"side",
+/// "node", "agents", "pid"}], "lookup_us"}`, or an error when no directory is configured
+/// or it did not answer within [`LOOKUP_BOUND`].
+pub fn locate(gid: u128) -> substrate::wire::agent::Msg {
+    use substrate::wire::agent::Msg;
+    if !enabled() {
+        return Msg::Error { reason: "no cluster directory is configured on this node (--directory)".into() };
+    }
+    let t = Instant::now();
+    match where_gid(gid) {
+        Some(ends) => {
+            let ends: Vec<Value> = ends
+                .into_iter()
+                .map(|(side, p)| json!({ "side": side, "node": p.node, "agents": p.agents, "pid": p.pid }))
+                .collect();
+            let json = json!({ "gid": format!("{gid:032x}"), "ends": ends, "lookup_us": t.elapsed().as_micros() as u64 });
+            Msg::StatusReply { json: json.to_string() }
+        }
+        None => Msg::Error {
+            reason: format!("the cluster directory did not answer within {} ms", LOOKUP_BOUND.as_millis()),
+        },
+    }
+}
+
+/// The directory's part of the status report (`null` when none is configured).
+pub fn status_json() -> Value {
+    let Some(h) = DIR.get() else { return Value::Null };
+    let s = h.state.lock().unwrap_or_else(|e| e.into_inner());
+    json!({
+        "endpoints": h.endpoints,
+        "prefix": h.prefix,
+        "connected": s.connected,
+        "lease": s.lease.map(|l| format!("{l:x}")),
+        "ttl_s": h.ttl_s,
+        "last_error": s.last_error,
+        "outages": s.outages,
+        "registrations": s.registrations,
+        "registered_ms": s.registered_ms,
+        "nodes_known": s.nodes.len(),
+        "nodes_not_cached": s.nodes.overflow,
+    })
+}
+
+/// What this node wrote, to write again under a new lease.
+#[derive(Default)]
+struct Mirror {
+    listeners: BTreeSet<SocketAddr>,
+    gids: BTreeMap<(u128, bool), u32>,
+    moved: BTreeMap<SocketAddr, Vec<SocketAddr>>,
+}
+
+struct Worker {
+    cfg: Config,
+    prefix: String,
+    rx: mpsc::UnboundedReceiver<Cmd>,
+    state: Arc<Mutex<State>>,
+    mirror: Mirror,
+    /// The agent addresses of the node's record, as last registered.
+    agents: Vec<SocketAddr>,
+}
+
+/// Why a session with etcd ended.
+type Broken = String;
+
+fn err(what: &str, e: impl std::fmt::Display) -> Broken {
+    format!("{what}: {e}")
+}
+
+async fn bounded<T, E: std::fmt::Display>(
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, Broken> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(err(what, e)),
+        Err(_) => Err(format!("{what}: no answer within {} ms", REQUEST_TIMEOUT.as_millis())),
+    }
+}
+
+/// One registration: a client, a lease and the lease's id.
+struct Session {
+    client: Client,
+    lease: i64,
+}
+
+impl Worker {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn run(mut self) {
+        let mut backoff = MIN_BACKOFF;
+        let mut down_since: Option<Instant> = None;
+        loop {
+            let started = Instant::now();
+            let why = self.session(&mut down_since).await;
+            let was_connected = {
+                let mut s = self.state();
+                let was = s.connected;
+                s.connected = false;
+                s.lease = None;
+                s.last_error = Some(why.clone());
+                was
+            };
+            if was_connected || down_since.is_none() {
+                // One warning per outage; the attempts after it are quiet.
+                warn!(
+                    "directory: etcd at {} unreachable: {why}; connections go on with what this agent knows, retrying",
+                    self.cfg.endpoints.join(",")
+                );
+                self.state().outages += 1;
+                self.cfg.journal.record("directory", None, json!({ "state": "unreachable", "error": why }));
+                down_since = Some(Instant::now());
+            } else {
+                debug!("directory: still unreachable: {why}");
+            }
+            if started.elapsed() > Duration::from_secs(5) {
+                backoff = MIN_BACKOFF;
+            }
+            // Wait, still taking commands (into the mirror; lookups get no answer).
+            let until = tokio::time::Instant::now() + backoff;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until) => break,
+                    c = self.rx.recv() => match c {
+                        Some(c) => self.offline(c),
+                        None => return,
+                    },
+                }
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// A command while etcd is not reached.
+    fn offline(&mut self, c: Cmd) {
+        match c {
+            Cmd::Listeners(l) => {
+                self.mirror.moved.retain(|a, _| !l.contains(a));
+                self.mirror.listeners = l;
+            }
+            Cmd::Hold { gid, active, pid } => {
+                self.mirror.gids.insert((gid, active), pid);
+            }
+            Cmd::Release { gid, active, .. } => {
+                self.mirror.gids.remove(&(gid, active));
+            }
+            Cmd::Moved { addrs, to } => {
+                for a in addrs {
+                    self.mirror.moved.insert(a, to.clone());
+                }
+            }
+            Cmd::Lookup { reply, .. } => drop(reply),
+        }
+    }
+
+    fn place(&self, pid: Option<u32>, agents: Vec<SocketAddr>) -> Vec<u8> {
+        serde_json::to_vec(&PlaceRec { node: self.cfg.node.clone(), agents, pid }).unwrap_or_default()
+    }
+
+    fn listener_value(&self, addr: SocketAddr) -> Vec<u8> {
+        serde_json::to_vec(&record::ListenRec { node: self.cfg.node.clone(), addr }).unwrap_or_default()
+    }
+
+    /// Connects, registers under a new lease, writes the mirror, then serves commands, keeps
+    /// the lease alive and follows the node prefix until something breaks.
+    async fn session(&mut self, down_since: &mut Option<Instant>) -> Broken {
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(REQUEST_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_require_leader(true);
+        let client = match bounded("connect", Client::connect(&self.cfg.endpoints, Some(opts))).await {
+            Ok(c) => c,
+            Err(e) => return e,
+        };
+        let mut s = match self.register(client).await {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        let back = down_since.take();
+        {
+            let mut st = self.state();
+            st.connected = true;
+            st.lease = Some(s.lease);
+            st.registrations += 1;
+            st.registered_ms = Some(now_ms());
+        }
+        match back {
+            Some(t) => info!(
+                "directory: etcd back after {:.1} s; node {} registered again (lease {:x})",
+                t.elapsed().as_secs_f64(),
+                self.cfg.node,
+                s.lease
+            ),
+            None => info!(
+                "directory: node {} registered in etcd at {} (lease {:x}, {} s)",
+                self.cfg.node,
+                self.cfg.endpoints.join(","),
+                s.lease,
+                self.cfg.ttl_s
+            ),
+        }
+        self.cfg.journal.record(
+            "directory",
+            None,
+            json!({ "state": "registered", "lease": format!("{:x}", s.lease) }),
+        );
+        let node_prefix = format!("{}node/", self.prefix);
+        let (mut keeper, mut alive) = match bounded("keep-alive", s.client.lease_keep_alive(s.lease)).await {
+            Ok(k) => k,
+            Err(e) => return e,
+        };
+        let mut watch = match self.follow_nodes(&mut s.client, &node_prefix).await {
+            Ok(w) => w,
+            Err(e) => return e,
+        };
+        let mut tick = tokio::time::interval(
+            Duration::from_millis(self.cfg.ttl_s * 1000 / 3).max(Duration::from_millis(300)),
+        );
+        loop {
+            tokio::select! {
+                c = self.rx.recv() => {
+                    let Some(c) = c else { return "the agent is stopping".into() };
+                    if let Err(e) = self.online(&mut s, c).await {
+                        return e;
+                    }
+                }
+                _ = tick.tick() => {
+                    let r = tokio::time::timeout(REQUEST_TIMEOUT, async {
+                        keeper.keep_alive().await?;
+                        alive.message().await
+                    }).await;
+                    match r {
+                        Ok(Ok(Some(m))) if m.ttl() > 0 => {}
+                        Ok(Ok(Some(_))) => return format!("lease {:x} ended (etcd did not hear from this agent in time)", s.lease),
+                        Ok(Ok(None)) => return "the lease's keep-alive stream ended".into(),
+                        Ok(Err(e)) => return err("keep-alive", e),
+                        Err(_) => return format!("keep-alive: no answer within {} ms", REQUEST_TIMEOUT.as_millis()),
+                    }
+                }
+                m = watch.message() => match m {
+                    Ok(Some(r)) => {
+                        if r.canceled() {
+                            return format!("watch of the nodes canceled: {}", r.cancel_reason());
+                        }
+                        for ev in r.events() {
+                            let Some(kv) = ev.kv() else { continue };
+                            let change = {
+                                let mut st = self.state();
+                                match ev.event_type() {
+                                    EventType::Put => st.nodes.put(kv.value()).unwrap_or_else(|e| {
+                                        debug!("directory: node record {:?}: {e}", kv.key_str().unwrap_or("?"));
+                                        NodeChange::None
+                                    }),
+                                    EventType::Delete => st.nodes.delete(&node_prefix, kv.key_str().unwrap_or("")),
+                                }
+                            };
+                            self.note(change);
+                        }
+                    }
+                    Ok(None) => return "the watch of the nodes ended".into(),
+                    Err(e) => return err("watch", e),
+                },
+            }
+        }
+    }
+
+    fn note(&self, c: NodeChange) {
+        let (what, name) = match c {
+            NodeChange::Joined(n) => ("joined", n),
+            NodeChange::Left(n) => ("left", n),
+            NodeChange::Updated(_) | NodeChange::None => return,
+        };
+        if name == self.cfg.node {
+            return;
+        }
+        info!("directory: node {name} {what} the cluster");
+        self.cfg.journal.record("node", None, json!({ "node": name, "change": what }));
+    }
+
+    /// Reads the nodes registered now (quietly) and starts following changes after them.
+    async fn follow_nodes(
+        &mut self,
+        client: &mut Client,
+        node_prefix: &str,
+    ) -> Result<etcd_client::WatchStream, Broken> {
+        let all =
+            bounded("read nodes", client.get(node_prefix, Some(GetOptions::new().with_prefix()))).await?;
+        let rev = all.header().map_or(0, |h| h.revision());
+        let (changes, first) = {
+            let mut st = self.state();
+            let first = st.registrations <= 1;
+            (st.nodes.replace_all(all.kvs().iter().map(|kv| kv.value())), first)
+        };
+        // At start every node is new: only later reads tell what changed while the watch
+        // was down.
+        if !first {
+            for c in changes {
+                self.note(c);
+            }
+        }
+        bounded(
+            "watch nodes",
+            client.watch(node_prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))),
+        )
+        .await
+    }
+
+    /// A new lease; the node's record and the whole mirror under it.
+    async fn register(&mut self, mut client: Client) -> Result<Session, Broken> {
+        let ttl = self.cfg.ttl_s as i64;
+        let lease = bounded("lease", client.lease_grant(ttl, None)).await?.id();
+        let node = (self.cfg.describe)();
+        let value = serde_json::to_vec(&node).unwrap_or_default();
+        let key = record::node_key(&self.prefix, &self.cfg.node);
+        let with_lease = || Some(PutOptions::new().with_lease(lease));
+        bounded("register the node", client.put(key, value, with_lease())).await?;
+        let mut s = Session { client, lease };
+        // The mirror, in batches.
+        let mut ops: Vec<TxnOp> = Vec::new();
+        for a in &self.mirror.listeners {
+            ops.push(TxnOp::put(
+                record::listener_key(&self.prefix, &self.cfg.node, *a),
+                self.listener_value(*a),
+                with_lease(),
+            ));
+        }
+        let agents = node.agents.clone();
+        self.agents = agents.clone();
+        for ((gid, active), pid) in &self.mirror.gids {
+            ops.push(TxnOp::put(
+                record::gid_key(&self.prefix, *gid, *active),
+                self.place(Some(*pid), agents.clone()),
+                with_lease(),
+            ));
+        }
+        for (a, to) in &self.mirror.moved {
+            ops.push(TxnOp::put(
+                record::moved_key(&self.prefix, &self.cfg.node, *a),
+                self.place(None, to.clone()),
+                with_lease(),
+            ));
+        }
+        while !ops.is_empty() {
+            let rest = ops.split_off(ops.len().min(BATCH));
+            let batch = std::mem::replace(&mut ops, rest);
+            bounded("write the node's entries", s.client.txn(Txn::new().and_then(batch))).await?;
+        }
+        Ok(s)
+    }
+
+    /// A command while registered.
+    async fn online(&mut self, s: &mut Session, c: Cmd) -> Result<(), Broken> {
+        let lease = s.lease;
+        let with_lease = || Some(PutOptions::new().with_lease(lease));
+        match c {
+            Cmd::Listeners(now) => {
+                let gone: Vec<SocketAddr> = self.mirror.listeners.difference(&now).copied().collect();
+                let new: Vec<SocketAddr> = now.difference(&self.mirror.listeners).copied().collect();
+                self.mirror.listeners = now;
+                let mut ops = Vec::new();
+                for a in gone {
+                    ops.push(TxnOp::delete(record::listener_key(&self.prefix, &self.cfg.node, a), None));
+                }
+                for a in new {
+                    // A listener back here: it no longer lives where it went.
+                    if self.mirror.moved.remove(&a).is_some() {
+                        ops.push(TxnOp::delete(record::moved_key(&self.prefix, &self.cfg.node, a), None));
+                    }
+                    ops.push(TxnOp::put(
+                        record::listener_key(&self.prefix, &self.cfg.node, a),
+                        self.listener_value(a),
+                        with_lease(),
+                    ));
+                }
+                for chunk in ops.chunks(BATCH) {
+                    bounded("listeners", s.client.txn(Txn::new().and_then(chunk.to_vec()))).await?;
+                }
+            }
+            Cmd::Hold { gid, active, pid } => {
+                self.mirror.gids.insert((gid, active), pid);
+                let key = record::gid_key(&self.prefix, gid, active);
+                let value = self.place(Some(pid), self.agents.clone());
+                // Compare-and-swap: written over the record read, or created if there was
+                // none; another writer in between makes it try again (a few times).
+                for _ in 0..4 {
+                    let cur = bounded("read a GID", s.client.get(key.as_str(), None)).await?;
+                    let (cmp, moved_from) = match cur.kvs().first() {
+                        Some(kv) => (
+                            Compare::mod_revision(key.as_str(), CompareOp::Equal, kv.mod_revision()),
+                            record::parse_place(kv.value()).ok().map(|p| p.node),
+                        ),
+                        None => (Compare::create_revision(key.as_str(), CompareOp::Equal, 0), None),
+                    };
+                    let t = Txn::new().when([cmp]).and_then([TxnOp::put(
+                        key.as_str(),
+                        value.clone(),
+                        with_lease(),
+                    )]);
+                    if bounded("move a GID", s.client.txn(t)).await?.succeeded() {
+                        if let Some(from) = moved_from.filter(|f| *f != self.cfg.node) {
+                            info!("directory: connection {gid:032x} now lives here (was on node {from})");
+                            self.cfg.journal.record(
+                                "directory",
+                                Some(pid),
+                                json!({ "gid": format!("{gid:032x}"), "moved_from": from }),
+                            );
+                        }
+                        break;
+                    }
+                }
+            }
+            Cmd::Release { gid, active, delete } => {
+                self.mirror.gids.remove(&(gid, active));
+                if !delete {
+                    return Ok(());
+                }
+                let key = record::gid_key(&self.prefix, gid, active);
+                // Only if this node still holds it (a node it moved to has its own lease).
+                let t = Txn::new()
+                    .when([Compare::lease(key.as_str(), CompareOp::Equal, lease)])
+                    .and_then([TxnOp::delete(key.as_str(), None::<DeleteOptions>)]);
+                bounded("release a GID", s.client.txn(t)).await?;
+            }
+            Cmd::Moved { addrs, to } => {
+                let mut ops = Vec::new();
+                for a in addrs {
+                    self.mirror.moved.insert(a, to.clone());
+                    ops.push(TxnOp::put(
+                        record::moved_key(&self.prefix, &self.cfg.node, a),
+                        self.place(None, to.clone()),
+                        with_lease(),
+                    ));
+                }
+                for chunk in ops.chunks(BATCH) {
+                    bounded("moved listeners", s.client.txn(Txn::new().and_then(chunk.to_vec()))).await?;
+                }
+            }
+            Cmd::Lookup { key, prefix, reply } => {
+                let opts = prefix.then(|| GetOptions::new().with_prefix().with_limit(16));
+                let r = bounded("lookup", s.client.get(key, opts)).await?;
+                let kvs = r
+                    .kvs()
+                    .iter()
+                    .map(|kv| (kv.key_str().unwrap_or("").to_string(), kv.value().to_vec()))
+                    .collect();
+                let _ = reply.try_send(kvs);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// This node's record, from what the agent knows of its networks.
+pub fn describe(node: &str, agents: Vec<SocketAddr>) -> NodeRec {
+    let networks = crate::net::interfaces()
+        .into_iter()
+        .filter(|i| !i.addr.is_loopback())
+        .take(record::MAX_ADDRS)
+        .map(|i| record::NetRec { name: i.name, addr: i.addr, mac: i.mac.map(record::mac_text), mtu: i.mtu })
+        .collect();
+    NodeRec {
+        node: node.to_string(),
+        agents: agents.into_iter().take(record::MAX_ADDRS).collect(),
+        networks,
+        version: env!("CARGO_PKG_VERSION").into(),
+    }
+}

@@ -1,0 +1,459 @@
+"""The cluster directory in etcd (`vmi-agent --directory etcd://...`).
+
+Hosts of their own (network namespaces vmiet1..6 on one bridge in a seventh, vmiet-sw; all
+deleted when the module ends, pass or fail, and at exit):
+
+* e1, e2, e3 (vmiet4..6): a three-member etcd cluster (Debian's etcd-server);
+* h1, h2, h3 (vmiet1..3): vmi-agent with `--directory` naming the three members and a
+  lease of LEASE_S seconds.
+
+Real programs under the layer (tests/programs/stream.py) connect across the hosts. What is
+in etcd is read with `etcdctl`. The suite's shared hosts (vmit*) are not used.
+"""
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (AGENT_BIN, MIGRATE_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc, assert_same_stream,
+                     capture as run, clean_env, in_netns, require_root_and_build)
+
+PREFIX = "vmiet"
+SWITCH = f"{PREFIX}-sw"
+HOSTS = {"h1": 1, "h2": 2, "h3": 3}
+MEMBERS = {"e1": 4, "e2": 5, "e3": 6}
+NET = "10.249.0"
+LEASE_S = 4
+CRIU = os.environ.get("VMI_CRIU", "/opt/vmi/criu/bin/criu")
+WAIT = 15.0
+SERVER_PORT = 9300
+
+
+def ns(name):
+    return f"{PREFIX}{HOSTS.get(name) or MEMBERS[name]}"
+
+
+def ip(name):
+    return f"{NET}.{HOSTS.get(name) or MEMBERS[name]}"
+
+
+ENDPOINTS = ",".join(f"{ip(m)}:2379" for m in MEMBERS)
+
+
+def in_ns(name, argv, **kw):
+    return in_netns(ns(name), argv, **kw)
+
+
+def vmictl(node, *args, timeout=20):
+    return in_ns(node, [VMICTL_BIN, *args], env=clean_env(), timeout=timeout)
+
+
+def ctl_json(node, *args):
+    r = vmictl(node, *args, "--json")
+    assert r.returncode == 0, f"vmictl {args} on {node}: {r.stderr}{r.stdout}"
+    return json.loads(r.stdout)
+
+
+def etcd_get(prefix, where="h1"):
+    """{key: value} under prefix, read with etcdctl from host `where`."""
+    r = in_ns(where, ["etcdctl", "--endpoints", ENDPOINTS, "--dial-timeout", "2s", "--command-timeout", "3s",
+                      "get", "--prefix", prefix, "-w", "json"], env=clean_env(ETCDCTL_API="3"), timeout=10)
+    assert r.returncode == 0, f"etcdctl get {prefix}: {r.stderr}"
+    import base64
+    kvs = json.loads(r.stdout).get("kvs") or []
+    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv["value"]).decode() for kv in kvs}
+
+
+def wait_for(what, check, timeout=WAIT, every=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def delete_namespaces():
+    for n in [*HOSTS, *MEMBERS, None]:
+        subprocess.run(["ip", "netns", "del", SWITCH if n is None else ns(n)], capture_output=True)
+
+
+def build_hosts():
+    delete_namespaces()
+    subprocess.run(["ip", "netns", "add", SWITCH], check=True)
+    subprocess.run(["ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge"], check=True)
+    subprocess.run(["ip", "-n", SWITCH, "link", "set", "br0", "up"], check=True)
+    for n in [*HOSTS, *MEMBERS]:
+        h, i = ns(n), HOSTS.get(n) or MEMBERS[n]
+        subprocess.run(["ip", "netns", "add", h], check=True)
+        subprocess.run(["ip", "-n", h, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "link", "add", "eth0", "netns", h, "type", "veth", "peer", "name", f"et{i}",
+                        "netns", SWITCH], check=True)
+        subprocess.run(["ip", "-n", h, "addr", "add", f"{ip(n)}/24", "dev", "eth0"], check=True)
+        subprocess.run(["ip", "-n", h, "link", "set", "eth0", "up"], check=True)
+        subprocess.run(["ip", "-n", SWITCH, "link", "set", f"et{i}", "master", "br0", "up"], check=True)
+
+
+class Group:
+    """A program in a session of its own (killed with its children)."""
+
+    def __init__(self, argv, log):
+        self.log_path = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self, sig=9):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def output(self):
+        return self.log_path.read_text(errors="replace")
+
+    def last_json(self):
+        for line in reversed(self.output().splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"no JSON result in {self.log_path}:\n{self.output()[-2000:]}")
+
+
+class Et:
+    """The module's etcd members, agents and programs."""
+
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.key = tmp / "cluster.key"
+        self.agents = {}
+        self.etcd = {}
+        self.groups = []
+        self.n = 0
+
+    def start_member(self, m, state="new"):
+        self.n += 1
+        cluster = ",".join(f"{x}=http://{ip(x)}:2380" for x in MEMBERS)
+        argv = ["nsenter", f"--net=/run/netns/{ns(m)}", "etcd", "--name", m, "--data-dir", self.tmp / f"etcd-{m}",
+                "--listen-client-urls", f"http://{ip(m)}:2379", "--advertise-client-urls", f"http://{ip(m)}:2379",
+                "--listen-peer-urls", f"http://{ip(m)}:2380", "--initial-advertise-peer-urls",
+                f"http://{ip(m)}:2380", "--initial-cluster", cluster, "--initial-cluster-state", state,
+                "--initial-cluster-token", "vmiet", "--heartbeat-interval", "50", "--election-timeout", "500"]
+        self.etcd[m] = Group(argv, self.tmp / f"etcd-{m}-{self.n}.log")
+
+    def stop_members(self):
+        for g in self.etcd.values():
+            g.stop(signal.SIGKILL)
+
+    def etcd_healthy(self):
+        r = in_ns("h1", ["etcdctl", "--endpoints", ENDPOINTS, "--dial-timeout", "1s", "endpoint", "health"],
+                  env=clean_env(ETCDCTL_API="3"), timeout=10)
+        return r.returncode == 0
+
+    def start_agent(self, node, extra=()):
+        self.n += 1
+        args = ["--config", "/dev/null", "--key", self.key, "--node", node, "--directory", f"etcd://{ENDPOINTS}",
+                "--directory-ttl", LEASE_S, "--log", "info", *extra]
+        a = AgentProc(ns(node), args, self.tmp, f"agent-{node}-{self.n}")
+        self.agents[node] = a
+        return a
+
+    def kill_agent(self, node):
+        a = self.agents[node]
+        os.killpg(a.proc.pid, 9)
+        a.proc.wait(timeout=5)
+        a.stop()
+
+    def program(self, node, argv, name):
+        layer = ["env", "-u", "LD_PRELOAD", f"LD_PRELOAD={PRELOAD_LIB}", "VMI_LOG=warn"]
+        g = Group(["nsenter", f"--net=/run/netns/{ns(node)}", *layer, *argv], self.tmp / f"{name}.log")
+        self.groups.append(g)
+        return g
+
+    def close(self):
+        for g in self.groups:
+            g.stop()
+        for a in self.agents.values():
+            try:
+                a.stop()
+            except Exception:
+                pass
+        self.stop_members()
+        delete_namespaces()
+
+
+@pytest.fixture(scope="module")
+def et(tmp_path_factory):
+    require_root_and_build()
+    if not shutil.which("etcd") or not shutil.which("etcdctl"):
+        pytest.fail("etcd and etcdctl are missing: run scripts/setup.sh", pytrace=False)
+    tmp = tmp_path_factory.mktemp("dir")
+    e = Et(tmp)
+    atexit.register(e.close)
+    try:
+        build_hosts()
+        run([AGENT_BIN, "--init", "--key", e.key], check=True, env=clean_env())
+        for m in MEMBERS:
+            e.start_member(m)
+        wait_for("the etcd cluster healthy", e.etcd_healthy, timeout=30, every=0.3)
+        yield e
+    finally:
+        e.close()
+
+
+def prefix_of(node):
+    return ctl_json(node, "status")["directory"]["prefix"]
+
+
+def test_nodes_register_and_every_agent_hears_of_the_others(et):
+    t0 = time.monotonic()
+    for n in HOSTS:
+        et.start_agent(n)
+    for a in et.agents.values():
+        a.wait_ready()
+    p = prefix_of("h1")
+    assert p == f"/vmi/{ctl_json('h1', 'status')['mesh']['cluster_id']}/"
+    wait_for("three nodes in etcd", lambda: len([k for k in etcd_get(p + "node/") if k]) == 3)
+    took = time.monotonic() - t0
+    nodes = {k.rsplit("/", 1)[1]: json.loads(v) for k, v in etcd_get(p + "node/").items()}
+    assert set(nodes) == set(HOSTS), nodes
+    h2 = nodes["h2"]
+    assert h2["agents"] == [f"{ip('h2')}:7787"], h2
+    net = [x for x in h2["networks"] if x["name"] == "eth0"]
+    assert net and net[0]["addr"] == ip("h2") and net[0]["mtu"] == 1500 and len(net[0]["mac"]) == 17, h2
+    # Each agent's directory section, and its cache of the others.
+    for n in HOSTS:
+        d = wait_for(f"{n} knows three nodes",
+                     lambda n=n: (lambda d: d["connected"] and d["nodes_known"] == 3 and d)(
+                         ctl_json(n, "status")["directory"]))
+        assert d["lease"] and d["endpoints"] == [f"http://{ip(m)}:2379" for m in MEMBERS], d
+        assert d["last_error"] is None and d["ttl_s"] == LEASE_S, d
+    print(f"\nvmiet: three agents started and registered in etcd within {took:.2f} s")
+
+
+def test_listeners_and_connections_are_in_the_directory(et):
+    p = prefix_of("h1")
+    server = f"{ip('h2')}:{SERVER_PORT}"
+    t0 = time.monotonic()
+    srv = et.program("h2", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", server, "--count", "1"], "server")
+    key = f"{p}listener/h2/{server}"
+    wait_for("the listener in etcd", lambda: key in etcd_get(p + "listener/"))
+    print(f"\nvmiet: listener in etcd {time.monotonic() - t0:.2f} s after its program started")
+    assert json.loads(etcd_get(key)[key]) == {"node": "h2", "addr": server}
+    c = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server, "--bytes", 2_000_000,
+                          "--seed", 3, "--rate", 1_000_000, "--hold", 3], "client")
+    gid = wait_for("the connection on h2", lambda: next(
+        (x["gid"] for x in ctl_json("h2", "status")["connections"] if x["local"] == server), None))
+    ends = wait_for("both ends in etcd", lambda: (lambda g: len(g) == 2 and g)(etcd_get(f"{p}gid/{gid}/")))
+    sides = {k.rsplit("/", 1)[1]: json.loads(v)["node"] for k, v in ends.items()}
+    assert sides == {"out": "h1", "in": "h2"}, ends
+    # vmictl where answers from the directory, one lookup.
+    lat = []
+    for _ in range(20):
+        w = ctl_json("h3", "where", gid)
+        assert {(x["node"], x["direction"]) for x in w} == {("h1", "out"), ("h2", "in")}, w
+        assert all(x["source"] == "directory" for x in w), w
+        lat.append(w[0]["lookup_us"])
+    lat.sort()
+    print(f"vmiet: GID lookup through the directory: median {lat[10]} us, max {lat[-1]} us (of 20)")
+    assert lat[-1] < 300_000
+    c.proc.wait(timeout=30)
+    srv.proc.wait(timeout=30)
+    wait_for("the connection's ends gone from etcd once it closed", lambda: not etcd_get(f"{p}gid/{gid}/"))
+
+
+def test_a_dead_agent_leaves_when_its_lease_ends(et):
+    p = prefix_of("h1")
+    assert f"{p}node/h3" in etcd_get(p + "node/")
+    et.kill_agent("h3")
+    t0 = time.monotonic()
+    wait_for("h3 gone from etcd", lambda: f"{p}node/h3" not in etcd_get(p + "node/"), timeout=LEASE_S + 5)
+    gone = time.monotonic() - t0
+
+    def h1_heard():
+        evs = [json.loads(x) for x in vmictl("h1", "events", "--json").stdout.splitlines() if x.strip()]
+        return any(e["kind"] == "node" and e.get("node") == "h3" and e.get("change") == "left" for e in evs)
+    wait_for("h1's journal says h3 left", h1_heard, timeout=5)
+    heard = time.monotonic() - t0
+    print(f"\nvmiet: agent of h3 killed: its node gone from etcd after {gone:.2f} s, h1's journal had it "
+          f"after {heard:.2f} s (lease {LEASE_S} s)")
+    assert gone <= LEASE_S + 1.5
+    assert ctl_json("h1", "status")["directory"]["nodes_known"] == 2
+    # Back: known again.
+    et.start_agent("h3").wait_ready()
+    wait_for("h3 back in etcd", lambda: f"{p}node/h3" in etcd_get(p + "node/"))
+
+
+def test_etcd_down_for_30_s_while_a_stream_flows(et):
+    p = prefix_of("h1")
+    server = f"{ip('h3')}:{SERVER_PORT + 1}"
+    srv = et.program("h3", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", server, "--count", "1"],
+                     "server-outage")
+    wait_for("server listening", lambda: in_ns("h3", ["ss", "-tlnH", f"sport = :{SERVER_PORT + 1}"]).stdout.strip())
+    # 45 s of a checksummed stream both ways at 1 MB/s.
+    cli = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server, "--bytes", 45_000_000,
+                            "--server-bytes", 45_000_000, "--seed", 9, "--rate", 1_000_000], "client-outage")
+    wait_for("the stream virtual", lambda: any(x["local"] == server for x in ctl_json("h3", "status")["connections"]))
+    before = {n: ctl_json(n, "status")["directory"] for n in HOSTS}
+    t0 = time.monotonic()
+    et.stop_members()
+    for n in HOSTS:
+        wait_for(f"{n} sees etcd gone", lambda n=n: not ctl_json(n, "status")["directory"]["connected"], timeout=10)
+    # A new connection while etcd is down: set up without waiting on it.
+    server2 = f"{ip('h2')}:{SERVER_PORT + 2}"
+    et.program("h2", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", server2, "--count", "1"], "server-during")
+    wait_for("server listening", lambda: in_ns("h2", ["ss", "-tlnH", f"sport = :{SERVER_PORT + 2}"]).stdout.strip())
+    t1 = time.monotonic()
+    during = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server2, "--bytes", 100_000,
+                               "--seed", 4], "client-during")
+    during.proc.wait(timeout=20)
+    made = time.monotonic() - t1
+    assert during.proc.returncode == 0, during.output()
+    time.sleep(max(0.0, 30 - (time.monotonic() - t0)))
+    progress = ctl_json("h3", "status")["connections"]
+    for m in MEMBERS:
+        et.start_member(m, state="existing")
+    back = time.monotonic()
+    for n in HOSTS:
+        wait_for(f"{n} registered again", lambda n=n: (lambda d: d["connected"] and
+                 d["registrations"] > before[n]["registrations"] and d)(ctl_json(n, "status")["directory"]),
+                 timeout=30, every=0.2)
+    again = time.monotonic() - back
+    wait_for("three nodes in etcd again", lambda: len(etcd_get(p + "node/")) == 3)
+    for n in HOSTS:
+        d = ctl_json(n, "status")["directory"]
+        assert d["lease"] != before[n]["lease"] and d["outages"] == before[n]["outages"] + 1, (before[n], d)
+    cli.proc.wait(timeout=60)
+    srv.proc.wait(timeout=30)
+    assert_same_stream(cli.last_json(), srv.last_json())
+    warns = [x for x in et.agents["h1"].log().splitlines() if "WARN" in x and "directory" in x]
+    assert len(warns) == 1, warns
+    print(f"\nvmiet: etcd down 30 s: stream of 45 MB each way whole ({len(progress)} connection(s) live during); "
+          f"a new connection during the outage done in {made:.2f} s; every agent registered again "
+          f"{again:.2f} s after the members restarted; one warning per agent")
+
+
+def migrate(group, to):
+    """vmi-migrate moves group's program to host `to`; its JSON report. The original is
+    reaped meanwhile (it is this test's child) so that its pid is free for the restore."""
+    stop = threading.Event()
+
+    def reap():
+        while not stop.is_set():
+            group.proc.poll()
+            time.sleep(0.005)
+    t = threading.Thread(target=reap, daemon=True)
+    t.start()
+    try:
+        r = run([MIGRATE_BIN, group.proc.pid, "--to", ns(to), "--json", "--criu", CRIU], timeout=60,
+                env=clean_env())
+    finally:
+        stop.set()
+        t.join()
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 0 and lines and json.loads(lines[-1]).get("ok") is True, (r.stdout, r.stderr)
+    return json.loads(lines[-1])
+
+
+def finished(group, timeout):
+    """The JSON result of a (maybe migrated) stream.py, once its process is gone."""
+    pid = group.proc.pid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        group.proc.poll()
+        st = Path(f"/proc/{pid}/stat")
+        gone = not st.exists() or st.read_text().split(") ")[-1].startswith("Z")
+        lines = [x for x in group.output().splitlines() if x.startswith("{")]
+        if gone and lines:
+            return json.loads(lines[-1])
+        time.sleep(0.1)
+    raise AssertionError(f"no result of {group.log_path} within {timeout} s")
+
+
+def test_a_migrated_process_moves_its_connection_in_the_directory(et):
+    if not Path(CRIU).exists():
+        pytest.fail(f"{CRIU} is missing: run scripts/setup.sh (it installs CRIU 4.2)", pytrace=False)
+    p = prefix_of("h1")
+    port = SERVER_PORT + 3
+    server = f"{ip('h2')}:{port}"
+    srv = et.program("h2", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", f"0.0.0.0:{port}", "--count", "1",
+                            "--rate", 1_000_000, "--hold", 0.5], "server-migrate")
+    wait_for("server listening", lambda: in_ns("h2", ["ss", "-tlnH", f"sport = :{port}"]).stdout.strip())
+    cli = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server, "--bytes", 14_000_000,
+                            "--server-bytes", 14_000_000, "--seed", 7, "--rate", 1_000_000, "--hold", 0.5],
+                     "client-migrate")
+    gid = wait_for("the connection on h1", lambda: next(
+        (x["gid"] for x in ctl_json("h1", "status")["connections"] if x["peer"] == server), None))
+    key = f"{p}gid/{gid}/out"
+    wait_for("the client's end in etcd on h1", lambda: json.loads(etcd_get(key).get(key, "{}")).get("node") == "h1")
+    took = []
+    for to in ("h3", "h1"):
+        migrate(cli, to)
+        t0 = time.monotonic()
+        wait_for(f"the client's end in etcd on {to}",
+                 lambda to=to: json.loads(etcd_get(key).get(key, "{}")).get("node") == to, timeout=10)
+        took.append(time.monotonic() - t0)
+        w = ctl_json("h2", "where", gid)
+        assert {(x["node"], x["direction"]) for x in w} == {(to, "out"), ("h2", "in")}, w
+    evs = [json.loads(x) for x in vmictl("h3", "events", "--json").stdout.splitlines() if x.strip()]
+    assert any(e["kind"] == "directory" and e.get("gid") == gid and e.get("moved_from") == "h1" for e in evs), evs
+    c, s = finished(cli, 40), finished(srv, 15)
+    assert_same_stream(c, s)
+    print(f"\nvmiet: client migrated h1 -> h3 -> h1: its end's record moved (compare-and-swap) "
+          f"{took[0]:.2f} s and {took[1]:.2f} s after vmi-migrate returned; stream whole")
+
+
+def test_a_listener_moved_twice_is_found_through_the_directory(et):
+    """A server moved h2 -> h3 -> h1 still takes new connections at its first address: h2's
+    agent finds where it lives now in the directory (node to node), not through h3."""
+    if not Path(CRIU).exists():
+        pytest.fail(f"{CRIU} is missing: run scripts/setup.sh (it installs CRIU 4.2)", pytrace=False)
+    port = SERVER_PORT + 4
+    srv = et.program("h2", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", f"0.0.0.0:{port}", "--count", "1"],
+                     "server-moves")
+    wait_for("server listening", lambda: in_ns("h2", ["ss", "-tlnH", f"sport = :{port}"]).stdout.strip())
+    migrate(srv, "h3")
+    migrate(srv, "h1")
+    first = f"{ip('h2')}:{port}"
+    t0 = time.monotonic()
+    cli = et.program("h3", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", first, "--bytes", 1_000_000,
+                            "--seed", 11, "--hold", 1], "client-moved")
+    conn = wait_for("the new connection virtual on h3", lambda: next(
+        (x for x in ctl_json("h3", "status")["connections"] if x["peer"] == first), None))
+    made = time.monotonic() - t0
+    assert conn["link_peer"].startswith(ip("h1") + ":"), conn
+    c, s = finished(cli, 30), finished(srv, 30)
+    assert_same_stream(c, s)
+    log = et.agents["h2"].log()
+    assert f"listener 0.0.0.0:{port} moved on to node h1 (2 node(s) followed" in log, log[-3000:]
+    line = [x for x in log.splitlines() if f"listener 0.0.0.0:{port} moved on" in x][-1]
+    print(f"\nvmiet: server moved h2 -> h3 -> h1; a new connection to {first} reached it on h1 "
+          f"({made:.2f} s to a listed virtual connection); h2's agent: {line.split('directory: ')[-1]}")
+
+
+def test_bad_directory_values_are_refused(et):
+    for bad, says in [("http://10.0.0.1:2379", "not an etcd directory"), ("etcd://10.0.0.1", "HOST:PORT"),
+                      ("etcd://10.0.0.1:0", "PORT 1 to 65535"), ("etcd://a b:1", "HOST is a name")]:
+        r = run([AGENT_BIN, "--check-config", "--key", et.key, "--directory", bad], env=clean_env())
+        assert r.returncode == 2 and says in r.stderr and "etcd://HOST:PORT" in r.stderr, (bad, r)
+    cfg = et.tmp / "bad.toml"
+    cfg.write_text('directory = "etcd:/oops"\n')
+    r = run([AGENT_BIN, "--check-config", "--config", cfg, "--key", et.key], env=clean_env())
+    assert r.returncode == 2 and "line 1" in r.stderr and "directory" in r.stderr, r
+    r = run([AGENT_BIN, "--check-config", "--key", et.key, "--directory-ttl", "1"], env=clean_env())
+    assert r.returncode == 2 and "directory-ttl" in r.stderr, r
+    ok = run([AGENT_BIN, "--check-config", "--key", et.key, "--directory", f"etcd://{ENDPOINTS}"], env=clean_env())
+    assert ok.returncode == 0 and f'directory = "etcd://{ENDPOINTS}"' in ok.stdout, ok
