@@ -1507,3 +1507,72 @@ class AgentProc:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=5)
         self.notify.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hosts on one switch, for modules that build namespaces of their own (test_hierarchy,
+# test_directory): one bridge in namespace PREFIX-sw, each host's eth0 on it.
+
+def delete_star(prefix, hosts):
+    """Removes the hosts (namespace names) and the switch namespace `prefix`-sw; what does not
+    exist is skipped."""
+    for h in [*hosts, f"{prefix}-sw"]:
+        subprocess.run(["ip", "netns", "del", h], capture_output=True)
+
+
+def build_star(prefix, hosts):
+    """hosts: {namespace: (veth name on the switch, address/prefix)}; removes leftovers first."""
+    delete_star(prefix, hosts)
+    sw = f"{prefix}-sw"
+    subprocess.run(["ip", "netns", "add", sw], check=True)
+    subprocess.run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], check=True)
+    subprocess.run(["ip", "-n", sw, "link", "set", "br0", "up"], check=True)
+    for h, (veth, addr) in hosts.items():
+        subprocess.run(["ip", "netns", "add", h], check=True)
+        subprocess.run(["ip", "-n", h, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "link", "add", "eth0", "netns", h, "type", "veth", "peer", "name", veth,
+                        "netns", sw], check=True)
+        subprocess.run(["ip", "-n", h, "addr", "add", addr, "dev", "eth0"], check=True)
+        subprocess.run(["ip", "-n", h, "link", "set", "eth0", "up"], check=True)
+        subprocess.run(["ip", "-n", sw, "link", "set", veth, "master", "br0", "up"], check=True)
+
+
+def wait_for(what, check, timeout, every=0.05):
+    """check() until it is truthy (returned); AssertionError naming `what` after timeout s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+class Group:
+    """A program in a session of its own (killed with its children), output in `log`."""
+
+    def __init__(self, argv, log):
+        self.log_path = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self, sig=9):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def output(self):
+        return self.log_path.read_text(errors="replace")
+
+    def last_json(self):
+        for line in reversed(self.output().splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"no JSON result in {self.log_path}:\n{self.output()[-2000:]}")

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (AGENT_BIN, MIGRATE_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc, assert_same_stream,
-                     capture as run, clean_env, in_netns, require_root_and_build)
+import helpers
+from helpers import (AGENT_BIN, MIGRATE_BIN, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc, Group,
+                     assert_same_stream, build_star, capture as run, clean_env, delete_star, in_netns,
+                     require_root_and_build)
 
 PREFIX = "vmiet"
-SWITCH = f"{PREFIX}-sw"
 HOSTS = {"h1": 1, "h2": 2, "h3": 3}
 MEMBERS = {"e1": 4, "e2": 5, "e3": 6}
 NET = "10.249.0"
@@ -73,64 +74,19 @@ def etcd_get(prefix, where="h1"):
 
 
 def wait_for(what, check, timeout=WAIT, every=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout} s")
+    return helpers.wait_for(what, check, timeout, every)
+
+
+def star():
+    return {ns(n): (f"et{HOSTS.get(n) or MEMBERS[n]}", f"{ip(n)}/24") for n in [*HOSTS, *MEMBERS]}
 
 
 def delete_namespaces():
-    for n in [*HOSTS, *MEMBERS, None]:
-        subprocess.run(["ip", "netns", "del", SWITCH if n is None else ns(n)], capture_output=True)
+    delete_star(PREFIX, star())
 
 
 def build_hosts():
-    delete_namespaces()
-    subprocess.run(["ip", "netns", "add", SWITCH], check=True)
-    subprocess.run(["ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge"], check=True)
-    subprocess.run(["ip", "-n", SWITCH, "link", "set", "br0", "up"], check=True)
-    for n in [*HOSTS, *MEMBERS]:
-        h, i = ns(n), HOSTS.get(n) or MEMBERS[n]
-        subprocess.run(["ip", "netns", "add", h], check=True)
-        subprocess.run(["ip", "-n", h, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "link", "add", "eth0", "netns", h, "type", "veth", "peer", "name", f"et{i}",
-                        "netns", SWITCH], check=True)
-        subprocess.run(["ip", "-n", h, "addr", "add", f"{ip(n)}/24", "dev", "eth0"], check=True)
-        subprocess.run(["ip", "-n", h, "link", "set", "eth0", "up"], check=True)
-        subprocess.run(["ip", "-n", SWITCH, "link", "set", f"et{i}", "master", "br0", "up"], check=True)
-
-
-class Group:
-    """A program in a session of its own (killed with its children)."""
-
-    def __init__(self, argv, log):
-        self.log_path = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def stop(self, sig=9):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
-
-    def output(self):
-        return self.log_path.read_text(errors="replace")
-
-    def last_json(self):
-        for line in reversed(self.output().splitlines()):
-            if line.startswith("{"):
-                return json.loads(line)
-        raise AssertionError(f"no JSON result in {self.log_path}:\n{self.output()[-2000:]}")
+    build_star(PREFIX, star())
 
 
 class Et:

@@ -23,11 +23,12 @@ import time
 
 import pytest
 
-from helpers import (AGENT_BIN, NOBODY, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc,
-                     capture as run, clean_env, in_netns, public_copies, require_root_and_build)
+import helpers
+from helpers import (AGENT_BIN, NOBODY, PRELOAD_LIB, PROGRAMS, PYTHON, VMICTL_BIN, AgentProc, Group,
+                     build_star, capture as run, clean_env, delete_star, in_netns, public_copies,
+                     require_root_and_build)
 
 PREFIX = "vmihx"
-SWITCH = f"{PREFIX}-sw"
 NODES = {"a1": 1, "a2": 2, "a3": 3, "b1": 4, "b2": 5, "ops": 6}
 CLUSTER_A = ("a1", "a2", "a3")
 CLUSTER_B = ("b1", "b2")
@@ -70,55 +71,19 @@ def as_nobody(node, vmictl_copy, *args):
 
 
 def wait_for(what, check, timeout=WAIT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout} s")
+    return helpers.wait_for(what, check, timeout, every=0.2)
+
+
+def star():
+    return {ns(n): (f"hx{i}", f"{ip(n)}/24") for n, i in NODES.items()}
 
 
 def delete_namespaces():
-    for n in [*NODES, None]:
-        subprocess.run(["ip", "netns", "del", SWITCH if n is None else ns(n)], capture_output=True)
+    delete_star(PREFIX, star())
 
 
 def build_hosts():
-    delete_namespaces()
-    subprocess.run(["ip", "netns", "add", SWITCH], check=True)
-    subprocess.run(["ip", "-n", SWITCH, "link", "add", "br0", "type", "bridge"], check=True)
-    subprocess.run(["ip", "-n", SWITCH, "link", "set", "br0", "up"], check=True)
-    for n, i in NODES.items():
-        h = ns(n)
-        subprocess.run(["ip", "netns", "add", h], check=True)
-        subprocess.run(["ip", "-n", h, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "link", "add", "eth0", "netns", h, "type", "veth", "peer", "name", f"hx{i}",
-                        "netns", SWITCH], check=True)
-        subprocess.run(["ip", "-n", h, "addr", "add", f"{ip(n)}/24", "dev", "eth0"], check=True)
-        subprocess.run(["ip", "-n", h, "link", "set", "eth0", "up"], check=True)
-        subprocess.run(["ip", "-n", SWITCH, "link", "set", f"hx{i}", "master", "br0", "up"], check=True)
-
-
-class Group:
-    """A program in a session of its own (killed with its children)."""
-
-    def __init__(self, argv, log):
-        self.log_path = log
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT,
-                                         env=clean_env(), start_new_session=True)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=5)
+    build_star(PREFIX, star())
 
 
 class Hx:
