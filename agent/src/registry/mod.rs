@@ -282,6 +282,10 @@ pub fn status_json() -> Value {
 struct Mirror {
     listeners: BTreeSet<SocketAddr>,
     gids: BTreeMap<(u128, bool), u32>,
+    /// Ends taken on here whose record was not yet moved by compare-and-swap (etcd was
+    /// down, or the session broke mid-way): at registration they go through
+    /// [`Worker::hold`], which tells where they came from, not through the plain rewrite.
+    unsure: BTreeSet<(u128, bool)>,
     moved: BTreeMap<SocketAddr, Vec<SocketAddr>>,
 }
 
@@ -377,9 +381,11 @@ impl Worker {
             }
             Cmd::Hold { gid, active, pid } => {
                 self.mirror.gids.insert((gid, active), pid);
+                self.mirror.unsure.insert((gid, active));
             }
             Cmd::Release { gid, active, .. } => {
                 self.mirror.gids.remove(&(gid, active));
+                self.mirror.unsure.remove(&(gid, active));
             }
             Cmd::Moved { addrs, to } => {
                 for a in addrs {
@@ -564,6 +570,9 @@ impl Worker {
         let agents = node.agents.clone();
         self.agents = agents.clone();
         for ((gid, active), pid) in &self.mirror.gids {
+            if self.mirror.unsure.contains(&(*gid, *active)) {
+                continue;
+            }
             ops.push(TxnOp::put(
                 record::gid_key(&self.prefix, *gid, *active),
                 self.place(Some(*pid), agents.clone()),
@@ -582,7 +591,54 @@ impl Worker {
             let batch = std::mem::replace(&mut ops, rest);
             bounded("write the node's entries", s.client.txn(Txn::new().and_then(batch))).await?;
         }
+        let unsure: Vec<((u128, bool), u32)> = (self.mirror.unsure.iter())
+            .filter_map(|k| self.mirror.gids.get(k).map(|pid| (*k, *pid)))
+            .collect();
+        for ((gid, active), pid) in unsure {
+            self.hold(&mut s, gid, active, pid).await?;
+        }
         Ok(s)
+    }
+
+    /// Writes this node over a GID's record by compare-and-swap, or creates it if there was
+    /// none; another writer in between makes it try again (a few times). A record that named
+    /// another node is a connection that came here: journalled as `moved_from`.
+    async fn hold(&mut self, s: &mut Session, gid: u128, active: bool, pid: u32) -> Result<(), Broken> {
+        self.mirror.unsure.insert((gid, active));
+        let key = record::gid_key(&self.prefix, gid, active);
+        let value = self.place(Some(pid), self.agents.clone());
+        let with_lease = Some(PutOptions::new().with_lease(s.lease));
+        for _ in 0..4 {
+            let cur = bounded("read a GID", s.client.get(key.as_str(), None)).await?;
+            let (cmp, moved_from) = match cur.kvs().first() {
+                Some(kv) => (
+                    Compare::mod_revision(key.as_str(), CompareOp::Equal, kv.mod_revision()),
+                    record::parse_place(kv.value()).ok().map(|p| p.node),
+                ),
+                None => (Compare::create_revision(key.as_str(), CompareOp::Equal, 0), None),
+            };
+            let t = Txn::new().when([cmp]).and_then([TxnOp::put(
+                key.as_str(),
+                value.clone(),
+                with_lease.clone(),
+            )]);
+            if bounded("move a GID", s.client.txn(t)).await?.succeeded() {
+                self.mirror.unsure.remove(&(gid, active));
+                if let Some(from) = moved_from.filter(|f| *f != self.cfg.node) {
+                    info!("directory: connection {gid:032x} now lives here (was on node {from})");
+                    self.cfg.journal.record(
+                        "directory",
+                        Some(pid),
+                        json!({ "gid": format!("{gid:032x}"), "moved_from": from }),
+                    );
+                }
+                return Ok(());
+            }
+        }
+        // Four writers in a row in between: the record is left to the latest of them.
+        self.mirror.unsure.remove(&(gid, active));
+        warn!("directory: connection {gid:032x}: its record kept changing under this node's writes; left as it is");
+        Ok(())
     }
 
     /// A command while registered.
@@ -615,39 +671,11 @@ impl Worker {
             }
             Cmd::Hold { gid, active, pid } => {
                 self.mirror.gids.insert((gid, active), pid);
-                let key = record::gid_key(&self.prefix, gid, active);
-                let value = self.place(Some(pid), self.agents.clone());
-                // Compare-and-swap: written over the record read, or created if there was
-                // none; another writer in between makes it try again (a few times).
-                for _ in 0..4 {
-                    let cur = bounded("read a GID", s.client.get(key.as_str(), None)).await?;
-                    let (cmp, moved_from) = match cur.kvs().first() {
-                        Some(kv) => (
-                            Compare::mod_revision(key.as_str(), CompareOp::Equal, kv.mod_revision()),
-                            record::parse_place(kv.value()).ok().map(|p| p.node),
-                        ),
-                        None => (Compare::create_revision(key.as_str(), CompareOp::Equal, 0), None),
-                    };
-                    let t = Txn::new().when([cmp]).and_then([TxnOp::put(
-                        key.as_str(),
-                        value.clone(),
-                        with_lease(),
-                    )]);
-                    if bounded("move a GID", s.client.txn(t)).await?.succeeded() {
-                        if let Some(from) = moved_from.filter(|f| *f != self.cfg.node) {
-                            info!("directory: connection {gid:032x} now lives here (was on node {from})");
-                            self.cfg.journal.record(
-                                "directory",
-                                Some(pid),
-                                json!({ "gid": format!("{gid:032x}"), "moved_from": from }),
-                            );
-                        }
-                        break;
-                    }
-                }
+                self.hold(s, gid, active, pid).await?;
             }
             Cmd::Release { gid, active, delete } => {
                 self.mirror.gids.remove(&(gid, active));
+                self.mirror.unsure.remove(&(gid, active));
                 if !delete {
                     return Ok(());
                 }
