@@ -163,6 +163,7 @@ PORTS = {
     "failover_fork_idle_holder": 17813,     # and 17814
     "failover_spawn": 17815,
     "failover_after_subprocess": 17816,
+    "failover_many": 17817,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
     "migrate_client": 17901,

@@ -601,6 +601,42 @@ def test_iperf3_failover(procs, faults):
     assert_virtual(w, SERVER, addr, CLIENT, min_conns=2, c2s_bytes=received["bytes"])
 
 
+MANY = 400
+
+
+def test_hundreds_of_connections_in_one_event_loop_fail_over(procs, faults):
+    """400 asyncio echo clients (one process, one epoll instance) talk to an asyncio echo
+    server (one process, one epoll instance) across hosts, each client sending a message every
+    0.2 s; eth0 of the client host goes down while they do. Every connection moves to eth1
+    (at both ends each old socket leaves the program's epoll instance and the new one is
+    registered with the program's events and data: hundreds of them in a burst), both event
+    loops keep being woken for every connection, and every echo comes back whole."""
+    port = PORTS["failover_many"]
+    addr = f"{SERVER_IP}:{port}"
+    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                 name="echo-many-server")
+    cli = procs.start(CLIENT, python_prog("echo_clients.py", "--connect", addr, "--clients", MANY,
+                                        "--messages", 40, "--max-size", 4096, "--seed", 5,
+                                        "--gap", 0.2),
+                      layer=True, name="echo-many-clients")
+    wait_status(CLIENT, lambda st: len(client_conns(st, addr)) >= MANY, FLOWING_TIMEOUT,
+                f"{MANY} connections to {addr}")
+    time.sleep(2.0)
+    assert cli.alive(), cli.failure("the clients ended before the fault")
+    faults.link_down(CLIENT, ETH0)
+    t0 = time.monotonic()
+    wait_status(CLIENT, all_moved(addr, MANY), FAILOVER_TIMEOUT * 4,
+                f"all {MANY} connections to {addr} on {ETH1}")
+    moved = time.monotonic() - t0
+    cli.wait(timeout=60, check=False)
+    r = cli.last_json()
+    assert cli.returncode == 0, cli.failure("echo clients failed across the failover")
+    assert r["mismatches"] == 0 and r["error_count"] == 0, r
+    assert r["completed"] == MANY and r["messages"] == MANY * 40, r
+    print(f"\nvmit: {MANY} connections of one event loop moved to {ETH1} within {moved:.2f} s; "
+          f"{r['messages']} echoes whole")
+
+
 REDIS_SECONDS = 5.0     # redis-benchmark is sized to run about this long
 REDIS_FAULT_AT = 1.5    # seconds after it starts
 REDIS_CLIENTS = 50

@@ -181,7 +181,31 @@ fn node_name(s: &Settings) -> String {
     s.node.clone().unwrap_or_else(net::node_name)
 }
 
+/// Raises the soft limit on open descriptors to the hard one. Every rebuilt link passes
+/// through the agent, and a descriptor sent to a process that has not read it yet counts
+/// against the sender's limit (the kernel refuses the send with ETOOMANYREFS beyond it): a
+/// failover of thousands of connections must not stop at the default 1,024.
+fn raise_nofile() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit write and read one plain struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 || r.rlim_cur >= r.rlim_max {
+        return;
+    }
+    let want = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+        info!("open descriptors: soft limit raised from {} to {}", r.rlim_cur, r.rlim_max);
+    } else {
+        warn!(
+            "open descriptors: cannot raise the soft limit {} to {}: {}",
+            r.rlim_cur,
+            r.rlim_max,
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 fn run(args: Settings) {
+    raise_nofile();
     let key = match ClusterKey::load(&args.key) {
         Ok(k) => k,
         Err(e) => {

@@ -11,29 +11,39 @@ use std::sync::{Arc, RwLock};
 const BITMAP_FDS: usize = 1 << 16;
 
 static MANAGED: [AtomicU64; BITMAP_FDS / 64] = [const { AtomicU64::new(0) }; BITMAP_FDS / 64];
-static TABLE: RwLock<Table> = RwLock::new(Table { slots: Vec::new(), by_vc: BTreeMap::new() });
+static TABLE: RwLock<Table> =
+    RwLock::new(Table { slots: Vec::new(), by_vc: BTreeMap::new(), by_gid: BTreeMap::new() });
 
 /// The entries by descriptor, and each virtual connection's descriptors (lowest first), so
 /// that finding a connection's descriptors does not walk the table: the control thread does
-/// it for every connection in its sweeps and failovers.
+/// it for every connection in its sweeps and failovers. Each connection is also found by
+/// its GID (the agent's events name connections by GID: a failover of N connections hands
+/// over N links, and a walk per hand-over made it quadratic).
 struct Table {
     slots: Vec<Option<Entry>>,
     by_vc: BTreeMap<usize, Vec<i32>>,
+    by_gid: BTreeMap<u128, Arc<Vc>>,
 }
 
 impl Table {
     fn note(&mut self, fd: i32, e: &Option<Entry>, on: bool) {
         let Some(Entry::Vc(v)) = e else { return };
         let key = Arc::as_ptr(v) as usize;
+        let gid = v.mem().conn().gid;
         if on {
             let fds = self.by_vc.entry(key).or_default();
             if let Err(at) = fds.binary_search(&fd) {
                 fds.insert(at, fd);
             }
+            self.by_gid.insert(gid, v.clone());
         } else if let Some(fds) = self.by_vc.get_mut(&key) {
             fds.retain(|&f| f != fd);
             if fds.is_empty() {
                 self.by_vc.remove(&key);
+                // (Another connection with the same GID may have taken its place.)
+                if self.by_gid.get(&gid).is_some_and(|g| Arc::as_ptr(g) as usize == key) {
+                    self.by_gid.remove(&gid);
+                }
             }
         }
     }
@@ -164,7 +174,12 @@ pub fn listeners() -> Vec<(i32, SocketAddr)> {
 
 /// Tells the connection layer how to ask this table (at start).
 pub fn install() {
-    crate::vc::descriptors_from(crate::vc::Descriptors { connections: distinct_vcs, fds_of, listeners });
+    crate::vc::descriptors_from(crate::vc::Descriptors {
+        connections: distinct_vcs,
+        fds_of,
+        listeners,
+        by_gid,
+    });
 }
 
 thread_local! {
@@ -192,6 +207,11 @@ pub fn after_fork_child() {
 pub fn fds_of(vc: &Vc) -> Vec<i32> {
     let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
     t.by_vc.get(&(vc as *const Vc as usize)).cloned().unwrap_or_default()
+}
+
+/// The virtual connection with GID `gid`, if this process has a descriptor of it.
+pub fn by_gid(gid: u128) -> Option<Arc<Vc>> {
+    TABLE.read().unwrap_or_else(|e| e.into_inner()).by_gid.get(&gid).cloned()
 }
 
 /// Each distinct virtual connection in the table, once.

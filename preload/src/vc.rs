@@ -25,6 +25,8 @@ pub struct Descriptors {
     pub fds_of: fn(&Vc) -> Vec<i32>,
     /// This process's listeners under the layer: descriptor and address.
     pub listeners: fn() -> Vec<(i32, SocketAddr)>,
+    /// The connection with a GID, if this process has a descriptor of it.
+    pub by_gid: fn(u128) -> Option<Arc<Vc>>,
 }
 
 static DESCRIPTORS: std::sync::OnceLock<Descriptors> = std::sync::OnceLock::new();
@@ -37,6 +39,11 @@ pub fn descriptors_from(d: Descriptors) {
 /// Each distinct connection with a descriptor in this process.
 pub fn connections() -> Vec<Arc<Vc>> {
     DESCRIPTORS.get().map_or_else(Vec::new, |d| (d.connections)())
+}
+
+/// The connection with GID `gid`, if this process has a descriptor of it.
+pub fn by_gid(gid: u128) -> Option<Arc<Vc>> {
+    DESCRIPTORS.get().and_then(|d| (d.by_gid)(gid))
 }
 
 /// This process's descriptors of `v`.
@@ -235,8 +242,10 @@ impl Vc {
         event: impl FnOnce() -> Option<libc::epoll_event>,
         forward: impl FnOnce() -> Result<i32, Errno>,
     ) -> Result<i32, Errno> {
+        // (Noted before the call, and the change after it too: a link rebuilt meanwhile must
+        // look at this instance, and not at a copy of its registrations made before.)
+        relink::note_ctl();
         if op != libc::EPOLL_CTL_DEL {
-            // (Noted before the call: a link rebuilt meanwhile must look at this instance.)
             relink::note_epfd(epfd);
         }
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
@@ -268,7 +277,9 @@ impl Vc {
                 Err(_) => {}
             }
         }
-        forward()
+        let r = forward();
+        relink::note_ctl();
+        r
     }
 
     /// The statistics slot.

@@ -2,12 +2,13 @@
 """Many concurrent echo clients that check every echoed byte.
 
     echo_clients.py --connect IP:PORT [--clients 300] [--messages 20] [--max-size 65536]
-                    [--seed 1] [--hold S]
+                    [--seed 1] [--hold S] [--gap S]
 
 All clients connect first and wait until every one of them is connected; then each sends
 --messages messages of random size (1 B .. --max-size, log-uniform, from a per-client seed),
-reading each echo back and comparing it byte for byte. With --hold every client keeps its
-connection open that many seconds after its last echo. Prints one JSON line with totals and
+reading each echo back and comparing it byte for byte (with --gap, that many seconds after
+the previous echo). With --hold every client keeps its connection open that many seconds
+after its last echo. Prints one JSON line with totals and
 exits 1 if any echo differed or any client failed.
 """
 
@@ -47,7 +48,9 @@ async def one_client(index, args, totals, all_connected):
             all_connected.set()
         await asyncio.wait_for(all_connected.wait(), timeout=args.connect_timeout)
         max_exp = math.log2(args.max_size)
-        for _ in range(args.messages):
+        for i in range(args.messages):
+            if i and args.gap > 0:
+                await asyncio.sleep(args.gap)
             size = max(1, min(args.max_size, int(2 ** rng.uniform(0, max_exp))))
             msg = rng.randbytes(size)
             writer.write(msg)
@@ -107,6 +110,7 @@ def main():
     p.add_argument("--max-size", type=int, default=65536)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--gap", type=float, default=0.0, help="seconds between two messages of a client")
     p.add_argument("--connect-timeout", type=float, default=30.0,
                    help="seconds to wait for all clients to be connected")
     args = p.parse_args()

@@ -58,6 +58,33 @@ fn epoll_instances() -> Vec<i32> {
     out
 }
 
+/// What the fdinfo of each epoll instance listed, kept for a short while: reading it costs
+/// time in proportion to everything registered with the instance (the kernel prints every
+/// target, holding the instance's lock), so a failover of N connections registered with one
+/// instance read it N times, O(N²). The layer keeps the copy in step with its own changes
+/// (a socket taken out, the new one registered), and drops it when the program calls
+/// `epoll_ctl` on a virtual connection ([`note_ctl`]) or after [`CACHE_MS`]. A one-shot
+/// registration is always read afresh (the kernel disarms it when it fires, with no call).
+struct Cache {
+    gen: u64,
+    at_ms: u64,
+    by_epfd: HashMap<i32, Vec<substrate::procfs::EpollTarget>>,
+}
+
+static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
+static CTL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Longest use of a copy of an instance's fdinfo.
+const CACHE_MS: u64 = 100;
+
+/// The program changed an epoll registration of a virtual connection.
+pub(crate) fn note_ctl() {
+    CTL_GEN.fetch_add(1, AcqRel);
+}
+
+fn cache() -> std::sync::MutexGuard<'static, Option<Cache>> {
+    CACHE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The epoll registrations of the sockets under `fds`, read from `/proc/self/fdinfo` (the
 /// kernel lists every epoll instance's targets with their events, data and inode), so the
 /// program's `epoll_ctl` calls cost nothing extra.
@@ -69,10 +96,29 @@ pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
         }
     }
     let mut out = Vec::new();
+    let (gen, now) = (CTL_GEN.load(Acquire), sys::now_ms());
+    let mut c = cache();
+    let c = match &mut *c {
+        Some(k) if k.gen == gen && now.saturating_sub(k.at_ms) < CACHE_MS => k,
+        slot => slot.insert(Cache { gen, at_ms: now, by_epfd: HashMap::new() }),
+    };
+    let ours = |t: &substrate::procfs::EpollTarget| {
+        inos.iter().any(|&(f, i)| f == t.fd && t.ino.is_none_or(|x| x == i))
+    };
     for epfd in epoll_instances() {
-        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else { continue };
-        for t in substrate::procfs::parse_epoll_fdinfo(&info) {
-            if inos.iter().any(|&(f, i)| f == t.fd && t.ino.is_none_or(|x| x == i)) {
+        let fresh = match c.by_epfd.get(&epfd) {
+            Some(ts) => ts.iter().any(|t| ours(t) && t.events & libc::EPOLLONESHOT as u32 != 0),
+            None => true,
+        };
+        if fresh {
+            let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{epfd}")) else {
+                c.by_epfd.remove(&epfd);
+                continue;
+            };
+            c.by_epfd.insert(epfd, substrate::procfs::parse_epoll_fdinfo(&info));
+        }
+        for t in c.by_epfd.get(&epfd).into_iter().flatten() {
+            if ours(t) {
                 out.push((epfd, t.fd, t.events, t.data));
             }
         }
@@ -88,6 +134,13 @@ pub(crate) fn epoll_detach(fds: &[i32]) -> Vec<EpollReg> {
         // Removes the old socket from the program's epoll instance.
         sys::fd::epoll_ctl(r.0, libc::EPOLL_CTL_DEL, r.1, None);
     }
+    if let Some(c) = cache().as_mut() {
+        for r in &regs {
+            if let Some(ts) = c.by_epfd.get_mut(&r.0) {
+                ts.retain(|t| t.fd != r.1);
+            }
+        }
+    }
     regs
 }
 
@@ -101,6 +154,12 @@ pub(crate) fn epoll_attach(regs: &[EpollReg]) {
                 "cannot register fd {fd} again with epoll fd {epfd}: errno {}",
                 sys::errno()
             ));
+            continue;
+        }
+        let ino = sys::fd::fstat(fd).map(|st| st.st_ino);
+        if let Some(ts) = cache().as_mut().and_then(|c| c.by_epfd.get_mut(&epfd)) {
+            ts.retain(|t| t.fd != fd);
+            ts.push(substrate::procfs::EpollTarget { fd, events, data, ino });
         }
     }
 }

@@ -30,7 +30,7 @@ use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
 use crate::vc::Vc;
 use crate::{agent, config, log, sys};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
@@ -45,7 +45,7 @@ pub mod relisten;
 mod swap;
 
 pub use epoll::EpollReg;
-pub(crate) use epoll::{epoll_attach, epoll_detach, note_epfd};
+pub(crate) use epoll::{epoll_attach, epoll_detach, note_ctl, note_epfd};
 use freeze::*;
 pub use freeze::{thaw_name, FROZEN};
 pub use handshake::MOVED;
@@ -450,7 +450,14 @@ struct Pending {
 struct Suspect {
     since_ms: u64,
     poked_ms: u64,
+    /// Last look at its socket (see [`SUSPECT_LOOK_MS`]).
+    looked_ms: u64,
 }
+
+/// How often a suspect connection's socket is asked whether the peer's kernel acknowledged
+/// (a failover of a node's network makes every connection held here a suspect, and the
+/// control thread walks them every 50 ms).
+const SUSPECT_LOOK_MS: u64 = 200;
 
 #[derive(Default)]
 struct Work {
@@ -460,12 +467,30 @@ struct Work {
     last_wire: HashMap<u128, u64>,
     /// Connections this side must dial whatever its role: the process was restored on
     /// another node, and only it knows where it is now.
-    must_dial: std::collections::HashSet<u128>,
+    must_dial: HashSet<u128>,
     /// A thaw whose report to `vmi-migrate` waits for the links to be rebuilt.
     thawing: Option<Thawing>,
     /// When an idle thread next walks the connections (see `SWEEP_MS`).
     next_sweep_ms: u64,
+    /// When the connections were last walked.
+    walked_ms: u64,
+    /// When every connection was last looked at.
+    all_walked_ms: u64,
+    /// The next walk looks at every connection.
+    look_at_all: bool,
+    /// Connections seen by the last walk of them all.
+    conns_seen: usize,
 }
+
+/// Longest time between two walks of every connection while something is under way: 50 ms,
+/// and 1 ms more per 100 connections (a walk touches every connection's memory, about a
+/// microsecond each, and must not take the thread's whole time at 100,000).
+fn full_walk_ms(conns: usize) -> u64 {
+    50 + conns as u64 / 100
+}
+
+/// Most events read from the agent in one round of the control thread.
+const EVENTS_PER_ROUND: usize = 256;
 
 /// The report owed to `vmi-migrate` after a thaw.
 struct Thawing {
@@ -476,7 +501,7 @@ struct Thawing {
     to_rebuild: Vec<u128>,
     /// Links of `to_rebuild` that came back, counted when they did (the program may close
     /// some of them before the report goes out).
-    rebuilt: std::collections::HashSet<u128>,
+    rebuilt: HashSet<u128>,
     replayed_before: u64,
 }
 
@@ -573,6 +598,7 @@ fn control_loop() -> Ending {
             2
         } else if owed != w.owed_seen {
             w.owed_seen = owed;
+            w.look_at_all = true;
             REPLAYING.store(1, Relaxed);
             5
         } else if w.pending.is_empty() && w.suspects.is_empty() {
@@ -580,7 +606,7 @@ fn control_loop() -> Ending {
         } else {
             50
         };
-        // Anything under way is looked at on every round; otherwise only what woke the
+        // Anything under way is looked at every `timeout`; otherwise only what woke the
         // thread (an event, a broken link) makes it walk the connections, plus a slow
         // sweep: with thousands of idle connections a walk costs milliseconds.
         let busy = timeout < 500 || w.thawing.is_some() || !w.last_wire.is_empty();
@@ -602,7 +628,6 @@ fn control_loop() -> Ending {
         } else {
             wait_fails = 0;
         }
-        let woke = pfds.iter().any(|p| p.revents != 0);
         if pfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
             // A descriptor of ours is gone (closed behind the layer's back): open them again
             // later rather than poll a dead one in a loop.
@@ -623,19 +648,51 @@ fn control_loop() -> Ending {
             std::thread::sleep(std::time::Duration::from_millis(5));
             continue;
         }
+        // Events waiting are read together (a failover of thousands of connections brings
+        // a hand-over each), and a hand-over needs no walk of the connections: it is
+        // answered on the spot.
+        let mut walk = pfds[1].revents != 0;
         if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
-            match read_event(evt) {
-                Some((m, passed)) => on_event(m, passed, &mut w),
-                None => {
-                    log::info(format_args!("event channel to the node agent closed; reconnecting"));
-                    close_events();
-                    next_connect = sys::now_ms() + 200;
+            for n in 0..EVENTS_PER_ROUND {
+                if n > 0 && sys::wait_fd(evt, libc::POLLIN, 0) & (libc::POLLIN | libc::POLLHUP) == 0 {
+                    break;
+                }
+                match read_event(evt) {
+                    Some((m, passed)) => {
+                        walk |= !matches!(m, Msg::Handover { .. });
+                        on_event(m, passed, &mut w);
+                    }
+                    None => {
+                        log::info(format_args!("event channel to the node agent closed; reconnecting"));
+                        close_events();
+                        next_connect = sys::now_ms() + 200;
+                        walk = true;
+                        break;
+                    }
                 }
             }
         }
+        // Under way (a replay to push, links to dial, suspects): a walk per `timeout`, not
+        // per wake-up; otherwise what woke the thread, and the slow sweep.
+        // A walk looks at every connection when something may concern any of them (a wake-up,
+        // an event, a replay owed somewhere, the sweep, at least every [`full_walk_ms`]
+        // while busy); in between only at those under way (links to dial, suspects, replays to
+        // push): a failover of thousands of connections otherwise walks them all every 2 ms.
         let now = sys::now_ms();
-        if woke || busy || now >= w.next_sweep_ms || !crate::sandbox::wake_reaches() {
-            work(&mut w);
+        let due = if busy { now >= w.walked_ms + timeout.max(0) as u64 } else { now >= w.next_sweep_ms };
+        let reaches = crate::sandbox::wake_reaches();
+        if walk || due || !reaches {
+            let all = walk
+                || !busy
+                || !reaches
+                || std::mem::take(&mut w.look_at_all)
+                || w.thawing.is_some()
+                || now >= w.all_walked_ms + full_walk_ms(w.conns_seen);
+            work(&mut w, all);
+            w.walked_ms = now;
+            if all {
+                w.all_walked_ms = now;
+            }
             w.next_sweep_ms = now + SWEEP_MS;
         }
         IN_WORK.store(false, SeqCst);
@@ -695,7 +752,7 @@ fn enter_work() -> bool {
 const SWEEP_MS: u64 = 10_000;
 
 fn find(gid: u128) -> Option<Arc<Vc>> {
-    crate::vc::connections().into_iter().find(|v| v.mem().conn().gid == gid)
+    crate::vc::by_gid(gid)
 }
 
 fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
@@ -719,7 +776,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
                     // network), this side gives up after the grace period, unless the peer's
                     // kernel still acknowledges (the path is fine, only probes were lost).
                     let now = sys::now_ms();
-                    w.suspects.entry(c.gid).or_insert(Suspect { since_ms: now, poked_ms: 0 });
+                    w.suspects.entry(c.gid).or_insert(Suspect { since_ms: now, poked_ms: 0, looked_ms: 0 });
                 }
             }
         }
@@ -814,19 +871,35 @@ fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
     norm(a) == norm(b)
 }
 
-/// Dials, gives up after the grace period, for every connection whose link is down.
-fn work(w: &mut Work) {
+/// Dials, gives up after the grace period, for every connection whose link is down; pushes
+/// replays; watches suspects. `every`: looks at every connection of the process, else only
+/// at those under way.
+fn work(w: &mut Work, every: bool) {
     let now = sys::now_ms();
-    let mut seen = Vec::new();
-    REPLAYING.store(0, Relaxed);
-    for v in crate::vc::connections() {
+    let mut seen = HashSet::new();
+    // (Only a walk of every connection can tell that no replay is owed anywhere.)
+    if every {
+        REPLAYING.store(0, Relaxed);
+    }
+    let all: Vec<Arc<Vc>> = if every {
+        crate::vc::connections()
+    } else {
+        // (Suspects wait for the walks of every connection: they are looked at every
+        // `SUSPECT_LOOK_MS` at most, and a failover makes every connection held here one.)
+        let gids: HashSet<u128> =
+            (w.pending.keys().chain(w.last_wire.keys())).chain(w.must_dial.iter()).copied().collect();
+        gids.into_iter().filter_map(find).collect()
+    };
+    for v in &all {
+        let v = &**v;
         let c = v.mem().conn();
         if c.broken.load(Acquire) != 0 {
             continue;
         }
         for_sandboxed_threads(&v);
-        if let Some(s) = w.suspects.get_mut(&c.gid) {
-            if check_suspect(&v, s, now) {
+        if let Some(s) = w.suspects.get_mut(&c.gid).filter(|s| now >= s.looked_ms + SUSPECT_LOOK_MS) {
+            s.looked_ms = now;
+            if check_suspect(v, s, now) {
                 w.suspects.remove(&c.gid);
             }
         }
@@ -853,7 +926,7 @@ fn work(w: &mut Work) {
             }
             continue;
         }
-        seen.push(c.gid);
+        seen.insert(c.gid);
         if v.parked() < 0 && v.shm().is_some_and(|l| l.moving()) {
             // Leaving shared memory: the program's polls wait quietly on a placeholder
             // (the old socket, reset by the peer, would poll ready forever).
@@ -888,11 +961,16 @@ fn work(w: &mut Work) {
             }
         }
     }
+    if every {
+        w.conns_seen = all.len();
+    }
     w.pending.retain(|g, _| seen.contains(g));
     w.must_dial.retain(|g| seen.contains(g));
     report_thaw(w);
-    let live: Vec<u128> = crate::vc::connections().iter().map(|v| v.mem().conn().gid).collect();
-    w.suspects.retain(|g, _| live.contains(g));
+    let live: HashSet<u128> = all.iter().map(|v| v.mem().conn().gid).collect();
+    if every {
+        w.suspects.retain(|g, _| live.contains(g));
+    }
     w.last_wire.retain(|g, _| live.contains(g));
 }
 
@@ -900,13 +978,16 @@ fn work(w: &mut Work) {
 /// with a full window, send one for a reader, take a link another process rebuilt.
 fn for_sandboxed_threads(v: &Vc) {
     let c = v.mem().conn();
-    let owed = c.ctl_owed.swap(0, AcqRel);
-    let Some(&fd) = crate::vc::fds_of(v).first() else { return };
-    if owed & crate::shm::CTL_HARVEST != 0 {
-        crate::tcp_sink::harvest_acks(v.mem(), v.slot(), fd);
-    }
-    if owed & crate::shm::CTL_ACK != 0 {
-        crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+    // (Nothing owed, the common case, costs two loads: the walk visits every connection.)
+    let owed = if c.ctl_owed.load(Relaxed) != 0 { c.ctl_owed.swap(0, AcqRel) } else { 0 };
+    if owed & (crate::shm::CTL_HARVEST | crate::shm::CTL_ACK) != 0 {
+        let Some(&fd) = crate::vc::fds_of(v).first() else { return };
+        if owed & crate::shm::CTL_HARVEST != 0 {
+            crate::tcp_sink::harvest_acks(v.mem(), v.slot(), fd);
+        }
+        if owed & crate::shm::CTL_ACK != 0 {
+            crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+        }
     }
     if crate::sandbox::active() && c.link_down.load(Acquire) == 0 && v.behind() {
         adopt(v);
