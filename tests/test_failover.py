@@ -25,7 +25,9 @@ Faults go through the `faults` fixture (helpers.Faults), which undoes every link
 benchmark's business: the tests only bound stalls loosely (STALL_SLACK).
 """
 
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -599,6 +601,42 @@ def test_iperf3_failover(procs, faults):
     assert late and sum(late) > 0, \
         f"iperf3 moved nothing in its last seconds, after the failover: {late}"
     assert_virtual(w, SERVER, addr, CLIENT, min_conns=2, c2s_bytes=received["bytes"])
+
+
+def test_idle_connection_moved_four_times_then_used(procs, faults):
+    """A connection makes one echo, then no call at all while the client host's networks fail
+    in turn (eth0 down: it moves to eth1; eth0 back and eth1 down: back to eth0; twice), then
+    echoes 4 MiB: every move of an idle connection leaves the program's next calls, and the
+    waits in them, working on the new link, and every byte comes back."""
+    port = PORTS["failover_idle_moves"]
+    addr = f"{SERVER_IP}:{port}"
+    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                 name="echo-server")
+    cli = procs.start(CLIENT, python_prog("idle_echo.py", "--connect", addr, "--idle", 120),
+                      layer=True, name="idle-echo")
+    deadline = time.monotonic() + FLOWING_TIMEOUT
+    while not any(r.get("event") == "idle" for r in cli.json_lines()):
+        assert cli.alive() and time.monotonic() < deadline, cli.failure("no first echo")
+        time.sleep(0.05)
+    c = wait_conn(CLIENT, addr, lambda c: c.get("network") == ETH0, FLOWING_TIMEOUT,
+                  f"the client end to {addr} on {ETH0}")
+    gid, moves = c["gid"], 0
+    for down, up in ((ETH0, ETH1), (ETH1, ETH0), (ETH0, ETH1), (ETH1, ETH0)):
+        faults.link_down(CLIENT, down)
+        moves += 1
+        c = wait_conn(CLIENT, addr, lambda c, up=up, n=moves: c.get("gid") == gid
+                      and c.get("network") == up and (c.get("failovers") or 0) >= n,
+                      FAILOVER_TIMEOUT * 2, f"move {moves}: the idle connection on {up}")
+        faults.link_up(CLIENT, down)
+        wait_status(CLIENT, lambda st, d=down: any(
+            p.get("state") == "alive" and p.get("network") == d for p in st.get("paths") or []),
+            FAILOVER_TIMEOUT * 2, f"a path on {down} alive again")
+    os.kill(cli.pid, signal.SIGUSR1)
+    cli.wait(timeout=40, check=False)
+    r = cli.last_json()
+    assert "error" not in r and r.get("same") is True, r
+    assert r.get("echoed") == 64 * 1024 + 4 * 1024 * 1024, r
+    assert cli.returncode == 0, cli.failure("idle_echo.py failed")
 
 
 MANY = 400

@@ -73,8 +73,10 @@ struct Cache {
 
 static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
 static CTL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-/// Longest use of a copy of an instance's fdinfo.
-const CACHE_MS: u64 = 100;
+/// Longest use of a copy of an instance's fdinfo. (What the program changes without a call
+/// the layer sees cannot make it wrong about the layer's sockets: a registration that
+/// vanished with a closed descriptor names an inode no rebuilt link has.)
+const CACHE_MS: u64 = 1000;
 
 /// The program changed an epoll registration of a virtual connection.
 pub(crate) fn note_ctl() {

@@ -95,6 +95,7 @@ pub fn link_broken_on(mem: ConnMem, why: &str, call_gen: Option<u32>) -> bool {
         }
         c.down_since_ms.store(sys::now_ms(), Release);
         log::info(format_args!("virtual connection {:032x}: link lost ({why}); rebuilding it", c.gid));
+        attend(c.gid);
         wake();
         return true;
     }
@@ -137,6 +138,31 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 
 // ---------------------------------------------------------------------------------------------
 // The control thread
+
+/// Connections whose link broke since the control thread last looked, so that it looks at
+/// them without a walk of every connection (a failover breaks thousands in a burst, each
+/// waking the thread). Never waited for: a program thread that finds it taken, or full, asks
+/// for a walk of every connection instead ([`ATTEND_ALL`]).
+static ATTENTION: std::sync::Mutex<Vec<u128>> = std::sync::Mutex::new(Vec::new());
+static ATTEND_ALL: AtomicBool = AtomicBool::new(false);
+/// Most connections [`ATTENTION`] holds.
+const ATTENTION_MAX: usize = 1 << 16;
+
+fn attend(gid: u128) {
+    match ATTENTION.try_lock() {
+        Ok(mut a) if a.len() < ATTENTION_MAX => a.push(gid),
+        _ => ATTEND_ALL.store(true, Release),
+    }
+}
+
+/// The connections to look at since last time; `None`: look at every one.
+fn attention() -> Option<Vec<u128>> {
+    let taken = match ATTENTION.try_lock() {
+        Ok(mut a) => std::mem::take(&mut *a),
+        Err(_) => return None,
+    };
+    (!ATTEND_ALL.swap(false, AcqRel)).then_some(taken)
+}
 
 fn wake() {
     let fd = crate::ownfd::own_fd(OWN_WAKE);
@@ -443,6 +469,9 @@ fn read_event(fd: i32) -> Option<(Msg, Option<i32>)> {
 /// Connections whose link is down, with when this process last tried to dial.
 struct Pending {
     next_try_ms: u64,
+    /// This side dials it (the other side waits for its dialer: looked at only by the walks
+    /// of every connection).
+    dials: bool,
 }
 
 /// Connections this side answers for (it did not dial them) whose path the agent says is
@@ -450,14 +479,17 @@ struct Pending {
 struct Suspect {
     since_ms: u64,
     poked_ms: u64,
-    /// Last look at its socket (see [`SUSPECT_LOOK_MS`]).
+    /// Last look at its socket (see [`suspect_look_ms`]).
     looked_ms: u64,
 }
 
-/// How often a suspect connection's socket is asked whether the peer's kernel acknowledged
-/// (a failover of a node's network makes every connection held here a suspect, and the
-/// control thread walks them every 50 ms).
-const SUSPECT_LOOK_MS: u64 = 200;
+/// How often a suspect connection's socket is asked whether the peer's kernel acknowledged:
+/// every 200 ms, and 1 ms more per 10 suspects (a failover of a node's network makes every
+/// connection held here a suspect: 12,500 of them asked every 200 ms took a fifth of a CPU,
+/// while their dialers needed it).
+fn suspect_look_ms(suspects: usize) -> u64 {
+    200 + suspects as u64 / 10
+}
 
 #[derive(Default)]
 struct Work {
@@ -483,10 +515,10 @@ struct Work {
 }
 
 /// Longest time between two walks of every connection while something is under way: 50 ms,
-/// and 1 ms more per 100 connections (a walk touches every connection's memory, about a
-/// microsecond each, and must not take the thread's whole time at 100,000).
+/// and 1 ms more per 20 connections (a walk touches every connection's memory, about a
+/// microsecond each, and must not take much of the thread's time at 100,000).
 fn full_walk_ms(conns: usize) -> u64 {
-    50 + conns as u64 / 100
+    50 + conns as u64 / 20
 }
 
 /// Most events read from the agent in one round of the control thread.
@@ -650,8 +682,15 @@ fn control_loop() -> Ending {
         }
         // Events waiting are read together (a failover of thousands of connections brings
         // a hand-over each), and a hand-over needs no walk of the connections: it is
-        // answered on the spot.
-        let mut walk = pfds[1].revents != 0;
+        // answered on the spot. A wake-up for broken links looks at those only.
+        let mut walk = false;
+        let mut extra = Vec::new();
+        if pfds[1].revents != 0 {
+            match attention() {
+                Some(gids) if !gids.is_empty() => extra = gids,
+                _ => walk = true,
+            }
+        }
         if pfds[0].revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
             for n in 0..EVENTS_PER_ROUND {
                 if n > 0 && sys::wait_fd(evt, libc::POLLIN, 0) & (libc::POLLIN | libc::POLLHUP) == 0 {
@@ -681,14 +720,14 @@ fn control_loop() -> Ending {
         let now = sys::now_ms();
         let due = if busy { now >= w.walked_ms + timeout.max(0) as u64 } else { now >= w.next_sweep_ms };
         let reaches = crate::sandbox::wake_reaches();
-        if walk || due || !reaches {
+        if walk || due || !reaches || !extra.is_empty() {
             let all = walk
                 || !busy
                 || !reaches
                 || std::mem::take(&mut w.look_at_all)
                 || w.thawing.is_some()
                 || now >= w.all_walked_ms + full_walk_ms(w.conns_seen);
-            work(&mut w, all);
+            work(&mut w, all, extra);
             w.walked_ms = now;
             if all {
                 w.all_walked_ms = now;
@@ -874,9 +913,10 @@ fn same_ip(a: SocketAddr, b: SocketAddr) -> bool {
 /// Dials, gives up after the grace period, for every connection whose link is down; pushes
 /// replays; watches suspects. `every`: looks at every connection of the process, else only
 /// at those under way.
-fn work(w: &mut Work, every: bool) {
+fn work(w: &mut Work, every: bool, extra: Vec<u128>) {
     let now = sys::now_ms();
     let mut seen = HashSet::new();
+    let mut visited: HashSet<u128> = HashSet::new();
     // (Only a walk of every connection can tell that no replay is owed anywhere.)
     if every {
         REPLAYING.store(0, Relaxed);
@@ -884,12 +924,13 @@ fn work(w: &mut Work, every: bool) {
     let all: Vec<Arc<Vc>> = if every {
         crate::vc::connections()
     } else {
-        // (Suspects wait for the walks of every connection: they are looked at every
-        // `SUSPECT_LOOK_MS` at most, and a failover makes every connection held here one.)
-        let gids: HashSet<u128> =
-            (w.pending.keys().chain(w.last_wire.keys())).chain(w.must_dial.iter()).copied().collect();
-        gids.into_iter().filter_map(find).collect()
+        // (Suspects, and links this side waits for its peer to dial, wait for the walks of
+        // every connection: a failover makes every connection held here one.)
+        let due = w.pending.iter().filter(|(_, p)| p.dials && now >= p.next_try_ms).map(|(g, _)| g);
+        visited = (due.chain(w.last_wire.keys()).chain(w.must_dial.iter()).copied()).chain(extra).collect();
+        visited.iter().copied().filter_map(find).collect()
     };
+    let look = suspect_look_ms(w.suspects.len());
     for v in &all {
         let v = &**v;
         let c = v.mem().conn();
@@ -897,7 +938,7 @@ fn work(w: &mut Work, every: bool) {
             continue;
         }
         for_sandboxed_threads(&v);
-        if let Some(s) = w.suspects.get_mut(&c.gid).filter(|s| now >= s.looked_ms + SUSPECT_LOOK_MS) {
+        if let Some(s) = w.suspects.get_mut(&c.gid).filter(|s| now >= s.looked_ms + look) {
             s.looked_ms = now;
             if check_suspect(v, s, now) {
                 w.suspects.remove(&c.gid);
@@ -940,8 +981,10 @@ fn work(w: &mut Work, every: bool) {
         if let Some(s) = v.slot() {
             s.set_relinking(true, false);
         }
-        let p = w.pending.entry(c.gid).or_insert(Pending { next_try_ms: 0 });
-        if (c.active != 0 || w.must_dial.contains(&c.gid)) && now >= p.next_try_ms {
+        let dials = c.active != 0 || w.must_dial.contains(&c.gid);
+        let p = w.pending.entry(c.gid).or_insert(Pending { next_try_ms: 0, dials });
+        p.dials = dials;
+        if dials && now >= p.next_try_ms {
             match dial(&v) {
                 None => {
                     w.pending.remove(&c.gid);
@@ -964,8 +1007,10 @@ fn work(w: &mut Work, every: bool) {
     if every {
         w.conns_seen = all.len();
     }
-    w.pending.retain(|g, _| seen.contains(g));
-    w.must_dial.retain(|g| seen.contains(g));
+    // (What was not looked at stays as it was.)
+    let keep = |g: &u128| seen.contains(g) || (!every && !visited.contains(g));
+    w.pending.retain(|g, _| keep(g));
+    w.must_dial.retain(keep);
     report_thaw(w);
     let live: HashSet<u128> = all.iter().map(|v| v.mem().conn().gid).collect();
     if every {
