@@ -206,7 +206,8 @@ def test_nodes_register_in_the_directory_and_watch_no_one_yet(et):
         d = wait_for(f"{n} connected", lambda n=n: (lambda d: d["connected"] and d)(directory(n)))
         assert d["lease"] and d["endpoints"] == [f"http://{ip(m)}:2379" for m in MEMBERS], d
         assert d["last_error"] is None and d["ttl_s"] == LEASE_S, d
-        assert d["node_watches"] == 0 and d["nodes_known"] == 0 and d["nodes_not_watched"] == 0, d
+        assert d["node_watches"] == 0 and d["watched"] == [] and d["nodes_known"] == 0, d
+        assert d["nodes_not_watched"] == 0, d
     # Each agent address names its node (how a node not watched is found on demand).
     agents = etcd_get(p + "agent/")
     assert {k: json.loads(v)["node"] for k, v in agents.items()} == {
@@ -229,9 +230,9 @@ def test_listeners_and_connections_are_in_the_directory(et):
         (x["gid"] for x in ctl_json("h2", "status")["connections"] if x["local"] == server), None))
     # Its two ends' agents now watch each other's node; h3, with no connection, none.
     for a, b in (("h1", "h2"), ("h2", "h1")):
-        wait_for(f"{a} watches {b}", lambda a=a: (lambda d: d["node_watches"] == 1 and d["nodes_known"] == 1)(
-            directory(a)), timeout=5)
-    assert directory("h3")["node_watches"] == 0
+        wait_for(f"{a} watches {b}", lambda a=a, b=b: (lambda d: d["watched"] == [b] and d["node_watches"] == 1
+                                                          and d["nodes_known"] == 1)(directory(a)), timeout=5)
+    assert directory("h3")["watched"] == []
     ends = wait_for("both ends in etcd", lambda: (lambda g: len(g) == 2 and g)(etcd_get(f"{p}gid/{gid}/")))
     sides = {k.rsplit("/", 1)[1]: json.loads(v)["node"] for k, v in ends.items()}
     assert sides == {"out": "h1", "in": "h2"}, ends
@@ -263,8 +264,8 @@ def test_a_dead_agent_leaves_when_its_lease_ends(et):
     wait_for("server listening", lambda: in_ns("h3", ["ss", "-tlnH", f"sport = :{port}"]).stdout.strip())
     cli = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server, "--bytes", 100_000,
                             "--seed", 5, "--hold", 25], "client-dead")
-    wait_for("h1 watches h3", lambda: directory("h1")["node_watches"] == 2, timeout=10)
-    assert directory("h2")["node_watches"] == 1, "h2 watches h1 only (its connection of the last minute)"
+    wait_for("h1 watches h3", lambda: "h3" in directory("h1")["watched"], timeout=10)
+    assert "h3" not in directory("h2")["watched"], directory("h2")
     et.kill_agent("h3")
     t0 = time.monotonic()
     wait_for("h3 gone from etcd", lambda: f"{p}node/h3" not in etcd_get(p + "node/"), timeout=LEASE_S + 5)
@@ -276,17 +277,18 @@ def test_a_dead_agent_leaves_when_its_lease_ends(et):
           f"after {heard:.2f} s (lease {LEASE_S} s)")
     assert gone <= LEASE_S + 1.5
     d = directory("h1")
-    assert d["nodes_known"] == 1 and d["node_watches"] == 2, d
+    assert "h3" in d["watched"] and d["nodes_known"] == d["node_watches"] - 1, d
     # Back: h1 hears it join again.
     et.start_agent("h3").wait_ready()
     wait_for("h3 back in etcd", lambda: f"{p}node/h3" in etcd_get(p + "node/"))
     wait_for("h1's journal says h3 joined", lambda: node_events("h1", "h3")[-1:] == ["joined"], timeout=5)
-    assert directory("h1")["nodes_known"] == 2
-    # h2 has no connection with h3: it watched h1 alone, and its journal has nothing of h3.
+    d = directory("h1")
+    assert d["nodes_known"] == d["node_watches"], d
+    # h2 has no connection with h3: it does not watch it, and its journal has nothing of h3.
     d = directory("h2")
-    assert d["node_watches"] == 1 and d["nodes_known"] == 1, d
+    assert "h3" not in d["watched"] and d["node_watches"] <= 1, d
     assert node_events("h2", "h3") == [], node_events("h2", "h3")
-    print(f"vmiet: h2 (no connection with h3) holds {d['node_watches']} node watch(es) and heard nothing of h3")
+    print(f"vmiet: h2 (no connection with h3) watches {d['watched']} and heard nothing of h3")
     for g in (cli, srv):
         g.stop()
 
@@ -454,6 +456,23 @@ def test_a_listener_moved_twice_is_found_through_the_directory(et):
     line = [x for x in log.splitlines() if f"listener 0.0.0.0:{port} moved on" in x][-1]
     print(f"\nvmiet: server moved h2 -> h3 -> h1; a new connection to {first} reached it on h1 "
           f"({made:.2f} s to a listed virtual connection); h2's agent: {line.split('directory: ')[-1]}")
+
+
+def test_a_node_no_longer_cared_about_is_no_longer_watched(et):
+    """Once its last connection with a node is gone, an agent drops that node's watch after
+    six lease times (24 s here), and hears nothing more of it."""
+    t0 = time.monotonic()
+    for n in ("h1", "h2", "h3"):
+        wait_for(f"{n} watches no node", lambda n=n: (lambda d: d["node_watches"] == 0 and d["nodes_known"] == 0)(
+            directory(n)), timeout=6 * LEASE_S + 10, every=0.5)
+    print(f"\nvmiet: every agent without connections dropped its node watches within "
+          f"{time.monotonic() - t0:.1f} s (six leases: {6 * LEASE_S} s after the last connection)")
+    before = node_events("h1", "h3")
+    et.kill_agent("h3")
+    wait_for("h3 gone from etcd", lambda: f"{prefix_of('h1')}node/h3" not in etcd_get(prefix_of("h1") + "node/"),
+             timeout=LEASE_S + 5)
+    time.sleep(0.5)
+    assert node_events("h1", "h3") == before, node_events("h1", "h3")
 
 
 def test_bad_directory_values_are_refused(et):

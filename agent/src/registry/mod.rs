@@ -11,7 +11,7 @@
 //! An agent does not follow the whole cluster: it watches the node records of the nodes it
 //! cares about (those its processes have connections with, asked of the agent every
 //! [`SCOPE_EVERY`], and those a lookup led to), one etcd watch per node on one watch
-//! stream, and drops a node's watch [`FORGET_AFTER`] after it last cared. What it holds per
+//! stream, and drops a node's watch [`forget_after`] after it last cared. What it holds per
 //! node is bounded by [`record::MAX_CACHED_NODES`], however large the cluster. A node
 //! record it does not watch (where a moved listener went) is found on demand through the
 //! `agent/ADDR` index, within the lookup's bound.
@@ -21,7 +21,7 @@
 //!        (listen, hold,           ├─ lease: grant, keep alive every ttl/3
 //!         release, moved)         ├─ puts and deletes, CAS on mod_revision for a moved GID
 //!  cares() every 1 s ──────►      ├─ one watch per cared-for node/NODE → NodeCache → journal
-//!  expect_here ──Lookup──►        │    (joined, left); dropped 60 s after it stops caring
+//!  expect_here ──Lookup──►        │    (joined, left); dropped 6 leases after it stops caring
 //!        ◄── answer within 300 ms └─ Status (for `vmictl status`)
 //! ```
 //! Without the option nothing here runs: every function below returns at once.
@@ -55,8 +55,13 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const BATCH: usize = 64;
 /// How often the agent is asked which nodes it cares about.
 pub const SCOPE_EVERY: Duration = Duration::from_secs(1);
-/// How long a node's watch stays after the agent last cared about it.
-pub const FORGET_AFTER: Duration = Duration::from_secs(60);
+/// How long a node's watch stays after the agent last cared about it: six lease times
+/// (60 s with the default lease), at least 20 s, at most 10 minutes.
+pub fn forget_after(ttl_s: u64) -> Duration {
+    Duration::from_secs(ttl_s.saturating_mul(6).clamp(20, 600))
+}
+/// Most watched nodes `vmictl status` names.
+const SHOWN: usize = 32;
 /// The watch id of this node's own record (the one the watch stream opens with).
 const OWN_WATCH: i64 = 1;
 
@@ -99,6 +104,8 @@ struct State {
     nodes: NodeCache,
     /// Node watches held now.
     watches: usize,
+    /// The first [`SHOWN`] nodes watched, by name.
+    watched: Vec<String>,
     /// Nodes a lookup led to since the worker last looked (it then watches them).
     looked_up: BTreeSet<String>,
 }
@@ -251,7 +258,10 @@ fn node_of(prefix: &str, agents: &[SocketAddr], deadline: Instant) -> Option<Str
         let kvs = lookup(record::agent_key(prefix, *a), false, left)?;
         if let Some(p) = kvs.first().and_then(|(_, v)| record::parse_place(v).ok()) {
             if let Some(h) = DIR.get() {
-                h.state.lock().unwrap_or_else(|e| e.into_inner()).looked_up.insert(p.node.clone());
+                let mut st = h.state.lock().unwrap_or_else(|e| e.into_inner());
+                if st.looked_up.len() < record::MAX_CACHED_NODES {
+                    st.looked_up.insert(p.node.clone());
+                }
             }
             return Some(p.node);
         }
@@ -324,6 +334,7 @@ pub fn status_json() -> Value {
         "registered_ms": s.registered_ms,
         "nodes_known": s.nodes.len(),
         "node_watches": s.watches,
+        "watched": s.watched,
         "nodes_not_watched": s.nodes.overflow,
     })
 }
@@ -607,7 +618,7 @@ impl Worker {
         for n in names {
             self.watch_node(client, &mut watch, n, true).await?;
         }
-        self.state().watches = self.watching.len();
+        self.show_watches();
         Ok(watch)
     }
 
@@ -662,8 +673,17 @@ impl Worker {
         Ok(())
     }
 
+    fn show_watches(&self) {
+        let mut names: Vec<String> = self.watching.values().map(|(n, _)| n.clone()).collect();
+        names.sort();
+        names.truncate(SHOWN);
+        let mut st = self.state();
+        st.watches = self.watching.len();
+        st.watched = names;
+    }
+
     /// Asks the agent which nodes it cares about now; watches those not watched yet and
-    /// drops the watches of those it has not cared about for [`FORGET_AFTER`].
+    /// drops the watches of those it has not cared about for [`forget_after`].
     async fn scope(
         &mut self,
         client: &mut Client,
@@ -671,15 +691,21 @@ impl Worker {
     ) -> Result<(), Broken> {
         let now = Instant::now();
         let looked = std::mem::take(&mut self.state().looked_up);
+        let mut beyond = 0;
         for n in (self.cfg.cares)().into_iter().chain(looked) {
-            if n != self.cfg.node && !n.is_empty() {
+            if n == self.cfg.node || n.is_empty() {
+                continue;
+            }
+            if self.want.len() < record::MAX_CACHED_NODES || self.want.contains_key(&n) {
                 self.want.insert(n, now);
+            } else {
+                beyond += 1;
             }
         }
         let stale: Vec<String> = self
             .want
             .iter()
-            .filter(|(_, t)| now.duration_since(**t) >= FORGET_AFTER)
+            .filter(|(_, t)| now.duration_since(**t) >= forget_after(self.cfg.ttl_s))
             .map(|(n, _)| n.clone())
             .collect();
         for n in stale {
@@ -690,7 +716,7 @@ impl Worker {
             }
             self.state().nodes.forget(&n);
         }
-        self.state().nodes.overflow = 0;
+        self.state().nodes.overflow = beyond;
         let new: Vec<String> = (self.want.keys())
             .filter(|n| !self.watching.contains_key(&record::node_key(&self.prefix, n)))
             .cloned()
@@ -698,7 +724,7 @@ impl Worker {
         for n in new {
             self.watch_node(client, watch, n, false).await?;
         }
-        self.state().watches = self.watching.len();
+        self.show_watches();
         Ok(())
     }
 
