@@ -174,7 +174,17 @@ def prefix_of(node):
     return ctl_json(node, "status")["directory"]["prefix"]
 
 
-def test_nodes_register_and_every_agent_hears_of_the_others(et):
+def directory(node):
+    return ctl_json(node, "status")["directory"]
+
+
+def node_events(node, of):
+    """The `node` events of `node`'s journal about node `of`: [change]."""
+    evs = [json.loads(x) for x in vmictl(node, "events", "--json").stdout.splitlines() if x.strip()]
+    return [e.get("change") for e in evs if e["kind"] == "node" and e.get("node") == of]
+
+
+def test_nodes_register_in_the_directory_and_watch_no_one_yet(et):
     t0 = time.monotonic()
     for n in HOSTS:
         et.start_agent(n)
@@ -190,13 +200,18 @@ def test_nodes_register_and_every_agent_hears_of_the_others(et):
     assert h2["agents"] == [f"{ip('h2')}:7787"], h2
     net = [x for x in h2["networks"] if x["name"] == "eth0"]
     assert net and net[0]["addr"] == ip("h2") and net[0]["mtu"] == 1500 and len(net[0]["mac"]) == 17, h2
-    # Each agent's directory section, and its cache of the others.
+    # Each agent's directory section. No agent has connections yet: none watches another
+    # node, whatever the cluster's size.
     for n in HOSTS:
-        d = wait_for(f"{n} knows three nodes",
-                     lambda n=n: (lambda d: d["connected"] and d["nodes_known"] == 3 and d)(
-                         ctl_json(n, "status")["directory"]))
+        d = wait_for(f"{n} connected", lambda n=n: (lambda d: d["connected"] and d)(directory(n)))
         assert d["lease"] and d["endpoints"] == [f"http://{ip(m)}:2379" for m in MEMBERS], d
         assert d["last_error"] is None and d["ttl_s"] == LEASE_S, d
+        assert d["node_watches"] == 0 and d["watched"] == [] and d["nodes_known"] == 0, d
+        assert d["nodes_not_watched"] == 0, d
+    # Each agent address names its node (how a node not watched is found on demand).
+    agents = etcd_get(p + "agent/")
+    assert {k: json.loads(v)["node"] for k, v in agents.items()} == {
+        f"{p}agent/{ip(n)}:7787": n for n in HOSTS}, agents
     print(f"\nvmiet: three agents started and registered in etcd within {took:.2f} s")
 
 
@@ -213,6 +228,11 @@ def test_listeners_and_connections_are_in_the_directory(et):
                           "--seed", 3, "--rate", 1_000_000, "--hold", 3], "client")
     gid = wait_for("the connection on h2", lambda: next(
         (x["gid"] for x in ctl_json("h2", "status")["connections"] if x["local"] == server), None))
+    # Its two ends' agents now watch each other's node; h3, with no connection, none.
+    for a, b in (("h1", "h2"), ("h2", "h1")):
+        wait_for(f"{a} watches {b}", lambda a=a, b=b: (lambda d: d["watched"] == [b] and d["node_watches"] == 1
+                                                          and d["nodes_known"] == 1)(directory(a)), timeout=5)
+    assert directory("h3")["watched"] == []
     ends = wait_for("both ends in etcd", lambda: (lambda g: len(g) == 2 and g)(etcd_get(f"{p}gid/{gid}/")))
     sides = {k.rsplit("/", 1)[1]: json.loads(v)["node"] for k, v in ends.items()}
     assert sides == {"out": "h1", "in": "h2"}, ends
@@ -232,25 +252,45 @@ def test_listeners_and_connections_are_in_the_directory(et):
 
 
 def test_a_dead_agent_leaves_when_its_lease_ends(et):
+    """h1 has a connection with h3 when h3's agent dies: h1 watches h3's node and hears it
+    leave (and come back); h2, with no connection to h3, does not watch it and hears
+    nothing of it."""
     p = prefix_of("h1")
     assert f"{p}node/h3" in etcd_get(p + "node/")
+    port = SERVER_PORT + 5
+    server = f"{ip('h3')}:{port}"
+    srv = et.program("h3", [PYTHON, PROGRAMS / "stream.py", "server", "--bind", server, "--count", "1"],
+                     "server-dead")
+    wait_for("server listening", lambda: in_ns("h3", ["ss", "-tlnH", f"sport = :{port}"]).stdout.strip())
+    cli = et.program("h1", [PYTHON, PROGRAMS / "stream.py", "client", "--connect", server, "--bytes", 100_000,
+                            "--seed", 5, "--hold", 25], "client-dead")
+    wait_for("h1 watches h3", lambda: "h3" in directory("h1")["watched"], timeout=10)
+    assert "h3" not in directory("h2")["watched"], directory("h2")
     et.kill_agent("h3")
     t0 = time.monotonic()
     wait_for("h3 gone from etcd", lambda: f"{p}node/h3" not in etcd_get(p + "node/"), timeout=LEASE_S + 5)
     gone = time.monotonic() - t0
 
-    def h1_heard():
-        evs = [json.loads(x) for x in vmictl("h1", "events", "--json").stdout.splitlines() if x.strip()]
-        return any(e["kind"] == "node" and e.get("node") == "h3" and e.get("change") == "left" for e in evs)
-    wait_for("h1's journal says h3 left", h1_heard, timeout=5)
+    wait_for("h1's journal says h3 left", lambda: "left" in node_events("h1", "h3"), timeout=5)
     heard = time.monotonic() - t0
     print(f"\nvmiet: agent of h3 killed: its node gone from etcd after {gone:.2f} s, h1's journal had it "
           f"after {heard:.2f} s (lease {LEASE_S} s)")
     assert gone <= LEASE_S + 1.5
-    assert ctl_json("h1", "status")["directory"]["nodes_known"] == 2
-    # Back: known again.
+    d = directory("h1")
+    assert "h3" in d["watched"] and d["nodes_known"] == d["node_watches"] - 1, d
+    # Back: h1 hears it join again.
     et.start_agent("h3").wait_ready()
     wait_for("h3 back in etcd", lambda: f"{p}node/h3" in etcd_get(p + "node/"))
+    wait_for("h1's journal says h3 joined", lambda: node_events("h1", "h3")[-1:] == ["joined"], timeout=5)
+    d = directory("h1")
+    assert d["nodes_known"] == d["node_watches"], d
+    # h2 has no connection with h3: it does not watch it, and its journal has nothing of h3.
+    d = directory("h2")
+    assert "h3" not in d["watched"] and d["node_watches"] <= 1, d
+    assert node_events("h2", "h3") == [], node_events("h2", "h3")
+    print(f"vmiet: h2 (no connection with h3) watches {d['watched']} and heard nothing of h3")
+    for g in (cli, srv):
+        g.stop()
 
 
 def test_etcd_down_for_30_s_while_a_stream_flows(et):
@@ -416,6 +456,23 @@ def test_a_listener_moved_twice_is_found_through_the_directory(et):
     line = [x for x in log.splitlines() if f"listener 0.0.0.0:{port} moved on" in x][-1]
     print(f"\nvmiet: server moved h2 -> h3 -> h1; a new connection to {first} reached it on h1 "
           f"({made:.2f} s to a listed virtual connection); h2's agent: {line.split('directory: ')[-1]}")
+
+
+def test_a_node_no_longer_cared_about_is_no_longer_watched(et):
+    """Once its last connection with a node is gone, an agent drops that node's watch after
+    six lease times (24 s here), and hears nothing more of it."""
+    t0 = time.monotonic()
+    for n in ("h1", "h2", "h3"):
+        wait_for(f"{n} watches no node", lambda n=n: (lambda d: d["node_watches"] == 0 and d["nodes_known"] == 0)(
+            directory(n)), timeout=6 * LEASE_S + 10, every=0.5)
+    print(f"\nvmiet: every agent without connections dropped its node watches within "
+          f"{time.monotonic() - t0:.1f} s (six leases: {6 * LEASE_S} s after the last connection)")
+    before = node_events("h1", "h3")
+    et.kill_agent("h3")
+    wait_for("h3 gone from etcd", lambda: f"{prefix_of('h1')}node/h3" not in etcd_get(prefix_of("h1") + "node/"),
+             timeout=LEASE_S + 5)
+    time.sleep(0.5)
+    assert node_events("h1", "h3") == before, node_events("h1", "h3")
 
 
 def test_bad_directory_values_are_refused(et):

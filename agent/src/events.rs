@@ -177,6 +177,8 @@ impl Events {
             });
             chans.insert(id, Chan { pid, out, holds });
         }
+        // Restored here, or back after a failed checkpoint: no longer frozen.
+        self.frozen.lock().unwrap_or_else(|e| e.into_inner()).remove(&pid);
         debug!("event channel {id} of process {pid}");
         loop {
             match read_msg_fd(s.as_raw_fd()) {
@@ -362,7 +364,10 @@ impl Events {
             }
             done = self.frozen_cv.wait_timeout(done, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        if let Some(Some(why)) = done.remove(&pid) {
+        // A process that is ready stays marked so until its event channels close (they tell
+        // its records to stay for the node it is restored on), or it opens a new one here.
+        if let Some(Some(why)) = done.get(&pid).cloned() {
+            done.remove(&pid);
             drop(done);
             self.unfreeze(pid);
             info!("process {pid} cannot be checkpointed: {why}");

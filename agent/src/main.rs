@@ -292,6 +292,10 @@ fn run(args: Settings) {
             cluster_id: agent.key.cluster_id,
             node: node.clone(),
             describe: Box::new(move || agent::registry::describe(&name, health.advertised())),
+            cares: {
+                let a = agent.clone();
+                Box::new(move || agent::status::cared_nodes(&a))
+            },
             journal: agent.journal.clone(),
         };
         info!("cluster directory in etcd at {} (lease {} s)", args.directory, args.directory_ttl);

@@ -243,6 +243,29 @@ struct Report {
     directory: serde_json::Value,
 }
 
+/// The other nodes this node's processes have connections with now, by name (from the
+/// peers' and links' addresses and the nodes the agent probes; a node not heard from yet has
+/// no name and is left out): what the cluster directory watches.
+pub fn cared_nodes(agent: &Agent) -> Vec<String> {
+    let mut ips = std::collections::HashSet::new();
+    {
+        let mut procs = agent.procs.lock().unwrap_or_else(|e| e.into_inner());
+        for t in procs.tables() {
+            for s in t.slots() {
+                ips.insert(s.peer.ip());
+                ips.extend(s.link_peer.map(|a| a.ip()));
+            }
+        }
+    }
+    if ips.is_empty() {
+        return Vec::new();
+    }
+    (agent.health.nodes().into_iter())
+        .filter(|n| n.name.parse::<std::net::IpAddr>().is_err() && n.addrs.iter().any(|a| ips.contains(a)))
+        .map(|n| n.name)
+        .collect()
+}
+
 /// The JSON status report; with `only`, the processes, connections and listeners of that
 /// user alone (what a user who may not run the node sees).
 pub fn report(agent: &Agent, only: Option<u32>) -> String {

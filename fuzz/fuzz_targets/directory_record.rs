@@ -1,5 +1,6 @@
 //! The cluster directory reads records back from etcd, which other programs can write to:
-//! any bytes are taken or refused as a node, place or listener record without a panic, and
+//! any bytes are taken or refused as a node, place (a GID's end, a moved listener, the
+//! `agent/ADDR` index) or listener record without a panic, and
 //! the node cache stays within its bound however many records arrive, put one by one or
 //! read whole.
 //!
@@ -38,6 +39,11 @@ fuzz_target!(|data: &[u8]| {
         let _ = parse_listener(&rec);
         if let Ok(n) = parse_node(&rec) {
             let _ = cache.delete(&np, &node_key(&p, &n.node));
+            // A node no longer watched is forgotten; the agent index names nodes by place.
+            if part.len() % 3 == 0 {
+                let _ = cache.forget(&n.node);
+                assert!(!cache.contains(&n.node));
+            }
         }
         let _ = cache.put(&rec);
         assert!(cache.len() <= MAX_CACHED_NODES);

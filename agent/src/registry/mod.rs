@@ -8,11 +8,20 @@
 //! from it), so that when etcd comes back after an outage, or the node's lease ended, it
 //! registers again under a new lease and writes the mirror anew.
 //!
+//! An agent does not follow the whole cluster: it watches the node records of the nodes it
+//! cares about (those its processes have connections with, asked of the agent every
+//! [`SCOPE_EVERY`], and those a lookup led to), one etcd watch per node on one watch
+//! stream, and drops a node's watch [`forget_after`] after it last cared. What it holds per
+//! node is bounded by [`record::MAX_CACHED_NODES`], however large the cluster. A node
+//! record it does not watch (where a moved listener went) is found on demand through the
+//! `agent/ADDR` index, within the lookup's bound.
+//!
 //! ```text
 //!  local.rs / events.rs ──Cmd──► [registry thread: tokio current-thread]
 //!        (listen, hold,           ├─ lease: grant, keep alive every ttl/3
 //!         release, moved)         ├─ puts and deletes, CAS on mod_revision for a moved GID
-//!  expect_here ──Lookup──►        ├─ watch on node/ → NodeCache → journal (joined, left)
+//!  cares() every 1 s ──────►      ├─ one watch per cared-for node/NODE → NodeCache → journal
+//!  expect_here ──Lookup──►        │    (joined, left); dropped 6 leases after it stops caring
 //!        ◄── answer within 300 ms └─ Status (for `vmictl status`)
 //! ```
 //! Without the option nothing here runs: every function below returns at once.
@@ -26,7 +35,7 @@ use etcd_client::{
 };
 use record::{NodeCache, NodeChange, NodeRec, PlaceRec};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -44,6 +53,17 @@ const MIN_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Operations per transaction when the mirror is written anew.
 const BATCH: usize = 64;
+/// How often the agent is asked which nodes it cares about.
+pub const SCOPE_EVERY: Duration = Duration::from_secs(1);
+/// How long a node's watch stays after the agent last cared about it: six lease times
+/// (60 s with the default lease), at least 20 s, at most 10 minutes.
+pub fn forget_after(ttl_s: u64) -> Duration {
+    Duration::from_secs(ttl_s.saturating_mul(6).clamp(20, 600))
+}
+/// Most watched nodes `vmictl status` names.
+const SHOWN: usize = 32;
+/// The watch id of this node's own record (the one the watch stream opens with).
+const OWN_WATCH: i64 = 1;
 
 /// What the directory thread needs to start.
 pub struct Config {
@@ -57,6 +77,9 @@ pub struct Config {
     pub node: String,
     /// This node's record as it is now (asked at every registration).
     pub describe: Box<dyn Fn() -> NodeRec + Send>,
+    /// The other nodes this agent cares about now (those its processes have connections
+    /// with), asked every [`SCOPE_EVERY`].
+    pub cares: Box<dyn Fn() -> Vec<String> + Send>,
     /// The node's journal.
     pub journal: Arc<Journal>,
 }
@@ -79,6 +102,12 @@ struct State {
     registrations: u64,
     registered_ms: Option<u64>,
     nodes: NodeCache,
+    /// Node watches held now.
+    watches: usize,
+    /// The first [`SHOWN`] nodes watched, by name.
+    watched: Vec<String>,
+    /// Nodes a lookup led to since the worker last looked (it then watches them).
+    looked_up: BTreeSet<String>,
 }
 
 struct Handle {
@@ -127,7 +156,17 @@ pub fn start(cfg: Config) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("directory: cannot make its runtime: {e}"))?;
-    let w = Worker { cfg, prefix, rx, state, mirror: Mirror::default(), agents: Vec::new() };
+    let w = Worker {
+        cfg,
+        prefix,
+        rx,
+        state,
+        mirror: Mirror::default(),
+        agents: Vec::new(),
+        want: HashMap::new(),
+        watching: HashMap::new(),
+        next_watch: OWN_WATCH + 1,
+    };
     std::thread::Builder::new()
         .name("vmi-directory".into())
         .spawn(move || rt.block_on(w.run()))
@@ -183,8 +222,9 @@ pub fn follow(f: crate::directory::Forward) -> crate::directory::Forward {
         else {
             break;
         };
-        let next =
+        let cached =
             h.state.lock().unwrap_or_else(|e| e.into_inner()).nodes.node_at(&p.agents).map(str::to_string);
+        let next = cached.or_else(|| node_of(&h.prefix, &p.agents, deadline));
         to = Some(p);
         match next {
             Some(n) if !seen.contains(&n) => {
@@ -207,6 +247,26 @@ pub fn follow(f: crate::directory::Forward) -> crate::directory::Forward {
         }
         None => f,
     }
+}
+
+/// The node whose agent is at one of `agents`, read from the directory's `agent/ADDR` index
+/// (a node this agent does not watch), by `deadline`; the node is watched from then on for a
+/// while.
+fn node_of(prefix: &str, agents: &[SocketAddr], deadline: Instant) -> Option<String> {
+    for a in agents.iter().take(4) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let kvs = lookup(record::agent_key(prefix, *a), false, left)?;
+        if let Some(p) = kvs.first().and_then(|(_, v)| record::parse_place(v).ok()) {
+            if let Some(h) = DIR.get() {
+                let mut st = h.state.lock().unwrap_or_else(|e| e.into_inner());
+                if st.looked_up.len() < record::MAX_CACHED_NODES {
+                    st.looked_up.insert(p.node.clone());
+                }
+            }
+            return Some(p.node);
+        }
+    }
+    None
 }
 
 fn lookup(key: String, prefix: bool, wait: Duration) -> Option<Vec<(String, Vec<u8>)>> {
@@ -273,7 +333,9 @@ pub fn status_json() -> Value {
         "registrations": s.registrations,
         "registered_ms": s.registered_ms,
         "nodes_known": s.nodes.len(),
-        "nodes_not_cached": s.nodes.overflow,
+        "node_watches": s.watches,
+        "watched": s.watched,
+        "nodes_not_watched": s.nodes.overflow,
     })
 }
 
@@ -297,6 +359,12 @@ struct Worker {
     mirror: Mirror,
     /// The agent addresses of the node's record, as last registered.
     agents: Vec<SocketAddr>,
+    /// The nodes cared about, and when last (kept across sessions).
+    want: HashMap<String, Instant>,
+    /// The nodes watched on this session's watch stream: key → (node, watch id).
+    watching: HashMap<String, (String, i64)>,
+    /// The next watch id on the stream.
+    next_watch: i64,
 }
 
 /// Why a session with etcd ended.
@@ -452,13 +520,14 @@ impl Worker {
             Ok(k) => k,
             Err(e) => return e,
         };
-        let mut watch = match self.follow_nodes(&mut s.client, &node_prefix).await {
+        let mut watch = match self.follow_nodes(&mut s.client).await {
             Ok(w) => w,
             Err(e) => return e,
         };
         let mut tick = tokio::time::interval(
             Duration::from_millis(self.cfg.ttl_s * 1000 / 3).max(Duration::from_millis(300)),
         );
+        let mut scope = tokio::time::interval(SCOPE_EVERY);
         loop {
             tokio::select! {
                 c = self.rx.recv() => {
@@ -480,13 +549,28 @@ impl Worker {
                         Err(_) => return format!("keep-alive: no answer within {} ms", REQUEST_TIMEOUT.as_millis()),
                     }
                 }
+                _ = scope.tick() => {
+                    if let Err(e) = self.scope(&mut s.client, &mut watch).await {
+                        return e;
+                    }
+                }
                 m = watch.message() => match m {
                     Ok(Some(r)) => {
                         if r.canceled() {
-                            return format!("watch of the nodes canceled: {}", r.cancel_reason());
+                            // A watch this agent dropped is answered so; any other ended on
+                            // etcd's side (compaction): the session starts over.
+                            if r.watch_id() == OWN_WATCH || self.watching.values().any(|(_, id)| *id == r.watch_id()) {
+                                return format!("a node watch was canceled: {}", r.cancel_reason());
+                            }
+                            continue;
                         }
                         for ev in r.events() {
                             let Some(kv) = ev.kv() else { continue };
+                            // Only nodes watched now (an event of a watch being dropped may
+                            // still arrive).
+                            if !self.watching.contains_key(kv.key_str().unwrap_or("")) {
+                                continue;
+                            }
                             let change = {
                                 let mut st = self.state();
                                 match ev.event_type() {
@@ -520,32 +604,128 @@ impl Worker {
         self.cfg.journal.record("node", None, json!({ "node": name, "change": what }));
     }
 
-    /// Reads the nodes registered now (quietly) and starts following changes after them.
-    async fn follow_nodes(
+    /// Opens this session's watch stream (on this node's own record) and watches again the
+    /// nodes cared about before: what changed meanwhile (a node that left or came back while
+    /// etcd was out of reach) is journalled.
+    async fn follow_nodes(&mut self, client: &mut Client) -> Result<etcd_client::WatchStream, Broken> {
+        let own = record::node_key(&self.prefix, &self.cfg.node);
+        let mut watch =
+            bounded("watch nodes", client.watch(own, Some(WatchOptions::new().with_watch_id(OWN_WATCH))))
+                .await?;
+        self.watching.clear();
+        self.next_watch = OWN_WATCH + 1;
+        let names: Vec<String> = self.want.keys().cloned().collect();
+        for n in names {
+            self.watch_node(client, &mut watch, n, true).await?;
+        }
+        self.show_watches();
+        Ok(watch)
+    }
+
+    /// Starts watching node `name`: its record now (into the cache; `report`: a difference
+    /// with what the cache had is journalled), then a watch on the stream from the revision
+    /// after it.
+    async fn watch_node(
         &mut self,
         client: &mut Client,
-        node_prefix: &str,
-    ) -> Result<etcd_client::WatchStream, Broken> {
-        let all =
-            bounded("read nodes", client.get(node_prefix, Some(GetOptions::new().with_prefix()))).await?;
-        let rev = all.header().map_or(0, |h| h.revision());
-        let (changes, first) = {
+        watch: &mut etcd_client::WatchStream,
+        name: String,
+        report: bool,
+    ) -> Result<(), Broken> {
+        let key = record::node_key(&self.prefix, &name);
+        if self.watching.contains_key(&key) {
+            return Ok(());
+        }
+        if self.watching.len() >= record::MAX_CACHED_NODES {
+            self.state().nodes.overflow += 1;
+            return Ok(());
+        }
+        let r = bounded("read a node", client.get(key.as_str(), None)).await?;
+        let rev = r.header().map_or(0, |h| h.revision());
+        let change = {
             let mut st = self.state();
-            let first = st.registrations <= 1;
-            (st.nodes.replace_all(all.kvs().iter().map(|kv| kv.value())), first)
+            let had = st.nodes.contains(&name);
+            match r.kvs().first() {
+                Some(kv) => match st.nodes.put(kv.value()) {
+                    Ok(NodeChange::Joined(n)) if had || !report => NodeChange::Updated(n),
+                    Ok(c) => c,
+                    Err(e) => {
+                        debug!("directory: node record {key:?}: {e}");
+                        NodeChange::None
+                    }
+                },
+                None if had => {
+                    st.nodes.forget(&name);
+                    NodeChange::Left(name.clone())
+                }
+                None => NodeChange::None,
+            }
         };
-        // At start every node is new: only later reads tell what changed while the watch
-        // was down.
-        if !first {
-            for c in changes {
-                self.note(c);
+        if report {
+            self.note(change);
+        }
+        let id = self.next_watch;
+        self.next_watch += 1;
+        let opts = WatchOptions::new().with_start_revision(rev + 1).with_watch_id(id);
+        bounded("watch a node", watch.watch(key.as_str(), Some(opts))).await?;
+        debug!("directory: watching node {name} (watch {id})");
+        self.watching.insert(key, (name, id));
+        Ok(())
+    }
+
+    fn show_watches(&self) {
+        let mut names: Vec<String> = self.watching.values().map(|(n, _)| n.clone()).collect();
+        names.sort();
+        names.truncate(SHOWN);
+        let mut st = self.state();
+        st.watches = self.watching.len();
+        st.watched = names;
+    }
+
+    /// Asks the agent which nodes it cares about now; watches those not watched yet and
+    /// drops the watches of those it has not cared about for [`forget_after`].
+    async fn scope(
+        &mut self,
+        client: &mut Client,
+        watch: &mut etcd_client::WatchStream,
+    ) -> Result<(), Broken> {
+        let now = Instant::now();
+        let looked = std::mem::take(&mut self.state().looked_up);
+        let mut beyond = 0;
+        for n in (self.cfg.cares)().into_iter().chain(looked) {
+            if n == self.cfg.node || n.is_empty() {
+                continue;
+            }
+            if self.want.len() < record::MAX_CACHED_NODES || self.want.contains_key(&n) {
+                self.want.insert(n, now);
+            } else {
+                beyond += 1;
             }
         }
-        bounded(
-            "watch nodes",
-            client.watch(node_prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))),
-        )
-        .await
+        let stale: Vec<String> = self
+            .want
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) >= forget_after(self.cfg.ttl_s))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in stale {
+            self.want.remove(&n);
+            if let Some((_, id)) = self.watching.remove(&record::node_key(&self.prefix, &n)) {
+                debug!("directory: no longer watching node {n} (watch {id})");
+                bounded("drop a node watch", watch.cancel(id)).await?;
+            }
+            self.state().nodes.forget(&n);
+        }
+        self.state().nodes.overflow = beyond;
+        let new: Vec<String> = (self.want.keys())
+            .filter(|n| !self.watching.contains_key(&record::node_key(&self.prefix, n)))
+            .cloned()
+            .collect();
+        for n in new {
+            self.watch_node(client, watch, n, false).await?;
+        }
+        self.show_watches();
+        Ok(())
     }
 
     /// A new lease; the node's record and the whole mirror under it.
@@ -558,8 +738,15 @@ impl Worker {
         let with_lease = || Some(PutOptions::new().with_lease(lease));
         bounded("register the node", client.put(key, value, with_lease())).await?;
         let mut s = Session { client, lease };
-        // The mirror, in batches.
+        // The agent index and the mirror, in batches.
         let mut ops: Vec<TxnOp> = Vec::new();
+        for a in &node.agents {
+            ops.push(TxnOp::put(
+                record::agent_key(&self.prefix, *a),
+                self.place(None, vec![*a]),
+                with_lease(),
+            ));
+        }
         for a in &self.mirror.listeners {
             ops.push(TxnOp::put(
                 record::listener_key(&self.prefix, &self.cfg.node, *a),

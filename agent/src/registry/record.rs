@@ -5,6 +5,8 @@
 //!
 //! ```text
 //! /vmi/CCCC/node/NODE                 NodeRec   under the node's lease
+//! /vmi/CCCC/agent/ADDR                PlaceRec  the node whose agent is at ADDR (one per
+//!                                               agent address), under the node's lease
 //! /vmi/CCCC/listener/NODE/ADDR        ListenRec under the node's lease
 //! /vmi/CCCC/gid/GID/out|in            PlaceRec  under the lease of the node that holds that end
 //! /vmi/CCCC/moved/NODE/ADDR           PlaceRec  where the listener at ADDR went when its
@@ -24,8 +26,9 @@ pub const MAX_RECORD: usize = 16 * 1024;
 pub const MAX_ADDRS: usize = 64;
 /// Longest node or network name.
 pub const MAX_NAME: usize = 255;
-/// Most nodes the cache holds (beyond it, new nodes are counted, not kept).
-pub const MAX_CACHED_NODES: usize = 100_000;
+/// Most nodes the cache holds, and most nodes one agent watches (beyond it, nodes are
+/// counted, not kept): an agent watches the nodes it has connections with, not the cluster.
+pub const MAX_CACHED_NODES: usize = 4096;
 
 /// The key prefix of cluster `cluster_id`.
 pub fn prefix(cluster_id: u16) -> String {
@@ -40,6 +43,11 @@ pub fn key_name(node: &str) -> String {
 /// The key of node `node`.
 pub fn node_key(prefix: &str, node: &str) -> String {
     format!("{prefix}node/{}", key_name(node))
+}
+
+/// The key naming the node whose agent is at `addr` (the value is a [`PlaceRec`]).
+pub fn agent_key(prefix: &str, addr: SocketAddr) -> String {
+    format!("{prefix}agent/{addr}")
 }
 
 /// The key of listener `addr` of node `node`.
@@ -205,8 +213,8 @@ pub enum NodeChange {
     None,
 }
 
-/// The nodes this agent knows from the directory: name → agent addresses, at most
-/// [`MAX_CACHED_NODES`].
+/// The nodes this agent watches in the directory (those it has connections with or looked
+/// up lately): name → agent addresses, at most [`MAX_CACHED_NODES`].
 #[derive(Default, Debug)]
 pub struct NodeCache {
     nodes: HashMap<String, Vec<SocketAddr>>,
@@ -262,6 +270,16 @@ impl NodeCache {
             }
         }
         changes
+    }
+
+    /// Forgets node `name` (no longer watched); true if it was known.
+    pub fn forget(&mut self, name: &str) -> bool {
+        self.nodes.remove(name).is_some()
+    }
+
+    /// True if node `name` is known.
+    pub fn contains(&self, name: &str) -> bool {
+        self.nodes.contains_key(name)
     }
 
     /// Nodes known.
@@ -343,10 +361,12 @@ mod tests {
         assert_eq!(c.agents_of("h1").map(|a| a.len()), Some(1));
         assert_eq!(c.node_at(&["10.0.0.1:7787".parse().unwrap()]), Some("h1"));
         assert_eq!(c.node_at(&["10.0.0.9:7787".parse().unwrap()]), None);
+        assert_eq!(agent_key(&p, "10.0.0.1:7787".parse().unwrap()), "/vmi/0001/agent/10.0.0.1:7787");
         // Read whole after a gap: h1 left, h2 joined meanwhile.
         let n2 = node("h2");
         let changes = c.replace_all([n2.as_slice(), b"junk".as_slice()]);
         assert_eq!(changes, vec![NodeChange::Joined("h2".into()), NodeChange::Left("h1".into())]);
         assert_eq!(c.len(), 1);
+        assert!(c.contains("h2") && c.forget("h2") && !c.forget("h2") && c.is_empty());
     }
 }
