@@ -187,11 +187,12 @@ fn node_name(s: &Settings) -> String {
 /// failover of thousands of connections must not stop at the default 1,024.
 fn raise_nofile() {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit write and read one plain struct we own.
+    // SAFETY: getrlimit writes one plain struct we own.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 || r.rlim_cur >= r.rlim_max {
         return;
     }
     let want = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+    // SAFETY: setrlimit reads one plain struct we own.
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
         info!("open descriptors: soft limit raised from {} to {}", r.rlim_cur, r.rlim_max);
     } else {
