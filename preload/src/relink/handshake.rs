@@ -285,7 +285,7 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
         crate::sys::fd::close(fd);
     };
     let from = sys::peer_addr(fd).map(|a| a.to_string()).unwrap_or_else(|| "?".into());
-    let Some(v) = find(gid) else {
+    let Some(v) = crate::vc::by_gid(gid) else {
         let _ = send_msg(fd, &Msg::Error { reason: "no such connection".into() });
         close(fd);
         return;

@@ -712,11 +712,11 @@ fn control_loop() -> Ending {
             }
         }
         // Under way (a replay to push, links to dial, suspects): a walk per `timeout`, not
-        // per wake-up; otherwise what woke the thread, and the slow sweep.
-        // A walk looks at every connection when something may concern any of them (a wake-up,
-        // an event, a replay owed somewhere, the sweep, at least every [`full_walk_ms`]
-        // while busy); in between only at those under way (links to dial, suspects, replays to
-        // push): a failover of thousands of connections otherwise walks them all every 2 ms.
+        // per wake-up; otherwise what woke the thread, and the slow sweep. A walk looks at
+        // every connection when something may concern any of them (a wake-up, an event, a
+        // replay owed somewhere, the sweep, at least every [`full_walk_ms`] while busy); in
+        // between only at those under way: a failover of thousands of connections otherwise
+        // walks them all every 2 ms.
         let now = sys::now_ms();
         let due = if busy { now >= w.walked_ms + timeout.max(0) as u64 } else { now >= w.next_sweep_ms };
         let reaches = crate::sandbox::wake_reaches();
@@ -794,10 +794,6 @@ fn sweep_ms(conns: usize) -> u64 {
     (conns as u64 * 10).max(10_000)
 }
 
-fn find(gid: u128) -> Option<Arc<Vc>> {
-    crate::vc::by_gid(gid)
-}
-
 fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
     match (m, passed) {
         (Msg::Path { local, peer, up: false }, _) => {
@@ -847,7 +843,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
 
 /// The operator moves connection `gid` to shared memory or to TCP (`vmictl move`).
 fn move_conn(gid: u128, shm: bool) {
-    let Some(v) = find(gid) else { return };
+    let Some(v) = crate::vc::by_gid(gid) else { return };
     let c = v.mem().conn();
     c.pin_tcp.store(u32::from(!shm), Release);
     if !shm {
@@ -932,7 +928,7 @@ fn work(w: &mut Work, every: bool, extra: Vec<u128>) {
         // every connection: a failover makes every connection held here one.)
         let due = w.pending.iter().filter(|(_, p)| p.dials && now >= p.next_try_ms).map(|(g, _)| g);
         visited = (due.chain(w.last_wire.keys()).chain(w.must_dial.iter()).copied()).chain(extra).collect();
-        visited.iter().copied().filter_map(find).collect()
+        visited.iter().copied().filter_map(crate::vc::by_gid).collect()
     };
     let look = suspect_look_ms(w.suspects.len());
     for v in &all {
