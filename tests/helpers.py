@@ -57,6 +57,9 @@ H1, H2, H3 = "vmit1", "vmit2", "vmit3"
 AGENT_HOSTS = (H1, H2)
 NO_AGENT_HOST = H3
 AGENT_PORT = 7787
+# Every agent the tests start takes rebuilt links on AGENT_PORT and the 3 ports after it
+# (vmi-agent --relink-ports): the failover tests go through the port choice by GID.
+AGENT_RELINK_PORTS = 4
 
 
 def host_ip(host, net=0):
@@ -193,7 +196,7 @@ PORTS = {
     "sandbox_landlock": 19015,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
-assert AGENT_PORT not in PORTS.values()
+assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
 
 # Where a real-program test runs its client: on another host (the layers talk over kernel
 # TCP), or on the server's host (shared memory). Shared-memory runs use their ports + 10000.
@@ -225,7 +228,8 @@ def block_port(block, index):
 
 
 assert not any(b <= p < b + PORT_BLOCK_SIZE for b in PORT_BLOCKS.values()
-               for p in list(PORTS.values()) + [AGENT_PORT]), "PORTS overlap a port block"
+               for p in list(PORTS.values()) + list(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS))), \
+    "PORTS overlap a port block"
 assert all(b - a >= PORT_BLOCK_SIZE for a, b in zip(sorted(PORT_BLOCKS.values()),
                                                    sorted(PORT_BLOCKS.values())[1:])), \
     "port blocks overlap"
@@ -920,6 +924,7 @@ class Agent:
     def __init__(self, host, logdir, name=None, args=(), key="cluster"):
         self.host = host
         self.key = cluster_key(key)
+        args = ["--relink-ports", AGENT_RELINK_PORTS, *args]
         self.proc = Proc(name or f"agent-{host}", host, [AGENT_BIN, *map(str, args)], layer=False,
                          env={"VMI_LOG": AGENT_LOG, "VMI_CLUSTER_KEY": str(self.key)},
                          logdir=logdir)

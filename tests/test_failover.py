@@ -25,6 +25,7 @@ Faults go through the `faults` fixture (helpers.Faults), which undoes every link
 benchmark's business: the tests only bound stalls loosely (STALL_SLACK).
 """
 
+import json
 import os
 import re
 import signal
@@ -32,7 +33,7 @@ import time
 
 import pytest
 
-from helpers import (AGENT_PORT, BASELINE, DEAD_AFTER_MS, ETH0, ETH1, FAILOVER_TIMEOUT,
+from helpers import (AGENT_PORT, AGENT_RELINK_PORTS, BASELINE, DEAD_AFTER_MS, ETH0, ETH1, FAILOVER_TIMEOUT,
                      GRACE_ENV, H1, H1_IP, H1_IP1, H2, H2_IP, H2_IP1, LAYER_LOG, PORTS,
                      Watcher, assert_same_stream, assert_virtual, client_conns,
                      failover_problems, network_entry, paths_on, program_lines, python_prog,
@@ -659,6 +660,7 @@ def test_hundreds_of_connections_in_one_event_loop_fail_over(procs, faults):
                       layer=True, name="echo-many-clients")
     wait_status(CLIENT, lambda st: len(client_conns(st, addr)) >= MANY, FLOWING_TIMEOUT,
                 f"{MANY} connections to {addr}")
+    gids = {c["gid"] for c in client_conns(vmictl_status(CLIENT), addr)}
     time.sleep(2.0)
     assert cli.alive(), cli.failure("the clients ended before the fault")
     faults.link_down(CLIENT, ETH0)
@@ -673,6 +675,35 @@ def test_hundreds_of_connections_in_one_event_loop_fail_over(procs, faults):
     assert r["completed"] == MANY and r["messages"] == MANY * 40, r
     print(f"\nvmit: {MANY} connections of one event loop moved to {ETH1} within {moved:.2f} s; "
           f"{r['messages']} echoes whole")
+    # Each rebuilt link went to the relink port its GID picks (vmi-agent --relink-ports), as
+    # both ends' failover events say; between them the links used every port.
+    used = relink_ports_used((CLIENT, SERVER), gids)
+    assert set(used) == gids, f"{len(gids - set(used))} connections without a failover event"
+    wrong = {g: p for g, p in used.items() if p != {relink_port(g)}}
+    assert not wrong, f"links rebuilt to other ports than their GID picks: {list(wrong.items())[:5]}"
+    spread = sorted(p for ps in used.values() for p in ps)
+    assert set(spread) == set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)), spread
+
+
+def relink_port(gid):
+    """The agent port a rebuilt link of connection gid (hex) goes to: agent/src/local.rs,
+    relink_ports (the low 64 bits of the GID, modulo the number of ports)."""
+    return AGENT_PORT + (int(gid, 16) & ((1 << 64) - 1)) % AGENT_RELINK_PORTS
+
+
+def relink_ports_used(hosts, gids):
+    """{gid: {agent ports its rebuilt links went to}} from the failover events of hosts'
+    agents: the peer's port where the process dialed, its own where it was handed the link."""
+    out = {}
+    for host in hosts:
+        r = vmictl(host, "events", "--json", timeout=15)
+        assert r.returncode == 0, r.stderr
+        for line in r.stdout.splitlines():
+            e = json.loads(line)
+            if e.get("kind") == "failover" and e.get("gid") in gids:
+                at = e["peer"] if e["side"] == "dialer" else e["local"]
+                out.setdefault(e["gid"], set()).add(int(at.rsplit(":", 1)[1]))
+    return out
 
 
 REDIS_SECONDS = 5.0     # redis-benchmark is sized to run about this long

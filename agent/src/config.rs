@@ -26,12 +26,16 @@ pub const DEFAULT_LOG: &str = "info";
 pub const MAX_HEADS: usize = 8;
 /// Most entries of a grid view.
 pub const MAX_GRID: usize = 256;
+/// Default number of TCP ports for rebuilt links (the agent port alone).
+pub const DEFAULT_RELINK_PORTS: u16 = 1;
+/// Most TCP ports for rebuilt links.
+pub const MAX_RELINK_PORTS: u16 = 64;
 /// Default address the agent listens on for other agents.
 pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 17] = [
+pub const KEYS: [&str; 18] = [
     "key",
     "peers",
     "head",
@@ -41,6 +45,7 @@ pub const KEYS: [&str; 17] = [
     "web-token",
     "socket",
     "port",
+    "relink-ports",
     "bind",
     "node",
     "probe-interval",
@@ -316,6 +321,8 @@ pub struct Layer {
     pub socket: Option<String>,
     /// TCP and UDP port for other agents.
     pub port: Option<u16>,
+    /// TCP ports for rebuilt links: `port` and the ones after it.
+    pub relink_ports: Option<u16>,
     /// Address to listen on for other agents.
     pub bind: Option<IpAddr>,
     /// Name in reports.
@@ -358,6 +365,8 @@ pub struct Settings {
     pub socket: String,
     /// Agent-to-agent port.
     pub port: u16,
+    /// TCP ports `port` to `port + relink_ports - 1` take rebuilt links.
+    pub relink_ports: u16,
     /// Agent-to-agent address.
     pub bind: IpAddr,
     /// Name in reports (`None`: the node's first IPv4 address).
@@ -462,6 +471,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             }
             "--socket" => l.socket = Some(val()?),
             "--port" => l.port = Some(value(&flag, &val()?)?),
+            "--relink-ports" => l.relink_ports = Some(value(&flag, &val()?)?),
             "--bind" => l.bind = Some(value(&flag, &val()?)?),
             "--node" => l.node = Some(val()?),
             "--probe-interval" => l.probe_interval = Some(value(&flag, &val()?)?),
@@ -649,6 +659,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     let (socket, socket_from) =
         pick("socket", &cli.socket, None, file, &f.socket, crate::DEFAULT_SOCKET.into());
     let (port, _) = pick("port", &cli.port, None, file, &f.port, crate::DEFAULT_PORT);
+    let (relink_ports, rp_from) =
+        pick("relink-ports", &cli.relink_ports, None, file, &f.relink_ports, DEFAULT_RELINK_PORTS);
     let (bind, _) = pick("bind", &cli.bind, None, file, &f.bind, DEFAULT_BIND.parse().expect("an address"));
     let node = cli.node.clone().or_else(|| f.node.clone());
     let (probe_interval, pi_from) =
@@ -675,6 +687,13 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     }
     if port == 0 {
         return Err("port 0: other agents must know the port, choose one (default 7787)".into());
+    }
+    if !(1..=MAX_RELINK_PORTS).contains(&relink_ports)
+        || u32::from(port) + u32::from(relink_ports) - 1 > 65535
+    {
+        return Err(format!(
+            "relink-ports {relink_ports} ({rp_from}): from 1 to {MAX_RELINK_PORTS}, and port {port} plus them must stay below 65536"
+        ));
     }
     if node.as_deref() == Some("") {
         return Err("node: an empty name".into());
@@ -731,6 +750,7 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         web_token,
         socket,
         port,
+        relink_ports,
         bind,
         node,
         probe_interval,
@@ -858,6 +878,20 @@ log = "debug"
         // What --check-config prints reads back as the same settings.
         let again = file(&s.to_toml());
         assert_eq!(resolve(&Layer::default(), no_env, &again).unwrap(), s);
+        // Relink ports: 1 by default, 1 to 64, and never past port 65535.
+        assert_eq!(s.relink_ports, 1);
+        let ok = args(&["--relink-ports", "4"]).unwrap();
+        assert_eq!(resolve(&ok.layer, no_env, &f).unwrap().relink_ports, 4);
+        for bad in [
+            &["--relink-ports", "0"][..],
+            &["--relink-ports", "65"],
+            &["--port", "65534", "--relink-ports", "3"],
+        ] {
+            let e = resolve(&args(bad).unwrap().layer, no_env, &f).unwrap_err();
+            assert!(e.contains("relink-ports"), "{bad:?}: {e}");
+        }
+        let last = args(&["--port", "65533", "--relink-ports", "3"]).unwrap();
+        assert_eq!(resolve(&last.layer, no_env, &f).unwrap().relink_ports, 3);
     }
 
     #[test]
@@ -972,7 +1006,8 @@ log = "debug"
         for k in KEYS {
             let v = match k {
                 "peers" | "head" | "grid" => format!("{k} = []"),
-                "port" | "probe-interval" | "dead-after" | "sweep-every" | "directory-ttl" => {
+                "port" | "relink-ports" | "probe-interval" | "dead-after" | "sweep-every"
+                | "directory-ttl" => {
                     format!("{k} = 1")
                 }
                 "directory" => format!("{k} = \"etcd://10.0.0.1:2379\""),

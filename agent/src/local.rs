@@ -39,6 +39,8 @@ pub struct Agent {
     pub peers: PeerClient,
     /// TCP port of agents (ours and other nodes').
     pub port: u16,
+    /// Ports `port` to `port + relink_ports - 1` take rebuilt links (on every node).
+    pub relink_ports: u16,
     /// The node's name in reports.
     pub node: String,
     /// Event channels of the node's processes.
@@ -79,6 +81,7 @@ impl Agent {
     /// A new agent of the cluster whose key is `key`.
     pub fn new(
         port: u16,
+        relink_ports: u16,
         node: String,
         probe_interval: Duration,
         dead_after: Duration,
@@ -93,6 +96,7 @@ impl Agent {
             procs: Mutex::new(Procs::default()),
             peers: PeerClient::new(key.clone()),
             port,
+            relink_ports,
             events: Arc::new(Events::new(journal.clone())),
             health: Arc::new(Health::new(
                 node.clone(),
@@ -287,6 +291,30 @@ impl Agent {
             }
         }
     }
+}
+
+/// The paths a rebuilt link of connection `gid` tries, in order: on each path, first the
+/// peer agent's port the GID picks among `n` relink ports, then its base port (a peer with
+/// fewer relink ports refuses the first at once). All the links rebuilt between two nodes
+/// share the dialing node's ephemeral ports toward each destination port, so spreading them
+/// over `n` ports lets `n` times as many move. GID 0 (not given): the base port only.
+pub fn relink_ports(
+    paths: Vec<(SocketAddr, SocketAddr)>,
+    gid: u128,
+    n: u16,
+) -> Vec<(SocketAddr, SocketAddr)> {
+    let pick = if n > 1 && gid != 0 { (gid as u64 % u64::from(n)) as u16 } else { 0 };
+    if pick == 0 {
+        return paths;
+    }
+    let mut out = Vec::with_capacity(2 * paths.len());
+    for (local, peer) in paths {
+        if let Some(p) = peer.port().checked_add(pick) {
+            out.push((local, SocketAddr::new(peer.ip(), p)));
+        }
+        out.push((local, peer));
+    }
+    out
 }
 
 fn normalize(ip: IpAddr) -> IpAddr {
@@ -605,10 +633,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 agent.events.serve(id, pid, s);
                 return Ok(());
             }
-            Msg::Paths { peers } => {
+            Msg::Paths { peers, gid } => {
                 // (A process restored here may ask about nodes this agent never heard of.)
                 agent.health.learn(&peers);
-                Msg::PathList { pairs: agent.health.paths_to(&peers) }
+                Msg::PathList { pairs: relink_ports(agent.health.paths_to(&peers), gid, agent.relink_ports) }
             }
             Msg::WhereAmI => Msg::Here { addrs: agent.health.advertised() },
             Msg::Freeze { pid } if !may_manage(&s, pid) => {
@@ -660,5 +688,46 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             other => Msg::Error { reason: format!("unexpected message: {}", other.name()) },
         };
         write_msg(&mut s, &answer)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relink_ports;
+    use std::net::SocketAddr;
+
+    #[test]
+    fn relink_ports_spread_by_gid_with_the_base_port_after() {
+        let l: SocketAddr = "10.0.0.1:0".parse().unwrap();
+        let p0: SocketAddr = "10.0.0.2:7787".parse().unwrap();
+        let p1: SocketAddr = "10.1.0.2:7787".parse().unwrap();
+        let paths = vec![(l, p0), (l, p1)];
+        // One port, or no GID: unchanged.
+        assert_eq!(relink_ports(paths.clone(), 7, 1), paths);
+        assert_eq!(relink_ports(paths.clone(), 0, 4), paths);
+        // A GID that picks the base port: unchanged.
+        assert_eq!(relink_ports(paths.clone(), 8, 4), paths);
+        // GID 7 of 4 ports: port + 3, then the base port, on each path in order.
+        let out = relink_ports(paths.clone(), 7, 4);
+        let ports: Vec<(String, u16)> = out.iter().map(|(_, p)| (p.ip().to_string(), p.port())).collect();
+        assert_eq!(
+            ports,
+            [
+                ("10.0.0.2".into(), 7790),
+                ("10.0.0.2".into(), 7787),
+                ("10.1.0.2".into(), 7790),
+                ("10.1.0.2".into(), 7787)
+            ]
+        );
+        // Over many GIDs every port is used, about equally.
+        let mut seen = [0u32; 4];
+        for g in 1..=4000u128 {
+            let g = g.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+            seen[(relink_ports(vec![(l, p0)], g, 4)[0].1.port() - 7787) as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| (800..=1200).contains(&n)), "{seen:?}");
+        // Near the top of the port range, a port past 65535 is left out.
+        let top: SocketAddr = "10.0.0.2:65535".parse().unwrap();
+        assert_eq!(relink_ports(vec![(l, top)], 7, 4), vec![(l, top)]);
     }
 }

@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B..] [--head A,B..]
                  [--grid NAME=HEADADDR@KEYFILE].. [--metrics ADDR:PORT|off]
                  [--web ADDR:PORT|PORT|off] [--web-token FILE]
-                 [--socket NAME] [--port PORT] [--bind ADDR] [--node NAME]
+                 [--socket NAME] [--port PORT] [--relink-ports N] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
                  [--directory etcd://HOST:PORT,..] [--directory-ttl S] [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
@@ -46,6 +46,13 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
                  belong to the network namespace, so hosts made of namespaces need no paths
   --port PORT    TCP port for other nodes' agents, and UDP port of the heartbeats
                  (port = PORT; default 7787; the same on every node)
+  --relink-ports N  TCP ports PORT to PORT+N-1 take the rebuilt links of connections
+                 (relink-ports = N; default 1, at most 64; the same on every node). A
+                 node dials a connection's rebuilt link to one of them, chosen by the
+                 connection's GID, and to PORT if that one does not answer: all the
+                 links rebuilt between two nodes share the dialing node's ephemeral
+                 ports (about 28,000 per destination port by default), so more ports let
+                 more connections between two nodes move at once
   --bind ADDR    address to listen on for other agents (bind = \"ADDR\"; default 0.0.0.0)
   --peers A,B..  other nodes of the cluster (peers = [\"A\", \"B\"]; one address per node is
                  enough): probed from the start, so `vmictl --cluster status` and
@@ -248,6 +255,20 @@ fn run(args: Settings) {
             std::process::exit(1);
         }
     };
+    let mut relink = Vec::new();
+    for p in 1..args.relink_ports {
+        let port = args.port + p;
+        match TcpListener::bind(SocketAddr::new(args.bind, port)) {
+            Ok(l) => relink.push(l),
+            Err(e) => {
+                error!(
+                    "cannot listen on {}:{port} (TCP) for rebuilt links (relink-ports {}): {e} (`ss -tlpn sport = :{port}` shows who holds the port; `relink-ports` or `port` choose others)",
+                    args.bind, args.relink_ports
+                );
+                std::process::exit(1);
+            }
+        }
+    }
     let udp = match UdpSocket::bind(SocketAddr::new(args.bind, args.port)) {
         Ok(s) => s,
         Err(e) => {
@@ -264,6 +285,7 @@ fn run(args: Settings) {
     );
     let agent = Arc::new(Agent::new(
         args.port,
+        args.relink_ports,
         node.clone(),
         Duration::from_millis(args.probe_interval),
         Duration::from_millis(args.dead_after),
@@ -321,6 +343,10 @@ fn run(args: Settings) {
     agent::sweep::run("/dev/shm".into(), Duration::from_millis(args.sweep_every));
     let a2 = agent.clone();
     std::thread::spawn(move || peer::serve(a2, tcp));
+    for l in relink {
+        let a = agent.clone();
+        std::thread::spawn(move || peer::serve(a, l));
+    }
     let status =
         format!("READY=1\nSTATUS=node {node}, local socket @{}, agents on port {}", args.socket, args.port);
     if let Err(e) = agent::notify::notify(&status) {

@@ -35,6 +35,13 @@ pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option
         crate::sys::fd::close(fd);
         None
     };
+    // The port is chosen at connect, not at bind: a bound port would be this socket's alone
+    // toward every destination, and the links rebuilt at once would then be as many as the
+    // ephemeral port range, not that many per peer agent port (see `relink_ports` in the
+    // agent).
+    if !local.ip().is_unspecified() && local.is_ipv6() == v6 {
+        sys::set_sockopt_int(fd, libc::IPPROTO_IP, libc::IP_BIND_ADDRESS_NO_PORT, 1);
+    }
     if !local.ip().is_unspecified()
         && local.is_ipv6() == v6
         && sys::fd::bind(fd, &sys::fd::RawAddr::ip(&SocketAddr::new(local.ip(), 0), v6)) != 0
@@ -43,6 +50,9 @@ pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option
     }
     let r = sys::fd::connect(fd, &sys::fd::RawAddr::ip(&peer, v6));
     if r != 0 && sys::errno() != libc::EINPROGRESS {
+        if sys::errno() == libc::EADDRNOTAVAIL {
+            ports_used_up(peer);
+        }
         return fail(fd);
     }
     if r != 0 {
@@ -62,6 +72,20 @@ pub(super) fn connect_to(local: SocketAddr, peer: SocketAddr, ms: i32) -> Option
     Some(fd)
 }
 
+/// Every local port toward `peer` is taken: said once a minute, with what helps.
+fn ports_used_up(peer: SocketAddr) {
+    static SAID: AtomicU64 = AtomicU64::new(0);
+    let now = sys::now_ms();
+    let last = SAID.load(Relaxed);
+    if (last == 0 || now.saturating_sub(last) >= 60_000)
+        && SAID.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
+    {
+        log::warn(format_args!(
+            "no local port is free toward {peer} for rebuilt links (the ephemeral port range, net.ipv4.ip_local_port_range, is used up toward it): links wait for ports; more relink ports on the agents (vmi-agent --relink-ports) let more connections between two nodes move at once"
+        ));
+    }
+}
+
 /// Dials the peer node's agent over a working path and resumes. `None` when the link is up
 /// again (or the connection was given up), else how long to wait before the next try.
 pub(super) fn dial(v: &Vc) -> Option<u64> {
@@ -71,11 +95,12 @@ pub(super) fn dial(v: &Vc) -> Option<u64> {
         give_up(v, libc::ECONNRESET, "the peer's node agent is unknown, the link cannot be rebuilt");
         return None;
     }
-    let paths: Vec<(SocketAddr, SocketAddr)> = match agent::request(&Msg::Paths { peers: peers.clone() }) {
-        Some(Msg::PathList { pairs }) => pairs,
-        // No agent here: try every address of the peer's node.
-        _ => peers.iter().map(|p| (SocketAddr::new(unspecified(p), 0), *p)).collect(),
-    };
+    let paths: Vec<(SocketAddr, SocketAddr)> =
+        match agent::request(&Msg::Paths { peers: peers.clone(), gid: c.gid }) {
+            Some(Msg::PathList { pairs }) => pairs,
+            // No agent here: try every address of the peer's node.
+            _ => peers.iter().map(|p| (SocketAddr::new(unspecified(p), 0), *p)).collect(),
+        };
     for (local, peer) in paths {
         let Some(fd) = connect_to(local, peer, 500) else {
             log::debug(format_args!("resume {:032x}: cannot reach {peer} from {}", c.gid, local.ip()));
@@ -359,7 +384,7 @@ pub(super) fn answer(gid: u128, nonce_a: u128, fd: i32) {
     // The dialer may live on a node this node's agent has not heard of (its process was
     // restored there): the agent starts probing it, so that its paths, `vmictl where` and
     // the cluster view know where the connection lives now.
-    let _ = agent::request(&Msg::Paths { peers: theirs.clone() });
+    let _ = agent::request(&Msg::Paths { peers: theirs.clone(), gid: 0 });
     c.set_peer_agents(&theirs);
     if take {
         // (A refusal is said in the offer's header and by one bell, before any frame.)

@@ -180,6 +180,9 @@ pub enum Msg {
     Paths {
         /// The peer node's agent addresses.
         peers: Vec<SocketAddr>,
+        /// The connection whose link is rebuilt (its GID picks one of the peer agent's
+        /// relink ports); 0: none given (an older layer), the agent port only.
+        gid: u128,
     },
     /// Agent → layer: working paths, best first, as (local IP, peer agent address).
     PathList {
@@ -702,9 +705,10 @@ impl Msg {
                 w.u128(*gid);
                 w.u128(*nonce);
             }
-            Msg::Paths { peers } => {
+            Msg::Paths { peers, gid } => {
                 w.u8(21);
                 w.addrs(peers);
+                w.u128(*gid);
             }
             Msg::PathList { pairs } => {
                 w.u8(22);
@@ -899,7 +903,8 @@ impl Msg {
             18 => Msg::Release { gid: r.u128()? },
             19 => Msg::Path { local: r.addr()?, peer: r.addr()?, up: r.bool()? },
             20 => Msg::Handover { gid: r.u128()?, nonce: r.u128()? },
-            21 => Msg::Paths { peers: r.addrs()? },
+            // The GID came later: a message without it asks for the agent port only.
+            21 => Msg::Paths { peers: r.addrs()?, gid: if r.0.is_empty() { 0 } else { r.u128()? } },
             22 => {
                 let n = r.count(2 * MIN_ADDR)?;
                 let mut pairs = Vec::with_capacity(n);
@@ -1016,7 +1021,7 @@ mod tests {
             Msg::Release { gid: 10 },
             Msg::Path { local: a, peer: b, up: true },
             Msg::Handover { gid: 11, nonce: 12 },
-            Msg::Paths { peers: vec![a] },
+            Msg::Paths { peers: vec![a], gid: 0x1234 },
             Msg::PathList { pairs: vec![(a, b), (b, a)] },
             Msg::Net { name: "eth0".into(), up: false },
             Msg::Probe { node: "n".into(), seq: 13, boot: 131, echo_boot: 132, echo_seq: 133 },
