@@ -187,7 +187,7 @@ impl Events {
                     if let Some(c) = self.lock().get_mut(&id) {
                         c.holds.insert(gid, active);
                     }
-                    crate::registry::hold(gid, active, pid);
+                    crate::registry::hold_again(gid, active, pid);
                     // A process holding it here again (back after a failed checkpoint, or
                     // restored on this node).
                     self.moving().remove(&gid);

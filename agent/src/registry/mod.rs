@@ -3,7 +3,12 @@
 //! One thread of its own runs the etcd client on a current-thread tokio runtime; the rest of
 //! the agent talks to it through a channel and never waits on etcd: writes are queued and
 //! done in the background, a lookup waits at most [`LOOKUP_BOUND`] and then falls back to
-//! what the agent knows. The thread keeps a mirror of what this node put there (its
+//! what the agent knows. The changes to connection ends wait in a table ([`Ends`]) that
+//! keeps only the latest change of each end, and an end released before its record was
+//! written costs nothing: whatever etcd's pace, what waits is bounded by the connections the
+//! node has, not by how many came and went. They are written in batches, one request for up
+//! to [`BATCH`] new ends (created where no record exists; one that exists is a connection
+//! that moved here, taken by compare-and-swap) and one for up to [`BATCH`] released ones. The thread keeps a mirror of what this node put there (its
 //! listeners, the ends of connections its processes hold, the listeners that moved away
 //! from it), so that when etcd comes back after an outage, or the node's lease ended, it
 //! registers again under a new lease and writes the mirror anew.
@@ -35,7 +40,7 @@ use etcd_client::{
 };
 use record::{NodeCache, NodeChange, NodeRec, PlaceRec};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -51,8 +56,14 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// Wait between two attempts to reach etcd (doubling up to [`MAX_BACKOFF`]).
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
-/// Operations per transaction when the mirror is written anew.
+/// Operations per transaction when the mirror is written anew, and changes of ends per
+/// request.
 const BATCH: usize = 64;
+/// How long a new connection's end waits before it is written: a connection that ends
+/// sooner never reaches etcd (a process tells the agent of its closed connections within
+/// half a second), and bursts are written in batches. An end that came to this node (a
+/// process restored here) is written at once.
+pub const WRITE_DELAY: Duration = Duration::from_secs(1);
 /// How often the agent is asked which nodes it cares about.
 pub const SCOPE_EVERY: Duration = Duration::from_secs(1);
 /// How long a node's watch stays after the agent last cared about it: six lease times
@@ -86,8 +97,6 @@ pub struct Config {
 
 enum Cmd {
     Listeners(BTreeSet<SocketAddr>),
-    Hold { gid: u128, active: bool, pid: u32 },
-    Release { gid: u128, active: bool, delete: bool },
     Moved { addrs: Vec<SocketAddr>, to: Vec<SocketAddr> },
     Lookup { key: String, prefix: bool, reply: std::sync::mpsc::SyncSender<Vec<(String, Vec<u8>)>> },
 }
@@ -110,8 +119,129 @@ struct State {
     looked_up: BTreeSet<String>,
 }
 
+/// One end of a connection: (GID, the connecting side).
+type End = (u128, bool);
+
+/// The latest change asked for one end's record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EndChange {
+    /// Held by this process here (set up, or restored here).
+    Hold(u32),
+    /// No longer held here; `delete`: its record goes.
+    Release { delete: bool },
+}
+
+/// Changes to connection ends not yet taken by the directory thread: the latest of each end,
+/// in the order the ends were first asked about, each taken [`WRITE_DELAY`] after that. A
+/// release of an end the thread never took a hold of drops what waits for it and is not
+/// written at all (a connection shorter than the delay costs etcd nothing), so what waits is
+/// at most the ends the node holds plus those it released since the thread last took
+/// changes.
+#[derive(Default)]
+struct Ends {
+    /// The latest change of each end, and when the end was first asked about.
+    latest: HashMap<End, (EndChange, Instant)>,
+    /// Ends in the order they were first asked about (an entry whose time is not its end's
+    /// in `latest` is stale and skipped), and those to be written at once.
+    order: VecDeque<(End, Instant)>,
+    soon: VecDeque<(End, Instant)>,
+    /// Ends whose hold the thread has taken (it wrote their record, or will at the next
+    /// registration), until it takes their release.
+    taken: HashSet<End>,
+    /// Most changes waiting at once so far.
+    peak: usize,
+    /// Changes asked for, and those that never reached etcd (released before written, or
+    /// overtaken by a later change of the same end).
+    asked: u64,
+    spared: u64,
+}
+
+impl Ends {
+    /// Notes a change; true when nothing waited before it (the thread must be woken: it
+    /// sleeps until the oldest waiting change is due, or until woken).
+    fn ask(&mut self, end: End, c: EndChange, now: Instant, at_once: bool) -> bool {
+        let was_empty = self.latest.is_empty();
+        self.asked += 1;
+        if matches!(c, EndChange::Release { .. }) && !self.taken.contains(&end) {
+            if self.latest.remove(&end).is_some() {
+                self.spared += 1;
+            }
+            self.spared += 1;
+            return false;
+        }
+        match self.latest.get_mut(&end) {
+            Some(w) if !at_once => {
+                w.0 = c;
+                self.spared += 1;
+            }
+            Some(w) => {
+                // Now urgent: its place in `order` goes stale.
+                *w = (c, now);
+                self.spared += 1;
+                self.soon.push_back((end, now));
+            }
+            None => {
+                self.latest.insert(end, (c, now));
+                if at_once {
+                    self.soon.push_back((end, now));
+                } else {
+                    self.order.push_back((end, now));
+                }
+            }
+        }
+        self.peak = self.peak.max(self.latest.len());
+        // Ends dropped from `latest` leave their place in `order`: trim them now and then.
+        if self.order.len() + self.soon.len() > 2 * self.latest.len() + 1024 {
+            let latest = &self.latest;
+            self.order.retain(|(e, t)| latest.get(e).is_some_and(|w| w.1 == *t));
+            self.soon.retain(|(e, t)| latest.get(e).is_some_and(|w| w.1 == *t));
+        }
+        was_empty
+    }
+
+    /// Up to `n` changes asked about at least `delay` before `now`, oldest first (the
+    /// thread answers for them from then on); and when the next one is due, if any waits.
+    fn take(&mut self, n: usize, now: Instant, delay: Duration) -> (Vec<(End, EndChange)>, Option<Instant>) {
+        let mut out = Vec::new();
+        while out.len() < n {
+            let Some((end, t)) = self.soon.pop_front() else { break };
+            if self.latest.get(&end).is_some_and(|w| w.1 == t) {
+                self.take_one(end, &mut out);
+            }
+        }
+        if !self.soon.is_empty() {
+            return (out, Some(now));
+        }
+        while let Some(&(end, t)) = self.order.front() {
+            let current = self.latest.get(&end).is_some_and(|w| w.1 == t);
+            if !current {
+                self.order.pop_front();
+                continue;
+            }
+            if out.len() >= n || now.saturating_duration_since(t) < delay {
+                return (out, Some(t + delay));
+            }
+            self.order.pop_front();
+            self.take_one(end, &mut out);
+        }
+        (out, None)
+    }
+
+    fn take_one(&mut self, end: End, out: &mut Vec<(End, EndChange)>) {
+        let Some((c, _)) = self.latest.remove(&end) else { return };
+        match c {
+            EndChange::Hold(_) => self.taken.insert(end),
+            EndChange::Release { .. } => self.taken.remove(&end),
+        };
+        out.push((end, c));
+    }
+}
+
 struct Handle {
     tx: mpsc::UnboundedSender<Cmd>,
+    /// Changes to connection ends, and the thread's wake-up for them.
+    ends: Arc<Mutex<Ends>>,
+    ends_ready: Arc<tokio::sync::Notify>,
     state: Arc<Mutex<State>>,
     endpoints: Vec<String>,
     ttl_s: u64,
@@ -123,6 +253,18 @@ static DIR: OnceLock<Handle> = OnceLock::new();
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn ends_of(h: &Handle) -> std::sync::MutexGuard<'_, Ends> {
+    h.ends.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn ask(end: End, c: EndChange, at_once: bool) {
+    if let Some(h) = DIR.get() {
+        if ends_of(h).ask(end, c, Instant::now(), at_once) || at_once {
+            h.ends_ready.notify_one();
+        }
+    }
 }
 
 fn send(c: Cmd) {
@@ -141,8 +283,12 @@ pub fn start(cfg: Config) -> Result<(), String> {
     let (tx, rx) = mpsc::unbounded_channel();
     let state = Arc::new(Mutex::new(State::default()));
     let prefix = record::prefix(cfg.cluster_id);
+    let ends = Arc::new(Mutex::new(Ends::default()));
+    let ends_ready = Arc::new(tokio::sync::Notify::new());
     let h = Handle {
         tx,
+        ends: ends.clone(),
+        ends_ready: ends_ready.clone(),
         state: state.clone(),
         endpoints: cfg.endpoints.clone(),
         ttl_s: cfg.ttl_s,
@@ -160,6 +306,9 @@ pub fn start(cfg: Config) -> Result<(), String> {
         cfg,
         prefix,
         rx,
+        ends,
+        ends_ready,
+        ends_due: None,
         state,
         mirror: Mirror::default(),
         agents: Vec::new(),
@@ -182,17 +331,24 @@ pub fn listeners<I: IntoIterator<Item = SocketAddr>>(addrs: I) {
     }
 }
 
-/// Process `pid` of this node holds end `active` of connection `gid` (set up here, or
-/// restored here after a migration: the record then moves here by compare-and-swap).
+/// Process `pid` of this node holds end `active` of connection `gid`, set up here: written
+/// after [`WRITE_DELAY`] if it still is.
 pub fn hold(gid: u128, active: bool, pid: u32) {
-    send(Cmd::Hold { gid, active, pid });
+    ask((gid, active), EndChange::Hold(pid), false);
+}
+
+/// Process `pid` holds end `active` of connection `gid` again, or holds it here after it
+/// was restored on this node: written at once (the record then moves here by
+/// compare-and-swap).
+pub fn hold_again(gid: u128, active: bool, pid: u32) {
+    ask((gid, active), EndChange::Hold(pid), true);
 }
 
 /// End `active` of connection `gid` is no longer held here; `delete`: its record goes
 /// (false when its process was frozen for a checkpoint: the node it is restored on moves the
 /// record by compare-and-swap, and until then it stays, under this node's lease).
 pub fn release(gid: u128, active: bool, delete: bool) {
-    send(Cmd::Release { gid, active, delete });
+    ask((gid, active), EndChange::Release { delete }, false);
 }
 
 /// The listeners at `addrs` moved from this node to the node whose agents are at `to`.
@@ -321,6 +477,10 @@ pub fn locate(gid: u128) -> substrate::wire::agent::Msg {
 /// The directory's part of the status report (`null` when none is configured).
 pub fn status_json() -> Value {
     let Some(h) = DIR.get() else { return Value::Null };
+    let (waiting, peak, asked, spared) = {
+        let e = ends_of(h);
+        (e.latest.len(), e.peak, e.asked, e.spared)
+    };
     let s = h.state.lock().unwrap_or_else(|e| e.into_inner());
     json!({
         "endpoints": h.endpoints,
@@ -336,6 +496,10 @@ pub fn status_json() -> Value {
         "node_watches": s.watches,
         "watched": s.watched,
         "nodes_not_watched": s.nodes.overflow,
+        "ends_waiting": waiting,
+        "ends_waiting_peak": peak,
+        "end_changes": asked,
+        "end_changes_spared": spared,
     })
 }
 
@@ -355,6 +519,10 @@ struct Worker {
     cfg: Config,
     prefix: String,
     rx: mpsc::UnboundedReceiver<Cmd>,
+    ends: Arc<Mutex<Ends>>,
+    ends_ready: Arc<tokio::sync::Notify>,
+    /// When the oldest change of an end waiting is due.
+    ends_due: Option<Instant>,
     state: Arc<Mutex<State>>,
     mirror: Mirror,
     /// The agent addresses of the node's record, as last registered.
@@ -365,6 +533,18 @@ struct Worker {
     watching: HashMap<String, (String, i64)>,
     /// The next watch id on the stream.
     next_watch: i64,
+}
+
+/// Wakes the directory thread for changes of ends: when one is asked for with nothing
+/// waiting before it, or when the oldest waiting is due.
+async fn ends_wake(ready: &tokio::sync::Notify, due: Option<Instant>) {
+    match due {
+        Some(t) => tokio::select! {
+            _ = ready.notified() => {}
+            _ = tokio::time::sleep_until(t.into()) => {}
+        },
+        None => ready.notified().await,
+    }
 }
 
 /// Why a session with etcd ended.
@@ -434,6 +614,13 @@ impl Worker {
                         Some(c) => self.offline(c),
                         None => return,
                     },
+                    _ = ends_wake(&self.ends_ready, self.ends_due) => loop {
+                        let batch = self.take_ends();
+                        if batch.is_empty() {
+                            break;
+                        }
+                        self.ends_offline(batch);
+                    },
                 }
             }
             backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -447,14 +634,6 @@ impl Worker {
                 self.mirror.moved.retain(|a, _| !l.contains(a));
                 self.mirror.listeners = l;
             }
-            Cmd::Hold { gid, active, pid } => {
-                self.mirror.gids.insert((gid, active), pid);
-                self.mirror.unsure.insert((gid, active));
-            }
-            Cmd::Release { gid, active, .. } => {
-                self.mirror.gids.remove(&(gid, active));
-                self.mirror.unsure.remove(&(gid, active));
-            }
             Cmd::Moved { addrs, to } => {
                 for a in addrs {
                     self.mirror.moved.insert(a, to.clone());
@@ -462,6 +641,103 @@ impl Worker {
             }
             Cmd::Lookup { reply, .. } => drop(reply),
         }
+    }
+
+    /// The changes of ends due now (at most a batch); notes when the next is due.
+    fn take_ends(&mut self) -> Vec<(End, EndChange)> {
+        let (batch, due) =
+            self.ends.lock().unwrap_or_else(|e| e.into_inner()).take(BATCH, Instant::now(), WRITE_DELAY);
+        self.ends_due = due;
+        batch
+    }
+
+    /// Changes of ends while etcd is not reached: into the mirror, written at registration
+    /// (a hold as "unsure": it may be a connection that moved here).
+    fn ends_offline(&mut self, batch: Vec<(End, EndChange)>) {
+        for (end, c) in batch {
+            match c {
+                EndChange::Hold(pid) => {
+                    self.mirror.gids.insert(end, pid);
+                    self.mirror.unsure.insert(end);
+                }
+                EndChange::Release { .. } => {
+                    self.mirror.gids.remove(&end);
+                    self.mirror.unsure.remove(&end);
+                }
+            }
+        }
+    }
+
+    /// Changes of ends while registered: the releases in one request, each deleting its
+    /// record only if it is still under this node's lease (a node the end moved to has its
+    /// own); the holds in another, each creating its record where none exists. A hold whose
+    /// record exists is a connection that came here (or a process that holds its end
+    /// again): it goes by compare-and-swap ([`Worker::hold`]).
+    async fn ends_online(&mut self, s: &mut Session, batch: Vec<(End, EndChange)>) -> Result<(), Broken> {
+        let mut deletes = Vec::new();
+        let mut holds = Vec::new();
+        for (end, c) in batch {
+            match c {
+                EndChange::Hold(pid) => {
+                    self.mirror.gids.insert(end, pid);
+                    self.mirror.unsure.insert(end);
+                    holds.push((end, pid));
+                }
+                EndChange::Release { delete } => {
+                    self.mirror.gids.remove(&end);
+                    self.mirror.unsure.remove(&end);
+                    if delete {
+                        let key = record::gid_key(&self.prefix, end.0, end.1);
+                        deletes.push(TxnOp::txn(
+                            Txn::new()
+                                .when([Compare::lease(key.as_str(), CompareOp::Equal, s.lease)])
+                                .and_then([TxnOp::delete(key.as_str(), None::<DeleteOptions>)]),
+                        ));
+                    }
+                }
+            }
+        }
+        if !deletes.is_empty() {
+            bounded("release GIDs", s.client.txn(Txn::new().and_then(deletes))).await?;
+        }
+        self.write_holds(s, holds).await
+    }
+
+    /// Writes the records of ends held here: created in one request where none exists,
+    /// the others one by one by compare-and-swap.
+    async fn write_holds(&mut self, s: &mut Session, holds: Vec<(End, u32)>) -> Result<(), Broken> {
+        if holds.is_empty() {
+            return Ok(());
+        }
+        let ops: Vec<TxnOp> = holds
+            .iter()
+            .map(|((gid, active), pid)| {
+                let key = record::gid_key(&self.prefix, *gid, *active);
+                TxnOp::txn(
+                    Txn::new().when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)]).and_then(
+                        [TxnOp::put(
+                            key.as_str(),
+                            self.place(Some(*pid), self.agents.clone()),
+                            Some(PutOptions::new().with_lease(s.lease)),
+                        )],
+                    ),
+                )
+            })
+            .collect();
+        let r = bounded("hold GIDs", s.client.txn(Txn::new().and_then(ops))).await?;
+        let created: Vec<bool> = r
+            .op_responses()
+            .into_iter()
+            .map(|o| matches!(o, etcd_client::TxnOpResponse::Txn(t) if t.succeeded()))
+            .collect();
+        for (i, ((gid, active), pid)) in holds.into_iter().enumerate() {
+            if created.get(i).copied().unwrap_or(false) {
+                self.mirror.unsure.remove(&(gid, active));
+            } else {
+                self.hold(s, gid, active, pid).await?;
+            }
+        }
+        Ok(())
     }
 
     fn place(&self, pid: Option<u32>, agents: Vec<SocketAddr>) -> Vec<u8> {
@@ -536,6 +812,15 @@ impl Worker {
                         return e;
                     }
                 }
+                _ = ends_wake(&self.ends_ready, self.ends_due) => loop {
+                    let batch = self.take_ends();
+                    if batch.is_empty() {
+                        break;
+                    }
+                    if let Err(e) = self.ends_online(&mut s, batch).await {
+                        return e;
+                    }
+                },
                 _ = tick.tick() => {
                     let r = tokio::time::timeout(REQUEST_TIMEOUT, async {
                         keeper.keep_alive().await?;
@@ -778,11 +1063,11 @@ impl Worker {
             let batch = std::mem::replace(&mut ops, rest);
             bounded("write the node's entries", s.client.txn(Txn::new().and_then(batch))).await?;
         }
-        let unsure: Vec<((u128, bool), u32)> = (self.mirror.unsure.iter())
+        let unsure: Vec<(End, u32)> = (self.mirror.unsure.iter())
             .filter_map(|k| self.mirror.gids.get(k).map(|pid| (*k, *pid)))
             .collect();
-        for ((gid, active), pid) in unsure {
-            self.hold(&mut s, gid, active, pid).await?;
+        for chunk in unsure.chunks(BATCH) {
+            self.write_holds(&mut s, chunk.to_vec()).await?;
         }
         Ok(s)
     }
@@ -856,23 +1141,6 @@ impl Worker {
                     bounded("listeners", s.client.txn(Txn::new().and_then(chunk.to_vec()))).await?;
                 }
             }
-            Cmd::Hold { gid, active, pid } => {
-                self.mirror.gids.insert((gid, active), pid);
-                self.hold(s, gid, active, pid).await?;
-            }
-            Cmd::Release { gid, active, delete } => {
-                self.mirror.gids.remove(&(gid, active));
-                self.mirror.unsure.remove(&(gid, active));
-                if !delete {
-                    return Ok(());
-                }
-                let key = record::gid_key(&self.prefix, gid, active);
-                // Only if this node still holds it (a node it moved to has its own lease).
-                let t = Txn::new()
-                    .when([Compare::lease(key.as_str(), CompareOp::Equal, lease)])
-                    .and_then([TxnOp::delete(key.as_str(), None::<DeleteOptions>)]);
-                bounded("release a GID", s.client.txn(t)).await?;
-            }
             Cmd::Moved { addrs, to } => {
                 let mut ops = Vec::new();
                 for a in addrs {
@@ -915,5 +1183,114 @@ pub fn describe(node: &str, agents: Vec<SocketAddr>) -> NodeRec {
         agents: agents.into_iter().take(record::MAX_ADDRS).collect(),
         networks,
         version: env!("CARGO_PKG_VERSION").into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{End, EndChange, EndChange::*, Ends};
+    use std::time::{Duration, Instant};
+
+    const D: Duration = Duration::from_millis(200);
+
+    fn all(e: &mut Ends, at: Instant) -> Vec<(End, EndChange)> {
+        e.take(64, at, D).0
+    }
+
+    #[test]
+    fn ends_keep_the_latest_change_and_short_connections_cost_nothing() {
+        let t0 = Instant::now();
+        let later = t0 + D;
+        let mut e = Ends::default();
+        // A connection that comes and goes before the thread takes anything: nothing waits.
+        assert!(e.ask((1, true), Hold(10), t0, false), "the first change wakes the thread");
+        assert!(!e.ask((1, true), Release { delete: true }, t0, false));
+        assert!(e.latest.is_empty());
+        assert!(all(&mut e, later).is_empty());
+        assert_eq!((e.asked, e.spared), (2, 2));
+        // A hold is taken only once it is old enough; then its release is written.
+        e.ask((2, true), Hold(10), t0, false);
+        assert_eq!(e.take(64, t0 + D / 2, D), (vec![], Some(t0 + D)));
+        assert_eq!(all(&mut e, later), vec![((2, true), Hold(10))]);
+        e.ask((2, true), Release { delete: true }, later, false);
+        assert_eq!(all(&mut e, later + D), vec![((2, true), Release { delete: true })]);
+        // Released and held again before the thread looked: the latest change only.
+        e.ask((3, false), Hold(10), t0, false);
+        all(&mut e, later);
+        e.ask((3, false), Release { delete: false }, later, false);
+        e.ask((3, false), Hold(11), later, false);
+        assert_eq!(all(&mut e, later + D), vec![((3, false), Hold(11))]);
+        // Order of first asking, batches of at most n, and the next due time.
+        for g in 10..20u128 {
+            e.ask((g, true), Hold(1), t0 + Duration::from_millis(g as u64), false);
+        }
+        e.ask((10, true), Hold(2), later, false);
+        let (first, next) = e.take(4, later + D, D);
+        assert_eq!(first.iter().map(|(k, _)| k.0).collect::<Vec<_>>(), [10, 11, 12, 13]);
+        assert_eq!(first[0].1, Hold(2));
+        assert_eq!(next, Some(t0 + Duration::from_millis(14) + D));
+        assert_eq!(e.take(64, later + D, D).0.len(), 6);
+        assert_eq!(e.take(64, later + D, D), (vec![], None));
+    }
+
+    #[test]
+    fn an_end_that_came_here_is_written_at_once() {
+        let t0 = Instant::now();
+        let mut e = Ends::default();
+        e.ask((1, true), Hold(1), t0, false);
+        assert!(!e.ask((2, true), Hold(2), t0, true), "something waited already");
+        // The restored end goes first, without waiting; the new one waits its delay.
+        assert_eq!(e.take(64, t0, D), (vec![((2, true), Hold(2))], Some(t0 + D)));
+        // A new end that turns out to be held again after a restore: at once, once.
+        e.ask((3, false), Hold(3), t0, false);
+        e.ask((3, false), Hold(4), t0, true);
+        assert_eq!(e.take(64, t0, D), (vec![((3, false), Hold(4))], Some(t0 + D)));
+        assert_eq!(e.take(64, t0 + D, D), (vec![((1, true), Hold(1))], None));
+    }
+
+    #[test]
+    fn a_stale_place_in_the_order_is_skipped() {
+        let t0 = Instant::now();
+        let mut e = Ends::default();
+        e.ask((1, true), Hold(1), t0, false);
+        e.ask((1, true), Release { delete: true }, t0, false);
+        // Asked again later: due a delay after the second asking, not the first.
+        e.ask((1, true), Hold(2), t0 + D, false);
+        assert_eq!(e.take(64, t0 + D + D / 2, D), (vec![], Some(t0 + D + D)));
+        assert_eq!(e.take(64, t0 + D + D, D).0, vec![((1, true), Hold(2))]);
+    }
+
+    #[test]
+    fn what_waits_is_bounded_by_the_ends_held_however_many_come_and_go() {
+        let t0 = Instant::now();
+        let mut e = Ends::default();
+        // 100,000 short connections while the thread takes nothing (etcd slow): nothing waits,
+        // and the order list does not grow with them.
+        for g in 0..100_000u128 {
+            e.ask((g, true), Hold(1), t0, false);
+            e.ask((g, true), Release { delete: true }, t0, false);
+        }
+        assert_eq!(e.latest.len(), 0);
+        assert!(e.order.len() <= 1024 + 1, "{}", e.order.len());
+        // 1,000 held and 100,000 coming and going: 1,000 wait.
+        for g in 0..1000u128 {
+            e.ask((1 << 64 | g, true), Hold(1), t0, false);
+        }
+        for g in 0..100_000u128 {
+            e.ask((g, false), Hold(1), t0, false);
+            e.ask((g, false), Release { delete: true }, t0, false);
+        }
+        assert_eq!(e.latest.len(), 1000);
+        assert!(e.order.len() <= 2 * 1000 + 1024 + 1, "{}", e.order.len());
+        assert!(e.peak <= 1001);
+        let mut n = 0;
+        loop {
+            let b = all(&mut e, t0 + D);
+            if b.is_empty() {
+                break;
+            }
+            n += b.len();
+        }
+        assert_eq!(n, 1000);
     }
 }
