@@ -488,3 +488,101 @@ def test_bad_directory_values_are_refused(et):
     assert r.returncode == 2 and "directory-ttl" in r.stderr, r
     ok = run([AGENT_BIN, "--check-config", "--key", et.key, "--directory", f"etcd://{ENDPOINTS}"], env=clean_env())
     assert ok.returncode == 0 and f'directory = "etcd://{ENDPOINTS}"' in ok.stdout, ok
+
+
+TLS_PORT = 2389          # the TLS member's client port (e1's namespace; the cluster uses 2379)
+
+
+def make_pki(d):
+    """A CA, etcd's server certificate for e1's address, an agent client certificate (CN
+    vmi-agent) signed by the CA, and one signed by another CA (a stranger)."""
+    def ssl(*a):
+        r = run(["openssl", *map(str, a)], env=clean_env())
+        assert r.returncode == 0, r.stderr
+    for ca in ("ca", "rogue-ca"):
+        ssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+            "-subj", f"/CN=vmiet {ca}", "-keyout", d / f"{ca}.key", "-out", d / f"{ca}.pem")
+    for name, ca, subj, ext in [("server", "ca", "/CN=etcd", f"subjectAltName=IP:{ip('e1')}"),
+                                ("client", "ca", "/CN=vmi-agent", "extendedKeyUsage=clientAuth"),
+                                ("stranger", "rogue-ca", "/CN=vmi-agent", "extendedKeyUsage=clientAuth")]:
+        ssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", subj,
+            "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr")
+        extfile = d / f"{name}.ext"
+        extfile.write_text(ext + "\n")
+        ssl("x509", "-req", "-in", d / f"{name}.csr", "-CA", d / f"{ca}.pem", "-CAkey", d / f"{ca}.key",
+            "-CAcreateserial", "-days", "2", "-extfile", extfile, "-out", d / f"{name}.pem")
+        os.chmod(d / f"{name}.key", 0o600)
+
+
+def test_the_directory_over_tls_with_client_certificates(et):
+    """etcd serving TLS only and asking every client for a certificate of its CA
+    (--client-cert-auth): an agent with the CA and a client certificate registers; one whose
+    certificate another CA signed, and one that speaks plain TCP, do not, and they say why in
+    their status while they go on without the directory; a key file others can read stops the
+    agent before it starts."""
+    d = et.tmp / "pki"
+    d.mkdir()
+    make_pki(d)
+    url = f"https://{ip('e1')}:{TLS_PORT}"
+    argv = ["nsenter", f"--net=/run/netns/{ns('e1')}", "etcd", "--name", "tls", "--data-dir", et.tmp / "etcd-tls",
+            "--listen-client-urls", url, "--advertise-client-urls", url,
+            "--listen-peer-urls", "http://127.0.0.1:2390", "--initial-advertise-peer-urls", "http://127.0.0.1:2390",
+            "--initial-cluster", "tls=http://127.0.0.1:2390", "--cert-file", d / "server.pem",
+            "--key-file", d / "server.key", "--trusted-ca-file", d / "ca.pem", "--client-cert-auth"]
+    member = Group(argv, et.tmp / "etcd-tls.log")
+    et.groups.append(member)
+    certs = ["--cacert", d / "ca.pem", "--cert", d / "client.pem", "--key", d / "client.key"]
+
+    def ctl(*args, creds=certs):
+        return in_ns("h3", ["etcdctl", "--endpoints", url, "--dial-timeout", "2s", "--command-timeout", "3s",
+                            *map(str, creds), *args], env=clean_env(ETCDCTL_API="3"), timeout=15)
+    wait_for("the TLS member healthy", lambda: ctl("endpoint", "health").returncode == 0, timeout=30, every=0.3)
+    assert ctl("get", "x", creds=["--cacert", d / "ca.pem"]).returncode != 0, "etcd answered without a certificate"
+    common = ["--config", "/dev/null", "--key", et.key, "--directory", f"etcd://{ip('e1')}:{TLS_PORT}",
+              "--directory-ttl", LEASE_S, "--log", "info"]
+    tls_agents = []
+
+    def agent(name, port, *extra):
+        a = AgentProc(ns("h3"), [*common, "--node", name, "--socket", f"vmiet-{name}", "--port", port, *extra],
+                      et.tmp, f"agent-{name}")
+        tls_agents.append(a)
+        return a
+
+    def status(name):
+        r = in_ns("h3", [VMICTL_BIN, "--socket", f"vmiet-{name}", "status", "--json"], env=clean_env(), timeout=20)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["directory"]
+    try:
+        good = agent("tls-good", 7801, "--directory-ca", d / "ca.pem", "--directory-cert", d / "client.pem",
+                     "--directory-key", d / "client.key")
+        stranger = agent("tls-stranger", 7803, "--directory-ca", d / "ca.pem", "--directory-cert",
+                         d / "stranger.pem", "--directory-key", d / "stranger.key")
+        plain = agent("tls-plain", 7805)
+        for a in tls_agents:
+            a.wait_ready()
+        g = wait_for("the agent with a client certificate registered over TLS",
+                     lambda: (lambda s: s["connected"] and s)(status("tls-good")))
+        assert g["endpoints"] == [url], g
+        assert "TLS, servers checked against" in good.log(), good.log()[-2000:]
+        p = g["prefix"]
+        r = ctl("get", "--prefix", f"{p}node/tls-good", "--keys-only")
+        assert r.returncode == 0 and f"{p}node/tls-good" in r.stdout, (r.stdout, r.stderr)
+        time.sleep(2 * LEASE_S / 3 + 1)
+        for name in ("tls-stranger", "tls-plain"):
+            s = status(name)
+            assert not s["connected"] and s["registrations"] == 0 and s["last_error"], (name, s)
+            assert ctl("get", "--prefix", f"{p}node/{name}", "--keys-only").stdout.strip() == "", name
+        assert stranger.proc.poll() is None and plain.proc.poll() is None
+        assert "plain TCP" in plain.log(), plain.log()[-2000:]
+        # A private key others may read: not started, and the reason said.
+        loose = d / "loose.key"
+        shutil.copy(d / "client.key", loose)
+        os.chmod(loose, 0o644)
+        r = in_ns("h3", [AGENT_BIN, *map(str, common), "--node", "tls-loose", "--socket", "vmiet-tls-loose",
+                         "--port", 7807, "--directory-ca", d / "ca.pem", "--directory-cert", d / "client.pem",
+                         "--directory-key", loose], env=clean_env(), timeout=20)
+        assert r.returncode == 2 and "directory-key" in r.stderr and str(loose) in r.stderr, r
+    finally:
+        for a in tls_agents:
+            a.stop()
+        member.stop(signal.SIGKILL)

@@ -35,7 +35,7 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 18] = [
+pub const KEYS: [&str; 21] = [
     "key",
     "peers",
     "head",
@@ -53,6 +53,9 @@ pub const KEYS: [&str; 18] = [
     "sweep-every",
     "directory",
     "directory-ttl",
+    "directory-ca",
+    "directory-cert",
+    "directory-key",
     "log",
 ];
 
@@ -75,9 +78,14 @@ pub enum DirectorySpec {
 impl DirectorySpec {
     /// The endpoints as the etcd client takes them (`http://HOST:PORT`).
     pub fn urls(&self) -> Vec<String> {
+        self.urls_with("http")
+    }
+
+    /// The endpoints with a scheme (`https` when the agent talks TLS to etcd).
+    pub fn urls_with(&self, scheme: &str) -> Vec<String> {
         match self {
             DirectorySpec::Off => Vec::new(),
-            DirectorySpec::Etcd(e) => e.iter().map(|h| format!("http://{h}")).collect(),
+            DirectorySpec::Etcd(e) => e.iter().map(|h| format!("{scheme}://{h}")).collect(),
         }
     }
 }
@@ -337,6 +345,11 @@ pub struct Layer {
     pub directory: Option<DirectorySpec>,
     /// The directory lease's time to live, seconds.
     pub directory_ttl: Option<u64>,
+    /// CA certificates etcd's server certificate is checked against (TLS to etcd).
+    pub directory_ca: Option<PathBuf>,
+    /// The agent's client certificate for etcd, and its private key.
+    pub directory_cert: Option<PathBuf>,
+    pub directory_key: Option<PathBuf>,
     /// Log filter (tracing's `EnvFilter` syntax: `error`, `warn`, `info`, `debug`, ...).
     pub log: Option<String>,
 }
@@ -382,6 +395,15 @@ pub struct Settings {
     pub directory: DirectorySpec,
     /// The directory lease's time to live, seconds.
     pub directory_ttl: u64,
+    /// CA certificates of etcd's servers (`None`: plain TCP to etcd).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub directory_ca: Option<PathBuf>,
+    /// The agent's client certificate for etcd (`None`: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub directory_cert: Option<PathBuf>,
+    /// Its private key (a file only its owner may read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub directory_key: Option<PathBuf>,
     /// Log filter.
     pub log: String,
 }
@@ -479,6 +501,9 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             "--sweep-every" => l.sweep_every = Some(value(&flag, &val()?)?),
             "--directory" => l.directory = Some(value(&flag, &val()?)?),
             "--directory-ttl" => l.directory_ttl = Some(value(&flag, &val()?)?),
+            "--directory-ca" => l.directory_ca = Some(val()?.into()),
+            "--directory-cert" => l.directory_cert = Some(val()?.into()),
+            "--directory-key" => l.directory_key = Some(val()?.into()),
             "--log" => l.log = Some(val()?),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -722,6 +747,24 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     if grid.len() > MAX_GRID {
         return Err(format!("grid ({grid_from}): at most {MAX_GRID} entries"));
     }
+    let directory_ca = cli.directory_ca.clone().or_else(|| f.directory_ca.clone());
+    let directory_cert = cli.directory_cert.clone().or_else(|| f.directory_cert.clone());
+    let directory_key = cli.directory_key.clone().or_else(|| f.directory_key.clone());
+    for (k, v) in [
+        ("directory-ca", &directory_ca),
+        ("directory-cert", &directory_cert),
+        ("directory-key", &directory_key),
+    ] {
+        if v.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(format!("{k}: an empty path"));
+        }
+    }
+    if directory_cert.is_some() != directory_key.is_some() {
+        return Err("directory-cert and directory-key go together: the agent's client certificate for etcd and its private key".into());
+    }
+    if directory_cert.is_some() && directory_ca.is_none() {
+        return Err("directory-cert needs directory-ca: the CA etcd's server certificate is checked against (a client certificate is only sent over TLS)".into());
+    }
     if !(2..=MAX_DIRECTORY_TTL_S).contains(&directory_ttl) {
         return Err(format!(
             "directory-ttl {directory_ttl} ({ttl_from}): from 2 to {MAX_DIRECTORY_TTL_S} seconds (the agent renews its lease every third of it)"
@@ -758,6 +801,9 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         sweep_every,
         directory,
         directory_ttl,
+        directory_ca,
+        directory_cert,
+        directory_key,
         log,
     })
 }
@@ -799,6 +845,22 @@ mod tests {
             (s.directory_ttl, s.directory.urls()),
             (crate::registry::DEFAULT_TTL_S, vec!["http://h:1".to_string()])
         );
+        assert_eq!(s.directory.urls_with("https"), vec!["https://h:1".to_string()]);
+        // TLS to etcd: a CA alone, or a CA with a client certificate and its key.
+        let tls = |a: &[&str]| resolve(&args(a).unwrap().layer, no_env, &File::default());
+        assert_eq!(tls(&["--directory-ca", "/ca"]).unwrap().directory_ca, Some("/ca".into()));
+        let s = tls(&["--directory-ca", "/ca", "--directory-cert", "/c", "--directory-key", "/k"]).unwrap();
+        assert_eq!((s.directory_cert, s.directory_key), (Some("/c".into()), Some("/k".into())));
+        assert!(tls(&["--directory-ca", "/ca", "--directory-cert", "/c"])
+            .unwrap_err()
+            .contains("go together"));
+        assert!(tls(&["--directory-ca", "/ca", "--directory-key", "/k"])
+            .unwrap_err()
+            .contains("go together"));
+        assert!(tls(&["--directory-cert", "/c", "--directory-key", "/k"])
+            .unwrap_err()
+            .contains("needs directory-ca"));
+        assert!(tls(&["--directory-ca", ""]).unwrap_err().contains("empty path"));
     }
 
     fn args(a: &[&str]) -> Result<Cli, String> {

@@ -19,7 +19,9 @@ const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B.
                  [--web ADDR:PORT|PORT|off] [--web-token FILE]
                  [--socket NAME] [--port PORT] [--relink-ports N] [--bind ADDR] [--node NAME]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
-                 [--directory etcd://HOST:PORT,..] [--directory-ttl S] [--log FILTER]
+                 [--directory etcd://HOST:PORT,..] [--directory-ttl S]
+                 [--directory-ca FILE [--directory-cert FILE --directory-key FILE]]
+                 [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
        vmi-agent --check-config [--config FILE] [flags as above]
        vmi-agent --help | --version
@@ -95,6 +97,14 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
                  registers again when etcd is back
   --directory-ttl S  the directory lease's time to live, seconds (directory-ttl = S;
                  default 10, 2 to 3600): a dead node's entries go within it
+  --directory-ca FILE  talk TLS to etcd, its servers' certificates checked against these
+                 CA certificates (PEM; directory-ca = \"FILE\"; default none: plain TCP). The
+                 records hold no secret, but whoever reaches etcd unchecked can change them
+  --directory-cert FILE --directory-key FILE  the agent's client certificate and its key
+                 (PEM; the key file readable by its owner only) for etcd's
+                 --client-cert-auth; with etcd's authentication on, the certificate's
+                 common name is the etcd user, which needs read and write on the cluster's
+                 prefix (/vmi/CLUSTER/)
   --log FILTER   log level or tracing filter: error, warn, info, debug (log = \"FILTER\";
                  $VMI_LOG overrides the file; default info)
   -h, --help     this text;  -V, --version  the version
@@ -309,8 +319,23 @@ fn run(args: Settings) {
     if args.directory != config::DirectorySpec::Off {
         let health = agent.health.clone();
         let name = node.clone();
+        let tls = match &args.directory_ca {
+            Some(ca) => {
+                let client = args.directory_cert.as_deref().zip(args.directory_key.as_deref());
+                match agent::registry::Tls::load(ca, client) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        error!("{e}; not started");
+                        std::process::exit(EXIT_CONFIG);
+                    }
+                }
+            }
+            None => None,
+        };
+        let endpoints = args.directory.urls_with(if tls.is_some() { "https" } else { "http" });
         let cfg = agent::registry::Config {
-            endpoints: args.directory.urls(),
+            endpoints,
+            tls,
             ttl_s: args.directory_ttl,
             cluster_id: agent.key.cluster_id,
             node: node.clone(),
@@ -321,7 +346,16 @@ fn run(args: Settings) {
             },
             journal: agent.journal.clone(),
         };
-        info!("cluster directory in etcd at {} (lease {} s)", args.directory, args.directory_ttl);
+        info!(
+            "cluster directory in etcd at {} (lease {} s, {})",
+            args.directory,
+            args.directory_ttl,
+            match (&args.directory_ca, &args.directory_cert) {
+                (None, _) => "plain TCP: the records hold no secret, but anyone who reaches etcd can change them; see directory-ca".to_string(),
+                (Some(ca), None) => format!("TLS, servers checked against {}", ca.display()),
+                (Some(ca), Some(c)) => format!("TLS, servers checked against {}, client certificate {}", ca.display(), c.display()),
+            }
+        );
         if let Err(e) = agent::registry::start(cfg) {
             error!("{e}");
             std::process::exit(1);

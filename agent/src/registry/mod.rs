@@ -42,6 +42,7 @@ use record::{NodeCache, NodeChange, NodeRec, PlaceRec};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
@@ -78,8 +79,11 @@ const OWN_WATCH: i64 = 1;
 
 /// What the directory thread needs to start.
 pub struct Config {
-    /// etcd endpoints (`http://HOST:PORT`).
+    /// etcd endpoints (`http://HOST:PORT`, or `https://` with `tls`).
     pub endpoints: Vec<String>,
+    /// TLS to etcd: the CA its servers' certificates are checked against, and the agent's
+    /// client certificate if any (see [`Tls::load`]).
+    pub tls: Option<Tls>,
     /// Lease time to live, seconds.
     pub ttl_s: u64,
     /// The cluster id (prefix of every key).
@@ -93,6 +97,49 @@ pub struct Config {
     pub cares: Box<dyn Fn() -> Vec<String> + Send>,
     /// The node's journal.
     pub journal: Arc<Journal>,
+}
+
+/// What the agent talks TLS to etcd with, read at start.
+#[derive(Clone)]
+pub struct Tls {
+    ca: Vec<u8>,
+    identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Tls {
+    /// Reads the CA certificates (PEM) and, if given, the client certificate and its key
+    /// (PEM; the key file must be readable by its owner only, like the cluster key).
+    pub fn load(ca: &Path, client: Option<(&Path, &Path)>) -> Result<Tls, String> {
+        let pem = |path: &Path, what: &str| -> Result<Vec<u8>, String> {
+            let b = std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(format!("{what} {}: not PEM (no -----BEGIN line)", path.display()));
+            }
+            Ok(b)
+        };
+        let ca = pem(ca, "directory-ca")?;
+        let identity = match client {
+            Some((cert, key)) => {
+                let c = pem(cert, "directory-cert")?;
+                let k = crate::mesh::read_private(key, "directory-key", "")?;
+                if !k.windows(11).any(|w| w == b"-----BEGIN ") {
+                    return Err(format!("directory-key {}: not PEM (no -----BEGIN line)", key.display()));
+                }
+                Some((c, k))
+            }
+            None => None,
+        };
+        Ok(Tls { ca, identity })
+    }
+
+    fn options(&self) -> etcd_client::TlsOptions {
+        let mut t =
+            etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(&self.ca));
+        if let Some((c, k)) = &self.identity {
+            t = t.identity(etcd_client::Identity::from_pem(c, k));
+        }
+        t
+    }
 }
 
 enum Cmd {
@@ -592,8 +639,13 @@ impl Worker {
             };
             if was_connected || down_since.is_none() {
                 // One warning per outage; the attempts after it are quiet.
+                let hint = match (&self.cfg.tls, why.contains("transport")) {
+                    (_, false) => "",
+                    (None, true) => " (if etcd serves TLS only, give the agent its CA: directory-ca)",
+                    (Some(_), true) => " (over TLS: is etcd's certificate signed by directory-ca, for the address named here, and this agent's directory-cert by a CA etcd trusts, --trusted-ca-file?)",
+                };
                 warn!(
-                    "directory: etcd at {} unreachable: {why}; connections go on with what this agent knows, retrying",
+                    "directory: etcd at {} unreachable: {why}{hint}; connections go on with what this agent knows, retrying",
                     self.cfg.endpoints.join(",")
                 );
                 self.state().outages += 1;
@@ -751,10 +803,13 @@ impl Worker {
     /// Connects, registers under a new lease, writes the mirror, then serves commands, keeps
     /// the lease alive and follows the node prefix until something breaks.
     async fn session(&mut self, down_since: &mut Option<Instant>) -> Broken {
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(REQUEST_TIMEOUT)
             .with_timeout(REQUEST_TIMEOUT)
             .with_require_leader(true);
+        if let Some(t) = &self.cfg.tls {
+            opts = opts.with_tls(t.options());
+        }
         let client = match bounded("connect", Client::connect(&self.cfg.endpoints, Some(opts))).await {
             Ok(c) => c,
             Err(e) => return e,
