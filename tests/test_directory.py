@@ -407,8 +407,12 @@ def test_a_migrated_process_moves_its_connection_in_the_directory(et):
         wait_for(f"the client's end in etcd on {to}",
                  lambda to=to: json.loads(etcd_get(key).get(key, "{}")).get("node") == to, timeout=10)
         took.append(time.monotonic() - t0)
-        w = ctl_json("h2", "where", gid)
-        assert {(x["node"], x["direction"]) for x in w} == {(to, "out"), ("h2", "in")}, w
+        # (A connection's ends are written a second after set-up, registry::WRITE_DELAY: the
+        # first move can come sooner than h2's end.)
+        w = wait_for(f"where names the ends on {to} and h2", lambda to=to: (
+            lambda w: {(x["node"], x["direction"]) for x in w} == {(to, "out"), ("h2", "in")} and w)(
+            ctl_json("h2", "where", gid)), timeout=5)
+        assert all(x["source"] == "directory" for x in w), w
     assert moved_here("h3", "h1") == 1 and moved_here("h1", "h3") == 1
     # A move while etcd is down: the new node's agent moves the record when etcd is back,
     # by the same compare-and-swap, so the move is still told apart from a new connection.
