@@ -181,7 +181,7 @@ pub enum Msg {
         /// The peer node's agent addresses.
         peers: Vec<SocketAddr>,
         /// The connection whose link is rebuilt (its GID picks one of the peer agent's
-        /// relink ports); 0: none given (an older layer), the agent port only.
+        /// relink ports); 0: none (the agent port only).
         gid: u128,
     },
     /// Agent → layer: working paths, best first, as (local IP, peer agent address).
@@ -903,8 +903,7 @@ impl Msg {
             18 => Msg::Release { gid: r.u128()? },
             19 => Msg::Path { local: r.addr()?, peer: r.addr()?, up: r.bool()? },
             20 => Msg::Handover { gid: r.u128()?, nonce: r.u128()? },
-            // The GID came later: a message without it asks for the agent port only.
-            21 => Msg::Paths { peers: r.addrs()?, gid: if r.0.is_empty() { 0 } else { r.u128()? } },
+            21 => Msg::Paths { peers: r.addrs()?, gid: r.u128()? },
             22 => {
                 let n = r.count(2 * MIN_ADDR)?;
                 let mut pairs = Vec::with_capacity(n);
