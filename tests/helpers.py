@@ -168,6 +168,7 @@ PORTS = {
     "failover_after_subprocess": 17816,
     "failover_many": 17817,
     "failover_idle_moves": 17818,
+    "failover_calm": 17819,
     "failover_iperf3": 15401,
     "failover_redis": 16401,
     "migrate_client": 17901,

@@ -36,8 +36,8 @@ import pytest
 from helpers import (AGENT_PORT, AGENT_RELINK_PORTS, BASELINE, DEAD_AFTER_MS, ETH0, ETH1, FAILOVER_TIMEOUT,
                      GRACE_ENV, H1, H1_IP, H1_IP1, H2, H2_IP, H2_IP1, LAYER_LOG, PORTS,
                      Watcher, assert_same_stream, assert_virtual, client_conns,
-                     failover_problems, network_entry, paths_on, program_lines, python_prog,
-                     vmictl, vmictl_status, wait_conn, wait_status)
+                     failover_problems, ip_cmd, network_entry, paths_on, program_lines,
+                     python_prog, vmictl, vmictl_status, wait_conn, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="failover is the layer's and the agents' "
                                 "work: on plain TCP there is nothing to test")
@@ -384,6 +384,101 @@ def test_silent_blackhole(procs, faults):
         (p for p in paths_on(status, ETH0) if p.get("local") == H1_IP
          and p.get("peer") == H2_IP and p.get("state") == "alive"), None),
         FAILOVER_TIMEOUT, f"the path {H1_IP} -> {H2_IP} alive again after the black hole")
+
+
+CALM_AFTER = 3.0       # agent/src/paths.rs: nothing but heartbeats this long makes a node calm
+CALM_WAKEUPS = 80      # a calm agent's wake-ups per second at most (a busy one: about 250)
+BLACKHOLE_AFTER = 15.0  # the calm test's black hole after the echo: several neighbour resolutions
+
+
+def wakeups(pid):
+    """Context switches of every thread of process pid so far."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{t}/status") as f:
+            for line in f:
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    total += int(line.split()[1])
+    return total
+
+
+def journal(host):
+    """The events of host's journal (`vmictl events --json`)."""
+    return [json.loads(x) for x in vmictl(host, "events", "--json").stdout.splitlines()
+            if x.strip()]
+
+
+def test_calm_node_then_silent_failure(procs, faults, topology):
+    """When the networks carry nothing but heartbeats for CALM_AFTER, the agents slow their
+    heartbeats to one a second, and each heartbeat says how long the next may take, so
+    neither side takes the other's slower beat for a dead path: the client host's agent then
+    wakes up a few times a second instead of hundreds, and no path dies. A connection idle
+    through all that is black-holed on eth0; when the program echoes again, the path is found
+    dead (within the calm interval plus the silence limit), the connection moves to eth1 and
+    every byte comes back; no path on eth1 ever dies, before, during or after the black hole
+    (each agent's heartbeats on eth1 keep their pace while eth0's peer cannot be reached)."""
+    port = PORTS["failover_calm"]
+    addr = f"{SERVER_IP}:{port}"
+    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                 name="echo-server")
+    idle = 120
+    cli = procs.start(CLIENT, python_prog("idle_echo.py", "--connect", addr, "--idle", idle),
+                      layer=True, name="idle-echo")
+    deadline = time.monotonic() + FLOWING_TIMEOUT
+    while not any(r.get("event") == "idle" for r in cli.json_lines()):
+        assert cli.alive() and time.monotonic() < deadline, cli.failure("no first echo")
+        time.sleep(0.05)
+    before = wait_conn(CLIENT, addr, lambda c: c.get("network") == ETH0, FLOWING_TIMEOUT,
+                       f"the client end to {addr} on {ETH0}")
+    # A new topology's interfaces send IPv6 neighbour discovery for a while (each packet
+    # makes the node busy for CALM_AFTER): look at 2-second windows until one is calm.
+    pid = topology["agents"][CLIENT].proc.pid
+    deadline = time.monotonic() + CALM_AFTER + 40
+    rates = []
+    while True:
+        w0, t0 = wakeups(pid), time.monotonic()
+        time.sleep(2)
+        rates.append(round((wakeups(pid) - w0) / (time.monotonic() - t0)))
+        if rates[-1] < CALM_WAKEUPS:
+            break
+        assert time.monotonic() < deadline, \
+            f"the client host's agent never calmed down: wake-ups a second {rates}"
+    wait_status(CLIENT, lambda status: (lambda ps: ps and all(
+        p.get("heartbeat_ms", 0) >= 1000 and p.get("peer_heartbeat_ms", 0) >= 1000 for p in ps))(
+        status.get("paths") or []), 10, "every path of a calm node at one heartbeat a second, "
+        "both ways")
+    for host in (CLIENT, SERVER):
+        dead = [p for p in vmictl_status(host).get("paths") or [] if p.get("state") != "alive"]
+        assert not dead, f"{host}: paths not alive on a calm node: {dead}"
+    last = {h: max((e.get("seq", 0) for e in journal(h)), default=0) for h in (CLIENT, SERVER)}
+    with Watcher(CLIENT, SERVER) as w:
+        faults.blackhole(CLIENT, 0)
+        os.kill(cli.pid, signal.SIGUSR1)
+        cli.wait(timeout=40, check=False)
+        # The black hole lasts a few seconds more, with the peers' addresses on eth0 out of
+        # the neighbour tables (as the kernel drops them by itself within a minute): each
+        # heartbeat to the unreachable peer then waits in the kernel for the address, which
+        # it tries to resolve for 3 s, again and again, while eth1's heartbeats go on.
+        for host in (CLIENT, SERVER):
+            ip_cmd("-n", host, "neigh", "flush", "dev", ETH0)
+        time.sleep(BLACKHOLE_AFTER)
+    c = cli.last_json()
+    assert "error" not in c and c.get("same") is True, c
+    assert c.get("echoed") == 64 * 1024 + 4 * MiB, c
+    assert cli.returncode == 0, cli.failure("idle_echo.py failed")
+    # The program may end between two of the watcher's looks: the client node's journal has
+    # every failover of its processes.
+    events = {h: [e for e in journal(h) if e.get("seq", 0) > last[h]] for h in (CLIENT, SERVER)}
+    seen = [x for x in w.conns[CLIENT].values() if x.get("gid") == before["gid"]]
+    moved = [e for e in events[CLIENT] if e.get("kind") == "failover"
+             and e.get("gid") == before["gid"] and e.get("local", "").startswith(f"{H1_IP1}:")]
+    assert moved or any(x.get("network") == ETH1 and (x.get("failovers") or 0) >= 1
+                        for x in seen), \
+        f"the connection should have moved to {ETH1} after the black hole: {seen}, " \
+        f"{[e for e in events[CLIENT] if e.get('gid') == before['gid']]}"
+    flaps = {h: [e for e in events[h] if e.get("kind") == "path" and e.get("network") == ETH1]
+             for h in (CLIENT, SERVER)}
+    assert not any(flaps.values()), f"paths on {ETH1} died or came back: {flaps}"
 
 
 def test_flapping(procs, faults):

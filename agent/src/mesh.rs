@@ -493,7 +493,7 @@ mod tests {
 
     #[test]
     fn heartbeats_open_only_with_the_same_key_and_unaltered() {
-        let m = Msg::Probe { node: "n1".into(), seq: 5, boot: 9, echo_boot: 3, echo_seq: 4 };
+        let m = Msg::Probe { node: "n1".into(), seq: 5, boot: 9, echo_boot: 3, echo_seq: 4, every_ms: 10 };
         let (a, b, c): (IpAddr, IpAddr, IpAddr) =
             ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap(), "10.0.1.2".parse().unwrap());
         let d = key(1).seal_probe(&m, a, b);

@@ -31,7 +31,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use substrate::procfs::{format_mac, parse_proc_arp};
+use substrate::procfs::{format_mac, parse_proc_arp, parse_proc_net_dev};
 use substrate::wire::agent::Msg;
 use tracing::{debug, info, warn};
 
@@ -56,12 +56,74 @@ struct Peer {
     heard: (u64, u64),
     /// Its MAC address on the path's network, from the neighbour table.
     mac: Option<[u8; 6]>,
+    /// Heartbeats this agent sent on the path (each one's number).
+    sent: u64,
+    /// The longest the peer said it would wait before its next heartbeat on the path.
+    every: Duration,
+    /// When this agent sends its next heartbeat on the path.
+    next: Option<Instant>,
+    /// Heartbeats that announced the calm interval while still at the busy one.
+    calm_told: u8,
+    /// The longest wait after this agent's last heartbeat on the path: the one it announced,
+    /// or the down interval on a path that does not work.
+    told: Duration,
 }
 
 impl Peer {
-    fn new(node: String, port: u16) -> Self {
-        Peer { node, port, last_seen: None, dead: false, heard: (0, 0), mac: None }
+    fn new(node: String, port: u16, every: Duration) -> Self {
+        Peer {
+            node,
+            port,
+            last_seen: None,
+            dead: false,
+            heard: (0, 0),
+            mac: None,
+            sent: 0,
+            every,
+            next: None,
+            calm_told: 0,
+            told: every,
+        }
     }
+}
+
+/// How long the node's networks must carry nothing but heartbeats before heartbeats slow
+/// down to [`CALM_INTERVAL`].
+pub const CALM_AFTER: Duration = Duration::from_secs(3);
+/// Heartbeat interval on a calm node (the configured one if that is longer). A path that
+/// fails while calm is noticed within this plus the silence limit; traffic makes the node
+/// busy again within [`CHECK_EVERY`].
+pub const CALM_INTERVAL: Duration = Duration::from_secs(1);
+/// How often a calm node looks at its interfaces' packet counters.
+pub const CHECK_EVERY: Duration = Duration::from_millis(100);
+/// Packets per look, beyond heartbeats, that a calm node still takes for idle (neighbour
+/// discovery and the like).
+const CALM_SLACK: u64 = 2;
+/// Heartbeats announcing the calm interval sent at the busy one first (one may be lost).
+const CALM_ANNOUNCE: u8 = 3;
+/// Heartbeat interval on a path that does not work (dead, or never heard from), the
+/// configured one if that is longer. A peer the kernel cannot resolve keeps every datagram
+/// sent to it in the neighbour queue for the 3 s of a resolution, counted against the
+/// heartbeat socket's send buffer; at the busy interval one such peer fills that buffer
+/// (hundreds of heartbeats), and then the heartbeats of every working path wait or are lost
+/// too, until the kernel gives up on the unreachable one. At this interval each such peer
+/// holds about 30 of them.
+pub const DOWN_INTERVAL: Duration = Duration::from_millis(100);
+/// The send buffer asked for the heartbeat socket (the kernel may give less): room for the
+/// heartbeats parked by many unreachable peers at once.
+const SEND_BUFFER: libc::c_int = 4 << 20;
+
+/// Whether the node's networks carry anything but heartbeats.
+#[derive(Default)]
+struct Activity {
+    /// Packets counted on the node's interfaces at the last look, and heartbeats sent and
+    /// received by then.
+    last: Option<(u64, u64)>,
+    checked: Option<Instant>,
+    /// The last look that saw other traffic (or the agent's start).
+    busy_at: Option<Instant>,
+    /// Heartbeats sent and received so far.
+    heartbeats: u64,
 }
 
 #[derive(Default)]
@@ -70,8 +132,8 @@ struct State {
     refreshed: Option<Instant>,
     admin_down: HashSet<String>,
     peers: HashMap<IpAddr, Peer>,
-    /// This agent's latest heartbeat number.
-    seq: u64,
+    /// Traffic on the node's networks (the heartbeat rate follows it).
+    activity: Activity,
     /// When the neighbour table was last read.
     arp_read: Option<Instant>,
     /// A path came alive since: read the neighbour table soon.
@@ -110,6 +172,12 @@ pub struct Health {
     /// This agent's start-up number (random, never 0).
     boot: u64,
     fresh: u64,
+    /// Heartbeat interval while the node is calm.
+    calm_interval: Duration,
+    /// The longest wait announced while calm: the interval and one round.
+    calm_told: Duration,
+    /// Heartbeat interval on a path that does not work.
+    down_interval: Duration,
 }
 
 /// A network as `vmictl status` shows it.
@@ -156,6 +224,12 @@ pub struct PathJson {
     /// The peer's MAC address on this network, from the kernel's neighbour table; `None`
     /// while the entry is missing or incomplete.
     pub peer_mac: Option<String>,
+    /// The longest this agent waits between heartbeats on the path now (milliseconds): the
+    /// probe interval, the calm interval while the node's networks are idle, or the down
+    /// interval (100 ms) while the path does not work.
+    pub heartbeat_ms: u64,
+    /// The same, as the peer announced it.
+    pub peer_heartbeat_ms: u64,
 }
 
 /// How often the neighbour table is read for the peers' MAC addresses.
@@ -190,7 +264,27 @@ impl Health {
             journal,
             boot,
             fresh,
+            calm_interval: CALM_INTERVAL.max(interval),
+            // A calm node's rounds come every CHECK_EVERY: a heartbeat due in between goes
+            // at the next round.
+            calm_told: CALM_INTERVAL.max(interval) + CHECK_EVERY.max(interval),
+            down_interval: DOWN_INTERVAL.max(interval),
         }
+    }
+
+    /// Silence after which the path to `p` is dead: the limit, after the longest wait the
+    /// peer announced for its next heartbeat.
+    fn silence_limit(&self, p: &Peer) -> Duration {
+        if p.every > self.interval {
+            p.every + self.dead_after
+        } else {
+            self.dead_after
+        }
+    }
+
+    /// True when `p` was heard within its silence limit.
+    fn heard_lately(&self, p: &Peer, now: Instant) -> bool {
+        p.last_seen.is_some_and(|t| now.duration_since(t) < self.silence_limit(p))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -214,7 +308,7 @@ impl Health {
             }
             st.peers.entry(a.ip()).or_insert_with(|| {
                 debug!("probing {a}");
-                Peer::new(String::new(), a.port())
+                Peer::new(String::new(), a.port(), self.interval)
             });
         }
     }
@@ -233,9 +327,7 @@ impl Health {
             let local = SocketAddr::new(i.addr, 0);
             match st.peers.get(&p.ip()) {
                 Some(x) if x.dead => {}
-                Some(Peer { last_seen: Some(t), .. }) if now.duration_since(*t) < self.dead_after => {
-                    heard.push((local, *p))
-                }
+                Some(x) if self.heard_lately(x, now) => heard.push((local, *p)),
                 Some(Peer { last_seen: Some(_), .. }) => {}
                 _ => unknown.push((local, *p)),
             }
@@ -273,7 +365,7 @@ impl Health {
                 **a != ip
                     && q.node == node
                     && !q.dead
-                    && q.last_seen.is_some_and(|t| now.duration_since(t) < self.dead_after)
+                    && self.heard_lately(q, now)
                     && st.usable(**a).is_some()
             })
             .map(|(a, _)| *a)
@@ -298,9 +390,7 @@ impl Health {
         for ip in ips {
             let p = &st.peers[ip];
             let name = if p.node.is_empty() { ip.to_string() } else { p.node.clone() };
-            let works = !p.dead
-                && p.last_seen.is_some_and(|t| now.duration_since(t) < self.dead_after)
-                && st.usable(*ip).is_some();
+            let works = !p.dead && self.heard_lately(p, now) && st.usable(*ip).is_some();
             let i = match out.iter().position(|n| n.name == name) {
                 Some(i) => i,
                 None => {
@@ -404,6 +494,8 @@ impl Health {
                     state,
                     silent_ms: p.last_seen.map(|t| now.duration_since(t).as_millis() as u64),
                     peer_mac: p.mac.as_ref().map(format_mac),
+                    heartbeat_ms: p.told.as_millis() as u64,
+                    peer_heartbeat_ms: p.every.as_millis() as u64,
                 })
             })
             .collect();
@@ -418,7 +510,8 @@ impl Health {
         st.refresh(now);
         // A network out of service ignores heartbeats (and never answers strangers).
         let Some(i) = st.usable(from.ip()).cloned() else { return };
-        let Some(Msg::Probe { node, seq, boot, echo_boot, echo_seq }) =
+        st.activity.heartbeats += 1;
+        let Some(Msg::Probe { node, seq, boot, echo_boot, echo_seq, every_ms }) =
             self.key.open_probe(d, from.ip(), i.addr)
         else {
             drop(st);
@@ -427,10 +520,9 @@ impl Health {
             });
             return;
         };
-        let mine = st.seq;
         let p = st.peers.entry(from.ip()).or_insert_with(|| {
             info!("node {node} heard at {}", from.ip());
-            Peer::new(node.clone(), from.port())
+            Peer::new(node.clone(), from.port(), self.interval)
         });
         if boot == p.heard.0 && seq <= p.heard.1 {
             drop(st);
@@ -442,6 +534,10 @@ impl Health {
         p.heard = (boot, seq);
         p.node = node;
         p.port = from.port();
+        // (Bounded: a peer cannot make its paths look alive through a long silence for more
+        // than a minute.)
+        p.every = Duration::from_millis(every_ms.clamp(1, 60_000).into());
+        let mine = p.sent;
         // Alive only if the sender heard one of our latest heartbeats: both ways work, and
         // the heartbeat is new.
         if echo_boot != self.boot || echo_seq > mine || mine - echo_seq > self.fresh {
@@ -496,8 +592,47 @@ impl Health {
         }
     }
 
-    /// One round: probes every path and declares the silent ones dead.
-    fn tick(&self, sock: &UdpSocket, seq: u64, late: bool, events: &Events) {
+    /// True when the node's networks carried nothing but heartbeats for [`CALM_AFTER`] and
+    /// every path is settled (a path not heard from yet, or dead for less than a minute,
+    /// keeps the busy interval). Looks at the interfaces' counters at most every
+    /// [`CHECK_EVERY`].
+    fn calm(&self, st: &mut State, now: Instant) -> bool {
+        let a = &mut st.activity;
+        if a.checked.is_none_or(|t| now.saturating_duration_since(t) >= CHECK_EVERY) {
+            a.checked = Some(now);
+            let packets: u64 = std::fs::read("/proc/net/dev")
+                .map(|t| parse_proc_net_dev(&t))
+                .unwrap_or_default()
+                .iter()
+                .filter(|d| d.device != "lo")
+                .map(|d| d.rx.wrapping_add(d.tx))
+                .fold(0u64, u64::wrapping_add);
+            if let Some((p0, h0)) = a.last {
+                let other = packets.wrapping_sub(p0).saturating_sub(a.heartbeats.wrapping_sub(h0));
+                if other > CALM_SLACK {
+                    if a.busy_at.is_some_and(|t| now.saturating_duration_since(t) >= CALM_AFTER) {
+                        debug!("{other} packets besides heartbeats in {CHECK_EVERY:?}: heartbeats at the busy interval again");
+                    }
+                    a.busy_at = Some(now);
+                }
+            } else {
+                a.busy_at = Some(now);
+            }
+            a.last = Some((packets, a.heartbeats));
+        }
+        let quiet = a.busy_at.is_some_and(|t| now.saturating_duration_since(t) >= CALM_AFTER);
+        quiet
+            && st.peers.values().all(|p| {
+                p.last_seen.is_some()
+                    && !(p.dead
+                        && p.last_seen
+                            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(60)))
+            })
+    }
+
+    /// One round: probes every path whose heartbeat is due and declares the silent ones
+    /// dead. Returns how long to wait before the next round.
+    fn tick(&self, sock: &UdpSocket, late: bool, events: &Events) -> Duration {
         // Heartbeats that arrived while the receiver thread waited for the CPU count too:
         // a busy machine must not look like a dead network.
         let mut buf = [0u8; crate::mesh::PROBE_MAX];
@@ -507,54 +642,107 @@ impl Health {
         let mut st = self.lock();
         let now = Instant::now();
         st.refresh(now);
-        st.seq = seq;
+        let calm = self.calm(&mut st, now);
         let mut died = Vec::new();
+        let mut sent = 0u64;
         let targets: Vec<Target> =
             st.peers.iter().map(|(ip, p)| (*ip, p.port, p.heard, st.usable(*ip).cloned())).collect();
         for (ip, port, heard, iface) in targets {
             let Some(i) = iface else { continue };
-            let probe = self.key.seal_probe(
-                &Msg::Probe {
-                    node: self.node.clone(),
-                    seq,
-                    boot: self.boot,
-                    echo_boot: heard.0,
-                    echo_seq: heard.1,
-                },
-                i.addr,
-                ip,
-            );
-            // A link that went down on this node fails the send itself: the path is dead now,
-            // without waiting for the silence.
-            let refused = match sock.send_to(&probe, SocketAddr::new(ip, port)) {
-                Ok(_) => None,
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ENETUNREACH | libc::ENETDOWN | libc::EHOSTUNREACH | libc::EADDRNOTAVAIL)
-                    ) =>
-                {
-                    Some(e)
+            let p = st.peers.get_mut(&ip).expect("listed above");
+            // A path that does not work is probed at the down interval (see DOWN_INTERVAL).
+            let down = p.dead || p.last_seen.is_none();
+            if !calm {
+                p.calm_told = 0;
+                if !down && p.next.is_some_and(|t| t > now + self.interval) {
+                    // Busy again, or the path works again: the next heartbeat goes now.
+                    p.next = None;
                 }
-                Err(_) => None,
-            };
+            }
+            let mut refused = None;
+            if p.next.is_none_or(|t| t <= now) {
+                // On a calm node each heartbeat says the next may take the calm interval, a
+                // few times at the busy interval first (the peer must know before it waits).
+                let (every, next) = if down {
+                    // The announced wait stays the node's own: the peer, which may still take
+                    // the path for alive, keeps its silence limit (heartbeats from a side
+                    // that does not hear it do not count anyway).
+                    if calm {
+                        (self.calm_told, self.calm_interval)
+                    } else {
+                        (self.interval, self.down_interval)
+                    }
+                } else if !calm {
+                    (self.interval, self.interval)
+                } else if p.calm_told < CALM_ANNOUNCE {
+                    p.calm_told += 1;
+                    (self.calm_told, self.interval)
+                } else {
+                    (self.calm_told, self.calm_interval)
+                };
+                p.sent += 1;
+                p.next = Some(now + next);
+                p.told = every.max(next);
+                let probe = self.key.seal_probe(
+                    &Msg::Probe {
+                        node: self.node.clone(),
+                        seq: p.sent,
+                        boot: self.boot,
+                        echo_boot: heard.0,
+                        echo_seq: heard.1,
+                        every_ms: every.as_millis().min(u32::MAX as u128) as u32,
+                    },
+                    i.addr,
+                    ip,
+                );
+                // A link that went down on this node fails the send itself: the path is dead
+                // now, without waiting for the silence. A heartbeat the socket has no room
+                // for is lost rather than waited for: this thread holds the paths' state, and
+                // the other paths' heartbeats are due.
+                refused = match send_now(sock, &probe, SocketAddr::new(ip, port)) {
+                    Ok(()) => {
+                        sent += 1;
+                        None
+                    }
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(
+                                libc::ENETUNREACH | libc::ENETDOWN | libc::EHOSTUNREACH | libc::EADDRNOTAVAIL
+                            )
+                        ) =>
+                    {
+                        Some(e)
+                    }
+                    Err(_) => None,
+                };
+            }
+            let limit = self.silence_limit(p);
             let p = st.peers.get_mut(&ip).expect("listed above");
             // After a round that came late (this thread waited for the CPU), silence is not
             // judged: the peer's heartbeats may be on their way.
             let quiet = p.last_seen.map(|t| now.duration_since(t));
-            let silent = !late && quiet.is_some_and(|q| q >= self.dead_after);
+            let silent = !late && quiet.is_some_and(|q| q >= limit);
             if refused.is_some() && !p.dead {
                 p.dead = true;
-                died.push((i, ip, p.node.clone(), refused, quiet));
+                died.push((i, ip, p.node.clone(), refused, quiet, limit));
             } else if silent && !p.dead {
                 p.dead = true;
-                died.push((i, ip, p.node.clone(), None, quiet));
+                died.push((i, ip, p.node.clone(), None, quiet, limit));
             }
         }
+        st.activity.heartbeats = st.activity.heartbeats.wrapping_add(sent);
+        let wait = if !calm || self.interval >= CHECK_EVERY {
+            self.interval
+        } else {
+            let due =
+                st.peers.values().filter_map(|p| p.next).map(|t| t.saturating_duration_since(now)).min();
+            due.unwrap_or(CHECK_EVERY).clamp(self.interval, CHECK_EVERY)
+        };
         drop(st);
         self.refresh_macs(now);
         let port = self.port;
-        for (i, ip, node, cannot_send, quiet) in died {
+        for (i, ip, node, cannot_send, quiet, limit) in died {
             let refused = cannot_send.is_some();
             self.journal.record(
                 "path",
@@ -564,7 +752,7 @@ impl Health {
                     "peer": ip.to_string(),
                     "network": i.name,
                     "state": "dead",
-                    "reason": if refused { "this node cannot send on it".to_string() } else { format!("silent for {} ms", self.dead_after.as_millis()) },
+                    "reason": if refused { "this node cannot send on it".to_string() } else { format!("silent for {} ms", limit.as_millis()) },
                 }),
             );
             match cannot_send {
@@ -576,8 +764,8 @@ impl Health {
                     "path {} -> {ip} on {} (node {node}) is dead: no heartbeat for {} ms (limit {} ms); its connections move to another network (check the link, the agent on {ip}, and that UDP port {port} is open both ways)",
                     i.addr,
                     i.name,
-                    quiet.unwrap_or(self.dead_after).as_millis(),
-                    self.dead_after.as_millis()
+                    quiet.unwrap_or(limit).as_millis(),
+                    limit.as_millis()
                 ),
             }
             events.broadcast(&Msg::Path {
@@ -586,11 +774,77 @@ impl Health {
                 up: false,
             });
         }
+        wait
     }
 }
 
 /// A peer address to probe: its port, what it was last heard to say, the local network.
 type Target = (IpAddr, u16, (u64, u64), Option<Iface>);
+
+/// Sends datagram `d` to `to` on `sock` without waiting for room in its send buffer.
+fn send_now(sock: &UdpSocket, d: &[u8], to: SocketAddr) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: zeroed sockaddr_storage is valid; it is large enough for either family.
+    let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match to {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write(&mut st as *mut _ as *mut libc::sockaddr_in, sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+            unsafe { std::ptr::write(&mut st as *mut _ as *mut libc::sockaddr_in6, sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    // SAFETY: a valid buffer of d.len() bytes and an address of `len` bytes.
+    let n = unsafe {
+        libc::sendto(
+            sock.as_raw_fd(),
+            d.as_ptr() as *const libc::c_void,
+            d.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            &st as *const _ as *const libc::sockaddr,
+            len as libc::socklen_t,
+        )
+    };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Asks for a send buffer of [`SEND_BUFFER`] bytes on `sock` (the kernel caps it at
+/// `net.core.wmem_max`); failure leaves the default.
+fn widen_send_buffer(sock: &UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let v: libc::c_int = SEND_BUFFER;
+    // SAFETY: an int option of the right size on a socket this process owns.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            &v as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
 
 /// One datagram waiting on `sock`, without blocking.
 fn recv_now(sock: &UdpSocket, buf: &mut [u8]) -> Option<(usize, SocketAddr)> {
@@ -647,6 +901,7 @@ fn urgent() {
 
 /// Runs the prober and the probe receiver on `sock` (the agent's UDP port).
 pub fn run(health: Arc<Health>, events: Arc<Events>, sock: UdpSocket) {
+    widen_send_buffer(&sock);
     let (h2, e2) = (health.clone(), events.clone());
     let rsock = match sock.try_clone() {
         Ok(s) => s,
@@ -675,15 +930,14 @@ pub fn run(health: Arc<Health>, events: Arc<Events>, sock: UdpSocket) {
         .name("probe-tx".into())
         .spawn(move || {
             urgent();
-            let mut seq = 1u64;
             let mut last = Instant::now();
+            let mut wait = health.interval;
             loop {
                 let now = Instant::now();
-                let late = now.duration_since(last) > health.interval + health.dead_after / 2;
+                let late = now.duration_since(last) > wait + health.dead_after / 2;
                 last = now;
-                health.tick(&sock, seq, late, &events);
-                seq += 1;
-                std::thread::sleep(health.interval);
+                wait = health.tick(&sock, late, &events);
+                std::thread::sleep(wait);
             }
         })
         .expect("spawn the prober");

@@ -133,3 +133,83 @@ pub fn elided(fd: c_int) -> bool {
 pub fn scanned(fd: c_int) -> bool {
     (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0
 }
+
+// ---------------------------------------------------------------------------------------------
+// Replacing the socket under descriptors that threads wait on in `poll` or `select`
+//
+// The kernel's `poll` and `select` put a waiting thread on the wait queues of the files its
+// descriptors named at the call's first look only; when woken they look at the descriptors
+// again, but do not queue on a file that has taken a descriptor's place since. A thread
+// asleep on a connection whose socket is replaced (by a placeholder, then by the new link)
+// would sleep on the old file until its own time-out. So a swap wakes the waiters on the
+// file that goes while it still stands under the descriptors (it reports a hang-up from then
+// on), waits until they are out of the kernel (their wait calls hold them out of it while the
+// swap lasts and hide what they saw), and only then puts the new file in place, where their
+// next call queues them.
+
+/// Per descriptor (below `SCAN_FDS`): threads inside a real `poll` or `select` that includes
+/// it (a virtual connection).
+static IN_WAIT: [AtomicU16; SCAN_FDS] = [const { AtomicU16::new(0) }; SCAN_FDS];
+/// Descriptors whose file is being replaced.
+static SWAPPING: FdBits = FdBits::new();
+/// Bumped when a replacement ends (waiters held out sleep on it).
+static SWAPS: AtomicU32 = AtomicU32::new(0);
+/// Longest wait for the waiters to leave the kernel (a thread whose wait cannot see the
+/// hang-up, such as a `select` on writability alone, is not waited for longer).
+const SWAP_WAIT_MS: u64 = 200;
+
+fn tracked(fd: c_int) -> bool {
+    fd >= 0 && (fd as usize) < SCAN_FDS
+}
+
+/// A wait call is about to enter the kernel on the virtual connections `fds`: holds it
+/// while any of them is being replaced, then counts it in. Returns the replacement count
+/// seen, for [`swapped_since`].
+pub(crate) fn wait_enter(fds: &[c_int]) -> u32 {
+    loop {
+        let seen = SWAPS.load(SeqCst);
+        if !fds.iter().any(|&fd| SWAPPING.has(fd)) {
+            for &fd in fds.iter().filter(|&&fd| tracked(fd)) {
+                IN_WAIT[fd as usize].fetch_add(1, SeqCst);
+            }
+            return seen;
+        }
+        crate::sys::futex_wait(&SWAPS, seen, 10);
+    }
+}
+
+/// The wait call on `fds` is out of the kernel.
+pub(crate) fn wait_leave(fds: &[c_int]) {
+    for &fd in fds.iter().filter(|&&fd| tracked(fd)) {
+        IN_WAIT[fd as usize].fetch_sub(1, SeqCst);
+    }
+}
+
+/// True when a replacement began or ended since [`wait_enter`] returned `seen`, or `fd`'s
+/// is under way: what the kernel said about `fd` may be about the file that went.
+pub(crate) fn swapped_since(seen: u32, fd: c_int) -> bool {
+    SWAPPING.has(fd) || SWAPS.load(SeqCst) != seen
+}
+
+/// Replaces the file under descriptors `fds`: `wake` makes the file there now report a
+/// hang-up to the threads waiting on it, `replace` puts the new one in place once they left
+/// the kernel.
+pub(crate) fn replace_under(fds: &[c_int], wake: impl FnOnce(), replace: impl FnOnce()) {
+    for &fd in fds {
+        SWAPPING.set(fd);
+    }
+    SWAPS.fetch_add(1, SeqCst);
+    wake();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(SWAP_WAIT_MS);
+    while fds.iter().any(|&fd| tracked(fd) && IN_WAIT[fd as usize].load(SeqCst) != 0)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    replace();
+    for &fd in fds {
+        SWAPPING.clear(fd);
+    }
+    SWAPS.fetch_add(1, SeqCst);
+    crate::sys::futex_wake(&SWAPS, i32::MAX);
+}

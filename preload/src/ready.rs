@@ -39,7 +39,8 @@ use crate::error::Real;
 use crate::fdtable;
 use crate::readiness::Truth;
 use crate::readiness::{
-    set_scan, FdBits, POLL_SLEEPERS, SCANNED, SCAN_EPFD, SCAN_EPFDS, SCAN_FDS, SLEEPERS, UNANNOUNCED,
+    set_scan, swapped_since, wait_enter, wait_leave, FdBits, POLL_SLEEPERS, SCANNED, SCAN_EPFD, SCAN_EPFDS,
+    SCAN_FDS, SLEEPERS, UNANNOUNCED,
 };
 use crate::sys;
 use crate::sys::prog::ProgArray;
@@ -661,14 +662,30 @@ pub fn poll(
     let n = fds.len();
     POLL_SLEEPERS.fetch_add(1, SeqCst);
     let _counted = Counted(&POLL_SLEEPERS);
+    let mut vcs = Vec::new();
     fds.with(n, |p| {
         for f in p.iter() {
             if f.events & libc::POLLIN != 0 && UNANNOUNCED.has(f.fd) {
                 announce_one(f.fd);
             }
+            if fdtable::is_managed(f.fd) {
+                vcs.push(f.fd);
+            }
         }
     });
-    wait_loop(timeout_us, wait, |r| fds.with(n, |p| filter_poll(p, r)))
+    // (See `readiness::replace_under`.)
+    let seen = std::cell::Cell::new(0);
+    let vcs = &vcs;
+    wait_loop(
+        timeout_us,
+        |first, left| {
+            seen.set(wait_enter(vcs));
+            let r = wait(first, left);
+            wait_leave(vcs);
+            r
+        },
+        |r| fds.with(n, |p| filter_poll(p, r, seen.get())),
+    )
 }
 
 /// A `poll` or `select` is about to wait on connection `fd`, whose ring a receive left
@@ -688,15 +705,25 @@ impl Drop for Counted {
     }
 }
 
-/// Drops the readable bit of `poll` reports that are not true; `r` of them were reported.
-fn filter_poll(p: &mut [libc::pollfd], r: c_int) -> c_int {
+/// Drops the readable bit of `poll` reports that are not true; `r` of them were reported,
+/// by a call that began when the count of socket replacements was `seen`.
+fn filter_poll(p: &mut [libc::pollfd], r: c_int, seen: u32) -> c_int {
     {
         let mut left = r;
         const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
         const END: i16 = libc::POLLERR | libc::POLLHUP | libc::POLLRDHUP;
         for f in p.iter_mut() {
             let bits = f.revents;
-            if bits & (IN | END) == 0 || bits & libc::POLLNVAL != 0 || !fdtable::is_managed(f.fd) {
+            if bits == 0 || bits & libc::POLLNVAL != 0 || !fdtable::is_managed(f.fd) {
+                continue;
+            }
+            if swapped_since(seen, f.fd) {
+                // About the socket that went, maybe: the next call asks the new one.
+                f.revents = 0;
+                left -= 1;
+                continue;
+            }
+            if bits & (IN | END) == 0 {
                 continue;
             }
             f.revents = match truth(f.fd) {
@@ -734,8 +761,12 @@ pub fn select(
     let saved: Vec<Option<libc::fd_set>> =
         sets.iter_mut().map(|s| s.with(1, |s| s.first().copied())).collect();
     let nfds = nfds.min(libc::FD_SETSIZE as c_int);
+    let vcs: Vec<c_int> =
+        (0..nfds).filter(|&fd| sets.iter_mut().any(|s| s.has(fd)) && fdtable::is_managed(fd)).collect();
     let mut again = false;
     let sets = std::cell::RefCell::new(sets);
+    // (See `readiness::replace_under`.)
+    let seen = std::cell::Cell::new(0);
     wait_loop(
         timeout_us,
         |first, left| {
@@ -746,13 +777,26 @@ pub fn select(
                     }
                 }
             }
-            wait(first, left)
+            seen.set(wait_enter(&vcs));
+            let r = wait(first, left);
+            wait_leave(&vcs);
+            r
         },
         |r| {
             let mut sets = sets.borrow_mut();
             let mut left = r;
-            for fd in 0..nfds {
-                if !sets[0].has(fd) || !fdtable::is_managed(fd) {
+            for &fd in &vcs {
+                if swapped_since(seen.get(), fd) {
+                    // About the socket that went, maybe: the next call asks the new one.
+                    for s in sets.iter_mut() {
+                        if s.has(fd) {
+                            s.clear(fd);
+                            left -= 1;
+                        }
+                    }
+                    continue;
+                }
+                if !sets[0].has(fd) {
                     continue;
                 }
                 match truth(fd) {

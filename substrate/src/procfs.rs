@@ -40,6 +40,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn net_dev_counters() {
+        let t = b"Inter-|   Receive                                                |  Transmit\n face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed\n    lo:     100       2    0    0    0     0          0         0      100       2    0    0    0     0       0          0\n  eth0: 98765     321    0    0    0     0          0         0    54321     123    0    0    0     0       0          0\nbroken: 1 2 3\n";
+        let v = parse_proc_net_dev(t);
+        assert_eq!(
+            v,
+            vec![
+                IfPackets { device: "lo".into(), rx: 2, tx: 2 },
+                IfPackets { device: "eth0".into(), rx: 321, tx: 123 }
+            ]
+        );
+        assert!(parse_proc_net_dev(b"").is_empty());
+        assert!(parse_proc_net_dev(b"x: a b c d e f g h i j k l m n o p\n").is_empty());
+    }
+
+    #[test]
     fn reads_the_fields_of_a_real_status_file() {
         let text = b"Name:\tsshd\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t3224\nThreads:\t2\n\
 NoNewPrivs:\t1\nSeccomp:\t2\nSeccomp_filters:\t1\nSpeculation_Store_Bypass:\tthread vulnerable\n";
@@ -166,6 +181,38 @@ pub fn parse_proc_arp(text: &[u8]) -> Vec<ArpEntry> {
             continue;
         }
         out.push(ArpEntry { ip, mac, device: device.to_string() });
+    }
+    out
+}
+
+/// Packets an interface received and sent, from `/proc/net/dev`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IfPackets {
+    /// Interface name.
+    pub device: String,
+    /// Packets received.
+    pub rx: u64,
+    /// Packets sent.
+    pub tx: u64,
+}
+
+/// The interfaces of `/proc/net/dev` text (two header lines, then lines such as
+/// `  eth0: 1234 5 0 0 0 0 0 0 4321 6 0 0 0 0 0 0`: the name, then 8 receive and 8
+/// transmit counters). Lines that do not parse are skipped.
+pub fn parse_proc_net_dev(text: &[u8]) -> Vec<IfPackets> {
+    let mut out = Vec::new();
+    for line in text.split(|&b| b == b'\n') {
+        let Ok(line) = std::str::from_utf8(line) else { continue };
+        let Some((name, rest)) = line.split_once(':') else { continue };
+        let device = name.trim();
+        if device.is_empty() || device.len() > 15 || device.contains(['/', ' ', '|']) {
+            continue;
+        }
+        let f: Vec<u64> = rest.split_whitespace().map_while(|v| v.parse().ok()).collect();
+        if f.len() < 16 {
+            continue;
+        }
+        out.push(IfPackets { device: device.to_string(), rx: f[1], tx: f[9] });
     }
     out
 }

@@ -18,15 +18,23 @@ pub(super) fn kick(v: &Vc) {
     let Some(&fd0) = fds.first() else { return };
     // Our own handle on the old socket.
     let old = sys::fd::fcntl(fd0, libc::F_DUPFD_CLOEXEC, 700);
-    if let Some(ph) = placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
-        // The program's settings wait on the placeholder (and change there if it sets any).
-        carry_state(fd0, ph);
-        put_under(ph, &fds);
-        v.set_parked(ph);
-    }
     let target = if old >= 0 { old } else { fd0 };
     // AF_UNSPEC: "disconnect" for TCP.
-    sys::fd::connect(target, &sys::fd::RawAddr::unspec());
+    let disconnect = || {
+        sys::fd::connect(target, &sys::fd::RawAddr::unspec());
+    };
+    match placeholder(sys::tcp_family(fd0) == Some(libc::AF_INET6)) {
+        Some(ph) => {
+            // The program's settings wait on the placeholder (and change there if it sets
+            // any). The old socket is disconnected while still under the descriptors, so
+            // that threads in `poll` or `select` on it wake and wait again on the
+            // placeholder (see `readiness::replace_under`).
+            carry_state(fd0, ph);
+            crate::readiness::replace_under(&fds, disconnect, || put_under(ph, &fds));
+            v.set_parked(ph);
+        }
+        None => disconnect(),
+    }
     if old >= 0 {
         crate::sys::fd::close(old);
     }
@@ -128,9 +136,23 @@ pub(super) fn install(v: &Vc, nfd: i32) {
     }
     // (The old socket's TCP options were the bells' if it was on shared memory.)
     v.link_tcp_options(nfd);
-    put_under(nfd, &fds);
+    // Threads in `poll` or `select` on the placeholder are woken by its shutdown while it
+    // still stands under the descriptors, and wait again on the new socket (see
+    // `readiness::replace_under`).
+    let ph = v.set_parked(-1);
+    crate::readiness::replace_under(
+        &fds,
+        || {
+            if ph >= 0 {
+                sys::fd::shutdown(ph, libc::SHUT_RDWR);
+            }
+        },
+        || put_under(nfd, &fds),
+    );
     crate::sys::fd::close(nfd);
-    unpark(v);
+    if ph >= 0 {
+        crate::sys::fd::close(ph);
+    }
     v.unpark_epoll();
     if let Some(&fd) = fds.first() {
         if let (Some(s), Some(l), Some(p)) = (v.slot(), sys::local_addr(fd), sys::peer_addr(fd)) {

@@ -320,6 +320,9 @@ pub enum Msg {
         /// The last `seq` heard from the receiver on this path: proves the heartbeat is
         /// new, not a recording.
         echo_seq: u64,
+        /// The longest the sender will wait before its next heartbeat on this path, in
+        /// milliseconds (longer while its node is idle).
+        every_ms: u32,
     },
     /// Agent → agent (inside `AsUser`), or run on this node: the node's events after number
     /// `after` that the user may see, answered with a `StatusReply` holding
@@ -723,13 +726,14 @@ impl Msg {
                 w.str(name);
                 w.u8(*up as u8);
             }
-            Msg::Probe { node, seq, boot, echo_boot, echo_seq } => {
+            Msg::Probe { node, seq, boot, echo_boot, echo_seq, every_ms } => {
                 w.u8(24);
                 w.str(node);
                 w.u64(*seq);
                 w.u64(*boot);
                 w.u64(*echo_boot);
                 w.u64(*echo_seq);
+                w.u32(*every_ms);
             }
             Msg::Linger { gid } => {
                 w.u8(25);
@@ -919,6 +923,7 @@ impl Msg {
                 boot: r.u64()?,
                 echo_boot: r.u64()?,
                 echo_seq: r.u64()?,
+                every_ms: r.u32()?,
             },
             25 => Msg::Linger { gid: r.u128()? },
             26 => Msg::Freeze { pid: r.u32()? },
@@ -1023,7 +1028,14 @@ mod tests {
             Msg::Paths { peers: vec![a], gid: 0x1234 },
             Msg::PathList { pairs: vec![(a, b), (b, a)] },
             Msg::Net { name: "eth0".into(), up: false },
-            Msg::Probe { node: "n".into(), seq: 13, boot: 131, echo_boot: 132, echo_seq: 133 },
+            Msg::Probe {
+                node: "n".into(),
+                seq: 13,
+                boot: 131,
+                echo_boot: 132,
+                echo_seq: 133,
+                every_ms: 1000,
+            },
             Msg::Linger { gid: 14 },
             Msg::Freeze { pid: 15 },
             Msg::Frozen { listeners: vec![a] },
