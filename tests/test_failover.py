@@ -402,6 +402,21 @@ def wakeups(pid):
     return total
 
 
+def idle_echo_pair(procs, addr, port):
+    """An echo server at addr (server host) and idle_echo.py (client host, idle 120 s after
+    its first echo), both layered: (the client, its connection on ETH0 once it is idle)."""
+    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                 name="echo-server")
+    cli = procs.start(CLIENT, python_prog("idle_echo.py", "--connect", addr, "--idle", 120),
+                      layer=True, name="idle-echo")
+    deadline = time.monotonic() + FLOWING_TIMEOUT
+    while not any(r.get("event") == "idle" for r in cli.json_lines()):
+        assert cli.alive() and time.monotonic() < deadline, cli.failure("no first echo")
+        time.sleep(0.05)
+    return cli, wait_conn(CLIENT, addr, lambda c: c.get("network") == ETH0, FLOWING_TIMEOUT,
+                          f"the client end to {addr} on {ETH0}")
+
+
 def journal(host):
     """The events of host's journal (`vmictl events --json`)."""
     return [json.loads(x) for x in vmictl(host, "events", "--json").stdout.splitlines()
@@ -419,17 +434,7 @@ def test_calm_node_then_silent_failure(procs, faults, topology):
     (each agent's heartbeats on eth1 keep their pace while eth0's peer cannot be reached)."""
     port = PORTS["failover_calm"]
     addr = f"{SERVER_IP}:{port}"
-    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
-                 name="echo-server")
-    idle = 120
-    cli = procs.start(CLIENT, python_prog("idle_echo.py", "--connect", addr, "--idle", idle),
-                      layer=True, name="idle-echo")
-    deadline = time.monotonic() + FLOWING_TIMEOUT
-    while not any(r.get("event") == "idle" for r in cli.json_lines()):
-        assert cli.alive() and time.monotonic() < deadline, cli.failure("no first echo")
-        time.sleep(0.05)
-    before = wait_conn(CLIENT, addr, lambda c: c.get("network") == ETH0, FLOWING_TIMEOUT,
-                       f"the client end to {addr} on {ETH0}")
+    cli, before = idle_echo_pair(procs, addr, port)
     # A new topology's interfaces send IPv6 neighbour discovery for a while (each packet
     # makes the node busy for CALM_AFTER), and a path that died less than a minute ago (an
     # earlier test's agent in the third host) keeps the node at the busy interval
@@ -713,16 +718,7 @@ def test_idle_connection_moved_four_times_then_used(procs, faults):
     waits in them, working on the new link, and every byte comes back."""
     port = PORTS["failover_idle_moves"]
     addr = f"{SERVER_IP}:{port}"
-    procs.server(SERVER, python_prog("echo_server.py", "--bind", addr), port, layer=True,
-                 name="echo-server")
-    cli = procs.start(CLIENT, python_prog("idle_echo.py", "--connect", addr, "--idle", 120),
-                      layer=True, name="idle-echo")
-    deadline = time.monotonic() + FLOWING_TIMEOUT
-    while not any(r.get("event") == "idle" for r in cli.json_lines()):
-        assert cli.alive() and time.monotonic() < deadline, cli.failure("no first echo")
-        time.sleep(0.05)
-    c = wait_conn(CLIENT, addr, lambda c: c.get("network") == ETH0, FLOWING_TIMEOUT,
-                  f"the client end to {addr} on {ETH0}")
+    cli, c = idle_echo_pair(procs, addr, port)
     gid, moves = c["gid"], 0
     for down, up in ((ETH0, ETH1), (ETH1, ETH0), (ETH0, ETH1), (ETH1, ETH0)):
         faults.link_down(CLIENT, down)
