@@ -40,6 +40,7 @@ APT_PACKAGES=(
     etcd-server
     etcd-client
     protobuf-compiler
+    libprotobuf-dev
 )
 
 missing=()

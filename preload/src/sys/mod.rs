@@ -5,6 +5,7 @@ pub mod copy;
 pub mod entry;
 pub mod fd;
 pub mod gate;
+pub mod packet;
 pub mod process;
 pub mod prog;
 pub mod real;
