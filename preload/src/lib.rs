@@ -32,6 +32,7 @@ pub mod hooks;
 pub mod hooks_proc;
 pub mod lifetime;
 pub mod linger;
+pub mod linkstate;
 pub mod log;
 pub mod ownfd;
 pub mod readiness;
@@ -83,6 +84,7 @@ extern "C" fn init() {
     let _ = std::panic::catch_unwind(|| {
         config::init();
         fdtable::install();
+        linkstate::set_starter(relink::ensure_control);
         agent::init(
             config::agent_socket(),
             agent::Above { listener_addrs: vc::listener_addrs, after_contact: relink::ensure_control },

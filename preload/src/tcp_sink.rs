@@ -15,7 +15,7 @@ use crate::readiness::Truth;
 use crate::shm::ConnMem;
 use crate::stats::Slot;
 use crate::sys::Errno;
-use crate::{log, relink, sandbox, sys};
+use crate::{linkstate, log, sandbox, sys};
 use libc::c_int;
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
@@ -211,8 +211,8 @@ fn sock_recv(fd: c_int, buf: &mut [u8], flags: c_int) -> isize {
 fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int, gen: Option<u32>) -> IrbError {
     let c = mem.conn();
     let ended = c.peer_eof.load(Acquire) != 0 || (sending && c.tx_shut.load(Acquire) != 0);
-    if !ended && (relink::is_link_error(e) || c.link_down.load(Acquire) != 0) {
-        relink::link_broken_on(mem, &errno_name(e), gen);
+    if !ended && (linkstate::is_link_error(e) || c.link_down.load(Acquire) != 0) {
+        linkstate::link_broken_on(mem, &errno_name(e), gen);
         return IrbError::LinkDown;
     }
     if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
@@ -318,7 +318,7 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
     mem.with_tx_ring_held(|tx, ring| {
         if tx.replaying() {
             c.fin_owed.store(1, Release);
-            relink::poke();
+            linkstate::poke();
             return Ok(0);
         }
         let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
@@ -339,9 +339,9 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
                     continue;
                 }
                 tx.commit(&part, 0, &[], ring);
-                if relink::is_link_error(e) {
+                if linkstate::is_link_error(e) {
                     c.fin_owed.store(1, Release);
-                    relink::link_broken(mem, &errno_name(e));
+                    linkstate::link_broken(mem, &errno_name(e));
                     return Ok(0);
                 }
                 return Err(Errno(e));
@@ -366,7 +366,7 @@ pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind
         if r < 0 && kind == FrameKind::Ack && sandbox::active() && sys::errno() == libc::EAGAIN {
             // The sandbox may have forbidden it: the control thread sends it.
             c.ctl_owed.fetch_or(crate::shm::CTL_ACK, AcqRel);
-            relink::poke_work();
+            linkstate::poke_work();
         }
     })
 }
@@ -464,7 +464,7 @@ pub fn send(
                             tx.commit(&p, 0, &[], ring);
                             if e == libc::EAGAIN {
                                 if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                                    relink::owed_later();
+                                    linkstate::owed_later();
                                     return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                                 }
                                 sys::wait_fd(fd, libc::POLLOUT, 50);
@@ -502,7 +502,7 @@ pub fn send(
                 // pushes it out now (below); a non-blocking one returns, and the control thread
                 // pushes it if the program does not call again.
                 if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                    relink::owed_later();
+                    linkstate::owed_later();
                     return Ok(total);
                 }
                 continue;
@@ -586,7 +586,7 @@ fn harvest_read(fd: c_int, slot: &mut [u8], may_block: &mut bool) -> isize {
     if let Some(r) = sandbox::recv_into(fd, slot, libc::MSG_DONTWAIT) {
         return r;
     }
-    if std::mem::take(may_block) && !relink::control_running() {
+    if std::mem::take(may_block) && !linkstate::control_running() {
         if let Some(r) = sandbox::recv_into(fd, slot, 0) {
             return r;
         }
@@ -606,7 +606,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
     if sandbox::active() {
         // The sender may not be allowed to read them itself: the control thread does.
         c.ctl_owed.fetch_or(crate::shm::CTL_HARVEST, AcqRel);
-        relink::poke_work();
+        linkstate::poke_work();
         sandbox::pause_us(500);
         return;
     }

@@ -25,6 +25,10 @@
 //! descriptors. `epoll`: the program's epoll registrations across the swap. `freeze`:
 //! checkpoints.
 
+use crate::linkstate::{attention, wake, ALIVE, CONTROL_PID, OWED, REPLAYING};
+pub use crate::linkstate::{
+    control_running, is_link_error, link_broken, link_broken_on, owed_later, poke, poke_work,
+};
 use crate::ownfd::{OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
@@ -32,7 +36,7 @@ use crate::vc::Vc;
 use crate::{agent, config, log, sys};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::{addrs_bytes, Msg};
@@ -53,70 +57,10 @@ use handshake::*;
 use swap::*;
 pub use swap::{adopt, swap_socket};
 
-/// Pid of the process whose control thread runs (0: none yet; another pid: a fork parent's).
-static CONTROL_PID: AtomicI32 = AtomicI32::new(0);
 static START: Mutex<()> = Mutex::new(());
-
-/// 1 while some rebuilt link still has bytes to replay.
-static REPLAYING: AtomicU32 = AtomicU32::new(0);
 
 // ---------------------------------------------------------------------------------------------
 // Link state shared with the data path
-
-/// The physical socket failed with `e` (or the agent said its path died): mark the link
-/// down and tell the control thread. True if it was up until now.
-pub fn link_broken(mem: ConnMem, why: &str) -> bool {
-    link_broken_on(mem, why, None)
-}
-
-/// As [`link_broken`], from a program's call that ran on link generation `call_gen` (see
-/// `Vc::with_link`): an error from a socket another process already replaced does not mark
-/// the new link down.
-pub fn link_broken_on(mem: ConnMem, why: &str, call_gen: Option<u32>) -> bool {
-    let c = mem.conn();
-    if c.broken.load(Acquire) != 0 {
-        return false;
-    }
-    if call_gen.is_some_and(|g| g != c.link_gen.load(Acquire)) {
-        // The program's call used a socket another process (after fork) has already
-        // replaced: the old socket's error says nothing about the new link. The caller
-        // takes the new one (`Vc::prepare`) and tries again.
-        log::debug(format_args!(
-            "virtual connection {:032x}: {why} on a link another process already replaced",
-            c.gid
-        ));
-        return false;
-    }
-    if c.link_down.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
-        if call_gen.is_some_and(|g| g != c.link_gen.load(Acquire)) {
-            // Replaced between the look and the mark: undo.
-            c.link_down.store(0, Release);
-            return false;
-        }
-        c.down_since_ms.store(sys::now_ms(), Release);
-        log::info(format_args!("virtual connection {:032x}: link lost ({why}); rebuilding it", c.gid));
-        attend(c.gid);
-        wake();
-        return true;
-    }
-    false
-}
-
-/// True if `e` from the physical socket means the link (not the peer's program) failed.
-pub fn is_link_error(e: i32) -> bool {
-    matches!(
-        e,
-        libc::ECONNRESET
-            | libc::EPIPE
-            | libc::ETIMEDOUT
-            | libc::EHOSTUNREACH
-            | libc::ENETUNREACH
-            | libc::ENETDOWN
-            | libc::ECONNABORTED
-            | libc::ENOTCONN
-            | libc::EHOSTDOWN
-    )
-}
 
 /// Waits (a blocking call) until the link is up again or the connection failed; the
 /// connection's errno in the second case.
@@ -139,53 +83,11 @@ pub fn wait_link(vc: &Vc) -> Result<(), i32> {
 // ---------------------------------------------------------------------------------------------
 // The control thread
 
-/// Connections whose link broke since the control thread last looked, so that it looks at
-/// them without a walk of every connection (a failover breaks thousands in a burst, each
-/// waking the thread). Never waited for: a program thread that finds it taken, or full, asks
-/// for a walk of every connection instead ([`ATTEND_ALL`]).
-static ATTENTION: std::sync::Mutex<Vec<u128>> = std::sync::Mutex::new(Vec::new());
-static ATTEND_ALL: AtomicBool = AtomicBool::new(false);
-/// Most connections [`ATTENTION`] holds.
-const ATTENTION_MAX: usize = 1 << 16;
-
-fn attend(gid: u128) {
-    match ATTENTION.try_lock() {
-        Ok(mut a) if a.len() < ATTENTION_MAX => a.push(gid),
-        _ => ATTEND_ALL.store(true, Release),
-    }
-}
-
-/// The connections to look at since last time; `None`: look at every one.
-fn attention() -> Option<Vec<u128>> {
-    let taken = match ATTENTION.try_lock() {
-        Ok(mut a) => std::mem::take(&mut *a),
-        Err(_) => return None,
-    };
-    (!ATTEND_ALL.swap(false, AcqRel)).then_some(taken)
-}
-
-fn wake() {
-    let fd = crate::ownfd::own_fd(OWN_WAKE);
-    if fd >= 0 && crate::sandbox::allows(libc::SYS_write, [fd as u64, 0, 8, 0, 0, 0]) {
-        // An 8-byte write to our eventfd.
-        sys::fd::write_raw(fd, &1u64.to_ne_bytes());
-    }
-    // (Otherwise the control thread looks often: `sandbox::control_poll_ms`.)
-}
-
 /// The control thread stopped for good (a sandbox forbids its work, or its calls fail in a way
 /// that cannot heal): it is not started again in this process.
 static RETIRED: AtomicBool = AtomicBool::new(false);
 /// Asks the control thread to stop for good.
 static RETIRE: AtomicBool = AtomicBool::new(false);
-/// The control thread of this process runs.
-static ALIVE: AtomicBool = AtomicBool::new(false);
-
-/// True while this process's control thread runs.
-pub fn control_running() -> bool {
-    ALIVE.load(Acquire) && CONTROL_PID.load(Acquire) == crate::pid()
-}
-
 /// Stops the control thread for good and waits (at most 2 s) until it is out of its work:
 /// a filter is about to forbid what it does.
 pub fn retire_control() {
@@ -255,31 +157,6 @@ pub fn ensure_control() {
         crate::lifetime::layer_thread(false);
         log::error(format_args!("cannot start the control thread: connections cannot fail over"));
     }
-}
-
-/// Partial writes by non-blocking senders so far (the rest of each frame waits in the ring).
-static OWED: AtomicU64 = AtomicU64::new(0);
-
-/// A non-blocking send left the rest of a frame in the ring. The program's next send usually
-/// finishes it; if none comes, the control thread does, a few milliseconds later. (No system
-/// call here: this happens on most writes of a sender that fills its socket.)
-#[inline]
-pub fn owed_later() {
-    OWED.fetch_add(1, Relaxed);
-}
-
-/// Asks the control thread to look at the connections now (a Fin waits for a replay).
-pub fn poke() {
-    if REPLAYING.swap(1, Relaxed) == 0 {
-        ensure_control();
-        wake();
-    }
-}
-
-/// Asks the control thread to walk the connections now: work a sandboxed program thread left
-/// to it (an acknowledgement to send, acknowledgements to read).
-pub fn poke_work() {
-    wake();
 }
 
 /// A new connection in this process, set up by the agent (which therefore knows this

@@ -38,7 +38,7 @@
 use crate::stats::Slot;
 use crate::sys::shared::{self, MappedRing, SharedMap};
 use crate::tcp_sink::TcpSink;
-use crate::{log, relink, sys};
+use crate::{linkstate, log, sys};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering::*};
 use std::sync::Arc;
 use substrate::irb::IrbError;
@@ -538,7 +538,7 @@ impl Device for ShmSink {
         }
         let gen = crate::tcp_sink::call_gen(&irb);
         if link.moving() {
-            relink::link_broken_on(mem, "the connection leaves shared memory", gen);
+            linkstate::link_broken_on(mem, "the connection leaves shared memory", gen);
         }
         if c.link_down.load(Acquire) != 0 {
             return irb.complete(Err(IrbError::LinkDown));
@@ -567,7 +567,7 @@ impl Device for ShmSink {
             _ => return Disposition::Forward(irb),
         };
         if let Err(IrbError::LinkDown) = r {
-            relink::link_broken_on(mem, "the connection leaves shared memory", gen);
+            linkstate::link_broken_on(mem, "the connection leaves shared memory", gen);
         }
         irb.complete(r)
     }
