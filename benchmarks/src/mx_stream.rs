@@ -371,6 +371,19 @@ fn drain(link: &mut MxLink, wire: &mut Wire, t: u64) {
     wire.flush();
 }
 
+/// One turn of a side's loop at time `t`: what the link has goes out, packets come in (after
+/// a wait of at most the link's next time-out), and the time-outs due are handled.
+fn turn(a: &Args, wire: &mut Wire, link: &mut MxLink, start: Instant, t: u64) {
+    let now = || start.elapsed().as_millis() as u64;
+    drain(link, wire, t);
+    let wait = link.poll_timeout().map_or(5, |d| d.saturating_sub(t).min(5)) as i32;
+    wire.wait(Duration::from_micros(a.spin_us), wait);
+    wire.recv(|p| {
+        let _ = link.handle_packet(now(), p);
+    });
+    link.handle_timeout(now());
+}
+
 fn stream(a: &Args, wire: &mut Wire, link: &mut MxLink, start: Instant) {
     let now = || start.elapsed().as_millis() as u64;
     let sending = a.role == Role::Send;
@@ -388,13 +401,7 @@ fn stream(a: &Args, wire: &mut Wire, link: &mut MxLink, start: Instant) {
             }
             sent += n;
         }
-        drain(link, wire, t);
-        let wait = link.poll_timeout().map_or(5, |d| d.saturating_sub(t).min(5)) as i32;
-        wire.wait(Duration::from_micros(a.spin_us), wait);
-        wire.recv(|p| {
-            let _ = link.handle_packet(now(), p);
-        });
-        link.handle_timeout(now());
+        turn(a, wire, link, start, t);
         while let Some(m) = link.poll_message() {
             first_data.get_or_insert_with(Instant::now);
             ok &= pattern.matches(got, &m);
@@ -457,13 +464,7 @@ fn next_message(
             return Some(m);
         }
         let t = now();
-        drain(link, wire, t);
-        let wait = link.poll_timeout().map_or(5, |d| d.saturating_sub(t).min(5)) as i32;
-        wire.wait(Duration::from_micros(a.spin_us), wait);
-        wire.recv(|p| {
-            let _ = link.handle_packet(now(), p);
-        });
-        link.handle_timeout(now());
+        turn(a, wire, link, start, t);
         if Instant::now() > deadline {
             return None;
         }

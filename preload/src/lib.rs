@@ -42,6 +42,7 @@ pub mod sandbox;
 pub mod setup;
 pub mod shm;
 pub mod shm_sink;
+pub mod sockswap;
 pub mod stats;
 #[allow(unsafe_code)]
 pub mod sys;
@@ -84,7 +85,7 @@ extern "C" fn init() {
     let _ = std::panic::catch_unwind(|| {
         config::init();
         fdtable::install();
-        linkstate::set_starter(relink::ensure_control);
+        linkstate::init(linkstate::Control { start: relink::ensure_control, released: relink::released });
         agent::init(
             config::agent_socket(),
             agent::Above { listener_addrs: vc::listener_addrs, after_contact: relink::ensure_control },

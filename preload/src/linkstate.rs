@@ -1,8 +1,9 @@
 //! The link state the data path shares with the control thread ([`crate::relink`]): how a
-//! device says its link failed, and how it asks the control thread for work, without
-//! depending on the control thread itself. Devices (`tcp_sink`, `shm_sink`) import this;
-//! `relink` reads what it gathers (connections to attend, owed writes, replays under way), and
-//! `lib.rs`'s constructor hands down how the control thread is started ([`set_starter`]).
+//! device or a connection says its link failed, waits for a rebuilt one, and asks the control
+//! thread for work, without depending on the control thread itself. The devices (`tcp_sink`,
+//! `shm_sink`) and the connection (`vc`) import this; `relink` reads what it gathers
+//! (connections to attend, owed writes, replays under way), and `lib.rs`'s constructor hands
+//! down what only the control thread can do ([`Control`], [`init`]).
 
 use crate::ownfd::OWN_WAKE;
 use crate::shm::ConnMem;
@@ -10,13 +11,56 @@ use crate::{log, sys};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::OnceLock;
 
-/// Starts this process's control thread if it does not run (`relink::ensure_control`, set
-/// once at start).
-static STARTER: OnceLock<fn()> = OnceLock::new();
+/// What the control thread does for the layers below it.
+pub struct Control {
+    /// Starts this process's control thread if it does not run (`relink::ensure_control`).
+    pub start: fn(),
+    /// This process let go of a connection; others hold it too (`relink::released`).
+    pub released: fn(u128, bool),
+}
 
-/// Says how the control thread is started (`relink::ensure_control`).
-pub fn set_starter(f: fn()) {
-    let _ = STARTER.set(f);
+static CONTROL: OnceLock<Control> = OnceLock::new();
+
+/// Hands down what the control thread does (once, at start).
+pub fn init(c: Control) {
+    let _ = CONTROL.set(c);
+}
+
+/// Starts this process's control thread if it does not run yet (first connection, or the
+/// first call in a forked child). One load and a compare when it runs.
+#[inline]
+pub fn ensure_control() {
+    if CONTROL_PID.load(Acquire) != crate::pid() {
+        if let Some(c) = CONTROL.get() {
+            (c.start)();
+        }
+    }
+}
+
+/// This process let go of connection `gid` (`others_hold`: other processes still hold it):
+/// the agent hears it (see `relink::released`).
+pub fn released(gid: u128, others_hold: bool) {
+    if let Some(c) = CONTROL.get() {
+        (c.released)(gid, others_hold);
+    }
+}
+
+/// Waits (a blocking call) until the link is up again or the connection failed; the
+/// connection's errno in the second case.
+pub fn wait_link(mem: ConnMem) -> Result<(), i32> {
+    let c = mem.conn();
+    ensure_control();
+    loop {
+        let b = c.broken.load(Acquire);
+        if b != 0 {
+            return Err(b);
+        }
+        let gen = c.link_gen.load(Acquire);
+        if c.link_down.load(Acquire) == 0 {
+            return Ok(());
+        }
+        sys::futex_wait(&c.link_gen, gen, 200);
+    }
 }
 
 /// Pid of the process whose control thread runs (0: none yet; another pid: a fork parent's).
@@ -136,10 +180,8 @@ pub fn owed_later() {
 /// Asks the control thread to look at the connections now (a Fin waits for a replay).
 pub fn poke() {
     if REPLAYING.swap(1, Relaxed) == 0 {
-        if let Some(start) = STARTER.get() {
-            // (A forked child may hold a connection still replaying with no thread yet.)
-            start();
-        }
+        // (A forked child may hold a connection still replaying with no thread yet.)
+        ensure_control();
         wake();
     }
 }

@@ -2,9 +2,10 @@
 //! statistics slot, and its send and receive chains. The kernel-TCP sink at the bottom of
 //! both chains is in [`crate::tcp_sink`].
 
-use crate::relink;
+use crate::linkstate;
 use crate::shm::{ConnMem, Guarded, Mapping};
 use crate::shm_sink::{self, LinkSlot, ShmLink, ShmSink};
+use crate::sockswap;
 use crate::stats::{Slot, SlotInfo};
 use crate::sys::Errno;
 use crate::tcp_sink::TcpSink;
@@ -79,7 +80,7 @@ const ADOPT_CALLS: &[libc::c_long] = &[
 #[derive(Default)]
 struct ParkedEpoll {
     /// (epoll fd, fd, events, data), registered again at install.
-    regs: Vec<relink::EpollReg>,
+    regs: Vec<sockswap::EpollReg>,
     /// Between taking them off the old socket and registering them on the new one.
     parked: bool,
 }
@@ -213,7 +214,7 @@ impl Vc {
     /// lands before or after, never in between.
     pub fn park_epoll(&self, fds: &[i32]) {
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
-        let regs = relink::epoll_detach(fds);
+        let regs = sockswap::epoll_detach(fds);
         p.regs.extend(regs);
         p.parked = true;
     }
@@ -222,7 +223,7 @@ impl Vc {
     /// under the same lock.
     pub fn unpark_epoll(&self) {
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
-        relink::epoll_attach(&std::mem::take(&mut p.regs));
+        sockswap::epoll_attach(&std::mem::take(&mut p.regs));
         p.parked = false;
     }
 
@@ -244,9 +245,9 @@ impl Vc {
     ) -> Result<i32, Errno> {
         // (Noted before the call, and the change after it too: a link rebuilt meanwhile must
         // look at this instance, and not at a copy of its registrations made before.)
-        relink::note_ctl();
+        sockswap::note_ctl();
         if op != libc::EPOLL_CTL_DEL {
-            relink::note_epfd(epfd);
+            sockswap::note_epfd(epfd);
         }
         let mut p = self.parked_epoll.lock().unwrap_or_else(|e| e.into_inner());
         if p.parked {
@@ -278,7 +279,7 @@ impl Vc {
             }
         }
         let r = forward();
-        relink::note_ctl();
+        sockswap::note_ctl();
         r
     }
 
@@ -304,18 +305,46 @@ impl Vc {
     /// the calls that takes).
     #[inline(always)]
     fn prepare(&self) {
-        relink::ensure_control();
+        linkstate::ensure_control();
         if self.behind() {
             self.catch_up();
         }
     }
 
+    /// In a process sharing the connection (after fork) whose descriptors still name the old
+    /// socket: take the new link from the process that rebuilt it.
+    pub fn adopt(&self) {
+        let c = self.mem().conn();
+        let gen = c.link_gen.load(Acquire);
+        let (pid, src) = (c.link_pid.load(Acquire), c.link_fd.load(Acquire));
+        if pid <= 0 || pid == crate::pid() || src < 0 || c.link_down.load(Acquire) != 0 {
+            self.seen_gen(gen);
+            return;
+        }
+        let got = crate::sys::fd::fd_of_process(pid, src);
+        if got < 0 {
+            crate::log::warn(format_args!(
+                "virtual connection {:032x}: cannot take the rebuilt link from process {pid} (errno {}); this process loses it",
+                c.gid,
+                crate::sys::errno()
+            ));
+            self.seen_gen(gen);
+            return;
+        }
+        let fds = fds_of(self);
+        let regs = sockswap::epoll_detach(&fds);
+        sockswap::put_under(got, &fds);
+        crate::sys::fd::close(got);
+        sockswap::epoll_attach(&regs);
+        self.seen_gen(gen);
+    }
+
     #[cold]
     fn catch_up(&self) {
         if crate::sandbox::allows_all(ADOPT_CALLS) {
-            relink::adopt(self);
+            self.adopt();
         } else {
-            relink::poke_work();
+            linkstate::poke_work();
         }
     }
 
@@ -338,7 +367,7 @@ impl Vc {
                     if flags & libc::MSG_DONTWAIT != 0 || crate::sys::nonblocking(fd) {
                         return Err(IrbError::WouldBlock);
                     }
-                    relink::wait_link(self).map_err(IrbError::Os)?;
+                    linkstate::wait_link(self.mem()).map_err(IrbError::Os)?;
                 }
                 r => return r,
             }
@@ -467,7 +496,7 @@ impl Vc {
         let deadline = crate::sys::now_ms() + PROMISE_WAIT_MS;
         loop {
             if self.mem.conn().link_down.load(Acquire) != 0 {
-                relink::wait_link(self).map_err(IrbError::Os)?;
+                linkstate::wait_link(self.mem()).map_err(IrbError::Os)?;
             }
             match self.with_link(fd, flags | libc::MSG_DONTWAIT, |ctx| {
                 self.recv_once(fd, buf, flags | libc::MSG_DONTWAIT, ctx)
@@ -733,7 +762,7 @@ impl Vc {
         c.tx_shut.store(1, Release);
         if c.with_tx(&mut g, |tx| tx.replaying()) {
             c.fin_owed.store(1, Release);
-            relink::poke();
+            linkstate::poke();
             return;
         }
         l.shut_send(fd);
@@ -805,7 +834,7 @@ impl Drop for Vc {
     fn drop(&mut self) {
         // This process no longer holds it: the agent must not hand it new links here.
         let before = self.release();
-        relink::released(self.mem.conn().gid, before > 1);
+        linkstate::released(self.mem.conn().gid, before > 1);
         // The last process to let go frees the statistics slot (holders that exec'd list the
         // connection in their new image's table).
         if before.saturating_sub(1) <= self.mem.conn().exec_holds.load(Acquire)

@@ -20,10 +20,10 @@
 //!   again. Each side then replays what the other did not deliver from its replay ring, and
 //!   the end of stream if the program had shut its side down.
 //!
-//! Here: the link state the data path reads, the control thread and its event channel.
-//! `handshake`: the resume handshake. `swap`: putting the new socket under the program's
-//! descriptors. `epoll`: the program's epoll registrations across the swap. `freeze`:
-//! checkpoints.
+//! Here: the control thread and its event channel (the link state the data path writes is
+//! `crate::linkstate`, below). `handshake`: the resume handshake. `swap`: putting the new
+//! socket under the program's descriptors (with `crate::sockswap`, which also carries the
+//! program's epoll registrations across the swap). `freeze`: checkpoints.
 
 use crate::linkstate::{attention, wake, ALIVE, CONTROL_PID, OWED, REPLAYING};
 pub use crate::linkstate::{
@@ -42,43 +42,23 @@ use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::{addrs_bytes, Msg};
 use substrate::wire::frame::FrameKind;
 
-mod epoll;
 mod freeze;
 mod handshake;
 pub mod relisten;
 mod swap;
 
-pub use epoll::EpollReg;
-pub(crate) use epoll::{epoll_attach, epoll_detach, note_ctl, note_epfd};
+pub(crate) use crate::sockswap::put_under;
+pub use crate::sockswap::swap_socket;
 use freeze::*;
 pub use freeze::{thaw_name, FROZEN};
 pub use handshake::MOVED;
 use handshake::*;
 use swap::*;
-pub use swap::{adopt, swap_socket};
 
 static START: Mutex<()> = Mutex::new(());
 
 // ---------------------------------------------------------------------------------------------
 // Link state shared with the data path
-
-/// Waits (a blocking call) until the link is up again or the connection failed; the
-/// connection's errno in the second case.
-pub fn wait_link(vc: &Vc) -> Result<(), i32> {
-    let c = vc.mem().conn();
-    ensure_control();
-    loop {
-        let b = c.broken.load(Acquire);
-        if b != 0 {
-            return Err(b);
-        }
-        let gen = c.link_gen.load(Acquire);
-        if c.link_down.load(Acquire) == 0 {
-            return Ok(());
-        }
-        sys::futex_wait(&c.link_gen, gen, 200);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The control thread
@@ -912,7 +892,7 @@ fn for_sandboxed_threads(v: &Vc) {
         }
     }
     if crate::sandbox::active() && c.link_down.load(Acquire) == 0 && v.behind() {
-        adopt(v);
+        v.adopt();
     }
 }
 

@@ -40,27 +40,6 @@ pub(super) fn kick(v: &Vc) {
     }
 }
 
-/// Puts socket `sock` under each of the program's descriptor numbers `fds`, keeping each
-/// number's close-on-exec flag.
-/// Puts the new socket `sock` under the program's descriptor `fd` (same number, its epoll
-/// registrations made again) and closes our copy.
-pub fn swap_socket(sock: i32, fd: i32) {
-    let regs = epoll_detach(&[fd]);
-    put_under(sock, &[fd]);
-    crate::sys::fd::close(sock);
-    epoll_attach(&regs);
-}
-
-pub(super) fn put_under(sock: i32, fds: &[i32]) {
-    for &fd in fds {
-        let cloexec = sys::fd::fcntl(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
-        // Replaces the program's descriptor with `sock` (same number).
-        if sys::fd::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) < 0 {
-            log::warn(format_args!("cannot put a socket under fd {fd}: errno {}", sys::errno()));
-        }
-    }
-}
-
 /// A socket that never polls readable or writable until it is shut down.
 pub(super) fn placeholder(v6: bool) -> Option<i32> {
     let fam = if v6 { libc::AF_INET6 } else { libc::AF_INET };
@@ -191,32 +170,4 @@ pub(super) fn finish(v: &Vc) {
             wake();
         }
     }
-}
-
-/// In a process sharing the connection (after fork) whose descriptors still name the old
-/// socket: take the new link from the process that rebuilt it.
-pub fn adopt(v: &Vc) {
-    let c = v.mem().conn();
-    let gen = c.link_gen.load(Acquire);
-    let (pid, src) = (c.link_pid.load(Acquire), c.link_fd.load(Acquire));
-    if pid <= 0 || pid == crate::pid() || src < 0 || c.link_down.load(Acquire) != 0 {
-        v.seen_gen(gen);
-        return;
-    }
-    let got = sys::fd::fd_of_process(pid, src);
-    if got < 0 {
-        log::warn(format_args!(
-            "virtual connection {:032x}: cannot take the rebuilt link from process {pid} (errno {}); this process loses it",
-            c.gid,
-            sys::errno()
-        ));
-        v.seen_gen(gen);
-        return;
-    }
-    let fds = crate::vc::fds_of(v);
-    let regs = epoll_detach(&fds);
-    put_under(got, &fds);
-    crate::sys::fd::close(got);
-    epoll_attach(&regs);
-    v.seen_gen(gen);
 }

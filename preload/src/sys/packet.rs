@@ -235,30 +235,24 @@ impl PacketRing {
     }
 
     fn set_int(&self, opt: c_int, v: c_int, what: &'static str) -> Result<(), RingError> {
-        // SAFETY: an int option of its size.
-        check(what, unsafe {
-            libc::syscall(
-                libc::SYS_setsockopt,
-                self.fd as c_long,
-                SOL_PACKET as c_long,
-                opt as c_long,
-                &v as *const c_int as c_long,
-                4 as c_long,
-            )
-        })
-        .map(drop)
+        self.set_opt(opt, &v, what)
     }
 
     fn set_req(&self, opt: c_int, req: &TpacketReq, what: &'static str) -> Result<(), RingError> {
-        // SAFETY: a tpacket_req of its size.
+        self.set_opt(opt, req, what)
+    }
+
+    /// `setsockopt(SOL_PACKET, opt)` with a plain value (an int, a `tpacket_req`).
+    fn set_opt<T: Copy>(&self, opt: c_int, v: &T, what: &'static str) -> Result<(), RingError> {
+        // SAFETY: `v` is valid for its size, which is what the option is given.
         check(what, unsafe {
             libc::syscall(
                 libc::SYS_setsockopt,
                 self.fd as c_long,
                 SOL_PACKET as c_long,
                 opt as c_long,
-                req as *const TpacketReq as c_long,
-                std::mem::size_of::<TpacketReq>() as c_long,
+                v as *const T as c_long,
+                std::mem::size_of::<T>() as c_long,
             )
         })
         .map(drop)

@@ -1,7 +1,11 @@
-//! The program's epoll registrations of a connection's socket: taken out while its link
-//! is rebuilt and made again on the new socket.
+//! Putting a new socket under the program's descriptor numbers (`dup3`), and the program's
+//! epoll registrations of those descriptors: read from `/proc/self/fdinfo`, taken out while a
+//! connection's link is rebuilt and made again on the new socket. Used by the control thread
+//! (`relink`) and by a connection adopting a link another process rebuilt (`vc`).
 
-use super::*;
+use crate::{log, sys};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::*};
 
 /// A registration of one of the program's descriptors with one of its epoll instances:
 /// (epoll fd, fd, events, data).
@@ -90,7 +94,7 @@ fn cache() -> std::sync::MutexGuard<'static, Option<Cache>> {
 /// The epoll registrations of the sockets under `fds`, read from `/proc/self/fdinfo` (the
 /// kernel lists every epoll instance's targets with their events, data and inode), so the
 /// program's `epoll_ctl` calls cost nothing extra.
-pub(super) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
+pub(crate) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
     let mut inos = Vec::new();
     for &fd in fds {
         if let Some(st) = sys::fd::fstat(fd) {
@@ -162,6 +166,27 @@ pub(crate) fn epoll_attach(regs: &[EpollReg]) {
         if let Some(ts) = cache().as_mut().and_then(|c| c.by_epfd.get_mut(&epfd)) {
             ts.retain(|t| t.fd != fd);
             ts.push(substrate::procfs::EpollTarget { fd, events, data, ino });
+        }
+    }
+}
+
+/// Puts the new socket `sock` under the program's descriptor `fd` (same number, its epoll
+/// registrations made again) and closes our copy.
+pub fn swap_socket(sock: i32, fd: i32) {
+    let regs = epoll_detach(&[fd]);
+    put_under(sock, &[fd]);
+    sys::fd::close(sock);
+    epoll_attach(&regs);
+}
+
+/// Puts socket `sock` under each of the program's descriptor numbers `fds`, keeping each
+/// number's close-on-exec flag.
+pub(crate) fn put_under(sock: i32, fds: &[i32]) {
+    for &fd in fds {
+        let cloexec = sys::fd::fcntl(fd, libc::F_GETFD, 0) & libc::FD_CLOEXEC != 0;
+        // Replaces the program's descriptor with `sock` (same number).
+        if sys::fd::dup3(sock, fd, if cloexec { libc::O_CLOEXEC } else { 0 }) < 0 {
+            log::warn(format_args!("cannot put a socket under fd {fd}: errno {}", sys::errno()));
         }
     }
 }
