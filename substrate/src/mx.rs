@@ -243,6 +243,11 @@ pub struct MxLink {
     acked: u32,
     out: BTreeMap<u32, Out>,
     rto: u64,
+    /// Nothing (resend or pull again) is due before this time (ms): a lower bound of every
+    /// time-out, so that most turns of a driver's loop cost no walk over the window. Raised
+    /// by the walks in `handle_timeout`; lowered when a time-out may come sooner (a message
+    /// sent, a chunk asked for, the time-out shortened).
+    floor: u64,
     /// When the peer was last heard (ms).
     heard: u64,
     // Receiving.
@@ -268,6 +273,7 @@ impl MxLink {
             acked: 0,
             out: BTreeMap::new(),
             rto: cfg.rto_ms,
+            floor: u64::MAX,
             heard: 0,
             expected: 0,
             ins: BTreeMap::new(),
@@ -343,6 +349,7 @@ impl MxLink {
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
         self.out.insert(seq, Out { data: msg, sent_at: now });
+        self.floor = self.floor.min(now + self.rto);
         self.emit(seq);
         Ok(())
     }
@@ -363,18 +370,29 @@ impl MxLink {
         self.delivered.pop_front()
     }
 
-    /// When `handle_timeout` is due (ms).
+    /// When `handle_timeout` is due (ms). It may be sooner than needed (a call then finds
+    /// nothing to do), never later.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let resend = self.out.values().map(|o| o.sent_at + self.rto).min();
         let ack = self.ack_since.map(|t| t + self.cfg.ack_delay_ms);
+        let other = (self.floor != u64::MAX).then_some(self.floor);
+        [other, ack].into_iter().flatten().min()
+    }
+
+    /// The earliest resend or pull-again time-out (`u64::MAX`: none), by a walk over what is
+    /// in flight.
+    fn earliest(&self) -> u64 {
+        let resend = self.out.values().map(|o| o.sent_at + self.rto).min();
         let pull =
             self.ins.values().filter(|i| i.large).flat_map(|i| i.asked.values()).map(|&t| t + self.rto).min();
-        [resend, ack, pull].into_iter().flatten().min()
+        [resend, pull].into_iter().flatten().min().unwrap_or(u64::MAX)
     }
 
     /// Time passed: resend what was not acknowledged within the time-out, ask again for
     /// pulled chunks that did not come.
     pub fn handle_timeout(&mut self, now: u64) {
+        if now < self.floor {
+            return;
+        }
         // While the peer is heard (it works through what it has), only the oldest message
         // can be missing there; once it goes quiet, everything late goes again.
         let quiet = now >= self.heard + self.rto;
@@ -405,6 +423,7 @@ impl MxLink {
                 self.pull(now, s, &again);
             }
         }
+        self.floor = self.earliest();
     }
 
     /// Asks for chunks `which` of large message `seq` (consecutive runs go as one request).
@@ -415,6 +434,7 @@ impl MxLink {
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for &c in which {
             msg.asked.insert(c, now);
+            self.floor = self.floor.min(now + self.rto);
             match runs.last_mut() {
                 Some((start, n)) if *start + *n == c => *n += 1,
                 _ => runs.push((c, 1)),
@@ -484,6 +504,8 @@ impl MxLink {
                 self.acked = self.acked.wrapping_add(1);
             }
             self.rto = self.cfg.rto_ms;
+            // (Shorter now: what was due later may be due sooner.)
+            self.floor = 0;
         }
         match h.kind {
             Kind::Ack => Ok(()),
@@ -496,13 +518,15 @@ impl MxLink {
                 {
                     return Err(MxError::BadGeometry);
                 }
-                let piece = o.data[off..off + len].to_vec();
+                // (Taken out while its packets are made, put back after: no copy of the piece.)
+                let data = std::mem::take(&mut self.out.get_mut(&h.seq).expect("present").data);
                 let chunk = self.cfg.chunk();
-                for (i, c) in piece.chunks(chunk).enumerate() {
+                for (i, c) in data[off..off + len].chunks(chunk).enumerate() {
                     let at = off + i * chunk;
                     let hh = self.header(Kind::PullReply, h.seq, 0, at as u32, c.len() as u32);
                     self.packet(hh, c);
                 }
+                self.out.get_mut(&h.seq).expect("present").data = data;
                 // Pulls prove the rendezvous arrived, and that the peer works through our
                 // messages: it takes them in order, so the later ones wait behind this one and
                 // need not go again while pulls come (past a wrap of the numbers, a few may).
@@ -645,10 +669,18 @@ mod tests {
         (MxLink::new(MxConfig::new(mtu, 7)), MxLink::new(MxConfig::new(mtu, 7)))
     }
 
+    /// The floor is a lower bound of every time-out: a time-out it hid would be a resend
+    /// or a pull that never comes.
+    fn check_floor(l: &MxLink) {
+        assert!(l.floor <= l.earliest(), "floor {} above a time-out due at {}", l.floor, l.earliest());
+    }
+
     /// Moves packets both ways for `ticks` ms, dropping those `drop` says.
     fn run(a: &mut MxLink, b: &mut MxLink, ticks: u64, mut drop: impl FnMut(u64) -> bool) {
         let mut n = 0u64;
         for now in 0..ticks {
+            check_floor(a);
+            check_floor(b);
             for dir in 0..2 {
                 let (x, y) = if dir == 0 { (&mut *a, &mut *b) } else { (&mut *b, &mut *a) };
                 while let Some(p) = x.poll_packet(now) {
@@ -682,6 +714,8 @@ mod tests {
     fn run_paced(a: &mut MxLink, b: &mut MxLink, ticks: u64, rate: usize) {
         let mut wires = [VecDeque::new(), VecDeque::new()];
         for now in 0..ticks {
+            check_floor(a);
+            check_floor(b);
             for (dir, wire) in wires.iter_mut().enumerate() {
                 let (x, y) = if dir == 0 { (&mut *a, &mut *b) } else { (&mut *b, &mut *a) };
                 while let Some(p) = x.poll_packet(now) {
