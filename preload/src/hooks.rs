@@ -271,7 +271,7 @@ pub fn shutdown(fd: c_int, how: c_int, real: impl FnOnce(c_int) -> Real) -> Real
     }
     if send_side {
         // The end of stream travels as a Fin frame (the peer keeps acknowledging).
-        quietly(|| Some(crate::tcp_sink::send_fin(vc.mem(), fd))).unwrap_or(Err(Errno(libc::EIO)))?;
+        quietly(|| Some(vc.end_stream(fd))).unwrap_or(Err(Errno(libc::EIO)))?;
         if how == libc::SHUT_WR {
             return Ok(0);
         }

@@ -70,14 +70,14 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         // What the kernel itself does when a program closes with unread data; the Abort
         // frame tells the peer's layer it is the program's reset, not a failed link.
         crate::log::debug(format_args!("close with unread payload: reset"));
-        crate::tcp_sink::send_control(vc.mem(), vc.slot(), fd, substrate::wire::frame::FrameKind::Abort);
+        vc.abort(fd);
         return reset(fd);
     }
     let keep = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700);
     let r = sys::cvt(sys::fd::close(fd));
     if keep >= 0 {
         if fin_mode {
-            let _ = crate::tcp_sink::send_fin(vc.mem(), keep);
+            let _ = vc.end_stream(keep);
         } else {
             crate::sys::fd::shutdown(keep, libc::SHUT_WR);
         }
@@ -217,7 +217,7 @@ pub fn at_exit() {
                 v.hand_back_slot();
             } else if !unread_payload(v.mem(), fd) {
                 if peer_fin(v.mem()) {
-                    let _ = crate::tcp_sink::send_fin(v.mem(), fd);
+                    let _ = v.end_stream(fd);
                 } else {
                     crate::sys::fd::shutdown(fd, libc::SHUT_WR);
                 }

@@ -15,7 +15,8 @@ use std::sync::OnceLock;
 pub struct Control {
     /// Starts this process's control thread if it does not run (`relink::ensure_control`).
     pub start: fn(),
-    /// This process let go of a connection; others hold it too (`relink::released`).
+    /// This process let go of a connection: its GID, and whether other processes still hold
+    /// it (`relink::released`).
     pub released: fn(u128, bool),
 }
 

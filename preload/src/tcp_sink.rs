@@ -58,6 +58,7 @@ impl Device for TcpSink {
             (IrbKind::Receive, Buf::In(b)) => {
                 recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads, gen)
             }
+            (IrbKind::Disconnect, _) => disconnect(self.mem, self.slot, fd, flags),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -302,12 +303,24 @@ pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
     })
 }
 
+/// `IrbKind::Disconnect` with this flag: the program resets the connection (an Abort frame,
+/// only if a frame can start now); without it, the program ends its stream (a Fin frame).
+pub const ABORT: i32 = 1;
+
+/// A `Disconnect` IRB on the send chain, whose lock the caller holds.
+fn disconnect(mem: ConnMem, slot: Option<Slot>, fd: c_int, flags: c_int) -> Result<usize, IrbError> {
+    if flags & ABORT != 0 {
+        control_held(mem, slot, fd, FrameKind::Abort);
+        return Ok(0);
+    }
+    fin_held(mem, fd).map(|r| r as usize).map_err(|e| IrbError::Os(e.0))
+}
+
 /// The program shuts its sending side down: a Fin frame says so to the peer's layer (the
 /// physical socket stays open both ways, so the peer can still acknowledge what we sent).
-/// Returns the shutdown's result.
-pub fn send_fin(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
+/// Returns the shutdown's result. The caller holds the tx lock.
+fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
     let c = mem.conn();
-    let _g = c.tx_lock.lock();
     if c.tx_shut.swap(1, AcqRel) != 0 {
         return Ok(0);
     }
@@ -356,8 +369,13 @@ pub fn send_fin(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
 /// Sends a control frame (ack, abort) acknowledging what was delivered, if a frame can start
 /// now and no other thread is sending (never waits).
 pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
+    let Some(_g) = mem.conn().tx_lock.try_lock() else { return };
+    control_held(mem, slot, fd, kind);
+}
+
+/// As [`send_control`], the tx lock held by the caller.
+fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
     let c = mem.conn();
-    let Some(_g) = c.tx_lock.try_lock() else { return };
     mem.with_tx_ring_held(|tx, ring| {
         let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
         let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);

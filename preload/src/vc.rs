@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
 use std::sync::Arc;
 use substrate::devices::CounterFilter;
-use substrate::irb::{Chain, Irb, IrbError, Outcome};
+use substrate::irb::{Chain, Irb, IrbError, IrbKind, Outcome};
 use substrate::reliability::{RxState, TxState};
 
 /// What the connection layer asks of the descriptor table above it (which holds the
@@ -752,6 +752,31 @@ impl Vc {
             }
         }
         l.close(fd);
+    }
+
+    /// The program ends its stream on socket `fd` (`shutdown` of the send side, or the close
+    /// that ends the connection): a `Disconnect` down the send chain, whose sink sends the Fin
+    /// frame (after a replay still under way, if there is one). Returns the shutdown's result.
+    pub fn end_stream(&self, fd: i32) -> Result<i32, Errno> {
+        let c = self.mem.conn();
+        let _g = c.tx_lock.lock();
+        let irb = Irb::new(IrbKind::Disconnect).with_handle(fd as i64);
+        self.send_chain
+            .with(&c.tx_lock, |chain| Self::run(chain, irb))
+            .map(|n| n as i32)
+            .map_err(crate::error::errno_of)
+    }
+
+    /// The program resets the connection on socket `fd` (a close with unread data): a
+    /// `Disconnect` with [`crate::tcp_sink::ABORT`] down the send chain, whose sink sends an
+    /// Abort frame, so the peer's layer knows the reset is the program's and not a failed
+    /// link. Only if no other thread is sending now (never waits).
+    pub fn abort(&self, fd: i32) {
+        let c = self.mem.conn();
+        let Some(_g) = c.tx_lock.try_lock() else { return };
+        let mut irb = Irb::new(IrbKind::Disconnect).with_handle(fd as i64);
+        irb.flags = crate::tcp_sink::ABORT;
+        let _ = self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb));
     }
 
     /// The program shuts its sending side of a connection over shared memory: the end of
