@@ -134,7 +134,7 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
         if c.fin_owed.load(std::sync::atomic::Ordering::Acquire) != 0
             || c.with_tx(&mut g, |tx| tx.replaying())
         {
-            crate::tcp_sink::replay_now(vc.mem(), vc.slot(), fd);
+            vc.replay_tcp(fd);
         }
     }
     match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {

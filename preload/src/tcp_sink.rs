@@ -59,6 +59,11 @@ impl Device for TcpSink {
                 recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads, gen)
             }
             (IrbKind::Disconnect, _) => disconnect(self.mem, self.slot, fd, flags),
+            (ACK, _) => {
+                control_held(self.mem, self.slot, fd, FrameKind::Ack);
+                Ok(0)
+            }
+            (REPLAY, _) => Ok(usize::from(replay_now(self.mem, self.slot, fd))),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -268,7 +273,7 @@ fn check_link(mem: ConnMem) -> Result<(), IrbError> {
 
 /// Pushes replayed bytes onto a rebuilt link without blocking. The caller holds the tx
 /// lock. True when nothing remains to replay.
-pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
+fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
     let c = mem.conn();
     mem.with_tx_ring_held(|tx, ring| loop {
         let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
@@ -302,6 +307,14 @@ pub fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
         }
     })
 }
+
+/// An IRB asking the sink for an acknowledgement alone, of what the program read (the tx
+/// lock held by the caller; nothing when a frame is half on the wire).
+pub const ACK: IrbKind = IrbKind::Other(0x100);
+/// An IRB asking the sink to push what a rebuilt link owes the peer (replay, end of stream)
+/// without blocking; completes with 1 when nothing is left, 0 otherwise. The tx lock is held
+/// by the caller.
+pub const REPLAY: IrbKind = IrbKind::Other(0x101);
 
 /// `IrbKind::Disconnect` with this flag: the program resets the connection (an Abort frame,
 /// only if a frame can start now); without it, the program ends its stream (a Fin frame).

@@ -733,7 +733,26 @@ impl Vc {
                 return l.push_replay(self.mem(), fd).unwrap_or(true);
             }
         }
-        crate::tcp_sink::replay_now(self.mem(), self.slot, fd)
+        self.replay_tcp(fd)
+    }
+
+    /// Pushes what a rebuilt link owes the peer over TCP frames, without blocking: a
+    /// [`crate::tcp_sink::REPLAY`] IRB down the send chain. True when nothing is left. The
+    /// caller holds the tx lock.
+    pub fn replay_tcp(&self, fd: i32) -> bool {
+        let c = self.mem.conn();
+        let irb = Irb::new(crate::tcp_sink::REPLAY).with_handle(fd as i64);
+        self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb)).map_or(true, |done| done == 1)
+    }
+
+    /// An acknowledgement alone on socket `fd`, of what the program read: a
+    /// [`crate::tcp_sink::ACK`] IRB down the send chain, if no other thread is sending now
+    /// (never waits).
+    pub fn send_ack(&self, fd: i32) {
+        let c = self.mem.conn();
+        let Some(_g) = c.tx_lock.try_lock() else { return };
+        let irb = Irb::new(crate::tcp_sink::ACK).with_handle(fd as i64);
+        let _ = self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb));
     }
 
     /// The last close of a connection over shared memory: a replay still owed to the ring

@@ -40,7 +40,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 use substrate::auth::{proofs_equal, resume_mac, Role};
 use substrate::wire::agent::{addrs_bytes, Msg};
-use substrate::wire::frame::FrameKind;
 
 mod freeze;
 mod handshake;
@@ -754,7 +753,7 @@ fn check_suspect(v: &Vc, s: &mut Suspect, now: u64) -> bool {
     }
     if now.saturating_sub(s.poked_ms) >= 500 {
         s.poked_ms = now;
-        crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+        v.send_ack(fd);
     }
     false
 }
@@ -888,7 +887,7 @@ fn for_sandboxed_threads(v: &Vc) {
             crate::tcp_sink::harvest_acks(v.mem(), v.slot(), fd);
         }
         if owed & crate::shm::CTL_ACK != 0 {
-            crate::tcp_sink::send_control(v.mem(), v.slot(), fd, FrameKind::Ack);
+            v.send_ack(fd);
         }
     }
     if crate::sandbox::active() && c.link_down.load(Acquire) == 0 && v.behind() {
