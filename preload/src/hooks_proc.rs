@@ -38,7 +38,7 @@ fn before(strict: bool, prog: c_ulong, tsync: bool, program: Program) -> Option<
                 }
             }
         }
-        if then.control_must_stop && crate::relink::control_running() {
+        if then.control_must_stop && crate::linkstate::control_running() {
             crate::log::info(format_args!(
                 "a seccomp filter for every thread forbids what the control thread does: it stops \
                  (connections keep working, without failover)"
@@ -109,6 +109,6 @@ pub fn syscall(
 pub fn pthread_exit() {
     if crate::lifetime::is_main_thread() {
         crate::lifetime::main_pthread_exit();
-        crate::relink::poke_work();
+        crate::linkstate::poke_work();
     }
 }

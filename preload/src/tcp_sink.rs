@@ -381,7 +381,7 @@ fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
 
 /// Sends a control frame (ack, abort) acknowledging what was delivered, if a frame can start
 /// now and no other thread is sending (never waits).
-pub fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
+fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
     let Some(_g) = mem.conn().tx_lock.try_lock() else { return };
     control_held(mem, slot, fd, kind);
 }

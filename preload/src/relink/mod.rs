@@ -26,9 +26,7 @@
 //! program's epoll registrations across the swap). `freeze`: checkpoints.
 
 use crate::linkstate::{attention, wake, ALIVE, CONTROL_PID, OWED, REPLAYING};
-pub use crate::linkstate::{
-    control_running, is_link_error, link_broken, link_broken_on, owed_later, poke, poke_work,
-};
+use crate::linkstate::{control_running, link_broken};
 use crate::ownfd::{OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
@@ -47,7 +45,6 @@ pub mod relisten;
 mod swap;
 
 pub(crate) use crate::sockswap::put_under;
-pub use crate::sockswap::swap_socket;
 use freeze::*;
 pub use freeze::{thaw_name, FROZEN};
 pub use handshake::MOVED;

@@ -66,7 +66,7 @@ pub fn before_checkpoint() -> Vec<(i32, SocketAddr)> {
         };
         match listener_on(lo, 0, fd) {
             Ok(ph) => {
-                crate::relink::swap_socket(ph, fd);
+                crate::sockswap::swap_socket(ph, fd);
                 swapped.push((fd, addr));
             }
             Err(e) => log::warn(format_args!(
@@ -115,7 +115,7 @@ pub fn after_thaw(swapped: &[(i32, SocketAddr)]) -> Vec<SocketAddr> {
         };
         // A copy of the placeholder, to wake threads blocked on it once it is replaced.
         let ph = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
-        crate::relink::swap_socket(s, fd);
+        crate::sockswap::swap_socket(s, fd);
         GEN.fetch_add(1, SeqCst);
         if ph >= 0 {
             // Our copy of the placeholder: shutting it down ends any accept on it.
