@@ -195,6 +195,11 @@ PORTS = {
     "sandbox_pthread_exit": 19012,      # and 19013
     "sandbox_exec_filtered": 19014,
     "sandbox_landlock": 19015,
+    "chain_setup": 17921,
+    "chain_live": 17922,
+    "chain_nb": 17923,
+    "chain_failover": 17924,
+    "chain_unknown": 17925,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
@@ -1173,7 +1178,7 @@ def vmictl(host, *args, timeout=VMICTL_TIMEOUT):
                           f"{timeout} s") from None
 
 
-def _vmictl_ok(host, *args):
+def vmictl_ok(host, *args):
     r = vmictl(host, *args)
     if r.returncode != 0:
         raise VmictlError(f"vmictl {' '.join(map(str, args))} in {host}: exit status "
@@ -1183,12 +1188,12 @@ def _vmictl_ok(host, *args):
 
 def net_down(host, name):
     """`vmictl net down NAME` in host: the node takes that network out of service."""
-    return _vmictl_ok(host, "net", "down", name)
+    return vmictl_ok(host, "net", "down", name)
 
 
 def net_up(host, name):
     """`vmictl net up NAME` in host: the network is back in service."""
-    return _vmictl_ok(host, "net", "up", name)
+    return vmictl_ok(host, "net", "up", name)
 
 
 class Faults:

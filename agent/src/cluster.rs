@@ -28,7 +28,10 @@ use tracing::{debug, info, warn};
 
 /// Commands another node may ask for.
 fn forwardable(m: &Msg) -> bool {
-    matches!(m, Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Migrate { .. } | Msg::Journal { .. })
+    matches!(
+        m,
+        Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Chain { .. } | Msg::Migrate { .. } | Msg::Journal { .. }
+    )
 }
 
 /// How often `--follow` asks for new events of other nodes.

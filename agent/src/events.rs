@@ -404,14 +404,20 @@ impl Events {
     /// Tells every process holding `gid` to move it to shared memory or to TCP. False if
     /// none here does.
     pub fn move_conn(&self, gid: u128, shm: bool) -> bool {
-        let body = Msg::Move { gid, shm }.encode();
+        self.tell_holders(gid, &Msg::Move { gid, shm })
+    }
+
+    /// Sends `m` to every process holding `gid`. False if none here does (or none took it).
+    pub fn tell_holders(&self, gid: u128, m: &Msg) -> bool {
+        let body = m.encode();
         let chans = self.lock();
         let mut told = false;
         for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
             match send_with_fd(&c.out, &body, None) {
                 Ok(()) => told = true,
                 Err(e) => info!(
-                    "connection {gid:032x}: cannot tell process {} to move it: {e} (the process is gone or stopped reading its event channel)",
+                    "connection {gid:032x}: cannot pass {} to process {}: {e} (the process is gone or stopped reading its event channel)",
+                    m.name(),
                     c.pid
                 ),
             }

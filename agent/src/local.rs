@@ -480,6 +480,39 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
                 Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
             }
         }
+        Msg::Chain { gid, spec } => {
+            let pids = agent.events.holders(gid);
+            if pids.is_empty() {
+                Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
+            } else if !pids.iter().all(|p| asker.may_manage(*p)) {
+                agent.refusals.note(Refused::Local, || {
+                    format!(
+                        "{} asked to change the filters of connection {gid:032x} of another user's process",
+                        asker.describe()
+                    )
+                });
+                Msg::Error { reason: format!("not allowed to change the filters of connection {gid:032x}") }
+            } else if let Some(bad) = substrate::connection::Chain::build(&spec).map_or(Some(spec.clone()), |c| {
+                c.ids().is_none().then(|| format!("{spec} (more than {} filters)", substrate::connection::chain::MAX_FILTERS))
+            }) {
+                Msg::Error {
+                    reason: format!(
+                        "no such chain: {bad}; the filters are: {}",
+                        substrate::connection::chain::FILTERS.join(", ")
+                    ),
+                }
+            } else if agent.events.tell_holders(gid, &Msg::Chain { gid, spec: spec.clone() }) {
+                info!("connection {gid:032x}: chain \"{spec}\" asked for what its ends here send");
+                agent.journal.record(
+                    "chain",
+                    pids.first().copied(),
+                    serde_json::json!({ "gid": format!("{gid:032x}"), "chain": spec }),
+                );
+                Msg::Ok
+            } else {
+                Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
+            }
+        }
         Msg::Migrate { pid, to } => crate::migrate::run(agent, asker, pid, &to),
         other => Msg::Error { reason: format!("{} cannot be run from another node", other.name()) },
     }
@@ -616,7 +649,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     None => Msg::Plain,
                 }
             }
-            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Migrate { .. }) => {
+            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Chain { .. } | Msg::Migrate { .. }) => {
                 command(agent, Asker::local(&s), m)
             }
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),

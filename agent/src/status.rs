@@ -208,6 +208,8 @@ struct ConnJson {
     local: String,
     peer: String,
     substrate: &'static str,
+    /// The chain of filters on each direction: `{"send": "double", "recv": ""}`.
+    chain: serde_json::Value,
     direction: &'static str,
     bytes_sent: u64,
     bytes_received: u64,
@@ -292,6 +294,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
                 local: s.local.to_string(),
                 peer: s.peer.to_string(),
                 substrate: s.substrate,
+                chain: serde_json::json!({ "send": s.send_chain, "recv": s.recv_chain }),
                 direction: if s.active { "out" } else { "in" },
                 bytes_sent: s.bytes_sent,
                 bytes_received: s.bytes_received,

@@ -10,6 +10,7 @@
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
+//! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`double`: every byte twice, a test filter); offered to the peer's layer at set-up, which must take it; such connections stay on kernel TCP | none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -28,6 +29,7 @@ static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
+static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -104,7 +106,26 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(v) = std::env::var("VMI_CHAIN") {
+        match substrate::connection::Chain::build(&v).filter(|c| c.ids().is_some()) {
+            Some(c) => {
+                let _ = CHAIN.set(c.spec);
+            }
+            None => crate::log::warn(format_args!(
+                "VMI_CHAIN={v} names a filter this build does not have (it has: {}), or more than {}; \
+                 no chain",
+                substrate::connection::chain::FILTERS.join(", "),
+                substrate::connection::chain::MAX_FILTERS
+            )),
+        }
+    }
     let _ = AGENT_SOCKET.set(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// The chain of filters (`VMI_CHAIN`) offered for what the program sends on each new
+/// virtual connection; empty for none.
+pub fn chain() -> &'static str {
+    CHAIN.get().map(String::as_str).unwrap_or("")
 }
 
 /// The node agent's socket name, if `VMI_AGENT_SOCKET` gives one.

@@ -59,7 +59,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
                 alias
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
-            let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
+            let shm = (config::shm() && config::chain().is_empty() && via.is_none() && crate::shm_sink::same_node(&addrs))
                 .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
                 .flatten();
             let unbound = local.port() == 0;
@@ -103,6 +103,7 @@ pub fn after_connect(fd: i32, p: Pending) {
             if let (Some(via), Some(sl)) = (p.via, vc.slot()) {
                 sl.set_link(&local, &via);
             }
+            offer_configured_chain(&vc, fd);
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held();
         }
@@ -113,6 +114,21 @@ pub fn after_connect(fd: i32, p: Pending) {
             ));
             crate::relink::released(p.gid, false);
         }
+    }
+}
+
+/// `VMI_CHAIN`: the chain is offered for what this side sends, with its first frame.
+fn offer_configured_chain(vc: &Vc, fd: i32) {
+    let spec = config::chain();
+    if spec.is_empty() {
+        return;
+    }
+    if let Err(e) = vc.offer_chain(fd, spec, true) {
+        log::warn(format_args!(
+            "virtual connection {:032x}: VMI_CHAIN={spec} not offered: {}",
+            vc.mem().conn().gid,
+            std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
+        ));
     }
 }
 
@@ -163,7 +179,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     let local = if renamed { alias } else { local };
     // The connecting layer may have offered shared memory (both ends on this node).
     let shm = if crate::shm_sink::same_node(&addrs) {
-        crate::shm_sink::ShmLink::accept(gid, secret, 0, fd, config::shm(), (0, 0))
+        crate::shm_sink::ShmLink::accept(gid, secret, 0, fd, config::shm() && config::chain().is_empty(), (0, 0))
     } else {
         None
     };
@@ -185,6 +201,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
             if let (true, Some(sl), Some(l)) = (renamed, vc.slot(), sys::local_addr(fd)) {
                 sl.set_link(&l, &peer);
             }
+            offer_configured_chain(&vc, fd);
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held();
         }

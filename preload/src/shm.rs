@@ -171,6 +171,15 @@ pub struct SharedConn {
     /// Holds in `procs` that belong to processes that exec'd (their new images hold the
     /// connection through memory of their own and never give these back).
     pub exec_holds: AtomicU32,
+    /// The peer's answer to our chain offer, for the send half (`rx::ANSWER | taken << 8 |
+    /// number`; 0: none).
+    pub chain_answer: AtomicU32,
+    /// The answer we owe the peer's chain offer (same form), sent by whichever half can.
+    pub answer_owed: AtomicU32,
+    /// Copy of `rx.careful`: the peer may send coded frames (readable reports are checked).
+    pub careful: AtomicU32,
+    /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
+    pub coding: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -272,6 +281,10 @@ impl Mapping {
             link_fd: AtomicI32::new(-1),
             ctl_owed: AtomicU32::new(0),
             exec_holds: AtomicU32::new(0),
+            chain_answer: AtomicU32::new(0),
+            answer_owed: AtomicU32::new(0),
+            careful: AtomicU32::new(0),
+            coding: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {

@@ -139,6 +139,13 @@ impl Slot {
         }
     }
 
+    /// Records the chain of filters on what this side sends (`send`) or receives, in its
+    /// compact form.
+    pub fn set_chain(&self, ids: u32, send: bool) {
+        let o = if send { off::SEND_CHAIN } else { off::RECV_CHAIN };
+        self.map.u32(self.at + o).store(ids, Relaxed);
+    }
+
     /// Records the substrate carrying the bytes (1 tcp, 2 shm).
     pub fn set_substrate(&self, code: u32) {
         self.map.u32(self.at + off::SUBSTRATE).store(code, Relaxed);

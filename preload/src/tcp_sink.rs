@@ -19,10 +19,12 @@ use crate::{linkstate, log, sandbox, sys};
 use libc::c_int;
 use std::sync::atomic::Ordering::*;
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
+use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::reliability::{
-    ack_due, ring_slices, Blocked, Plan, ProtoError, ReadPlan, RxState, Source, TxState,
+    ack_due, offer_spec, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source, TxState,
+    ANSWER,
 };
-use substrate::wire::frame::{FrameKind, HEADER_LEN};
+use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
 /// The kernel-TCP sink device.
 pub struct TcpSink {
@@ -64,6 +66,7 @@ impl Device for TcpSink {
                 Ok(0)
             }
             (REPLAY, _) => Ok(usize::from(replay_now(self.mem, self.slot, fd))),
+            (CHAIN, Buf::Out(spec)) => offer(self.mem, self.slot, fd, spec, flags & LATER != 0),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -125,9 +128,22 @@ fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
 
 /// Publishes what the receive half learned; refuses an ack for bytes that were never on the
 /// wire.
-fn publish_rx(mem: ConnMem, rx: &RxState) -> Result<(), ProtoError> {
+fn publish_rx(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) -> Result<(), ProtoError> {
     let c = mem.conn();
     c.delivered.store(rx.delivered, Release);
+    if rx.answer_in != 0 {
+        c.chain_answer.store(std::mem::take(&mut rx.answer_in), Release);
+    }
+    if let Some((no, taken)) = rx.take_answer_owed() {
+        c.answer_owed.store(ANSWER | u32::from(taken) << 8 | no as u32, Release);
+        log_offer(mem, rx, no, taken);
+        if let (Some(s), Some(ids)) = (slot, rx.chain_ids(no as u32).filter(|_| taken)) {
+            s.set_chain(ids, false);
+        }
+    }
+    if c.careful.load(Relaxed) != rx.careful {
+        c.careful.store(rx.careful, Release);
+    }
     let hi = c.wire_hi.load(Acquire);
     if rx.peer_ack > hi {
         return Err(ProtoError::AckBeyondSent { ack: rx.peer_ack, sent: hi });
@@ -154,12 +170,22 @@ const FLAT_SEND: usize = 4096;
 
 /// Writes what `plan` says, with one system call. Returns the kernel's answer.
 fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> isize {
+    write_coded(fd, plan, app, ring, &[], flags)
+}
+
+/// [`write_plan`] for any plan: `made` is the whole payload of a coded frame or of an offer
+/// (empty for the others).
+fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], flags: c_int) -> isize {
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
     let (a, b) = match plan.source {
         Source::App => (&app[..plan.payload], &[][..]),
         Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+        Source::Coded { skip, .. } | Source::Spec { skip, .. } => {
+            let at = (skip as usize).min(made.len());
+            (&made[at..(at + plan.payload).min(made.len())], &[][..])
+        }
     };
     let parts = [plan.header_bytes(), a, b];
     if sandbox::active() {
@@ -276,6 +302,9 @@ fn check_link(mem: ConnMem) -> Result<(), IrbError> {
 fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
     let c = mem.conn();
     mem.with_tx_ring_held(|tx, ring| loop {
+        if !tx.in_frame() && !tx.replaying() {
+            chain_frames(mem, slot, fd, tx, ring);
+        }
         let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
             if c.fin_owed.load(Acquire) != 0 {
                 if let Some(p) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
@@ -290,7 +319,14 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
             }
             return !tx.in_frame() && c.fin_owed.load(Acquire) == 0;
         };
-        let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+        let (plan, made) = match make_payload(mem, tx, plan, &[], ring) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = fail(mem, slot, fd, e);
+                return true;
+            }
+        };
+        let r = write_coded(fd, &plan, &[], ring, &made, libc::MSG_DONTWAIT);
         if r < 0 {
             let e = sys::errno();
             tx.commit(&plan, 0, &[], ring);
@@ -315,6 +351,18 @@ pub const ACK: IrbKind = IrbKind::Other(0x100);
 /// without blocking; completes with 1 when nothing is left, 0 otherwise. The tx lock is held
 /// by the caller.
 pub const REPLAY: IrbKind = IrbKind::Other(0x101);
+
+/// An IRB asking the sink to offer the peer a chain of filters for what this side sends
+/// from now on: `Buf::Out` holds its description (filter names separated by commas, empty
+/// for none). Completes with the chain's number once the offer is made (the peer answers;
+/// a taken chain codes every frame from the next new byte), `EINVAL` for a description
+/// this build cannot make, `EBUSY` while an earlier offer waits for its answer. The tx lock
+/// is held by the caller.
+pub const CHAIN: IrbKind = IrbKind::Other(0x102);
+
+/// `CHAIN` with this flag: the offer goes with the next frame this side sends (a
+/// connection just set up, whose socket may still be connecting).
+pub const LATER: i32 = 1;
 
 /// `IrbKind::Disconnect` with this flag: the program resets the connection (an Abort frame,
 /// only if a frame can start now); without it, the program ends its stream (a Fin frame).
@@ -390,6 +438,10 @@ fn send_control(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
 fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
     let c = mem.conn();
     mem.with_tx_ring_held(|tx, ring| {
+        chain_frames(mem, slot, fd, tx, ring);
+        if kind == FrameKind::ChainAnswer {
+            return;
+        }
         let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
         let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
@@ -450,6 +502,12 @@ pub fn send(
             if let Err(e) = check_link(mem) {
                 return if total > 0 { Ok(total) } else { Err(e) };
             }
+            if (c.chain_answer.load(Relaxed) | c.answer_owed.load(Relaxed) | tx.offer_no) != 0
+                && !tx.in_frame()
+                && !tx.replaying()
+            {
+                chain_frames(mem, slot, fd, tx, ring);
+            }
             if total == data.len() && !tx.in_frame() {
                 return Ok(total);
             }
@@ -489,7 +547,8 @@ pub fn send(
                 Err(Blocked::Replaying) => {
                     // A rebuilt link: what the peer did not deliver goes first.
                     if let Some(p) = tx.plan_replay(delivered) {
-                        let r = write_plan(fd, &p, &[], ring, kflags);
+                        let (p, made) = make_payload(mem, tx, p, &[], ring).map_err(|e| fail(mem, slot, fd, e))?;
+                        let r = write_coded(fd, &p, &[], ring, &made, kflags);
                         if r < 0 {
                             let e = sys::errno();
                             tx.commit(&p, 0, &[], ring);
@@ -516,7 +575,8 @@ pub fn send(
             if hi > c.wire_hi.load(Relaxed) {
                 c.wire_hi.store(hi, Release);
             }
-            let r = write_plan(fd, &plan, rest, ring, kflags);
+            let (plan, made) = make_payload(mem, tx, plan, rest, ring).map_err(|e| fail(mem, slot, fd, e))?;
+            let r = write_coded(fd, &plan, rest, ring, &made, kflags);
             if r < 0 {
                 let e = sys::errno();
                 tx.commit(&plan, 0, rest, ring);
@@ -542,6 +602,7 @@ pub fn send(
                 return Ok(total);
             }
             if (r as usize) < plan.header_len + plan.payload && total > 0 {
+                // (A coded frame's payload counts coded bytes: any shortfall is one.)
                 // The kernel took less than offered (signal, or a full non-blocking buffer).
                 return Ok(total);
             }
@@ -568,7 +629,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
     c.with_rx_held(|rx| {
         let before = c.peer_ack.load(Acquire);
         let mut may_block = true;
-        while rx.frame_rem == 0 {
+        while rx.frame_rem == 0 && rx.coded_len == 0 {
             let r = if sandbox::active() {
                 harvest_read(fd, rx.header_slot(), &mut may_block)
             } else {
@@ -592,7 +653,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
             }
             let fin_before = rx.fin;
             if let Err(e) =
-                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, slot, rx))
             {
                 return Err(fail(mem, slot, fd, e));
             }
@@ -600,7 +661,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
         }
         Ok(if c.peer_ack.load(Acquire) > before {
             Harvest::Opened
-        } else if rx.frame_rem > 0 {
+        } else if rx.frame_rem > 0 || rx.coded_len > 0 {
             Harvest::Stuck
         } else {
             Harvest::Empty
@@ -633,7 +694,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
         return;
     }
     // (Read racily, only to choose how to wait.)
-    let (mid_frame, fin) = c.peek_rx(|rx| (rx.frame_rem > 0, rx.fin != 0));
+    let (mid_frame, fin) = c.peek_rx(|rx| (rx.frame_rem > 0 || rx.coded_len > 0, rx.fin != 0));
     if sandbox::active() {
         // The sender may not be allowed to read them itself: the control thread does.
         c.ctl_owed.fetch_or(crate::shm::CTL_HARVEST, AcqRel);
@@ -653,6 +714,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 /// the rx lock.
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
+    answer_if_owed(mem, slot, fd);
     if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
@@ -761,6 +823,19 @@ pub fn recv(
         let mut total = 0;
         loop {
             let space = &mut buf[total..];
+            if rx.coded_len > 0 {
+                match recv_coded(mem, slot, rx, fd, space, kflags, false, gen) {
+                    Ok(0) => return Ok(total),
+                    Ok(n) => {
+                        total += n;
+                        if !waitall || total == buf.len() {
+                            return Ok(total);
+                        }
+                        continue;
+                    }
+                    Err(e) => return if total > 0 { Ok(total) } else { Err(e) },
+                }
+            }
             let plan = rx.plan_read(space.len());
             let fin_before = rx.fin;
             // Every plan reads at most as many payload bytes as `space` holds, so a staged read
@@ -806,7 +881,7 @@ pub fn recv(
             } else {
                 rx.ingest(plan, r as usize, space)
             };
-            let got = match ingested.and_then(|i| publish_rx(mem, rx).map(|_| i.payload)) {
+            let got = match ingested.and_then(|i| publish_rx(mem, slot, rx).map(|_| i.payload)) {
                 Ok(n) => n,
                 Err(e) => {
                     let err = fail(mem, slot, fd, e);
@@ -816,6 +891,10 @@ pub fn recv(
             total += got;
             fin_check(mem, fd, fin_before, rx);
             maybe_ack(mem, slot, fd, rx.delivered);
+            if rx.coded_len > 0 && total > 0 {
+                // A coded frame is next: deliver what is here first.
+                return Ok(total);
+            }
             if total > 0 && (!waitall || total == buf.len()) {
                 return Ok(total);
             }
@@ -833,6 +912,9 @@ fn peek(
     gen: Option<u32>,
 ) -> Result<usize, IrbError> {
     loop {
+        if rx.coded_len > 0 {
+            return recv_coded(mem, slot, rx, fd, buf, kflags, true, gen);
+        }
         if rx.frame_rem > 0 {
             // Peek past frame boundaries as native TCP does: look at the raw bytes, parse a
             // copy of the receive state, hand over the payload.
@@ -844,8 +926,8 @@ fn peek(
             let mut copy = *rx;
             let n = match copy.parse_buffer(&mut raw[..r as usize]) {
                 Ok(i) => i.payload,
-                // Garbage further on is dealt with when it is really read; the current
-                // frame's payload is fine.
+                // Garbage further on is dealt with when it is really read (and a coded
+                // frame is not peeked past); the current frame's payload is fine.
                 Err(_) => (r as u64).min(rx.frame_rem) as usize,
             };
             let n = n.min(buf.len());
@@ -869,7 +951,7 @@ fn peek(
         }
         let fin_before = rx.fin;
         if let Err(e) =
-            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+            rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, slot, rx))
         {
             return Err(fail(mem, slot, fd, e));
         }
@@ -881,7 +963,7 @@ fn peek(
 /// closing now must reset the connection, as native TCP does.
 pub fn unread_payload(mem: ConnMem, fd: c_int) -> bool {
     // (A racy read, only to choose how to close.)
-    let mid_frame = mem.conn().peek_rx(|rx| rx.frame_rem > 0);
+    let mid_frame = mem.conn().peek_rx(|rx| rx.frame_rem > 0 || rx.coded_len > 0);
     mid_frame || readable_bytes(mem, fd).unwrap_or(0) > 0
 }
 
@@ -902,7 +984,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
     let _g = c.rx_lock.lock();
     c.with_rx_held(|rx| {
         loop {
-            if rx.frame_rem > 0 {
+            if rx.frame_rem > 0 || rx.coded_len > 0 {
                 return Drained::DataArrived;
             }
             let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
@@ -936,7 +1018,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
 #[inline]
 pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
     let c = mem.conn();
-    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 {
+    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 || c.careful.load(Relaxed) != 0 {
         return true;
     }
     // (A racy read of a value that changes only at set-up and exec.)
@@ -952,6 +1034,16 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
     c.with_rx_held(|rx| {
         let mut took = false;
         loop {
+            if rx.coded_len > 0 {
+                // Readable once the whole coded frame is there; until then the kernel is told
+                // to wake waiters only then.
+                return if sys::fd::fionread(fd).is_some_and(|n| n as u64 >= rx.coded_len as u64) {
+                    Truth::Readable
+                } else {
+                    set_lowat(fd, rx.coded_len as usize);
+                    Truth::Spurious
+                };
+            }
             if rx.frame_rem > 0 {
                 if !took {
                     // Mid-frame since an earlier call: what made it readable is payload.
@@ -983,13 +1075,14 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
             took = true;
             let fin_before = rx.fin;
             if let Err(e) =
-                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, rx))
+                rx.ingest(rx.header_only_plan(), r as usize, &mut []).and_then(|_| publish_rx(mem, slot, rx))
             {
                 // The program's next call reports it.
                 let _ = fail(mem, slot, fd, e);
                 return Truth::Readable;
             }
             fin_check(mem, fd, fin_before, rx);
+            answer_if_owed(mem, slot, fd);
         }
     })
 }
@@ -1000,6 +1093,17 @@ pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
     // A copy to work on (the caller holds the rx lock, or the program closed the
     // connection and no one reads it).
     let mut rx = mem.conn().peek_rx(|rx| *rx);
+    if rx.coded_len > 0 {
+        if (n.max(0) as u64) < rx.coded_len as u64 {
+            return Ok(0);
+        }
+        let mut enc = vec![0u8; rx.coded_len as usize];
+        let r = sock_recv(fd, &mut enc, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+        if r != enc.len() as isize {
+            return Ok(0);
+        }
+        return Ok(decode_frame(&rx, enc).map_or(0, |d| d.len().saturating_sub(rx.coded_taken as usize) as i32));
+    }
     if n <= 0 || rx.frame_rem >= n as u64 {
         return Ok(n.max(0));
     }
@@ -1009,4 +1113,279 @@ pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
         return Ok(0);
     }
     Ok(rx.parse_buffer(&mut tmp[..r as usize]).map(|i| i.payload as i32).unwrap_or(0))
+}
+
+/// The chain of compact form `ids`, `None` for one this build cannot make (never for ids
+/// that were agreed: both sides checked them).
+fn chain_of(ids: u32) -> Option<Chain> {
+    Chain::from_ids(ids)
+}
+
+/// The description of compact form `ids`, for log lines and `vmictl`.
+pub fn chain_spec(ids: u32) -> String {
+    chain::spec_of_ids(ids).unwrap_or_else(|| format!("?{ids:#x}"))
+}
+
+/// Codes the frame `plan` just planned when its chain says so, or makes the payload of a
+/// coded frame or offer in progress again (from the ring). Returns the plan to write and
+/// the payload it names (empty for plain frames).
+fn make_payload(
+    mem: ConnMem,
+    tx: &mut TxState,
+    plan: Plan,
+    app: &[u8],
+    ring: &[u8],
+) -> Result<(Plan, Vec<u8>), ProtoError> {
+    let raw_of = |source: Source, len: usize| -> Vec<u8> {
+        match source {
+            Source::App => app[..len].to_vec(),
+            Source::Coded { raw_seq, app: false, .. } | Source::Ring(raw_seq) => {
+                let (a, b) = ring_slices(ring, raw_seq, len);
+                [a, b].concat()
+            }
+            Source::Coded { app: true, .. } => app[..len].to_vec(),
+            Source::Spec { .. } => Vec::new(),
+        }
+    };
+    if let Some((_, ids)) = tx.frame_chain() {
+        let seq = match plan.source {
+            Source::Ring(at) => at,
+            _ => tx.next_seq,
+        };
+        let raw = raw_of(plan.source, plan.payload);
+        let coded = chain_of(ids).map(|mut c| c.encode(seq, &raw)).unwrap_or_default();
+        if coded.is_empty() || coded.len() > MAX_PAYLOAD as usize {
+            crate::log::error(format_args!(
+                "virtual connection {:032x}: chain \"{}\" coded {} bytes into {}",
+                mem.conn().gid,
+                chain_spec(ids),
+                raw.len(),
+                coded.len()
+            ));
+            return Err(ProtoError::Undecodable);
+        }
+        let plan = tx.code_frame(plan, coded.len());
+        return Ok((plan, coded));
+    }
+    let made = match plan.source {
+        Source::Coded { raw_seq, raw_len, chain, .. } => {
+            let raw = raw_of(plan.source, raw_len as usize);
+            chain_of(tx.chain_ids[chain as usize]).map(|mut c| c.encode(raw_seq, &raw)).unwrap_or_default()
+        }
+        Source::Spec { ids, .. } => offer_spec(ids).into_bytes(),
+        _ => return Ok((plan, Vec::new())),
+    };
+    Ok((plan, made))
+}
+
+/// Offers the peer the chain `spec` describes for what this side sends from now on (the
+/// `CHAIN` IRB). The tx lock is held by the caller.
+fn offer(mem: ConnMem, slot: Option<Slot>, fd: c_int, spec: &[u8], later: bool) -> Result<usize, IrbError> {
+    let c = mem.conn();
+    let spec = std::str::from_utf8(spec).map_err(|_| IrbError::Os(libc::EINVAL))?;
+    let ch = Chain::build(spec).ok_or(IrbError::Os(libc::EINVAL))?;
+    let ids = ch.ids().ok_or(IrbError::Os(libc::EINVAL))?;
+    let fit = if ch.is_empty() { MAX_PAYLOAD as usize } else { ch.fit(CODED_MAX) };
+    if fit == 0 {
+        return Err(IrbError::Os(libc::EINVAL));
+    }
+    let b = c.broken.load(Acquire);
+    if b != 0 {
+        return Err(IrbError::Os(b));
+    }
+    mem.with_tx_ring_held(|tx, ring| {
+        if tx.chain_now().1 == ids && tx.offer_no == 0 {
+            // Already so.
+            return Ok(tx.chain_cur as usize);
+        }
+        let no = tx.begin_offer(ids, fit).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
+        crate::log::debug(format_args!(
+            "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends",
+            c.gid,
+            ch.spec
+        ));
+        if !later && c.link_down.load(Acquire) == 0 && !tx.in_frame() && !tx.replaying() {
+            chain_frames(mem, slot, fd, tx, ring);
+        }
+        Ok(no as usize)
+    })
+}
+
+/// Chain business of the send half, at a frame boundary: takes the peer's answer to our
+/// offer, sends the answer we owe to the peer's offer, and our offer if it is not on this
+/// link yet. Never waits. The caller holds the tx lock.
+fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, ring: &mut [u8]) {
+    let c = mem.conn();
+    let a = c.chain_answer.swap(0, AcqRel);
+    if a != 0 {
+        if let Some((no, taken, ids)) = tx.take_answer(a) {
+            c.coding.store(u32::from(tx.chain_cur != 0), Release);
+            if let Some(s) = slot {
+                s.set_chain(tx.chain_now().1, true);
+            }
+            if taken {
+                crate::log::info(format_args!(
+                    "virtual connection {:032x}: what it sends goes through chain \"{}\" from byte {}",
+                    c.gid,
+                    chain_spec(ids),
+                    tx.next_seq
+                ));
+            } else {
+                crate::log::warn(format_args!(
+                    "virtual connection {:032x}: the peer refused chain {no} \"{}\" (its layer lacks a filter); \
+                     the stream goes on as it was",
+                    c.gid,
+                    chain_spec(ids)
+                ));
+            }
+        }
+    }
+    let owed = c.answer_owed.load(Acquire);
+    if owed != 0 && !tx.in_frame() {
+        if let Some(p) = tx.plan_answer(owed as u8, owed & 0x100 != 0, c.delivered.load(Acquire)) {
+            let r = write_plan(fd, &p, &[], ring, libc::MSG_DONTWAIT);
+            tx.commit(&p, r.max(0) as usize, &[], ring);
+            publish_tx(mem, tx, slot);
+            if r > 0 {
+                let _ = c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed);
+            }
+        }
+    }
+    if !tx.in_frame() {
+        if let Some(p) = tx.plan_offer(c.delivered.load(Acquire)) {
+            let made = offer_spec(match p.source {
+                Source::Spec { ids, .. } => ids,
+                _ => 0,
+            });
+            let r = write_coded(fd, &p, &[], ring, made.as_bytes(), libc::MSG_DONTWAIT);
+            tx.commit(&p, r.max(0) as usize, &[], ring);
+            publish_tx(mem, tx, slot);
+            if tx.in_frame() {
+                linkstate::owed_later();
+            }
+        }
+    }
+}
+
+/// Sends the answer owed to the peer's chain offer, if one is owed and no other thread
+/// sends now (that thread sends it at its next frame boundary). Never waits.
+fn answer_if_owed(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
+    let c = mem.conn();
+    if c.answer_owed.load(Relaxed) == 0 {
+        return;
+    }
+    match c.tx_lock.try_lock() {
+        Some(_g) => control_held(mem, slot, fd, FrameKind::ChainAnswer),
+        None => {
+            // A sender holds the half; it sends the answer at its next frame boundary, and
+            // the control thread if it does not come back.
+            c.ctl_owed.fetch_or(crate::shm::CTL_ACK, AcqRel);
+            linkstate::poke_work();
+        }
+    }
+}
+
+/// A log line for the peer's chain offer, taken or refused.
+fn log_offer(mem: ConnMem, rx: &RxState, no: u8, taken: bool) {
+    let gid = mem.conn().gid;
+    match rx.chain_ids(no as u32) {
+        Some(ids) if taken => crate::log::info(format_args!(
+            "virtual connection {gid:032x}: what the peer sends goes through chain \"{}\" (number {no})",
+            chain_spec(ids)
+        )),
+        _ => crate::log::warn(format_args!(
+            "virtual connection {gid:032x}: refused the peer's chain {no}: a filter this build does not have"
+        )),
+    }
+}
+
+/// Decodes the coded frame being read from its whole payload `enc`.
+fn decode_frame(rx: &RxState, enc: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
+    let ids = rx.chain_ids(rx.coded_chain).ok_or(ProtoError::BadChain(rx.coded_chain as u8))?;
+    let mut c = chain_of(ids).ok_or(ProtoError::BadChain(rx.coded_chain as u8))?;
+    let d = c.decode(rx.coded_seq, enc).map_err(|_| ProtoError::Undecodable)?;
+    if d.is_empty() || (rx.coded_taken as usize) > d.len() {
+        return Err(ProtoError::Undecodable);
+    }
+    Ok(d)
+}
+
+/// Asks the kernel to call the socket readable only once `n` bytes wait (1: as usual).
+fn set_lowat(fd: c_int, n: usize) {
+    if sandbox::allows_nr(libc::SYS_setsockopt) {
+        let v = (n.min(i32::MAX as usize) as i32).to_ne_bytes();
+        sys::fd::setsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v);
+    }
+}
+
+/// Reads from the coded frame whose header was taken: its whole payload is looked at in the
+/// socket (it stays there until the program has every decoded byte, so the socket's
+/// readiness stays the program's), decoded, and the program gets the bytes it has not had.
+/// With `peek`, nothing is taken. The caller holds the rx lock.
+#[allow(clippy::too_many_arguments)]
+fn recv_coded(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    rx: &mut RxState,
+    fd: c_int,
+    space: &mut [u8],
+    kflags: c_int,
+    peek: bool,
+    gen: Option<u32>,
+) -> Result<usize, IrbError> {
+    let len = rx.coded_len as usize;
+    let mut enc = vec![0u8; len];
+    let nb = kflags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
+    let wait = if nb { libc::MSG_DONTWAIT } else { libc::MSG_WAITALL };
+    let r = sock_recv(fd, &mut enc, libc::MSG_PEEK | wait);
+    if r < 0 {
+        let e = sys::errno();
+        if e == libc::EAGAIN {
+            set_lowat(fd, len);
+        }
+        return Err(read_error(mem, e, gen));
+    }
+    if r == 0 {
+        check_link(mem)?;
+        if socket_gone(fd) {
+            return Err(physical_error(mem, libc::ENOTCONN, false, 0, gen));
+        }
+        // The peer's kernel closed in the middle of a frame: the link is lost.
+        linkstate::link_broken_on(mem, "the link ended inside a frame", gen);
+        return Err(IrbError::LinkDown);
+    }
+    if (r as usize) < len {
+        // Not all of it yet (a non-blocking read, or a blocking one cut short by a time-out
+        // or a signal): wake readers when it is.
+        set_lowat(fd, len);
+        return Err(IrbError::WouldBlock);
+    }
+    let dec = match decode_frame(rx, enc) {
+        Ok(d) => d,
+        Err(e) => return Err(fail(mem, slot, fd, e)),
+    };
+    let at = rx.coded_taken as usize;
+    let n = space.len().min(dec.len() - at);
+    space[..n].copy_from_slice(&dec[at..at + n]);
+    if peek {
+        return Ok(n);
+    }
+    rx.coded_delivered(n);
+    if at + n == dec.len() {
+        // Every decoded byte is the program's: take the payload off the socket (it is all
+        // there: we just looked at it, and only this half reads).
+        let mut sink = vec![0u8; len];
+        let r = sock_recv(fd, &mut sink, libc::MSG_DONTWAIT);
+        if r != len as isize {
+            let e = if r < 0 { sys::errno() } else { libc::EIO };
+            let _ = physical_error(mem, e, false, 0, gen);
+        }
+        rx.coded_done();
+        set_lowat(fd, 1);
+    }
+    if let Err(e) = publish_rx(mem, slot, rx) {
+        return Err(fail(mem, slot, fd, e));
+    }
+    maybe_ack(mem, slot, fd, rx.delivered);
+    Ok(n)
 }

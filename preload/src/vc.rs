@@ -410,6 +410,13 @@ impl Vc {
         c.with_rx(&mut c.rx_lock.lock(), |r| *r = rx);
         c.delivered.store(rx.delivered, Release);
         c.peer_ack.store(rx.peer_ack, Release);
+        c.careful.store(rx.careful, Release);
+        c.coding.store(u32::from(tx.chain_cur != 0), Release);
+        if let Some(sl) = vc.slot {
+            sl.set_chain(tx.chain_now().1, true);
+            let rx_ids = (1..16).rev().find_map(|n| rx.chain_ids(n).filter(|_| rx.careful != 0)).unwrap_or(0);
+            sl.set_chain(rx_ids, false);
+        }
         c.ack_sent.store(tx.ack_sent, Release);
         c.wire_hi.store(tx.next_seq, Release);
         c.unacked.store(tx.unacked(), Relaxed);
@@ -753,6 +760,32 @@ impl Vc {
         let Some(_g) = c.tx_lock.try_lock() else { return };
         let irb = Irb::new(crate::tcp_sink::ACK).with_handle(fd as i64);
         let _ = self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb));
+    }
+
+    /// Offers the peer a chain of filters for what this side sends from now on (`spec`:
+    /// filter names separated by commas, empty for none): a [`crate::tcp_sink::CHAIN`] IRB
+    /// down the send chain. The peer's layer answers; a taken chain codes every frame from
+    /// the next new byte on. With `later`, the offer goes with the next frame this side
+    /// sends. Returns the chain's number; `EINVAL` for a filter this build lacks, `EBUSY`
+    /// while an earlier offer waits for its answer, `EOPNOTSUPP` on shared memory (filters
+    /// work on frames of the kernel-TCP substrate).
+    pub fn offer_chain(&self, fd: i32, spec: &str, later: bool) -> Result<usize, IrbError> {
+        if self.shm_now().is_some() {
+            return Err(IrbError::Os(libc::EOPNOTSUPP));
+        }
+        let c = self.mem.conn();
+        let _g = c.tx_lock.lock();
+        let mut irb = Irb::new(crate::tcp_sink::CHAIN).with_handle(fd as i64);
+        irb.buf = substrate::irb::Buf::Out(spec.as_bytes());
+        irb.flags = if later { crate::tcp_sink::LATER } else { 0 };
+        self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb))
+    }
+
+    /// True when a chain of filters works on either direction (the connection then stays
+    /// on kernel TCP).
+    pub fn filtered(&self) -> bool {
+        let c = self.mem.conn();
+        c.coding.load(Acquire) != 0 || c.careful.load(Acquire) != 0 || c.peek_tx(|tx| tx.offer_no != 0)
     }
 
     /// The last close of a connection over shared memory: a replay still owed to the ring

@@ -25,6 +25,10 @@ pub mod off {
     pub const USED: usize = 0;
     /// u32: process id of the process that made the connection.
     pub const PID: usize = 4;
+    /// u32: the chain of filters on what this side sends, compact form (0: none).
+    pub const SEND_CHAIN: usize = 8;
+    /// u32: the chain of filters on what this side receives, compact form (0: none).
+    pub const RECV_CHAIN: usize = 12;
     /// u128: the GID.
     pub const GID: usize = 16;
     /// 20 bytes: local address (u16 family 4/6, u16 port, 16 bytes IP).
@@ -96,6 +100,10 @@ pub struct SlotView {
     pub peer: SocketAddr,
     /// Substrate name.
     pub substrate: &'static str,
+    /// The chain of filters on what this side sends (`""`: none; `"?"`: unknown here).
+    pub send_chain: String,
+    /// The chain of filters on what this side receives.
+    pub recv_chain: String,
     /// True when this side connected.
     pub active: bool,
     /// Soft window.
@@ -133,6 +141,11 @@ pub fn substrate_name(code: u32) -> &'static str {
     }
 }
 
+/// The description of a chain's compact form, `"?"` for one this build does not know.
+pub fn chain_name(ids: u32) -> String {
+    crate::connection::chain::spec_of_ids(ids).unwrap_or_else(|| "?".into())
+}
+
 impl SlotView {
     /// Reads a slot; `None` if it is free or does not make sense.
     pub fn parse(s: &[u8]) -> Option<SlotView> {
@@ -150,6 +163,8 @@ impl SlotView {
             local: decode_addr(&s[off::LOCAL..off::LOCAL + 20])?,
             peer: decode_addr(&s[off::PEER..off::PEER + 20])?,
             substrate: substrate_name(u32at(off::SUBSTRATE)),
+            send_chain: chain_name(u32at(off::SEND_CHAIN)),
+            recv_chain: chain_name(u32at(off::RECV_CHAIN)),
             active: u32at(off::ACTIVE) == 1,
             window: u64at(off::WINDOW),
             bytes_sent: u64at(off::COUNTERS),

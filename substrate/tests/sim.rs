@@ -3,10 +3,13 @@
 //! dies at random points (whatever it held is lost, partial frames included) and comes back
 //! later. After each link comes back both sides resync and replay. The check: each side
 //! delivered exactly the stream the other sent, and no byte was ever freed from a replay ring
-//! before the peer's layer had delivered it.
+//! before the peer's layer had delivered it. With `chains`, each side also offers filter
+//! chains for its stream at random (in band, as the kernel-TCP sink does) and codes its frames
+//! with the taken one: frames sent again are coded with the chain of their own offsets.
 
 use std::collections::VecDeque;
-use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, RxState, Source, TxState};
+use substrate::connection::chain::{Chain, CODED_MAX};
+use substrate::reliability::{ack_due, offer_spec, ring_slices, Blocked, Plan, RxState, Source, TxState};
 use substrate::wire::frame::{FrameKind, HEADER_LEN};
 
 struct Rng(u64);
@@ -37,6 +40,11 @@ struct End {
     /// Bytes of the own stream handed to the layer so far.
     produced: u64,
     received: Vec<u8>,
+    /// The answer owed to the peer's chain offer (number, taken), not sent yet.
+    answer: Option<(u8, bool)>,
+    /// Chains taken by the peer for our stream, and coded frames sent.
+    switches: u32,
+    coded_frames: u64,
 }
 
 impl End {
@@ -48,6 +56,58 @@ impl End {
             ring: vec![0; window as usize],
             produced: 0,
             received: Vec::new(),
+            answer: None,
+            switches: 0,
+            coded_frames: 0,
+        }
+    }
+
+    /// The raw bytes a coded frame carries.
+    fn raw(&self, source: Source, app: &[u8], len: usize) -> Vec<u8> {
+        match source {
+            Source::App | Source::Coded { app: true, .. } => app[..len].to_vec(),
+            Source::Ring(at) | Source::Coded { raw_seq: at, .. } => {
+                let (a, b) = ring_slices(&self.ring, at, len);
+                [a, b].concat()
+            }
+            Source::Spec { .. } => Vec::new(),
+        }
+    }
+
+    /// Codes the frame just planned if its chain says so (as the kernel-TCP sink does).
+    fn code(&mut self, plan: Plan, app: &[u8]) -> Plan {
+        let Some((_, ids)) = self.tx.frame_chain() else { return plan };
+        let seq = match plan.source {
+            Source::Ring(at) => at,
+            _ => self.tx.next_seq,
+        };
+        let raw = self.raw(plan.source, app, plan.payload);
+        let coded = Chain::from_ids(ids).expect("agreed chain").encode(seq, &raw);
+        assert!(coded.len() <= CODED_MAX, "a coded frame fits");
+        self.coded_frames += 1;
+        self.tx.code_frame(plan, coded.len())
+    }
+
+    /// Chain business at a frame boundary: the answer we owe, our offer.
+    fn chain_frames(&mut self, q: &mut VecDeque<u8>, room: usize) {
+        if self.tx.in_frame() || self.tx.replaying() || self.tx.awaiting_resync() {
+            return;
+        }
+        if let Some((no, taken)) = self.answer {
+            if let Some(plan) = self.tx.plan_answer(no, taken, self.rx.delivered) {
+                let n = self.push(&plan, &[], q, room);
+                self.tx.commit(&plan, n, &[], &mut self.ring);
+                if n > 0 {
+                    self.answer = None;
+                }
+            }
+        }
+        if self.tx.in_frame() {
+            return;
+        }
+        if let Some(plan) = self.tx.plan_offer(self.rx.delivered) {
+            let n = self.push(&plan, &[], q, room.saturating_sub(HEADER_LEN));
+            self.tx.commit(&plan, n, &[], &mut self.ring);
         }
     }
 
@@ -60,6 +120,16 @@ impl End {
                 let (a, b) = ring_slices(&self.ring, seq, plan.payload);
                 bytes.extend_from_slice(a);
                 bytes.extend_from_slice(b);
+            }
+            Source::Coded { raw_seq, raw_len, chain, skip, .. } => {
+                // Made again from the raw bytes each time, as the sink does.
+                let raw = self.raw(plan.source, app, raw_len as usize);
+                let ids = self.tx.chain_ids[chain as usize];
+                let coded = Chain::from_ids(ids).expect("agreed chain").encode(raw_seq, &raw);
+                bytes.extend_from_slice(&coded[skip as usize..skip as usize + plan.payload]);
+            }
+            Source::Spec { ids, skip } => {
+                bytes.extend_from_slice(&offer_spec(ids).as_bytes()[skip as usize..][..plan.payload]);
             }
         }
         let n = bytes.len().min(room);
@@ -78,8 +148,11 @@ fn write_some(e: &mut End, link: &mut Link, rng: &mut Rng, want: usize, gen: boo
     let q = &mut link.q[e.side];
     let room = link.cap - q.len();
     let room = if room > 0 { 1 + rng.below(room as u64) as usize } else { 0 };
+    e.chain_frames(q, room);
+    let room = link.cap.saturating_sub(q.len()).min(room);
     if e.tx.replaying() || e.tx.in_frame() {
         if let Some(plan) = e.tx.plan_replay(e.rx.delivered) {
+            let plan = e.code(plan, &[]);
             let n = e.push(&plan, &[], q, room);
             e.tx.commit(&plan, n, &[], &mut e.ring);
             return;
@@ -95,6 +168,7 @@ fn write_some(e: &mut End, link: &mut Link, rng: &mut Rng, want: usize, gen: boo
     }
     match e.tx.plan_send(app.len(), e.rx.delivered, rng.below(8) == 0) {
         Ok(plan) => {
+            let plan = e.code(plan, &app);
             let n = e.push(&plan, &app, q, room);
             let acc = e.tx.commit(&plan, n, &app, &mut e.ring);
             e.produced = e.produced.max(e.tx.next_seq);
@@ -113,6 +187,8 @@ fn send_ack(e: &mut End, link: &mut Link) {
     }
     let q = &mut link.q[e.side];
     let room = link.cap - q.len();
+    e.chain_frames(q, room);
+    let room = link.cap - q.len();
     if let Some(plan) = e.tx.plan_control(FrameKind::Ack, e.rx.delivered) {
         let n = e.push(&plan, &[], q, room);
         e.tx.commit(&plan, n, &[], &mut e.ring);
@@ -120,6 +196,26 @@ fn send_ack(e: &mut End, link: &mut Link) {
 }
 
 fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
+    if e.rx.coded_len > 0 {
+        // As the sink: the whole coded frame is looked at where it waits, decoded, and the
+        // program gets what it has not had; the frame leaves the link once all is given.
+        let len = e.rx.coded_len as usize;
+        if peer_q.len() < len {
+            return;
+        }
+        let enc: Vec<u8> = peer_q.iter().take(len).copied().collect();
+        let ids = e.rx.chain_ids(e.rx.coded_chain).expect("a taken chain");
+        let dec = Chain::from_ids(ids).unwrap().decode(e.rx.coded_seq, enc).expect("honest peer");
+        let at = e.rx.coded_taken as usize;
+        let k = n.min(dec.len() - at);
+        e.received.extend_from_slice(&dec[at..at + k]);
+        e.rx.coded_delivered(k);
+        if at + k == dec.len() {
+            peer_q.drain(..len);
+            e.rx.coded_done();
+        }
+        return;
+    }
     let plan = e.rx.plan_read(n);
     let mut app = vec![0u8; n];
     let avail = peer_q.len().min(plan.total());
@@ -133,6 +229,15 @@ fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     let r = r.expect("honest peer never breaks the protocol");
     e.received.extend_from_slice(&app[..r.payload]);
     e.tx.on_ack(e.rx.peer_ack).expect("ack within what was sent");
+    if let Some(a) = e.rx.take_answer_owed() {
+        e.answer = Some(a);
+    }
+    if e.rx.answer_in != 0 {
+        let a = std::mem::take(&mut e.rx.answer_in);
+        if let Some((_, true, _)) = e.tx.take_answer(a) {
+            e.switches += 1;
+        }
+    }
     if let Some(r) = e.rx.take_resync() {
         e.tx.resync(r).expect("resync within the replayable range");
     }
@@ -162,6 +267,10 @@ fn fail_link(ends: &mut [End; 2], link: &mut Link, mode: Resume) {
 
 fn restore_link(ends: &mut [End; 2], link: &mut Link, mode: Resume) {
     link.up = true;
+    for e in ends.iter_mut() {
+        // An answer owed to an offer the lost link carried: the offer comes again.
+        e.answer = None;
+    }
     if mode == Resume::Handshake {
         let (d0, d1) = (ends[0].rx.delivered, ends[1].rx.delivered);
         ends[0].tx.relink(d1, d0).expect("peer's count within the replayable range");
@@ -194,10 +303,29 @@ fn run(seed: u64, steps: u64, window: u64, fail_per_mille: u64) -> (u64, u64, u3
 }
 
 fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resume) -> (u64, u64, u32) {
+    let (a, b, f, _) = run_chains(seed, steps, window, fail_per_mille, mode, false);
+    (a, b, f)
+}
+
+/// The filter chains offered at random (`chains`): double, double twice, none.
+const SPECS: [&str; 3] = ["double", "double,double", ""];
+
+/// Returns both streams' lengths, the link failures, and chain switches and coded frames.
+fn run_chains(
+    seed: u64,
+    steps: u64,
+    window: u64,
+    fail_per_mille: u64,
+    mode: Resume,
+    chains: bool,
+) -> (u64, u64, u32, (u32, u64)) {
     let mut rng = Rng(seed | 1);
     let mut ends = [End::new(0, window), End::new(1, window)];
+    // A coded frame is read only once it waits whole: the link must hold one (as the
+    // kernel's receive buffer does).
+    let least = if chains { CODED_MAX + HEADER_LEN } else { 0 };
     let mut link =
-        Link { q: [VecDeque::new(), VecDeque::new()], cap: 512 + rng.below(20_000) as usize, up: true };
+        Link { q: [VecDeque::new(), VecDeque::new()], cap: least + 512 + rng.below(20_000) as usize, up: true };
     let mut down_until = 0u64;
     let mut failures = 0;
     let mut now = 0u64;
@@ -218,6 +346,11 @@ fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resum
             continue;
         }
         let s = rng.below(2) as usize;
+        if chains && generating && rng.below(200) == 0 {
+            let c = Chain::build(SPECS[rng.below(3) as usize]).unwrap();
+            let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
+            let _ = ends[s].tx.begin_offer(c.ids().unwrap(), fit);
+        }
         match rng.below(10) {
             0..=3 => {
                 let big = rng.below(4) == 0;
@@ -267,7 +400,34 @@ fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resum
         assert!(ends[s].received == want, "seed {seed}: side {s} got different bytes");
         assert!(!ends[1 - s].tx.replaying());
     }
-    (ends[0].tx.next_seq, ends[1].tx.next_seq, failures)
+    let sw = ends[0].switches + ends[1].switches;
+    let coded = ends[0].coded_frames + ends[1].coded_frames;
+    (ends[0].tx.next_seq, ends[1].tx.next_seq, failures, (sw, coded))
+}
+
+#[test]
+fn chains_switched_at_random_keep_the_streams() {
+    let (mut sw, mut coded) = (0, 0);
+    for seed in 1..40 {
+        let (a, b, _, (s, c)) = run_chains(seed * 31, 4000, 64 * 1024, 0, Resume::Handshake, true);
+        assert!(a > 10_000 && b > 10_000, "traffic moved: {a} {b}");
+        sw += s;
+        coded += c;
+    }
+    assert!(sw > 100 && coded > 1000, "chains really changed ({sw}) and coded frames went ({coded})");
+}
+
+#[test]
+fn chains_switched_at_random_keep_the_streams_across_link_failures() {
+    let (mut failures, mut sw, mut coded) = (0, 0, 0);
+    for seed in 1..120 {
+        let mode = if seed % 2 == 0 { Resume::Handshake } else { Resume::InBand };
+        let (_, _, f, (s, c)) = run_chains(seed * 7907, 3000, 4096 * (1 + seed % 16), 5, mode, true);
+        failures += f;
+        sw += s;
+        coded += c;
+    }
+    assert!(failures > 300 && sw > 100 && coded > 1000, "failures {failures}, switches {sw}, coded {coded}");
 }
 
 #[test]

@@ -14,6 +14,7 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] --grid status [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET [--json]
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp [--json]
+       vmictl [--socket NAME] [--node NODE] chain GID FILTERS|none [--json]
        vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
@@ -26,6 +27,7 @@ commands:
   status         the node's processes under the layer, networks, paths, connections
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
+  chain          put filters on what a live connection's ends on the node send
   migrate        move a process and its connections to another host (CRIU)
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node (or on NODE, or on every node with --cluster),
@@ -104,6 +106,20 @@ const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID s
   the connection's processes.
   --json         {gid, to, node, ok, error?} (node: NODE of --node, or null)";
 
+const USAGE_CHAIN: &str = "usage: vmictl [--socket NAME] [--node NODE] chain GID FILTERS|none [--json]
+
+  chain GID FILTERS  put the chain of filters FILTERS (names separated by commas; the
+                 filters this build has: double, which sends every byte twice, for tests)
+                 on what each end of connection GID on this node sends, from a frame
+                 boundary both layers agree on: no byte lost, repeated or reordered. The
+                 peer's layer takes the chain or refuses it (the stream then goes on as
+                 it was); `vmictl status` shows each direction's chain once taken.
+  chain GID none take the filters off again
+  GID is 32 hexadecimal digits, as `vmictl status` shows it. Needs root or the owner of
+  the connection's processes. Connections on shared memory take no filters (move them to
+  TCP first).
+  --json         {gid, chain, node, ok, error?} (node: NODE of --node, or null)";
+
 const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
 
   where GID      on which node(s) and in which process(es) connection GID lives now:
@@ -152,10 +168,11 @@ const USAGE_MIGRATE: &str = "usage: vmictl [--socket NAME] [--node NODE] migrate
   --json         vmi-migrate's report as one JSON object";
 
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 7] = [
+const COMMANDS: [(&str, &str); 8] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
+    ("chain", USAGE_CHAIN),
     ("migrate", USAGE_MIGRATE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
@@ -291,10 +308,16 @@ fn print_table(v: &Value) {
     }
     for c in &cs {
         let arrow = if c["direction"] == "out" { "->" } else { "<-" };
-        let link = match (c["link"].as_str().unwrap_or(""), c["failovers"].as_u64().unwrap_or(0)) {
+        let mut link = match (c["link"].as_str().unwrap_or(""), c["failovers"].as_u64().unwrap_or(0)) {
             (l, 0) => l.to_string(),
             (l, n) => format!("{l}, {n} failovers"),
         };
+        let (tx_chain, rx_chain) =
+            (c["chain"]["send"].as_str().unwrap_or(""), c["chain"]["recv"].as_str().unwrap_or(""));
+        if !tx_chain.is_empty() || !rx_chain.is_empty() {
+            let or_none = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
+            link += &format!(", chain out {} in {}", or_none(tx_chain), or_none(rx_chain));
+        }
         println!(
             "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}  {:<6} {}{}",
             c["gid"].as_str().unwrap_or(""),
@@ -709,6 +732,15 @@ fn main() {
                 };
                 cmd = Some(Msg::Move { gid, shm });
             }
+            "chain" => {
+                name = word;
+                let gid = operand(&mut it, "chain", "a GID");
+                let gid = u128::from_str_radix(gid.trim_start_matches("0x"), 16)
+                    .unwrap_or_else(|_| usage_error(name, &format!("{gid} is not a GID (32 hex digits)")));
+                let spec = operand(&mut it, "chain", "filter names separated by commas, or none");
+                let spec = if spec == "none" { String::new() } else { spec };
+                cmd = Some(Msg::Chain { gid, spec });
+            }
             other => usage_error(name, &format!("unknown argument {other:?}")),
         }
     }
@@ -769,6 +801,13 @@ fn main() {
         Msg::Move { gid, shm } => Some((
             format!("connection {gid:032x} moving to {}", if *shm { "shared memory" } else { "TCP" }),
             serde_json::json!({ "gid": format!("{gid:032x}"), "to": if *shm { "shm" } else { "tcp" } }),
+        )),
+        Msg::Chain { gid, spec } => Some((
+            format!(
+                "connection {gid:032x}: chain {} offered to the peer for what its ends here send",
+                if spec.is_empty() { "none".to_string() } else { format!("\"{spec}\"") }
+            ),
+            serde_json::json!({ "gid": format!("{gid:032x}"), "chain": spec }),
         )),
         _ => None,
     };

@@ -681,6 +681,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
         }
         (Msg::Freeze { .. }, _) => freeze(w),
         (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
+        (Msg::Chain { gid, spec }, _) => chain_conn(gid, &spec),
         (Msg::Handover { gid, nonce }, Some(fd)) => {
             w.suspects.remove(&gid);
             answer(gid, nonce, fd)
@@ -691,6 +692,22 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
             }
             log::debug(format_args!("event ignored: {other:?}"));
         }
+    }
+}
+
+/// The operator puts a chain of filters on what this end of connection `gid` sends
+/// (`vmictl chain`).
+fn chain_conn(gid: u128, spec: &str) {
+    let Some(v) = crate::vc::by_gid(gid) else { return };
+    let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
+    match v.offer_chain(fd, spec, false) {
+        Ok(no) => log::info(format_args!(
+            "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
+        )),
+        Err(e) => log::warn(format_args!(
+            "virtual connection {gid:032x}: chain \"{spec}\" not offered: {}",
+            std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
+        )),
     }
 }
 

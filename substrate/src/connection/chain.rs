@@ -58,6 +58,35 @@ impl Filter for Doubler {
     }
 }
 
+/// The filters this build knows, by name; a filter's id in a chain's compact form (see
+/// [`Chain::ids`]) is its place here plus one.
+pub const FILTERS: &[&str] = &["double"];
+
+/// Most filters in one chain's compact form.
+pub const MAX_FILTERS: usize = 4;
+
+/// Most encoded payload bytes of one frame on a kernel-TCP link: the receiving layer looks
+/// at a whole encoded frame in its socket before it decodes it, so a frame must fit the
+/// socket's receive buffer with room to spare.
+pub const CODED_MAX: usize = 32 * 1024;
+
+/// The description a compact form names (`""` for none), or `None` for an id this build
+/// does not know.
+pub fn spec_of_ids(ids: u32) -> Option<String> {
+    let mut names = Vec::new();
+    for k in 0..MAX_FILTERS {
+        let id = (ids >> (8 * k)) as u8;
+        if id == 0 {
+            if ids >> (8 * k) != 0 {
+                return None;
+            }
+            break;
+        }
+        names.push(*FILTERS.get(id as usize - 1)?);
+    }
+    Some(names.join(","))
+}
+
 /// The filters of a chain, in order (the first encodes first and decodes last).
 #[derive(Debug, Default)]
 pub struct Chain {
@@ -78,6 +107,25 @@ impl Chain {
         }
         let spec = filters.iter().map(|f| f.name()).collect::<Vec<_>>().join(",");
         Some(Chain { spec, filters })
+    }
+
+    /// The compact form: one byte per filter (its id in [`FILTERS`]), first filter in the
+    /// low byte; `None` for a chain of more than [`MAX_FILTERS`] filters.
+    pub fn ids(&self) -> Option<u32> {
+        if self.filters.len() > MAX_FILTERS {
+            return None;
+        }
+        let mut ids = 0u32;
+        for (k, f) in self.filters.iter().enumerate() {
+            let id = FILTERS.iter().position(|n| *n == f.name())? as u32 + 1;
+            ids |= id << (8 * k);
+        }
+        Some(ids)
+    }
+
+    /// The chain a compact form names.
+    pub fn from_ids(ids: u32) -> Option<Chain> {
+        Chain::build(&spec_of_ids(ids)?)
     }
 
     /// True for the chain with no filter.
@@ -138,5 +186,16 @@ mod tests {
         assert_eq!(c.fit(100), 25);
         assert!(Chain::build("zstd").is_none());
         assert!(Chain::build("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn compact_forms_round_trip() {
+        let c = Chain::build("double,double").unwrap();
+        assert_eq!(c.ids(), Some(0x0101));
+        assert_eq!(spec_of_ids(0x0101).as_deref(), Some("double,double"));
+        assert_eq!(Chain::from_ids(0).unwrap().spec, "");
+        assert_eq!(spec_of_ids(0x0100), None, "a gap in the list");
+        assert_eq!(spec_of_ids(0x09), None, "an unknown id");
+        assert!(Chain::build("double,double,double,double,double").unwrap().ids().is_none());
     }
 }

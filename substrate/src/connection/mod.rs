@@ -32,7 +32,7 @@
 //! * **One state** ([`State`]): up, link down since T, replaying, half-closed, closed with
 //!   its reason.
 
-mod chain;
+pub mod chain;
 mod link;
 
 pub use chain::{Chain, DecodeError, Doubler, Filter};

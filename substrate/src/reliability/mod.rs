@@ -16,8 +16,8 @@
 pub mod rx;
 pub mod tx;
 
-pub use rx::{Ingested, ReadPlan, RxState};
-pub use tx::{ring_slices, ring_write, ring_write_with, Blocked, Plan, Source, TxState};
+pub use rx::{Ingested, ReadPlan, RxState, ANSWER, TAKEN};
+pub use tx::{offer_spec, ring_slices, ring_write, ring_write_with, Blocked, OfferError, Plan, Source, TxState};
 
 use crate::wire::frame::FrameError;
 
@@ -55,6 +55,15 @@ pub enum ProtoError {
     PeerAborted,
     /// Data after the peer's end of stream.
     DataAfterFin,
+    /// A chain number out of range, or a data frame coded with a chain never taken.
+    BadChain(u8),
+    /// A coded frame's payload where only plain bytes may be (a read not made one frame at
+    /// a time).
+    CodedInPlace,
+    /// A coded frame whose payload the chain could not decode.
+    Undecodable,
+    /// An answer to an offer this side did not make.
+    UnexpectedAnswer(u8),
     /// The peer's resync names an offset outside what can be replayed.
     ResyncOutOfRange {
         /// What the peer says it received.
@@ -89,6 +98,10 @@ impl std::fmt::Display for ProtoError {
             ProtoError::MissingResync => write!(f, "rebuilt link did not start with a resync"),
             ProtoError::PeerAborted => write!(f, "the peer reset the connection"),
             ProtoError::DataAfterFin => write!(f, "data after the end of stream"),
+            ProtoError::BadChain(n) => write!(f, "frame names filter chain {n}, never agreed"),
+            ProtoError::CodedInPlace => write!(f, "coded frame where only plain bytes may be"),
+            ProtoError::Undecodable => write!(f, "a coded frame did not decode"),
+            ProtoError::UnexpectedAnswer(n) => write!(f, "answer for chain {n}, never offered"),
             ProtoError::ResyncOutOfRange { received, acked, sent } => {
                 write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")
             }

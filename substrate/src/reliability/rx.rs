@@ -9,7 +9,8 @@
 //! ack frame looks readable, which non-blocking readers see as `EAGAIN`).
 
 use super::ProtoError;
-use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC};
+use crate::connection::chain::{Chain, MAX_FILTERS};
+use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +77,42 @@ pub struct RxState {
     header: [u8; HEADER_LEN],
     /// 1 once the peer's end of stream (a Fin frame) arrived: no data may follow.
     pub fin: u32,
+    /// Bytes of a chain offer's description still to come (they go into `spec`, never to
+    /// the application).
+    pub ctl_rem: u32,
+    /// Bytes of `spec` gathered so far.
+    spec_len: u32,
+    /// The chain number being offered.
+    offer_no: u32,
+    spec: [u8; MAX_CHAIN_SPEC as usize],
+    /// The peer's chains for its stream, by number: [`TAKEN`] and the compact form
+    /// (`chain::Chain::ids`); 0 for a number never taken.
+    pub chains: [u32; 16],
+    /// 1 once the peer may send coded frames: reads take one frame at a time, and a coded
+    /// frame's payload stays in the socket until the program has all of it.
+    pub careful: u32,
+    /// 1 when the peer's latest chain is empty: the first plain data frame ends `careful`
+    /// (no coded frame can follow it, replays included).
+    leave_careful: u32,
+    /// The answer owed to the peer's last offer ([`ANSWER`] | taken << 8 | number), 0: none.
+    pub answer_owed: u32,
+    /// The peer's answer to our offer ([`ANSWER`] | taken << 8 | number), 0: none.
+    pub answer_in: u32,
+    /// Encoded payload bytes of the coded frame being read (0: none); its header is taken,
+    /// its payload waits whole in the socket until the program has all of it.
+    pub coded_len: u32,
+    /// The chain number of that frame.
+    pub coded_chain: u32,
+    /// Decoded bytes of that frame the program already has.
+    pub coded_taken: u32,
+    /// Stream offset of that frame's first decoded byte.
+    pub coded_seq: u64,
 }
+
+/// `RxState::chains`: the number was taken (its compact form may be 0, the empty chain).
+pub const TAKEN: u32 = 1 << 31;
+/// `RxState::answer_owed` / `answer_in`: an answer is there.
+pub const ANSWER: u32 = 1 << 16;
 
 impl Default for RxState {
     fn default() -> Self {
@@ -97,11 +133,31 @@ impl RxState {
         }
         b.extend_from_slice(&self.header);
         b.extend_from_slice(&self.fin.to_le_bytes());
+        for v in [self.ctl_rem, self.spec_len, self.offer_no] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.spec);
+        for v in self.chains {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [
+            self.careful,
+            self.leave_careful,
+            self.answer_owed,
+            self.answer_in,
+            self.coded_len,
+            self.coded_chain,
+            self.coded_taken,
+        ] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.coded_seq.to_le_bytes());
         b
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
-    pub const BYTES: usize = 4 * 8 + 3 * 4 + HEADER_LEN + 4;
+    pub const BYTES: usize =
+        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 7 * 4 + 8;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -112,7 +168,7 @@ impl RxState {
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let r = RxState {
+        let mut r = RxState {
             delivered: u64_at(0),
             frame_rem: u64_at(8),
             peer_ack: u64_at(16),
@@ -122,12 +178,50 @@ impl RxState {
             header_len: u32_at(40),
             header: b[44..44 + HEADER_LEN].try_into().expect("header"),
             fin: u32_at(44 + HEADER_LEN),
+            ctl_rem: u32_at(48 + HEADER_LEN),
+            spec_len: u32_at(52 + HEADER_LEN),
+            offer_no: u32_at(56 + HEADER_LEN),
+            spec: b[60 + HEADER_LEN..60 + HEADER_LEN + MAX_CHAIN_SPEC as usize].try_into().expect("spec"),
+            chains: [0; 16],
+            careful: 0,
+            leave_careful: 0,
+            answer_owed: 0,
+            answer_in: 0,
+            coded_len: 0,
+            coded_chain: 0,
+            coded_taken: 0,
+            coded_seq: 0,
         };
+        let c = 60 + HEADER_LEN + MAX_CHAIN_SPEC as usize;
+        for (i, v) in r.chains.iter_mut().enumerate() {
+            *v = u32_at(c + 4 * i);
+        }
+        let m = c + 64;
+        r.careful = u32_at(m);
+        r.leave_careful = u32_at(m + 4);
+        r.answer_owed = u32_at(m + 8);
+        r.answer_in = u32_at(m + 12);
+        r.coded_len = u32_at(m + 16);
+        r.coded_chain = u32_at(m + 20);
+        r.coded_taken = u32_at(m + 24);
+        r.coded_seq = u64_at(m + 28);
+        let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | 0x1ff) == 0);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
             && r.header_len as usize <= HEADER_LEN
             && r.frame_rem <= crate::wire::frame::MAX_PAYLOAD as u64
-            && r.fin <= 1;
+            && r.fin <= 1
+            && r.spec_len + r.ctl_rem <= MAX_CHAIN_SPEC
+            && (r.ctl_rem == 0 || r.header_len == 0)
+            && r.offer_no <= 15
+            && r.chains.iter().all(|&v| v == 0 || (v & TAKEN != 0 && Chain::from_ids(v & !TAKEN).is_some()))
+            && r.careful <= 1
+            && r.leave_careful <= 1
+            && answer_ok(r.answer_owed)
+            && answer_ok(r.answer_in)
+            && r.coded_len <= crate::wire::frame::MAX_PAYLOAD
+            && r.coded_chain <= 15
+            && (r.coded_len == 0 || (r.frame_rem == 0 && r.careful == 1));
         sane.then_some(r)
     }
     /// A fresh receive half.
@@ -142,11 +236,67 @@ impl RxState {
             header_len: 0,
             header: [0; HEADER_LEN],
             fin: 0,
+            ctl_rem: 0,
+            spec_len: 0,
+            offer_no: 0,
+            spec: [0; MAX_CHAIN_SPEC as usize],
+            chains: [0; 16],
+            careful: 0,
+            leave_careful: 0,
+            answer_owed: 0,
+            answer_in: 0,
+            coded_len: 0,
+            coded_chain: 0,
+            coded_taken: 0,
+            coded_seq: 0,
         }
+    }
+
+    /// Bytes the next read may put into [`header_slot`](Self::header_slot).
+    fn slot_len(&self) -> usize {
+        if self.ctl_rem > 0 {
+            self.ctl_rem as usize
+        } else {
+            HEADER_LEN - self.header_len as usize
+        }
+    }
+
+    /// The compact form of the peer's chain number `no`, if taken.
+    pub fn chain_ids(&self, no: u32) -> Option<u32> {
+        let v = *self.chains.get(no as usize)?;
+        (v & TAKEN != 0).then_some(v & !TAKEN)
+    }
+
+    /// The decoded bytes of the coded frame being read were all given to the program
+    /// (`total` of them; its payload was taken off the socket).
+    pub fn coded_done(&mut self) {
+        self.coded_len = 0;
+        self.coded_taken = 0;
+    }
+
+    /// `n` more decoded bytes of the coded frame being read went to the program.
+    pub fn coded_delivered(&mut self, n: usize) {
+        self.coded_taken += n as u32;
+        self.delivered += n as u64;
+    }
+
+    /// Takes the answer owed to the peer's offer (number, taken).
+    pub fn take_answer_owed(&mut self) -> Option<(u8, bool)> {
+        let a = std::mem::take(&mut self.answer_owed);
+        (a != 0).then_some((a as u8, a & 0x100 != 0))
     }
 
     /// Decides the layout of the next read for an application buffer of `app_len` bytes.
     pub fn plan_read(&self, app_len: usize) -> ReadPlan {
+        if self.careful != 0 {
+            // One frame at a time: a coded frame's header must be read before its payload.
+            return if self.frame_rem > 0 {
+                let payload = (app_len as u64).min(self.frame_rem) as usize;
+                ReadPlan::PayloadFirst { payload, header: 0, rest: 0 }
+            } else {
+                self.header_only_plan()
+            };
+        }
         if self.frame_rem > 0 {
             let payload = (app_len as u64).min(self.frame_rem) as usize;
             if payload as u64 == self.frame_rem {
@@ -155,13 +305,13 @@ impl RxState {
                 ReadPlan::PayloadFirst { payload, header: 0, rest: 0 }
             }
         } else {
-            ReadPlan::HeaderFirst { header: HEADER_LEN - self.header_len as usize, app_max: app_len }
+            ReadPlan::HeaderFirst { header: self.slot_len(), app_max: app_len }
         }
     }
 
     /// A read of header bytes only (used to take ack frames without touching payload).
     pub fn header_only_plan(&self) -> ReadPlan {
-        ReadPlan::HeaderFirst { header: HEADER_LEN - self.header_len as usize, app_max: 0 }
+        ReadPlan::HeaderFirst { header: self.slot_len(), app_max: 0 }
     }
 
     /// Does what a `readv` laid out as `plan` does with the bytes `src` (for simulations,
@@ -192,9 +342,35 @@ impl RxState {
         (got, self.ingest(plan, got, app))
     }
 
-    /// The buffer the next header bytes go into.
+    /// The buffer the next header bytes go into (or, while a chain offer's description is
+    /// being read, the rest of it).
     pub fn header_slot(&mut self) -> &mut [u8] {
+        if self.ctl_rem > 0 {
+            let at = self.spec_len as usize;
+            return &mut self.spec[at..at + self.ctl_rem as usize];
+        }
         &mut self.header[self.header_len as usize..]
+    }
+
+    /// `h` bytes went into the header slot.
+    fn slot_filled(&mut self, h: usize, out: &mut Ingested) -> Result<(), ProtoError> {
+        if h == 0 {
+            return Ok(());
+        }
+        if self.ctl_rem > 0 {
+            self.ctl_rem -= h as u32;
+            self.spec_len += h as u32;
+            if self.ctl_rem == 0 {
+                self.finish_offer();
+            }
+            return Ok(());
+        }
+        self.header_len += h as u32;
+        self.check_partial()?;
+        if self.header_len as usize == HEADER_LEN {
+            self.finish_header(out)?;
+        }
+        Ok(())
     }
 
     /// Takes the result of a read made as `plan` said: `got` bytes in all, laid out in the
@@ -210,12 +386,8 @@ impl RxState {
                 out.payload = p;
                 let h = (got - p).min(header);
                 if h > 0 {
-                    debug_assert!(self.frame_rem == 0 && self.header_len == 0);
-                    self.header_len = h as u32;
-                    self.check_partial()?;
-                    if self.header_len as usize == HEADER_LEN {
-                        self.finish_header(&mut out)?;
-                    }
+                    debug_assert!(self.frame_rem == 0 && self.header_len == 0 && self.ctl_rem == 0);
+                    self.slot_filled(h, &mut out)?;
                 }
                 let u = got - p - h;
                 if u > 0 {
@@ -226,14 +398,9 @@ impl RxState {
                     out.headers += more.headers;
                 }
             }
-            ReadPlan::HeaderFirst { .. } => {
-                let slot = HEADER_LEN - self.header_len as usize;
-                let h = got.min(slot);
-                self.header_len += h as u32;
-                self.check_partial()?;
-                if self.header_len as usize == HEADER_LEN {
-                    self.finish_header(&mut out)?;
-                }
+            ReadPlan::HeaderFirst { header, .. } => {
+                let h = got.min(header);
+                self.slot_filled(h, &mut out)?;
                 self.parse_in_place(app, got - h, &mut out)?;
             }
         }
@@ -253,7 +420,17 @@ impl RxState {
     fn parse_in_place(&mut self, app: &mut [u8], len: usize, out: &mut Ingested) -> Result<(), ProtoError> {
         let mut cur = 0;
         while cur < len {
-            if self.frame_rem > 0 {
+            if self.coded_len > 0 {
+                // A coded frame's payload is read whole by the sink, never in place.
+                return Err(ProtoError::CodedInPlace);
+            }
+            if self.ctl_rem > 0 {
+                let take = (len - cur).min(self.ctl_rem as usize);
+                let at = self.spec_len as usize;
+                self.spec[at..at + take].copy_from_slice(&app[cur..cur + take]);
+                cur += take;
+                self.slot_filled(take, out)?;
+            } else if self.frame_rem > 0 {
                 let take = ((len - cur) as u64).min(self.frame_rem) as usize;
                 if out.payload != cur {
                     app.copy_within(cur..cur + take, out.payload);
@@ -285,10 +462,15 @@ impl RxState {
         if n >= 1 && h[0] != MAGIC {
             return Err(FrameError::BadMagic(h[0]).into());
         }
-        if n >= 2 && !(1..=5).contains(&h[1]) {
+        if n >= 2 && !(1..=7).contains(&h[1]) {
             return Err(FrameError::UnknownKind(h[1]).into());
         }
-        if n >= 4 && (h[2] != 0 || h[3] != 0) {
+        let allowed = match h[1] {
+            1 => 0x0f,
+            7 => 0x01,
+            _ => 0,
+        };
+        if n >= 4 && (h[2] & !allowed != 0 || h[3] != 0) {
             return Err(FrameError::BadFlags(u16::from_le_bytes([h[2], h[3]])).into());
         }
         Ok(())
@@ -309,12 +491,20 @@ impl RxState {
             FrameKind::Resync => return Err(ProtoError::UnexpectedResync),
             _ if first => return Err(ProtoError::MissingResync),
             FrameKind::Abort => return Err(ProtoError::PeerAborted),
-            // Filter chains belong to the connection core; this data path has none.
             FrameKind::ChainOffer | FrameKind::ChainAnswer => {
-                return Err(ProtoError::Frame(crate::wire::frame::FrameError::UnknownKind(h.kind as u8)))
-            }
-            FrameKind::Data if h.chain != 0 => {
-                return Err(ProtoError::Frame(crate::wire::frame::FrameError::BadFlags(h.chain as u16)))
+                // `seq` numbers the chain; the acknowledgement counts as on any frame.
+                if !(1..=15).contains(&h.seq) {
+                    return Err(ProtoError::BadChain(h.seq.min(255) as u8));
+                }
+                self.take_ack(h.ack)?;
+                if h.kind == FrameKind::ChainAnswer {
+                    self.answer_in = ANSWER | (h.chain as u32) << 8 | h.seq as u32;
+                } else {
+                    self.offer_no = h.seq as u32;
+                    self.spec_len = 0;
+                    self.ctl_rem = h.len;
+                }
+                return Ok(());
             }
             FrameKind::Data | FrameKind::Ack | FrameKind::Fin => {}
         }
@@ -327,14 +517,60 @@ impl RxState {
         if h.kind == FrameKind::Fin {
             self.fin = 1;
         }
-        if h.ack < self.peer_ack {
-            return Err(ProtoError::AckWentBack { ack: h.ack, before: self.peer_ack });
-        }
-        self.peer_ack = h.ack;
+        self.take_ack(h.ack)?;
         if h.kind == FrameKind::Data {
-            self.frame_rem = h.len as u64;
+            let ids = match h.chain {
+                0 => 0,
+                k => self.chain_ids(k as u32).ok_or(ProtoError::BadChain(k))?,
+            };
+            if ids == 0 {
+                if self.leave_careful != 0 {
+                    // Every frame from here on is plain (replays included): fast reads again.
+                    self.leave_careful = 0;
+                    self.careful = 0;
+                }
+                self.frame_rem = h.len as u64;
+            } else {
+                if self.careful == 0 {
+                    return Err(ProtoError::BadChain(h.chain));
+                }
+                self.coded_len = h.len;
+                self.coded_chain = h.chain as u32;
+                self.coded_taken = 0;
+                self.coded_seq = h.seq;
+            }
         }
         Ok(())
+    }
+
+    fn take_ack(&mut self, ack: u64) -> Result<(), ProtoError> {
+        if ack < self.peer_ack {
+            return Err(ProtoError::AckWentBack { ack, before: self.peer_ack });
+        }
+        self.peer_ack = ack;
+        Ok(())
+    }
+
+    /// The peer's offer is read whole: take the chain if this build knows every filter of
+    /// it, and owe the answer. From a taken chain with filters on, reads go one frame at a
+    /// time (`careful`); the rest of the read that brought the offer is plain, as the peer
+    /// codes nothing before our answer.
+    fn finish_offer(&mut self) {
+        let spec = std::str::from_utf8(&self.spec[..self.spec_len as usize]).unwrap_or("?");
+        let spec = if spec == "-" { "" } else { spec };
+        let ids = Chain::build(spec).and_then(|c| c.ids());
+        let no = self.offer_no;
+        self.spec_len = 0;
+        self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
+        let Some(ids) = ids else { return };
+        debug_assert!(MAX_FILTERS <= 4);
+        self.chains[no as usize] = TAKEN | ids;
+        if ids != 0 {
+            self.careful = 1;
+            self.leave_careful = 0;
+        } else if self.careful != 0 {
+            self.leave_careful = 1;
+        }
     }
 
     /// Takes the peer's resync value, if one arrived.
@@ -353,6 +589,9 @@ impl RxState {
     pub fn relink(&mut self, peer_delivered: u64) {
         self.frame_rem = 0;
         self.header_len = 0;
+        self.ctl_rem = 0;
+        self.spec_len = 0;
+        self.coded_done();
         self.expect_resync = 0;
         self.has_resync = 0;
         self.peer_ack = self.peer_ack.max(peer_delivered);
@@ -363,6 +602,9 @@ impl RxState {
     pub fn link_reset(&mut self) {
         self.frame_rem = 0;
         self.header_len = 0;
+        self.ctl_rem = 0;
+        self.spec_len = 0;
+        self.coded_done();
         self.expect_resync = 1;
         self.has_resync = 0;
     }

@@ -17,7 +17,56 @@ pub enum Source {
     App,
     /// The replay ring, starting at this stream offset.
     Ring(u64),
+    /// A coded frame: its `raw_len` raw bytes at stream offset `raw_seq` (in the
+    /// application's buffer, from its start, when `app`; else in the ring) coded with our
+    /// chain number `chain`; the write starts at coded byte `skip`.
+    Coded {
+        /// Stream offset of the frame's first raw byte.
+        raw_seq: u64,
+        /// Raw bytes in the frame.
+        raw_len: u32,
+        /// Our chain number.
+        chain: u8,
+        /// Coded bytes already on the wire.
+        skip: u32,
+        /// The raw bytes are the application's (a new frame).
+        app: bool,
+    },
+    /// A chain offer's description (the one compact form `ids` names), from byte `skip`.
+    Spec {
+        /// The offered chain's compact form.
+        ids: u32,
+        /// Description bytes already on the wire.
+        skip: u32,
+    },
 }
+
+/// What a chain offer's description is on the wire (`-` for the empty chain).
+pub fn offer_spec(ids: u32) -> String {
+    let s = crate::connection::chain::spec_of_ids(ids).unwrap_or_default();
+    if s.is_empty() {
+        "-".into()
+    } else {
+        s
+    }
+}
+
+/// Why a chain cannot be offered now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OfferError {
+    /// An offer waits for its answer, or four chains of our stream still have bytes the
+    /// peer has not acknowledged: try again later.
+    Busy,
+}
+
+/// The frame in progress carries plain payload (application or ring bytes).
+const OWED_PLAIN: u32 = 0;
+/// The frame in progress is coded: its payload is made again from the ring's bytes.
+const OWED_CODED: u32 = 1;
+/// The frame in progress is a chain offer: its payload is the offer's description.
+const OWED_SPEC: u32 = 2;
+/// Most chain changes of our stream whose bytes are not all acknowledged.
+const SWITCHES: usize = 4;
 
 /// One write to put on the link: `header` bytes, then `payload` bytes from `source`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +128,35 @@ pub struct TxState {
     owed_payload: u64,
     /// Set on a rebuilt link until the peer's resync arrives.
     awaiting_resync: u32,
+    /// Our chain number new frames are coded with (0: plain).
+    pub chain_cur: u32,
+    /// Our chains by number: their compact form (0: empty or never taken).
+    pub chain_ids: [u32; 16],
+    /// Raw bytes per coded frame of each chain (so that it codes to at most the most a
+    /// frame may carry).
+    chain_fit: [u32; 16],
+    /// Where chains began in our stream (offset, chain number; 0 plain), oldest first:
+    /// frames sent again are coded with the chain of their offsets. Before the first, plain.
+    switch_at: [u64; SWITCHES],
+    switch_no: [u32; SWITCHES],
+    n_switch: u32,
+    /// Our offer waiting for its answer: chain number (0: none), compact form, raw bytes
+    /// per frame, and whether it is on the current link.
+    pub offer_no: u32,
+    offer_ids: u32,
+    offer_fit: u32,
+    offer_sent: u32,
+    /// The last chain number offered (numbers go round 1..=15).
+    last_no: u32,
+    /// How the payload of the frame in progress is made (`OWED_*`), and for a coded one its
+    /// raw bytes (from `wire_seq`), chain number and coded length (a description's length
+    /// for an offer).
+    owed_kind: u32,
+    owed_raw_len: u32,
+    owed_chain: u32,
+    owed_enc_len: u32,
+    /// The chain number the frame just planned must be coded with (0: plain).
+    new_chain: u32,
 }
 
 impl TxState {
@@ -95,11 +173,33 @@ impl TxState {
         }
         b.extend_from_slice(&self.owed_payload.to_le_bytes());
         b.extend_from_slice(&self.awaiting_resync.to_le_bytes());
+        b.extend_from_slice(&self.chain_cur.to_le_bytes());
+        for v in self.chain_ids.iter().chain(&self.chain_fit) {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in self.switch_at {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in self.switch_no.iter().chain(&[
+            self.n_switch,
+            self.offer_no,
+            self.offer_ids,
+            self.offer_fit,
+            self.offer_sent,
+            self.last_no,
+            self.owed_kind,
+            self.owed_raw_len,
+            self.owed_chain,
+            self.owed_enc_len,
+        ]) {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
         b
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
-    pub const BYTES: usize = 6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4;
+    pub const BYTES: usize =
+        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 10 * 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// positions that cannot be (acknowledged past sent, a window under 4 KiB, a frame in
@@ -123,8 +223,63 @@ impl TxState {
             owed_is_replay: u32_at(h + HEADER_LEN + 4),
             owed_payload: u64_at(h + HEADER_LEN + 8),
             awaiting_resync: u32_at(h + HEADER_LEN + 16),
+            ..TxState::new(4096)
         };
-        let sane = t.acked <= t.next_seq
+        let mut t = t;
+        let mut at = h + HEADER_LEN + 20;
+        let mut next = || {
+            let v = u32_at(at);
+            at += 4;
+            v
+        };
+        t.chain_cur = next();
+        for v in t.chain_ids.iter_mut() {
+            *v = next();
+        }
+        for v in t.chain_fit.iter_mut() {
+            *v = next();
+        }
+        let sw = h + HEADER_LEN + 20 + 4 + 32 * 4;
+        for (i, v) in t.switch_at.iter_mut().enumerate() {
+            *v = u64_at(sw + 8 * i);
+        }
+        let mut at = sw + SWITCHES * 8;
+        let mut next = || {
+            let v = u32_at(at);
+            at += 4;
+            v
+        };
+        for v in t.switch_no.iter_mut() {
+            *v = next();
+        }
+        t.n_switch = next();
+        t.offer_no = next();
+        t.offer_ids = next();
+        t.offer_fit = next();
+        t.offer_sent = next();
+        t.last_no = next();
+        t.owed_kind = next();
+        t.owed_raw_len = next();
+        t.owed_chain = next();
+        t.owed_enc_len = next();
+        let n = t.n_switch as usize;
+        let chains_ok = t.chain_cur <= 15
+            && (t.chain_cur == 0 || t.chain_ids[t.chain_cur as usize] != 0)
+            && t.chain_ids.iter().all(|&i| crate::connection::chain::spec_of_ids(i).is_some())
+            && n <= SWITCHES
+            && t.switch_no[..n].iter().all(|&k| k <= 15)
+            && t.switch_at[..n].windows(2).all(|w| w[0] <= w[1])
+            && t.offer_no <= 15
+            && crate::connection::chain::spec_of_ids(t.offer_ids).is_some()
+            && t.offer_sent <= 1
+            && t.last_no <= 15
+            && t.owed_kind <= OWED_SPEC
+            && t.owed_chain <= 15
+            && t.owed_raw_len <= MAX_PAYLOAD
+            && t.owed_enc_len <= MAX_PAYLOAD
+            && t.owed_payload <= t.owed_enc_len.max(MAX_PAYLOAD) as u64;
+        let sane = chains_ok
+            && t.acked <= t.next_seq
             && t.wire_seq <= t.next_seq
             && t.window >= 4096
             && t.soft_window <= t.window
@@ -150,7 +305,161 @@ impl TxState {
             owed_is_replay: 0,
             owed_payload: 0,
             awaiting_resync: 0,
+            chain_cur: 0,
+            chain_ids: [0; 16],
+            chain_fit: [0; 16],
+            switch_at: [0; SWITCHES],
+            switch_no: [0; SWITCHES],
+            n_switch: 0,
+            offer_no: 0,
+            offer_ids: 0,
+            offer_fit: 0,
+            offer_sent: 0,
+            last_no: 0,
+            owed_kind: OWED_PLAIN,
+            owed_raw_len: 0,
+            owed_chain: 0,
+            owed_enc_len: 0,
+            new_chain: 0,
         }
+    }
+
+    /// Our chain number of stream offset `seq`, and where the next chain begins.
+    fn chain_at(&self, seq: u64) -> (u32, u64) {
+        let n = self.n_switch as usize;
+        let mut no = 0;
+        for i in 0..n {
+            if self.switch_at[i] > seq {
+                return (no, self.switch_at[i]);
+            }
+            no = self.switch_no[i];
+        }
+        (no, u64::MAX)
+    }
+
+    /// The chain number (and its compact form) the frame just planned must be coded with;
+    /// `None` for a plain frame. The caller codes the frame's raw bytes and calls
+    /// [`code_frame`](Self::code_frame).
+    pub fn frame_chain(&self) -> Option<(u8, u32)> {
+        (self.new_chain != 0).then(|| (self.new_chain as u8, self.chain_ids[self.new_chain as usize]))
+    }
+
+    /// Makes the frame just planned (`plan`, from `plan_send` or `plan_replay`, whose
+    /// [`frame_chain`](Self::frame_chain) named a chain) a coded one of `enc_len` bytes.
+    pub fn code_frame(&mut self, plan: Plan, enc_len: usize) -> Plan {
+        debug_assert!(self.new_chain != 0 && self.owed_header_off == 0);
+        debug_assert!((1..=MAX_PAYLOAD as usize).contains(&enc_len));
+        let chain = std::mem::take(&mut self.new_chain);
+        let mut h = FrameHeader::decode(&self.owed_header).expect("our own header");
+        h.len = enc_len as u32;
+        h.chain = chain as u8;
+        self.owed_header = h.encode();
+        self.owed_payload = enc_len as u64;
+        self.owed_kind = OWED_CODED;
+        self.owed_raw_len = plan.payload as u32;
+        self.owed_chain = chain;
+        self.owed_enc_len = enc_len as u32;
+        let (raw_seq, app) = match plan.source {
+            Source::Ring(at) => (at, false),
+            _ => (self.next_seq, true),
+        };
+        Plan {
+            header: self.owed_header,
+            payload: enc_len,
+            source: Source::Coded { raw_seq, raw_len: plan.payload as u32, chain: chain as u8, skip: 0, app },
+            ..plan
+        }
+    }
+
+    /// Offers the chain of compact form `ids` for our stream (`fit`: raw bytes per coded
+    /// frame). Returns its number; the offer goes out with [`plan_offer`](Self::plan_offer).
+    pub fn begin_offer(&mut self, ids: u32, fit: usize) -> Result<u8, OfferError> {
+        self.trim_switches();
+        if self.offer_no != 0 || self.n_switch as usize >= SWITCHES {
+            return Err(OfferError::Busy);
+        }
+        let n = self.n_switch as usize;
+        let mut no = self.last_no;
+        for _ in 0..15 {
+            no = no % 15 + 1;
+            if !self.switch_no[..n].contains(&no) && no != self.chain_cur {
+                break;
+            }
+        }
+        self.last_no = no;
+        self.offer_no = no;
+        self.offer_ids = ids;
+        self.offer_fit = fit.clamp(1, MAX_PAYLOAD as usize) as u32;
+        self.offer_sent = 0;
+        Ok(no as u8)
+    }
+
+    /// Plans our offer's frame, when one waits to go on this link and no frame is in
+    /// progress.
+    pub fn plan_offer(&mut self, delivered: u64) -> Option<Plan> {
+        if self.offer_no == 0 || self.offer_sent != 0 || self.in_frame() {
+            return None;
+        }
+        let spec = offer_spec(self.offer_ids);
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, self.offer_no as u64, delivered);
+        h.len = spec.len() as u32;
+        self.start_frame(h, false);
+        self.owed_kind = OWED_SPEC;
+        self.owed_enc_len = spec.len() as u32;
+        Some(self.owed(spec.len(), Source::Spec { ids: self.offer_ids, skip: 0 }))
+    }
+
+    /// Plans an answer to the peer's offer of its chain `no` (taken or not).
+    pub fn plan_answer(&mut self, no: u8, taken: bool, delivered: u64) -> Option<Plan> {
+        if self.in_frame() {
+            return None;
+        }
+        let mut h = FrameHeader::control(FrameKind::ChainAnswer, no as u64, delivered);
+        h.chain = taken as u8;
+        self.start_frame(h, false);
+        Some(self.owed(0, Source::App))
+    }
+
+    /// Takes the peer's answer (`rx::ANSWER | taken << 8 | number`) to our offer. Returns
+    /// the number, whether it was taken and its compact form; `None` for an answer to an
+    /// offer no longer waiting (one sent again on a rebuilt link is answered twice). A taken
+    /// chain codes every new frame from the next byte of our stream.
+    pub fn take_answer(&mut self, a: u32) -> Option<(u8, bool, u32)> {
+        let (no, taken) = (a & 0xff, a & 0x100 != 0);
+        if no == 0 || no != self.offer_no {
+            return None;
+        }
+        let ids = self.offer_ids;
+        self.offer_no = 0;
+        self.offer_sent = 0;
+        if taken {
+            self.chain_ids[no as usize] = ids;
+            self.chain_fit[no as usize] = self.offer_fit;
+            self.chain_cur = if ids != 0 { no } else { 0 };
+            self.trim_switches();
+            let n = self.n_switch as usize;
+            if n > 0 && self.switch_at[n - 1] == self.next_seq {
+                self.switch_no[n - 1] = self.chain_cur;
+            } else {
+                debug_assert!(n < SWITCHES, "begin_offer keeps a place");
+                let n = n.min(SWITCHES - 1);
+                self.switch_at[n] = self.next_seq;
+                self.switch_no[n] = self.chain_cur;
+                self.n_switch = n as u32 + 1;
+            }
+        }
+        Some((no as u8, taken, ids))
+    }
+
+    /// Forgets chain changes whose bytes are all acknowledged.
+    fn trim_switches(&mut self) {
+        let mut n = self.n_switch as usize;
+        while n > 0 && (n >= 2 && self.switch_at[1] <= self.acked || n == 1 && self.switch_no[0] == 0 && self.switch_at[0] <= self.acked) {
+            self.switch_at.copy_within(1..n, 0);
+            self.switch_no.copy_within(1..n, 0);
+            n -= 1;
+        }
+        self.n_switch = n as u32;
     }
 
     /// Bytes sent but not yet acknowledged by the peer's layer (the replay-buffer fill).
@@ -211,11 +520,15 @@ impl TxState {
         if self.replaying() {
             return Err(Blocked::Replaying);
         }
-        let len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space(hard));
+        let mut len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space(hard));
+        if self.chain_cur != 0 {
+            len = len.min(self.chain_fit[self.chain_cur as usize] as u64);
+        }
         if len == 0 {
             return Err(Blocked::Window);
         }
         self.start_frame(FrameHeader::data(len as u32, self.next_seq, delivered), false);
+        self.new_chain = self.chain_cur;
         Ok(self.owed(len as usize, Source::App))
     }
 
@@ -227,13 +540,31 @@ impl TxState {
                 return None;
             }
             let at = self.wire_seq;
-            return Some(self.owed(self.owed_payload as usize, Source::Ring(at)));
+            let done = (self.owed_enc_len as u64 - self.owed_payload.min(self.owed_enc_len as u64)) as u32;
+            let source = match self.owed_kind {
+                OWED_CODED => Source::Coded {
+                    raw_seq: at,
+                    raw_len: self.owed_raw_len,
+                    chain: self.owed_chain as u8,
+                    skip: done,
+                    app: false,
+                },
+                OWED_SPEC => Source::Spec { ids: self.offer_ids, skip: done },
+                _ => Source::Ring(at),
+            };
+            return Some(self.owed(self.owed_payload as usize, source));
         }
         if !self.replaying() || self.awaiting_resync() {
             return None;
         }
-        let len = (self.next_seq - self.wire_seq).min(MAX_PAYLOAD as u64);
+        let (no, next) = self.chain_at(self.wire_seq);
+        let mut len = (self.next_seq - self.wire_seq).min(MAX_PAYLOAD as u64).min(next - self.wire_seq);
+        let no = if self.chain_ids[no as usize] != 0 { no } else { 0 };
+        if no != 0 {
+            len = len.min(self.chain_fit[no as usize] as u64);
+        }
         self.start_frame(FrameHeader::data(len as u32, self.wire_seq, delivered), true);
+        self.new_chain = no;
         Some(self.owed(len as usize, Source::Ring(self.wire_seq)))
     }
 
@@ -251,6 +582,8 @@ impl TxState {
         self.owed_header_off = 0;
         self.owed_payload = h.len as u64;
         self.owed_is_replay = replay as u32;
+        self.owed_kind = OWED_PLAIN;
+        self.new_chain = 0;
     }
 
     /// Records that `written` bytes of `plan` reached the link. Payload bytes from the
@@ -275,6 +608,8 @@ impl TxState {
             // Nothing of a new frame reached the wire: forget it, so the next plan may differ.
             self.owed_header_off = HEADER_LEN as u32;
             self.owed_payload = 0;
+            self.owed_kind = OWED_PLAIN;
+            self.new_chain = 0;
             return 0;
         }
         let hw = written.min(plan.header_len);
@@ -303,6 +638,35 @@ impl TxState {
                 self.wire_seq += pw as u64;
                 0
             }
+            Source::Coded { raw_len, app: from_app, .. } => {
+                let raw_len = raw_len as usize;
+                let accepted = if from_app {
+                    // As for a plain frame: the raw bytes are accepted whole, and what the
+                    // link did not take yet is coded again from the ring.
+                    ring_write_with(ring, self.next_seq, &app[..raw_len], copy);
+                    self.next_seq += raw_len as u64;
+                    raw_len
+                } else {
+                    0
+                };
+                if self.in_frame() {
+                    self.owed_is_replay = 1;
+                } else {
+                    // The wire position moves by whole coded frames.
+                    self.wire_seq += raw_len as u64;
+                    self.owed_kind = OWED_PLAIN;
+                }
+                accepted
+            }
+            Source::Spec { .. } => {
+                self.offer_sent = 1;
+                if self.in_frame() {
+                    self.owed_is_replay = 1;
+                } else {
+                    self.owed_kind = OWED_PLAIN;
+                }
+                0
+            }
         }
     }
 
@@ -313,6 +677,11 @@ impl TxState {
         }
         self.acked = self.acked.max(ack);
         Ok(())
+    }
+
+    /// Our chain now: number (0: plain) and compact form.
+    pub fn chain_now(&self) -> (u32, u32) {
+        (self.chain_cur, self.chain_ids[self.chain_cur as usize])
     }
 
     /// The peer closed its sending side: its layer can acknowledge nothing more. Everything
@@ -328,6 +697,8 @@ impl TxState {
         self.owed_header_off = HEADER_LEN as u32;
         self.owed_payload = 0;
         self.owed_is_replay = 0;
+        self.owed_kind = OWED_PLAIN;
+        self.offer_sent = 0;
         self.awaiting_resync = 1;
     }
 
@@ -341,6 +712,9 @@ impl TxState {
         self.owed_header_off = HEADER_LEN as u32;
         self.owed_payload = 0;
         self.owed_is_replay = 0;
+        self.owed_kind = OWED_PLAIN;
+        // An offer waiting for its answer goes again on the new link.
+        self.offer_sent = 0;
         self.awaiting_resync = 0;
         self.acked = received;
         self.wire_seq = received;

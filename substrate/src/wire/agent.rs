@@ -391,6 +391,15 @@ pub enum Msg {
         /// Where it goes (as vmi-migrate's `--to`).
         to: String,
     },
+    /// `vmictl` → agent, and agent → the layer (event channel): put the chain of filters
+    /// `spec` (names separated by commas, empty for none) on what each end of connection
+    /// `gid` on this node sends, at the next frame boundary both layers agree on.
+    Chain {
+        /// The connection.
+        gid: u128,
+        /// The chain's description.
+        spec: String,
+    },
 }
 
 /// Why a message was refused.
@@ -597,6 +606,7 @@ impl Msg {
             Msg::Relinked { .. } => "Relinked",
             Msg::Bound { .. } => "Bound",
             Msg::Migrate { .. } => "Migrate",
+            Msg::Chain { .. } => "Chain",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -818,6 +828,11 @@ impl Msg {
                 w.u32(*pid);
                 w.str(to);
             }
+            Msg::Chain { gid, spec } => {
+                w.u8(67);
+                w.u128(*gid);
+                w.str(spec);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -955,6 +970,7 @@ impl Msg {
             44 => Msg::HeadEvents { after: r.u64()? },
             45 => Msg::GridStatus,
             65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
+            67 => Msg::Chain { gid: r.u128()?, spec: r.str()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
                 stall_ms: r.u32()?,
@@ -1062,6 +1078,7 @@ mod tests {
             Msg::GridStatus,
             Msg::AsUser { uid: 0, cmd: Msg::HeadEvents { after: 29 }.encode() },
             Msg::Migrate { pid: 4242, to: "ssh:root@node7".into() },
+            Msg::Chain { gid: 5 << 64 | 3, spec: "double,double".into() },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
