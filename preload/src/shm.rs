@@ -180,6 +180,9 @@ pub struct SharedConn {
     pub careful: AtomicU32,
     /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
     pub coding: AtomicU32,
+    /// `link_gen + 1` of the link whose receive buffer was made big enough for coded
+    /// frames.
+    pub rcvbuf_gen: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -285,6 +288,7 @@ impl Mapping {
             answer_owed: AtomicU32::new(0),
             careful: AtomicU32::new(0),
             coding: AtomicU32::new(0),
+            rcvbuf_gen: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {

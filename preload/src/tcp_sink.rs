@@ -715,6 +715,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
     answer_if_owed(mem, slot, fd);
+    ensure_rcvbuf(mem, fd);
     if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
@@ -1083,6 +1084,7 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
             }
             fin_check(mem, fd, fin_before, rx);
             answer_if_owed(mem, slot, fd);
+            ensure_rcvbuf(mem, fd);
         }
     })
 }
@@ -1310,6 +1312,33 @@ fn decode_frame(rx: &RxState, enc: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
     Ok(d)
 }
 
+/// Receive buffer asked for on a link that carries coded frames: several whole frames.
+const CODED_RCVBUF: usize = 16 * CODED_MAX;
+
+/// A link whose peer codes its frames needs a receive buffer that holds several whole coded
+/// frames: each waits whole in the socket before it is read, and the kernel charges small
+/// segments several times their length (a default buffer can fill with less than one frame,
+/// and the connection stalls). Asked for once per link, never made smaller.
+#[inline]
+fn ensure_rcvbuf(mem: ConnMem, fd: c_int) {
+    let c = mem.conn();
+    if c.careful.load(Relaxed) == 0 {
+        return;
+    }
+    let g = c.link_gen.load(Relaxed).wrapping_add(1);
+    if c.rcvbuf_gen.swap(g, Relaxed) == g || !sandbox::allows_nr(libc::SYS_setsockopt) {
+        return;
+    }
+    let mut cur = [0u8; 4];
+    let now = sys::fd::getsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &mut cur)
+        .map_or(0, |_| i32::from_ne_bytes(cur).max(0) as usize);
+    // (The kernel reports twice what was asked for.)
+    if now < 2 * CODED_RCVBUF {
+        let v = (CODED_RCVBUF as i32).to_ne_bytes();
+        sys::fd::setsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &v);
+    }
+}
+
 /// Asks the kernel to call the socket readable only once `n` bytes wait (1: as usual).
 fn set_lowat(fd: c_int, n: usize) {
     if sandbox::allows_nr(libc::SYS_setsockopt) {
@@ -1334,16 +1363,22 @@ fn recv_coded(
     gen: Option<u32>,
 ) -> Result<usize, IrbError> {
     let len = rx.coded_len as usize;
+    ensure_rcvbuf(mem, fd);
     let mut enc = vec![0u8; len];
-    let nb = kflags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd);
-    let wait = if nb { libc::MSG_DONTWAIT } else { libc::MSG_WAITALL };
-    let r = sock_recv(fd, &mut enc, libc::MSG_PEEK | wait);
-    if r < 0 {
-        let e = sys::errno();
-        if e == libc::EAGAIN {
-            set_lowat(fd, len);
+    let mut r = sock_recv(fd, &mut enc, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+    if r < len as isize && (r >= 0 || sys::errno() == libc::EAGAIN) {
+        // Not all there yet. The kernel is told that nothing less is worth a wake-up, which
+        // also grows the socket's receive buffer (and window) to hold the whole frame: the
+        // frame stays in the socket until it is read whole, so a buffer smaller than it
+        // would stall the connection.
+        set_lowat(fd, len);
+        if kflags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd) {
+            return Err(IrbError::WouldBlock);
         }
-        return Err(read_error(mem, e, gen));
+        r = sock_recv(fd, &mut enc, libc::MSG_PEEK | libc::MSG_WAITALL);
+    }
+    if r < 0 {
+        return Err(read_error(mem, sys::errno(), gen));
     }
     if r == 0 {
         check_link(mem)?;
@@ -1355,9 +1390,7 @@ fn recv_coded(
         return Err(IrbError::LinkDown);
     }
     if (r as usize) < len {
-        // Not all of it yet (a non-blocking read, or a blocking one cut short by a time-out
-        // or a signal): wake readers when it is.
-        set_lowat(fd, len);
+        // A blocking wait cut short (a time-out or a signal).
         return Err(IrbError::WouldBlock);
     }
     let dec = match decode_frame(rx, enc) {
