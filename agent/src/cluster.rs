@@ -30,7 +30,12 @@ use tracing::{debug, info, warn};
 fn forwardable(m: &Msg) -> bool {
     matches!(
         m,
-        Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Chain { .. } | Msg::Migrate { .. } | Msg::Journal { .. }
+        Msg::Status
+            | Msg::Net { .. }
+            | Msg::Move { .. }
+            | Msg::Chain { .. }
+            | Msg::Migrate { .. }
+            | Msg::Journal { .. }
     )
 }
 

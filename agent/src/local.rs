@@ -492,9 +492,13 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
                     )
                 });
                 Msg::Error { reason: format!("not allowed to change the filters of connection {gid:032x}") }
-            } else if let Some(bad) = substrate::connection::Chain::build(&spec).map_or(Some(spec.clone()), |c| {
-                c.ids().is_none().then(|| format!("{spec} (more than {} filters)", substrate::connection::chain::MAX_FILTERS))
-            }) {
+            } else if let Some(bad) =
+                substrate::connection::Chain::build(&spec).map_or(Some(spec.clone()), |c| {
+                    c.ids().is_none().then(|| {
+                        format!("{spec} (more than {} filters)", substrate::connection::chain::MAX_FILTERS)
+                    })
+                })
+            {
                 Msg::Error {
                     reason: format!(
                         "no such chain: {bad}; the filters are: {}",
@@ -649,9 +653,11 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     None => Msg::Plain,
                 }
             }
-            m @ (Msg::Status | Msg::Net { .. } | Msg::Move { .. } | Msg::Chain { .. } | Msg::Migrate { .. }) => {
-                command(agent, Asker::local(&s), m)
-            }
+            m @ (Msg::Status
+            | Msg::Net { .. }
+            | Msg::Move { .. }
+            | Msg::Chain { .. }
+            | Msg::Migrate { .. }) => command(agent, Asker::local(&s), m),
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
             // (Other users see only their own connections: they ask the nodes.)

@@ -59,9 +59,12 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
                 alias
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
-            let shm = (config::shm() && config::chain().is_empty() && via.is_none() && crate::shm_sink::same_node(&addrs))
-                .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
-                .flatten();
+            let shm = (config::shm()
+                && config::chain().is_empty()
+                && via.is_none()
+                && crate::shm_sink::same_node(&addrs))
+            .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
+            .flatten();
             let unbound = local.port() == 0;
             Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm, unbound })
         }
@@ -179,7 +182,14 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     let local = if renamed { alias } else { local };
     // The connecting layer may have offered shared memory (both ends on this node).
     let shm = if crate::shm_sink::same_node(&addrs) {
-        crate::shm_sink::ShmLink::accept(gid, secret, 0, fd, config::shm() && config::chain().is_empty(), (0, 0))
+        crate::shm_sink::ShmLink::accept(
+            gid,
+            secret,
+            0,
+            fd,
+            config::shm() && config::chain().is_empty(),
+            (0, 0),
+        )
     } else {
         None
     };

@@ -18,11 +18,11 @@ use crate::sys::Errno;
 use crate::{linkstate, log, sandbox, sys};
 use libc::c_int;
 use std::sync::atomic::Ordering::*;
-use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::connection::chain::{self, Chain, CODED_MAX};
+use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, offer_spec, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source, TxState,
-    ANSWER,
+    ack_due, offer_spec, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
+    TxState, ANSWER,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
@@ -547,7 +547,8 @@ pub fn send(
                 Err(Blocked::Replaying) => {
                     // A rebuilt link: what the peer did not deliver goes first.
                     if let Some(p) = tx.plan_replay(delivered) {
-                        let (p, made) = make_payload(mem, tx, p, &[], ring).map_err(|e| fail(mem, slot, fd, e))?;
+                        let (p, made) =
+                            make_payload(mem, tx, p, &[], ring).map_err(|e| fail(mem, slot, fd, e))?;
                         let r = write_coded(fd, &p, &[], ring, &made, kflags);
                         if r < 0 {
                             let e = sys::errno();
@@ -1019,7 +1020,8 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
 #[inline]
 pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
     let c = mem.conn();
-    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 || c.careful.load(Relaxed) != 0 {
+    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 || c.careful.load(Relaxed) != 0
+    {
         return true;
     }
     // (A racy read of a value that changes only at set-up and exec.)
@@ -1104,7 +1106,9 @@ pub fn readable_bytes(mem: ConnMem, fd: c_int) -> Result<i32, i32> {
         if r != enc.len() as isize {
             return Ok(0);
         }
-        return Ok(decode_frame(&rx, enc).map_or(0, |d| d.len().saturating_sub(rx.coded_taken as usize) as i32));
+        return Ok(
+            decode_frame(&rx, enc).map_or(0, |d| d.len().saturating_sub(rx.coded_taken as usize) as i32)
+        );
     }
     if n <= 0 || rx.frame_rem >= n as u64 {
         return Ok(n.max(0));
@@ -1203,8 +1207,7 @@ fn offer(mem: ConnMem, slot: Option<Slot>, fd: c_int, spec: &[u8], later: bool) 
         let no = tx.begin_offer(ids, fit).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
         crate::log::debug(format_args!(
             "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends",
-            c.gid,
-            ch.spec
+            c.gid, ch.spec
         ));
         if !later && c.link_down.load(Acquire) == 0 && !tx.in_frame() && !tx.replaying() {
             chain_frames(mem, slot, fd, tx, ring);

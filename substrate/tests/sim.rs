@@ -324,8 +324,11 @@ fn run_chains(
     // A coded frame is read only once it waits whole: the link must hold one (as the
     // kernel's receive buffer does).
     let least = if chains { CODED_MAX + HEADER_LEN } else { 0 };
-    let mut link =
-        Link { q: [VecDeque::new(), VecDeque::new()], cap: least + 512 + rng.below(20_000) as usize, up: true };
+    let mut link = Link {
+        q: [VecDeque::new(), VecDeque::new()],
+        cap: least + 512 + rng.below(20_000) as usize,
+        up: true,
+    };
     let mut down_until = 0u64;
     let mut failures = 0;
     let mut now = 0u64;

@@ -9,7 +9,7 @@
 //! ack frame looks readable, which non-blocking readers see as `EAGAIN`).
 
 use super::ProtoError;
-use crate::connection::chain::{Chain, MAX_FILTERS};
+use crate::connection::chain::Chain;
 use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
@@ -563,7 +563,6 @@ impl RxState {
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
         let Some(ids) = ids else { return };
-        debug_assert!(MAX_FILTERS <= 4);
         self.chains[no as usize] = TAKEN | ids;
         if ids != 0 {
             self.careful = 1;
@@ -712,5 +711,84 @@ mod tests {
         ));
         let link = wire(&[(FrameHeader::control(FrameKind::Resync, 0, 0), b"")]);
         assert_eq!(read_all(&link, 64), Err(ProtoError::UnexpectedResync));
+    }
+
+    fn offer(no: u64, spec: &str) -> (FrameHeader, Vec<u8>) {
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, no, 0);
+        h.len = spec.len() as u32;
+        (h, spec.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn offers_are_taken_or_refused_and_never_reach_the_application() {
+        for n in [1, 3, 7, 100] {
+            let (h1, p1) = offer(2, "double");
+            let (h2, p2) = offer(3, "zstd");
+            let link = wire(&[
+                (FrameHeader::data(3, 0, 0), b"abc"),
+                (h1, &p1),
+                (FrameHeader::data(2, 3, 0), b"de"),
+                (h2, &p2),
+            ]);
+            let mut rx = RxState::new();
+            let (mut pos, mut out) = (0, Vec::new());
+            let mut answers = Vec::new();
+            while pos < link.len() {
+                let mut app = vec![0u8; n];
+                let plan = rx.plan_read(n);
+                let (got, r) = rx.read_from(plan, &link[pos..], &mut app);
+                pos += got;
+                out.extend_from_slice(&app[..r.unwrap().payload]);
+                answers.extend(rx.take_answer_owed());
+            }
+            assert_eq!(out, b"abcde", "reads of {n}");
+            // (An honest peer makes one offer at a time and waits for its answer; two in
+            // one read leave only the last answer owed.)
+            assert_eq!(answers.last(), Some(&(3, false)), "reads of {n}");
+            assert!(n >= 100 || answers == [(2, true), (3, false)], "reads of {n}: {answers:?}");
+            assert_eq!(rx.chain_ids(2), Some(1));
+            assert_eq!(rx.chain_ids(3), None, "a refused chain is not taken");
+            assert_eq!(rx.careful, 1, "a taken chain with a filter: one frame at a time");
+            let back = RxState::from_bytes(&rx.to_bytes()).expect("a state it wrote");
+            assert_eq!((back.chains, back.careful), (rx.chains, rx.careful));
+        }
+    }
+
+    #[test]
+    fn coded_frames_need_a_taken_chain() {
+        let mut h = FrameHeader::data(4, 0, 0);
+        h.chain = 5;
+        let mut rx = RxState::new();
+        assert_eq!(rx.parse_buffer(&mut h.encode()).unwrap_err(), ProtoError::BadChain(5));
+        // An offer numbered outside 1..=15.
+        let (h, p) = offer(16, "double");
+        let mut rx = RxState::new();
+        assert_eq!(rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap_err(), ProtoError::BadChain(16));
+        // A coded frame is never parsed in place with what follows it.
+        let (h, p) = offer(1, "double");
+        let mut d = FrameHeader::data(4, 0, 0);
+        d.chain = 1;
+        let mut rx = RxState::new();
+        let mut link = wire(&[(h, &p), (d, b"aabb")]);
+        assert_eq!(rx.parse_buffer(&mut link).unwrap_err(), ProtoError::CodedInPlace);
+        // Read one frame at a time, its header leaves the payload to the sink.
+        let mut rx = RxState::new();
+        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        let plan = rx.plan_read(100);
+        assert_eq!(plan, ReadPlan::HeaderFirst { header: HEADER_LEN, app_max: 0 });
+        let (got, r) = rx.read_from(plan, &wire(&[(d, b"aabb")]), &mut [0u8; 100]);
+        assert_eq!((got, r.unwrap().payload), (HEADER_LEN, 0));
+        assert_eq!((rx.coded_len, rx.coded_chain, rx.coded_seq), (4, 1, 0));
+    }
+
+    #[test]
+    fn an_empty_chain_ends_careful_reads_at_the_next_plain_frame() {
+        let (h1, p1) = offer(1, "double");
+        let (h2, p2) = offer(2, "-");
+        let mut rx = RxState::new();
+        rx.parse_buffer(&mut wire(&[(h1, &p1), (h2, &p2)])).unwrap();
+        assert_eq!(rx.careful, 1, "coded frames of chain 1 may still come");
+        rx.parse_buffer(&mut FrameHeader::data(2, 0, 0).encode()).unwrap();
+        assert_eq!(rx.careful, 0);
     }
 }

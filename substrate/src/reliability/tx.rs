@@ -454,7 +454,10 @@ impl TxState {
     /// Forgets chain changes whose bytes are all acknowledged.
     fn trim_switches(&mut self) {
         let mut n = self.n_switch as usize;
-        while n > 0 && (n >= 2 && self.switch_at[1] <= self.acked || n == 1 && self.switch_no[0] == 0 && self.switch_at[0] <= self.acked) {
+        while n > 0
+            && (n >= 2 && self.switch_at[1] <= self.acked
+                || n == 1 && self.switch_no[0] == 0 && self.switch_at[0] <= self.acked)
+        {
             self.switch_at.copy_within(1..n, 0);
             self.switch_no.copy_within(1..n, 0);
             n -= 1;
