@@ -206,7 +206,10 @@ assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.v
 
 # Where a real-program test runs its client: on another host (the layers talk over kernel
 # TCP), or on the server's host (shared memory). Shared-memory runs use their ports + 10000.
-PLACES = {"hosts": (H2, {}, "tcp", 0), "shm": (H1, {"VMI_SHM": "1"}, "shm", 10000)}
+# "chain": across hosts with the test filter `double` on both directions of every connection
+# (VMI_CHAIN at both ends): real programs through a chain that changes every frame's length.
+PLACES = {"hosts": (H2, {}, "tcp", 0), "shm": (H1, {"VMI_SHM": "1"}, "shm", 10000),
+          "chain": (H2, {"VMI_CHAIN": "double"}, "tcp", 12000)}
 
 
 def place(where, port_name):
@@ -655,6 +658,9 @@ def status_problems(status):
                 bad.append(f)
         if not isinstance(c.get("substrate"), str):
             bad.append("substrate")
+        ch = c.get("chain")
+        if not (isinstance(ch, dict) and all(isinstance(ch.get(k), str) for k in ("send", "recv"))):
+            bad.append("chain")
         for f in _CONN_INT_FIELDS:
             if not (isinstance(c.get(f), int) and c[f] >= 0):
                 bad.append(f)

@@ -1,8 +1,10 @@
 //! A hostile peer's byte stream, read in chunks of fuzzer-chosen sizes through the receive
-//! half: it never panics, never delivers more payload than arrived, and once it reports an
-//! error the connection is over.
+//! half, with chain offers taken and coded frames decoded as the kernel-TCP sink does: it
+//! never panics, never delivers more payload than arrived, and once it reports an error the
+//! connection is over.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
+use substrate::connection::chain::Chain;
 use substrate::reliability::RxState;
 
 fuzz_target!(|data: &[u8]| {
@@ -19,6 +21,28 @@ fuzz_target!(|data: &[u8]| {
     while pos < link.len() {
         i += 1;
         let n = 1 + (seed * 31 + i * 17) % 97;
+        if rx.coded_len > 0 {
+            // The sink: the whole coded payload, decoded with the chain it names.
+            let len = rx.coded_len as usize;
+            if link.len() - pos < len {
+                return;
+            }
+            let ids = rx.chain_ids(rx.coded_chain).expect("a coded frame names a taken chain");
+            let chain = Chain::from_ids(ids).expect("a taken chain can be built");
+            let Ok(dec) = chain_decode(chain, rx.coded_seq, &link[pos..pos + len]) else { return };
+            let at = rx.coded_taken as usize;
+            if dec.is_empty() || at > dec.len() {
+                return;
+            }
+            let k = n.min(dec.len() - at);
+            rx.coded_delivered(k);
+            delivered += k;
+            if at + k == dec.len() {
+                pos += len;
+                rx.coded_done();
+            }
+            continue;
+        }
         let mut app = vec![0u8; n];
         let plan = rx.plan_read(n);
         let (got, r) = rx.read_from(plan, &link[pos..], &mut app);
@@ -30,7 +54,12 @@ fuzz_target!(|data: &[u8]| {
             }
             Err(_) => return,
         }
+        let _ = rx.take_answer_owed();
     }
     assert!(delivered <= link.len());
     assert_eq!(rx.delivered as usize, delivered);
 });
+
+fn chain_decode(mut c: Chain, seq: u64, input: &[u8]) -> Result<Vec<u8>, ()> {
+    c.decode(seq, input.to_vec()).map_err(|_| ())
+}

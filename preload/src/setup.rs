@@ -126,7 +126,7 @@ fn offer_configured_chain(vc: &Vc, fd: i32) {
     if spec.is_empty() {
         return;
     }
-    if let Err(e) = vc.offer_chain(fd, spec, true) {
+    if let Err(e) = vc.offer_chain(fd, spec) {
         log::warn(format_args!(
             "virtual connection {:032x}: VMI_CHAIN={spec} not offered: {}",
             vc.mem().conn().gid,

@@ -180,6 +180,9 @@ pub struct SharedConn {
     pub careful: AtomicU32,
     /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
     pub coding: AtomicU32,
+    /// 1 while our chain offer waits for its answer (which may come alone: readable
+    /// reports are checked).
+    pub offering: AtomicU32,
     /// `link_gen + 1` of the link whose receive buffer was made big enough for coded
     /// frames.
     pub rcvbuf_gen: AtomicU32,
@@ -288,6 +291,7 @@ impl Mapping {
             answer_owed: AtomicU32::new(0),
             careful: AtomicU32::new(0),
             coding: AtomicU32::new(0),
+            offering: AtomicU32::new(0),
             rcvbuf_gen: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),

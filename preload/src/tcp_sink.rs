@@ -66,7 +66,7 @@ impl Device for TcpSink {
                 Ok(0)
             }
             (REPLAY, _) => Ok(usize::from(replay_now(self.mem, self.slot, fd))),
-            (CHAIN, Buf::Out(spec)) => offer(self.mem, self.slot, fd, spec, flags & LATER != 0),
+            (CHAIN, Buf::Out(spec)) => offer(self.mem, spec),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -176,6 +176,19 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
 /// [`write_plan`] for any plan: `made` is the whole payload of a coded frame or of an offer
 /// (empty for the others).
 fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], flags: c_int) -> isize {
+    write_after(fd, &[], plan, app, ring, made, flags)
+}
+
+/// [`write_coded`] with `before` (a whole chain offer) written first, by the same call.
+fn write_after(
+    fd: c_int,
+    before: &[u8],
+    plan: &Plan,
+    app: &[u8],
+    ring: &[u8],
+    made: &[u8],
+    flags: c_int,
+) -> isize {
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
@@ -187,6 +200,19 @@ fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], fla
             (&made[at..(at + plan.payload).min(made.len())], &[][..])
         }
     };
+    if !before.is_empty() {
+        let parts = [before, plan.header_bytes(), a, b];
+        if sandbox::active() {
+            return sandboxed_send(fd, &parts, flags);
+        }
+        let mut live = [&[][..]; 4];
+        let mut n = 0;
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            live[n] = p;
+            n += 1;
+        }
+        return sys::fd::send_parts(fd, &live[..n], flags);
+    }
     let parts = [plan.header_bytes(), a, b];
     if sandbox::active() {
         return sandboxed_send(fd, &parts, flags);
@@ -354,15 +380,11 @@ pub const REPLAY: IrbKind = IrbKind::Other(0x101);
 
 /// An IRB asking the sink to offer the peer a chain of filters for what this side sends
 /// from now on: `Buf::Out` holds its description (filter names separated by commas, empty
-/// for none). Completes with the chain's number once the offer is made (the peer answers;
-/// a taken chain codes every frame from the next new byte), `EINVAL` for a description
-/// this build cannot make, `EBUSY` while an earlier offer waits for its answer. The tx lock
-/// is held by the caller.
+/// for none). Completes with the chain's number once the offer is made; it goes with the
+/// next data frame this side sends (the peer answers; a taken chain codes every frame from
+/// the next new byte on). `EINVAL` for a description this build cannot make, `EBUSY` while
+/// an earlier offer waits for its answer. The tx lock is held by the caller.
 pub const CHAIN: IrbKind = IrbKind::Other(0x102);
-
-/// `CHAIN` with this flag: the offer goes with the next frame this side sends (a
-/// connection just set up, whose socket may still be connecting).
-pub const LATER: i32 = 1;
 
 /// `IrbKind::Disconnect` with this flag: the program resets the connection (an Abort frame,
 /// only if a frame can start now); without it, the program ends its stream (a Fin frame).
@@ -513,6 +535,20 @@ pub fn send(
             }
             let rest = &data[total..];
             let delivered = c.delivered.load(Acquire);
+            // Our chain offer, not on this link yet, goes in the same write as this data frame
+            // (taken as written whole here; undone below if the kernel takes less of it).
+            let mut offer_first = None;
+            if tx.offer_no != 0 && !tx.in_frame() && !tx.replaying() && !tx.awaiting_resync() {
+                let before = *tx;
+                if let Some(op) = tx.plan_offer(delivered) {
+                    let mut spec = op.header_bytes().to_vec();
+                    if let Source::Spec { ids, .. } = op.source {
+                        spec.extend_from_slice(offer_spec(ids).as_bytes());
+                    }
+                    tx.commit(&op, op.header_len + op.payload, &[], ring);
+                    offer_first = Some((before, op, spec));
+                }
+            }
             let plan = match tx.plan_send(rest.len(), delivered, false) {
                 Ok(p) => p,
                 Err(Blocked::Window) => {
@@ -577,7 +613,34 @@ pub fn send(
                 c.wire_hi.store(hi, Release);
             }
             let (plan, made) = make_payload(mem, tx, plan, rest, ring).map_err(|e| fail(mem, slot, fd, e))?;
-            let r = write_coded(fd, &plan, rest, ring, &made, kflags);
+            let mut r;
+            if let Some((before, op, spec)) = offer_first.take() {
+                r = write_after(fd, &spec, &plan, rest, ring, &made, kflags);
+                let off = op.header_len + op.payload;
+                if r < off as isize {
+                    // Not even the whole offer went: it alone is owed; the data frame was not
+                    // sent at all.
+                    *tx = before;
+                    tx.commit(&op, r.max(0) as usize, &[], ring);
+                    publish_tx(mem, tx, slot);
+                    if r < 0 {
+                        let e = sys::errno();
+                        if e == libc::EAGAIN || e == libc::EINTR {
+                            return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
+                        }
+                        let err = physical_error(mem, e, true, flags, gen);
+                        return if total > 0 { Ok(total) } else { Err(err) };
+                    }
+                    if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                        linkstate::owed_later();
+                        return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
+                    }
+                    continue;
+                }
+                r -= off as isize;
+            } else {
+                r = write_coded(fd, &plan, rest, ring, &made, kflags);
+            }
             if r < 0 {
                 let e = sys::errno();
                 tx.commit(&plan, 0, rest, ring);
@@ -1020,7 +1083,9 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
 #[inline]
 pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
     let c = mem.conn();
-    if c.link_gen.load(Relaxed) != checked_gen || c.tx_shut.load(Relaxed) != 0 || c.careful.load(Relaxed) != 0
+    if c.link_gen.load(Relaxed) != checked_gen
+        || c.tx_shut.load(Relaxed) != 0
+        || c.careful.load(Relaxed) | c.offering.load(Relaxed) != 0
     {
         return true;
     }
@@ -1186,7 +1251,7 @@ fn make_payload(
 
 /// Offers the peer the chain `spec` describes for what this side sends from now on (the
 /// `CHAIN` IRB). The tx lock is held by the caller.
-fn offer(mem: ConnMem, slot: Option<Slot>, fd: c_int, spec: &[u8], later: bool) -> Result<usize, IrbError> {
+fn offer(mem: ConnMem, spec: &[u8]) -> Result<usize, IrbError> {
     let c = mem.conn();
     let spec = std::str::from_utf8(spec).map_err(|_| IrbError::Os(libc::EINVAL))?;
     let ch = Chain::build(spec).ok_or(IrbError::Os(libc::EINVAL))?;
@@ -1199,32 +1264,33 @@ fn offer(mem: ConnMem, slot: Option<Slot>, fd: c_int, spec: &[u8], later: bool) 
     if b != 0 {
         return Err(IrbError::Os(b));
     }
-    mem.with_tx_ring_held(|tx, ring| {
+    mem.with_tx_ring_held(|tx, _| {
         if tx.chain_now().1 == ids && tx.offer_no == 0 {
             // Already so.
             return Ok(tx.chain_cur as usize);
         }
         let no = tx.begin_offer(ids, fit).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
+        // The answer may come alone: readable reports are checked until it is here.
+        c.offering.store(1, Release);
         crate::log::debug(format_args!(
             "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends",
             c.gid, ch.spec
         ));
-        if !later && c.link_down.load(Acquire) == 0 && !tx.in_frame() && !tx.replaying() {
-            chain_frames(mem, slot, fd, tx, ring);
-        }
         Ok(no as usize)
     })
 }
 
 /// Chain business of the send half, at a frame boundary: takes the peer's answer to our
-/// offer, sends the answer we owe to the peer's offer, and our offer if it is not on this
-/// link yet. Never waits. The caller holds the tx lock.
+/// offer, and sends the answer we owe to the peer's offer. (Our own offer goes only in
+/// the same write as a data frame, see `send`: alone, it could make the peer's socket
+/// readable with no data for its program.) Never waits. The caller holds the tx lock.
 fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, ring: &mut [u8]) {
     let c = mem.conn();
     let a = c.chain_answer.swap(0, AcqRel);
     if a != 0 {
         if let Some((no, taken, ids)) = tx.take_answer(a) {
             c.coding.store(u32::from(tx.chain_cur != 0), Release);
+            c.offering.store(u32::from(tx.offer_no != 0), Release);
             if let Some(s) = slot {
                 s.set_chain(tx.chain_now().1, true);
             }
@@ -1253,20 +1319,6 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
             publish_tx(mem, tx, slot);
             if r > 0 {
                 let _ = c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed);
-            }
-        }
-    }
-    if !tx.in_frame() {
-        if let Some(p) = tx.plan_offer(c.delivered.load(Acquire)) {
-            let made = offer_spec(match p.source {
-                Source::Spec { ids, .. } => ids,
-                _ => 0,
-            });
-            let r = write_coded(fd, &p, &[], ring, made.as_bytes(), libc::MSG_DONTWAIT);
-            tx.commit(&p, r.max(0) as usize, &[], ring);
-            publish_tx(mem, tx, slot);
-            if tx.in_frame() {
-                linkstate::owed_later();
             }
         }
     }

@@ -765,11 +765,12 @@ impl Vc {
     /// Offers the peer a chain of filters for what this side sends from now on (`spec`:
     /// filter names separated by commas, empty for none): a [`crate::tcp_sink::CHAIN`] IRB
     /// down the send chain. The peer's layer answers; a taken chain codes every frame from
-    /// the next new byte on. With `later`, the offer goes with the next frame this side
-    /// sends. Returns the chain's number; `EINVAL` for a filter this build lacks, `EBUSY`
+    /// the next new byte on. The offer goes in the same write as the next data frame this
+    /// side sends (alone, it could make the peer's socket readable with no data for its
+    /// program). Returns the chain's number; `EINVAL` for a filter this build lacks, `EBUSY`
     /// while an earlier offer waits for its answer, `EOPNOTSUPP` on shared memory (filters
     /// work on frames of the kernel-TCP substrate).
-    pub fn offer_chain(&self, fd: i32, spec: &str, later: bool) -> Result<usize, IrbError> {
+    pub fn offer_chain(&self, fd: i32, spec: &str) -> Result<usize, IrbError> {
         if self.shm_now().is_some() {
             return Err(IrbError::Os(libc::EOPNOTSUPP));
         }
@@ -777,7 +778,6 @@ impl Vc {
         let _g = c.tx_lock.lock();
         let mut irb = Irb::new(crate::tcp_sink::CHAIN).with_handle(fd as i64);
         irb.buf = substrate::irb::Buf::Out(spec.as_bytes());
-        irb.flags = if later { crate::tcp_sink::LATER } else { 0 };
         self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb))
     }
 

@@ -61,7 +61,8 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  peer's MAC address on that network from the kernel's neighbour table;
                  null while its entry is missing or incomplete)
                  each connection has gid, pid, local, peer (what the program sees),
-                 substrate, direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
+                 substrate, chain ({send, recv}: the filters on each direction, \"\" for
+                 none), direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
                  unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
                  physical link now), failovers, link (up, relinking or failed); mesh has
                  the cluster key's fingerprint (key) and counts of what was refused

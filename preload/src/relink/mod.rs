@@ -700,7 +700,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
 fn chain_conn(gid: u128, spec: &str) {
     let Some(v) = crate::vc::by_gid(gid) else { return };
     let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
-    match v.offer_chain(fd, spec, false) {
+    match v.offer_chain(fd, spec) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
         )),

@@ -9,8 +9,9 @@ use std::ffi::CStr;
 use std::net::SocketAddr;
 
 /// Most buffer parts one gathered or scattered call takes (a frame header and the two
-/// pieces of a payload that wraps around the ring, or a payload, a header and more payload).
-pub const MAX_PARTS: usize = 3;
+/// pieces of a payload that wraps around the ring, or a payload, a header and more payload;
+/// a chain offer before a data frame's three).
+pub const MAX_PARTS: usize = 4;
 
 /// A socket address owned by the layer, ready for `bind` or `connect`.
 #[derive(Clone, Copy)]
