@@ -732,7 +732,7 @@ fn move_conn(gid: u128, shm: bool) {
     if !shm_wanted(&v) || !crate::shm_sink::same_node(&c.peer_agents()) {
         log::warn(format_args!(
             "virtual connection {gid:032x} stays on TCP: shared memory needs both ends on this node, \
-             VMI_SHM=1 and the connection held by one process"
+             VMI_SHM=1, the connection held by one process and no filters on it (vmictl chain GID none)"
         ));
         return;
     }

@@ -9,7 +9,7 @@
 //! ack frame looks readable, which non-blocking readers see as `EAGAIN`).
 
 use super::ProtoError;
-use crate::connection::chain::Chain;
+use crate::connection::chain::{Chain, CODED_MAX};
 use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
@@ -534,6 +534,10 @@ impl RxState {
                 if self.careful == 0 {
                     return Err(ProtoError::BadChain(h.chain));
                 }
+                if h.len as usize > CODED_MAX {
+                    // It could never be read whole: refused rather than waited for.
+                    return Err(FrameError::BadLength(h.len).into());
+                }
                 self.coded_len = h.len;
                 self.coded_chain = h.chain as u32;
                 self.coded_taken = 0;
@@ -779,6 +783,15 @@ mod tests {
         let (got, r) = rx.read_from(plan, &wire(&[(d, b"aabb")]), &mut [0u8; 100]);
         assert_eq!((got, r.unwrap().payload), (HEADER_LEN, 0));
         assert_eq!((rx.coded_len, rx.coded_chain, rx.coded_seq), (4, 1, 0));
+        // A coded frame larger than one can wait whole in the socket is refused.
+        let mut rx = RxState::new();
+        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        let mut big = FrameHeader::data(CODED_MAX as u32 + 2, 0, 0);
+        big.chain = 1;
+        assert!(matches!(
+            rx.parse_buffer(&mut big.encode()),
+            Err(ProtoError::Frame(FrameError::BadLength(_)))
+        ));
     }
 
     #[test]
