@@ -128,9 +128,30 @@ fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
 
 /// Publishes what the receive half learned; refuses an ack for bytes that were never on the
 /// wire.
+#[inline]
 fn publish_rx(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) -> Result<(), ProtoError> {
     let c = mem.conn();
     c.delivered.store(rx.delivered, Release);
+    if (rx.answer_in | rx.answer_owed | rx.careful) != 0 || c.careful.load(Relaxed) != 0 {
+        publish_chain(mem, slot, rx);
+    }
+    let hi = c.wire_hi.load(Acquire);
+    if rx.peer_ack > hi {
+        return Err(ProtoError::AckBeyondSent { ack: rx.peer_ack, sent: hi });
+    }
+    // Only the receive half (under its lock) writes it.
+    if rx.peer_ack > c.peer_ack.load(Relaxed) {
+        c.peer_ack.store(rx.peer_ack, Release);
+    }
+    Ok(())
+}
+
+/// The chain business a read may have brought: the peer's answer to our offer, the answer
+/// we owe to its offer, and whether it may code its frames.
+#[cold]
+#[inline(never)]
+fn publish_chain(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) {
+    let c = mem.conn();
     if rx.answer_in != 0 {
         c.chain_answer.store(std::mem::take(&mut rx.answer_in), Release);
     }
@@ -144,15 +165,6 @@ fn publish_rx(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) -> Result<(), 
     if c.careful.load(Relaxed) != rx.careful {
         c.careful.store(rx.careful, Release);
     }
-    let hi = c.wire_hi.load(Acquire);
-    if rx.peer_ack > hi {
-        return Err(ProtoError::AckBeyondSent { ack: rx.peer_ack, sent: hi });
-    }
-    // Only the receive half (under its lock) writes it.
-    if rx.peer_ack > c.peer_ack.load(Relaxed) {
-        c.peer_ack.store(rx.peer_ack, Release);
-    }
-    Ok(())
 }
 
 /// The peer's FIN arrived.
@@ -170,16 +182,48 @@ const FLAT_SEND: usize = 4096;
 
 /// Writes what `plan` says, with one system call. Returns the kernel's answer.
 fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> isize {
-    write_coded(fd, plan, app, ring, &[], flags)
+    // Never a SIGPIPE from the physical socket: a failed link is not the program's business
+    // (the layer raises SIGPIPE itself when the program's connection really ended).
+    let flags = flags | libc::MSG_NOSIGNAL;
+    let (a, b) = match plan.source {
+        Source::App => (&app[..plan.payload], &[][..]),
+        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+        // (Coded frames and offers go through `write_coded`.)
+        Source::Coded { .. } | Source::Spec { .. } => (&[][..], &[][..]),
+    };
+    let parts = [plan.header_bytes(), a, b];
+    if sandbox::active() {
+        return sandboxed_send(fd, &parts, flags);
+    }
+    let live = parts.iter().filter(|p| !p.is_empty()).count();
+    if live <= 1 {
+        let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
+        return sys::fd::send(fd, one, flags);
+    }
+    if plan.payload <= FLAT_SEND {
+        // A header, and a payload of at most FLAT_SEND in one or two pieces.
+        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, &parts, flags);
+    }
+    let mut live_parts = [&[][..]; 3];
+    for (v, p) in live_parts.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
+        *v = p;
+    }
+    sys::fd::send_parts(fd, &live_parts[..live], flags)
 }
 
 /// [`write_plan`] for any plan: `made` is the whole payload of a coded frame or of an offer
-/// (empty for the others).
+/// (empty for the others: then it is `write_plan`).
+#[inline]
 fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], flags: c_int) -> isize {
+    if made.is_empty() {
+        return write_plan(fd, plan, app, ring, flags);
+    }
     write_after(fd, &[], plan, app, ring, made, flags)
 }
 
 /// [`write_coded`] with `before` (a whole chain offer) written first, by the same call.
+#[cold]
+#[inline(never)]
 fn write_after(
     fd: c_int,
     before: &[u8],
@@ -200,37 +244,17 @@ fn write_after(
             (&made[at..(at + plan.payload).min(made.len())], &[][..])
         }
     };
-    if !before.is_empty() {
-        let parts = [before, plan.header_bytes(), a, b];
-        if sandbox::active() {
-            return sandboxed_send(fd, &parts, flags);
-        }
-        let mut live = [&[][..]; 4];
-        let mut n = 0;
-        for p in parts.iter().filter(|p| !p.is_empty()) {
-            live[n] = p;
-            n += 1;
-        }
-        return sys::fd::send_parts(fd, &live[..n], flags);
-    }
-    let parts = [plan.header_bytes(), a, b];
+    let parts = [before, plan.header_bytes(), a, b];
     if sandbox::active() {
         return sandboxed_send(fd, &parts, flags);
     }
-    let live = parts.iter().filter(|p| !p.is_empty()).count();
-    if live <= 1 {
-        let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
-        return sys::fd::send(fd, one, flags);
+    let mut live = [&[][..]; 4];
+    let mut n = 0;
+    for p in parts.iter().filter(|p| !p.is_empty()) {
+        live[n] = p;
+        n += 1;
     }
-    if plan.payload <= FLAT_SEND {
-        // A header, and a payload of at most FLAT_SEND in one or two pieces.
-        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, &parts, flags);
-    }
-    let mut live_parts = [&[][..]; 3];
-    for (v, p) in live_parts.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
-        *v = p;
-    }
-    sys::fd::send_parts(fd, &live_parts[..live], flags)
+    sys::fd::send_parts(fd, &live[..n], flags)
 }
 
 /// A send under a sandbox: the first form of the call its filters allow. With none, a call
@@ -776,10 +800,13 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 
 /// Sends an ack alone if a quarter of the peer's window waits for one. The caller holds
 /// the rx lock.
+#[inline]
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
-    answer_if_owed(mem, slot, fd);
-    ensure_rcvbuf(mem, fd);
+    if (c.answer_owed.load(Relaxed) | c.careful.load(Relaxed)) != 0 {
+        answer_if_owed(mem, slot, fd);
+        ensure_rcvbuf(mem, fd);
+    }
     if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
@@ -1200,7 +1227,23 @@ pub fn chain_spec(ids: u32) -> String {
 /// Codes the frame `plan` just planned when its chain says so, or makes the payload of a
 /// coded frame or offer in progress again (from the ring). Returns the plan to write and
 /// the payload it names (empty for plain frames).
+#[inline]
 fn make_payload(
+    mem: ConnMem,
+    tx: &mut TxState,
+    plan: Plan,
+    app: &[u8],
+    ring: &[u8],
+) -> Result<(Plan, Vec<u8>), ProtoError> {
+    if tx.frame_chain().is_none() && matches!(plan.source, Source::App | Source::Ring(_)) {
+        return Ok((plan, Vec::new()));
+    }
+    make_coded(mem, tx, plan, app, ring)
+}
+
+#[cold]
+#[inline(never)]
+fn make_coded(
     mem: ConnMem,
     tx: &mut TxState,
     plan: Plan,
@@ -1326,6 +1369,8 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
 
 /// Sends the answer owed to the peer's chain offer, if one is owed and no other thread
 /// sends now (that thread sends it at its next frame boundary). Never waits.
+#[cold]
+#[inline(never)]
 fn answer_if_owed(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
     let c = mem.conn();
     if c.answer_owed.load(Relaxed) == 0 {
@@ -1374,7 +1419,8 @@ const CODED_RCVBUF: usize = 16 * CODED_MAX;
 /// frames: each waits whole in the socket before it is read, and the kernel charges small
 /// segments several times their length (a default buffer can fill with less than one frame,
 /// and the connection stalls). Asked for once per link, never made smaller.
-#[inline]
+#[cold]
+#[inline(never)]
 fn ensure_rcvbuf(mem: ConnMem, fd: c_int) {
     let c = mem.conn();
     if c.careful.load(Relaxed) == 0 {

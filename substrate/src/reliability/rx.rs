@@ -353,6 +353,7 @@ impl RxState {
     }
 
     /// `h` bytes went into the header slot.
+    #[inline]
     fn slot_filled(&mut self, h: usize, out: &mut Ingested) -> Result<(), ProtoError> {
         if h == 0 {
             return Ok(());
@@ -420,17 +421,7 @@ impl RxState {
     fn parse_in_place(&mut self, app: &mut [u8], len: usize, out: &mut Ingested) -> Result<(), ProtoError> {
         let mut cur = 0;
         while cur < len {
-            if self.coded_len > 0 {
-                // A coded frame's payload is read whole by the sink, never in place.
-                return Err(ProtoError::CodedInPlace);
-            }
-            if self.ctl_rem > 0 {
-                let take = (len - cur).min(self.ctl_rem as usize);
-                let at = self.spec_len as usize;
-                self.spec[at..at + take].copy_from_slice(&app[cur..cur + take]);
-                cur += take;
-                self.slot_filled(take, out)?;
-            } else if self.frame_rem > 0 {
+            if self.frame_rem > 0 {
                 let take = ((len - cur) as u64).min(self.frame_rem) as usize;
                 if out.payload != cur {
                     app.copy_within(cur..cur + take, out.payload);
@@ -439,6 +430,15 @@ impl RxState {
                 cur += take;
                 self.frame_rem -= take as u64;
                 self.delivered += take as u64;
+            } else if self.ctl_rem > 0 {
+                let take = (len - cur).min(self.ctl_rem as usize);
+                let at = self.spec_len as usize;
+                self.spec[at..at + take].copy_from_slice(&app[cur..cur + take]);
+                cur += take;
+                self.slot_filled(take, out)?;
+            } else if self.coded_len > 0 {
+                // A coded frame's payload is read whole by the sink, never in place.
+                return Err(ProtoError::CodedInPlace);
             } else {
                 let at = self.header_len as usize;
                 let take = (len - cur).min(HEADER_LEN - at);

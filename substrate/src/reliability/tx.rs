@@ -340,6 +340,7 @@ impl TxState {
     /// The chain number (and its compact form) the frame just planned must be coded with;
     /// `None` for a plain frame. The caller codes the frame's raw bytes and calls
     /// [`code_frame`](Self::code_frame).
+    #[inline]
     pub fn frame_chain(&self) -> Option<(u8, u32)> {
         (self.new_chain != 0).then(|| (self.new_chain as u8, self.chain_ids[self.new_chain as usize]))
     }
