@@ -195,6 +195,7 @@ PORTS = {
     "sandbox_pthread_exit": 19012,      # and 19013
     "sandbox_exec_filtered": 19014,
     "sandbox_landlock": 19015,
+    "sandbox_reader_chain": 19016,      # and 19017
     "chain_setup": 17921,
     "chain_live": 17922,
     "chain_nb": 17923,

@@ -245,17 +245,20 @@ def test_openssh(procs, tmp_path, where):
 # ---------------------------------------------------------------------------------------------
 # Programs that restrict themselves
 
-def seccomp_run(procs, sandboxed_bin, how, mode, nbytes, port, server_argv):
+def seccomp_run(procs, sandboxed_bin, how, mode, nbytes, port, server_argv, server_env=None):
     """A server under the layer in H1 (`server_argv(addr)`), the sandboxed program in H2 in
-    `mode`, filter installed `how`: every byte checked, virtual at both ends, server idle."""
+    `mode`, filter installed `how`: every byte checked, virtual at both ends, server idle.
+    Returns the server."""
     addr = f"{H1_IP}:{port}"
-    srv = procs.server(H1, server_argv(addr), port, layer=True, name="server", env={"VMI_LOG": "info"})
+    srv = procs.server(H1, server_argv(addr), port, layer=True, name="server",
+                       env={"VMI_LOG": "info", **(server_env or {})})
     args = [sandboxed_bin, mode, addr, nbytes] + (["tsync"] if how == "tsync" else [])
     cli = procs.run(H2, args, layer=True, name=mode, timeout=60, env={"VMI_LOG": "info"})
     r = cli.last_json()
     assert r["ok"] and r["bytes"] == nbytes, r
     assert_virtual_logged(cli, srv)
     assert_idle([srv.pid])
+    return srv
 
 
 @pytest.mark.parametrize("how", ["prctl", "tsync"])
@@ -263,6 +266,18 @@ def test_seccomp_client_streams_both_ways(procs, sandboxed_bin, how):
     seccomp_run(procs, sandboxed_bin, how, "seccomp-client", 24 * MIB,
                 PORTS["sandbox_echo"] + (how == "tsync"),
                 lambda addr: python_prog("echo_server.py", "--bind", addr))
+
+
+@pytest.mark.parametrize("how", ["prctl", "tsync"])
+def test_seccomp_reader_refuses_filters_it_cannot_read(procs, sandboxed_bin, how):
+    """The server offers a chain of filters (VMI_CHAIN=double) to a reader whose filter
+    forbids setsockopt, which coded frames need (a receive buffer that holds them whole):
+    the reader's layer refuses the chain, the server's says so, and every byte arrives."""
+    srv = seccomp_run(procs, sandboxed_bin, how, "seccomp-reader", 16 * MIB,
+                      PORTS["sandbox_reader_chain"] + (how == "tsync"),
+                      lambda addr: [sandboxed_bin, "stream-server", addr, 16 * MIB],
+                      server_env={"VMI_CHAIN": "double"})
+    assert "refused chain 1" in srv.stderr(), srv.stderr()[-2000:]
 
 
 @pytest.mark.parametrize("how", ["prctl", "tsync"])

@@ -715,6 +715,7 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
     let c = mem.conn();
     let Some(_g) = c.rx_lock.try_lock() else { return Ok(Harvest::Empty) };
     c.with_rx_held(|rx| {
+        coding_policy(rx);
         let before = c.peer_ack.load(Acquire);
         let mut may_block = true;
         while rx.frame_rem == 0 && rx.coded_len == 0 {
@@ -902,6 +903,7 @@ pub fn recv(
         return Ok(0);
     }
     c.with_rx_held(|rx| {
+        coding_policy(rx);
         let kflags = flags & libc::MSG_DONTWAIT;
         if rx.fin != 0 && rx.frame_rem == 0 && sandbox::active() {
             // The peer's end of stream arrived, and the sandbox may have kept us from shutting
@@ -1127,6 +1129,7 @@ pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
 pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
     let c = mem.conn();
     c.with_rx_held(|rx| {
+        coding_policy(rx);
         let mut took = false;
         loop {
             if rx.coded_len > 0 {
@@ -1346,8 +1349,8 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
                 ));
             } else {
                 crate::log::warn(format_args!(
-                    "virtual connection {:032x}: the peer refused chain {no} \"{}\" (its layer lacks a filter); \
-                     the stream goes on as it was",
+                    "virtual connection {:032x}: the peer refused chain {no} \"{}\" (its layer lacks a filter, \
+                     or cannot read coded frames under its sandbox); the stream goes on as it was",
                     c.gid,
                     chain_spec(ids)
                 ));
@@ -1395,6 +1398,10 @@ fn log_offer(mem: ConnMem, rx: &RxState, no: u8, taken: bool) {
             "virtual connection {gid:032x}: what the peer sends goes through chain \"{}\" (number {no})",
             chain_spec(ids)
         )),
+        _ if rx.refuse_coding != 0 => crate::log::warn(format_args!(
+            "virtual connection {gid:032x}: refused the peer's chain {no}: the sandbox forbids setsockopt, \
+             which coded frames need (a receive buffer that holds them whole)"
+        )),
         _ => crate::log::warn(format_args!(
             "virtual connection {gid:032x}: refused the peer's chain {no}: a filter this build does not have"
         )),
@@ -1410,6 +1417,16 @@ fn decode_frame(rx: &RxState, enc: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
         return Err(ProtoError::Undecodable);
     }
     Ok(d)
+}
+
+/// Under a sandbox that forbids `setsockopt`, the receive buffer cannot be made big enough
+/// for coded frames (see `ensure_rcvbuf`): the peer's offers of filters are refused, and the
+/// stream goes on as it was.
+#[inline]
+fn coding_policy(rx: &mut RxState) {
+    if sandbox::active() {
+        rx.refuse_coding = u32::from(!sandbox::allows_nr(libc::SYS_setsockopt));
+    }
 }
 
 /// Receive buffer asked for on a link that carries coded frames: several whole frames.

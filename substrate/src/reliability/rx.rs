@@ -107,6 +107,10 @@ pub struct RxState {
     pub coded_taken: u32,
     /// Stream offset of that frame's first decoded byte.
     pub coded_seq: u64,
+    /// 1 when this side cannot read coded frames (the sink cannot give its socket a
+    /// receive buffer big enough): offers of chains with filters are refused. Set by the
+    /// sink, not carried across `exec`.
+    pub refuse_coding: u32,
 }
 
 /// `RxState::chains`: the number was taken (its compact form may be 0, the empty chain).
@@ -191,6 +195,7 @@ impl RxState {
             coded_chain: 0,
             coded_taken: 0,
             coded_seq: 0,
+            refuse_coding: 0,
         };
         let c = 60 + HEADER_LEN + MAX_CHAIN_SPEC as usize;
         for (i, v) in r.chains.iter_mut().enumerate() {
@@ -249,6 +254,7 @@ impl RxState {
             coded_chain: 0,
             coded_taken: 0,
             coded_seq: 0,
+            refuse_coding: 0,
         }
     }
 
@@ -562,7 +568,7 @@ impl RxState {
     fn finish_offer(&mut self) {
         let spec = std::str::from_utf8(&self.spec[..self.spec_len as usize]).unwrap_or("?");
         let spec = if spec == "-" { "" } else { spec };
-        let ids = Chain::build(spec).and_then(|c| c.ids());
+        let ids = Chain::build(spec).and_then(|c| c.ids()).filter(|&ids| ids == 0 || self.refuse_coding == 0);
         let no = self.offer_no;
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
