@@ -201,6 +201,7 @@ PORTS = {
     "chain_nb": 17923,
     "chain_failover": 17924,
     "chain_unknown": 17925,
+    "chain_migrate": 17926,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

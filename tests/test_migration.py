@@ -101,18 +101,18 @@ class Pair:
     """A stream.py server (wildcard address, so it can move) in SERVER_HOST and a client in
     CLIENT_HOST connected to the server's eth0 address; both under the layer."""
 
-    def __init__(self, procs, port, seconds, *, server_host=H2, client_host=H1, rate=RATE):
+    def __init__(self, procs, port, seconds, *, server_host=H2, client_host=H1, rate=RATE, env=None):
         self.port = port
         self.addr = f"{H2_IP if server_host == H2 else H1_IP}:{port}"
         self.nbytes = int(seconds * rate)
         self.seconds = seconds
         self.srv = procs.server(server_host, python_prog(
             "stream.py", "server", "--bind", f"0.0.0.0:{port}", "--count", 1, "--rate", rate,
-            "--hold", 0.5), port, layer=True, name="stream-server")
+            "--hold", 0.5), port, layer=True, name="stream-server", env=env)
         self.cli = procs.start(client_host, python_prog(
             "stream.py", "client", "--connect", self.addr, "--bytes", self.nbytes,
             "--server-bytes", self.nbytes, "--seed", port, "--rate", rate, "--hold", 0.5),
-            layer=True, name="stream-client")
+            layer=True, name="stream-client", env=env)
 
     def wait_flowing(self, host=H1):
         def flowing(status):
@@ -161,6 +161,24 @@ def test_client_migrates_mid_stream(procs, third_agent):
             break
         time.sleep(0.2)
     assert isinstance(ends, list) and sorted(e["node"] for e in ends) == want, (want, ends)
+    p.check()
+
+
+def test_filters_stay_across_a_migration(procs, third_agent):
+    """A stream coded both ways (VMI_CHAIN=double) whose client is checkpointed and restored
+    on another host: the chains are the connection's memory, so the rebuilt link carries
+    coded frames again from the offsets where the old one stopped, and both programs see an
+    exact stream."""
+    p = Pair(procs, PORTS["chain_migrate"], 6, env={"VMI_CHAIN": "double"})
+    coded = wait_status(H1, lambda st: next((c for c in st.get("connections") or []
+                                             if c.get("peer") == p.addr
+                                             and (c.get("chain") or {}).get("send") == "double"
+                                             and (c.get("chain") or {}).get("recv") == "double"),
+                                            None), 10, "the stream coded both ways")
+    report, _ = migrate(p.cli, H3)
+    assert report["connections"] == 1 and report["rebuilt"] == 1, report
+    after = conn_in(H3, coded["gid"])
+    assert (after.get("chain") or {}) == {"send": "double", "recv": "double"}, after
     p.check()
 
 
