@@ -227,11 +227,13 @@ def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, copies)
         assert seen["networks"] and seen["paths"], "the node itself stays visible"
         r = as_nobody(H1, [ctl, "move", gid, "tcp"])
         assert r.returncode != 0 and "not allowed" in r.stderr + r.stdout, r
+        r = as_nobody(H1, [ctl, "chain", gid, "double"])
+        assert r.returncode != 0 and "not allowed to change the filters" in r.stderr + r.stdout, r
         cli.wait(timeout=30)
     finally:
         os.killpg(theirs.pid, signal.SIGKILL)
         theirs.wait(timeout=5)
-    assert refused(H1)["local"] >= 2
+    assert refused(H1)["local"] >= 3
 
 
 def test_an_agent_without_a_private_key_does_not_start(tmp_path):

@@ -418,6 +418,23 @@ impl Asker {
     }
 }
 
+/// The processes of this node holding connection `gid`, when `asker` may manage all of
+/// them (root or their owner); otherwise why not, to answer (`what`: the action, for it and
+/// for the log of refusals).
+fn managed_holders(agent: &Agent, asker: &Asker, gid: u128, what: &str) -> Result<Vec<u32>, String> {
+    let pids = agent.events.holders(gid);
+    if pids.is_empty() {
+        return Err(format!("no process on this node holds connection {gid:032x}"));
+    }
+    if !pids.iter().all(|p| asker.may_manage(*p)) {
+        agent.refusals.note(Refused::Local, || {
+            format!("{} asked to {what} connection {gid:032x} of another user's process", asker.describe())
+        });
+        return Err(format!("not allowed to {what} connection {gid:032x}"));
+    }
+    Ok(pids)
+}
+
 /// Runs a command that may also come from another node (`Status`, `Net`, `Move`) for
 /// `asker`.
 pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
@@ -451,18 +468,11 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
             }
         }
         Msg::Move { gid, shm } => {
-            let pids = agent.events.holders(gid);
-            if pids.is_empty() {
-                Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
-            } else if !pids.iter().all(|p| asker.may_manage(*p)) {
-                agent.refusals.note(Refused::Local, || {
-                    format!(
-                        "{} asked to move connection {gid:032x} of another user's process",
-                        asker.describe()
-                    )
-                });
-                Msg::Error { reason: format!("not allowed to move connection {gid:032x}") }
-            } else if shm && pids.len() < 2 {
+            let pids = match managed_holders(agent, &asker, gid, "move") {
+                Ok(p) => p,
+                Err(reason) => return Msg::Error { reason },
+            };
+            if shm && pids.len() < 2 {
                 Msg::Error {
                     reason: format!(
                         "the other end of connection {gid:032x} is not on this node: it stays on TCP"
@@ -481,24 +491,15 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
             }
         }
         Msg::Chain { gid, spec } => {
-            let pids = agent.events.holders(gid);
-            if pids.is_empty() {
-                Msg::Error { reason: format!("no process on this node holds connection {gid:032x}") }
-            } else if !pids.iter().all(|p| asker.may_manage(*p)) {
-                agent.refusals.note(Refused::Local, || {
-                    format!(
-                        "{} asked to change the filters of connection {gid:032x} of another user's process",
-                        asker.describe()
-                    )
-                });
-                Msg::Error { reason: format!("not allowed to change the filters of connection {gid:032x}") }
-            } else if let Some(bad) =
-                substrate::connection::Chain::build(&spec).map_or(Some(spec.clone()), |c| {
-                    c.ids().is_none().then(|| {
-                        format!("{spec} (more than {} filters)", substrate::connection::chain::MAX_FILTERS)
-                    })
+            let pids = match managed_holders(agent, &asker, gid, "change the filters of") {
+                Ok(p) => p,
+                Err(reason) => return Msg::Error { reason },
+            };
+            if let Some(bad) = substrate::connection::Chain::build(&spec).map_or(Some(spec.clone()), |c| {
+                c.ids().is_none().then(|| {
+                    format!("{spec} (more than {} filters)", substrate::connection::chain::MAX_FILTERS)
                 })
-            {
+            }) {
                 Msg::Error {
                     reason: format!(
                         "no such chain: {bad}; the filters are: {}",
