@@ -408,7 +408,4 @@ pub(super) fn publish(
     }
     c.ack_sent.store(tx.ack_sent, Release);
     c.unacked.store(tx.unacked(), Relaxed);
-    // A chain in use is offered again on the new link (TxState::relink): its answer may come
-    // alone.
-    c.offering.store(u32::from(tx.offer_no != 0), Release);
 }

@@ -433,36 +433,23 @@ impl TxState {
         let ids = self.offer_ids;
         self.offer_no = 0;
         self.offer_sent = 0;
-        let again = ids != 0 && self.chain_cur != 0 && self.chain_ids[self.chain_cur as usize] == ids;
-        if !taken && again {
-            // The chain in use, offered again on a new link, is refused now: plain frames from
-            // the next new byte (the peer still reads the frames coded before).
-            self.chain_cur = 0;
-            self.record_switch();
-        }
         if taken {
             self.chain_ids[no as usize] = ids;
             self.chain_fit[no as usize] = self.offer_fit;
             self.chain_cur = if ids != 0 { no } else { 0 };
-            self.record_switch();
+            self.trim_switches();
+            let n = self.n_switch as usize;
+            if n > 0 && self.switch_at[n - 1] == self.next_seq {
+                self.switch_no[n - 1] = self.chain_cur;
+            } else {
+                debug_assert!(n < SWITCHES, "begin_offer keeps a place");
+                let n = n.min(SWITCHES - 1);
+                self.switch_at[n] = self.next_seq;
+                self.switch_no[n] = self.chain_cur;
+                self.n_switch = n as u32 + 1;
+            }
         }
         Some((no as u8, taken, ids))
-    }
-
-    /// `chain_cur` applies from the next new byte.
-    fn record_switch(&mut self) {
-        self.trim_switches();
-        let n = self.n_switch as usize;
-        if n > 0 && self.switch_at[n - 1] == self.next_seq {
-            self.switch_no[n - 1] = self.chain_cur;
-        } else {
-            // (begin_offer kept a place, and no chain changed since: one offer at a time.)
-            debug_assert!(n < SWITCHES, "begin_offer keeps a place");
-            let n = n.min(SWITCHES - 1);
-            self.switch_at[n] = self.next_seq;
-            self.switch_no[n] = self.chain_cur;
-            self.n_switch = n as u32 + 1;
-        }
     }
 
     /// Forgets chain changes whose bytes are all acknowledged.
@@ -717,20 +704,6 @@ impl TxState {
         self.owed_kind = OWED_PLAIN;
         self.offer_sent = 0;
         self.awaiting_resync = 1;
-        self.offer_again();
-    }
-
-    /// On a new link, the chain in use is offered again (under a new number), so that both
-    /// layers agree on it at every relink, not only when it was put on: a peer that took
-    /// it takes it again; one that now refuses it (its process restored under another build,
-    /// or in a sandbox that keeps it from reading coded frames) stops the coding (see
-    /// [`take_answer`](Self::take_answer)).
-    fn offer_again(&mut self) {
-        if self.offer_no == 0 && self.chain_cur != 0 {
-            let (ids, fit) =
-                (self.chain_ids[self.chain_cur as usize], self.chain_fit[self.chain_cur as usize]);
-            let _ = self.begin_offer(ids, fit as usize);
-        }
     }
 
     /// A new link replaced the old one and the handshake said the peer delivered `received`
@@ -750,7 +723,6 @@ impl TxState {
         self.acked = received;
         self.wire_seq = received;
         self.ack_sent = self.ack_sent.max(delivered);
-        self.offer_again();
         Ok(())
     }
 
