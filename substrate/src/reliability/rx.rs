@@ -186,16 +186,8 @@ impl RxState {
             spec_len: u32_at(52 + HEADER_LEN),
             offer_no: u32_at(56 + HEADER_LEN),
             spec: b[60 + HEADER_LEN..60 + HEADER_LEN + MAX_CHAIN_SPEC as usize].try_into().expect("spec"),
-            chains: [0; 16],
-            careful: 0,
-            leave_careful: 0,
-            answer_owed: 0,
-            answer_in: 0,
-            coded_len: 0,
-            coded_chain: 0,
-            coded_taken: 0,
-            coded_seq: 0,
-            refuse_coding: 0,
+            // (The rest is read below.)
+            ..RxState::new()
         };
         let c = 60 + HEADER_LEN + MAX_CHAIN_SPEC as usize;
         for (i, v) in r.chains.iter_mut().enumerate() {
@@ -273,8 +265,8 @@ impl RxState {
         (v & TAKEN != 0).then_some(v & !TAKEN)
     }
 
-    /// The decoded bytes of the coded frame being read were all given to the program
-    /// (`total` of them; its payload was taken off the socket).
+    /// The decoded bytes of the coded frame being read were all given to the program (its
+    /// payload was taken off the socket), or the link that carried it is gone.
     pub fn coded_done(&mut self) {
         self.coded_len = 0;
         self.coded_taken = 0;
