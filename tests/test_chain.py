@@ -133,11 +133,6 @@ def test_chain_on_non_blocking_event_loops(procs):
     assert c["sent"] == s["received"] and s["sent"] == c["received"], (c, s)
 
 
-@pytest.mark.skip(reason="known fault, not fixed: in about 1 run of 10 the rebuilt link of a "
-                  "coded stream stalls (one side's kernel resets it while a whole coded frame "
-                  "waits in a socket that is only peeked at); the model test "
-                  "chains_switched_at_random_keep_the_streams_across_link_failures covers the "
-                  "protocol, and issue 13's note has the traces")
 def test_chain_survives_failover(procs, faults):
     """A stream under VMI_CHAIN=double loses its network in the middle: the frames sent
     again on the rebuilt link are coded with the chain of their own offsets, and both

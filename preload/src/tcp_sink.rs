@@ -347,6 +347,19 @@ fn check_link(mem: ConnMem) -> Result<(), IrbError> {
     Ok(())
 }
 
+/// True when the link a call started on (generation `gen`) is down or was replaced.
+fn link_changed(mem: ConnMem, gen: Option<u32>) -> bool {
+    let c = mem.conn();
+    c.link_down.load(Acquire) != 0 || gen.is_some_and(|g| g != c.link_gen.load(Acquire))
+}
+
+/// Whether the program gave socket `fd` a receive time-out.
+fn has_rcvtimeo(fd: c_int) -> bool {
+    let mut buf = [0u8; 32];
+    sys::fd::getsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &mut buf)
+        .is_some_and(|n| buf[..n].iter().any(|&b| b != 0))
+}
+
 /// Pushes replayed bytes onto a rebuilt link without blocking. The caller holds the tx
 /// lock. True when nothing remains to replay.
 fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
@@ -1458,7 +1471,7 @@ fn ensure_rcvbuf(mem: ConnMem, fd: c_int) {
 }
 
 /// Asks the kernel to call the socket readable only once `n` bytes wait (1: as usual).
-fn set_lowat(fd: c_int, n: usize) {
+pub(crate) fn set_lowat(fd: c_int, n: usize) {
     if sandbox::allows_nr(libc::SYS_setsockopt) {
         let v = (n.min(i32::MAX as usize) as i32).to_ne_bytes();
         sys::fd::setsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v);
@@ -1493,7 +1506,23 @@ fn recv_coded(
         if kflags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd) {
             return Err(IrbError::WouldBlock);
         }
-        r = sock_recv(fd, &mut enc, libc::MSG_PEEK | libc::MSG_WAITALL);
+        loop {
+            r = sock_recv(fd, &mut enc, libc::MSG_PEEK | libc::MSG_WAITALL);
+            if r <= 0 || r as usize >= len {
+                break;
+            }
+            // The wait was cut short with the frame still incomplete: the link was taken
+            // away under it (a relink disconnects the old socket to wake its readers; the
+            // caller then waits for the new link and reads the frame again there), the
+            // program's receive time-out passed, or a signal came (the program sees no
+            // EINTR: the kernel would have restarted a read that had taken nothing).
+            if link_changed(mem, gen) {
+                return Err(IrbError::LinkDown);
+            }
+            if has_rcvtimeo(fd) {
+                return Err(IrbError::WouldBlock);
+            }
+        }
     }
     if r < 0 {
         return Err(read_error(mem, sys::errno(), gen));
@@ -1508,7 +1537,7 @@ fn recv_coded(
         return Err(IrbError::LinkDown);
     }
     if (r as usize) < len {
-        // A blocking wait cut short (a time-out or a signal).
+        // Not all there without waiting.
         return Err(IrbError::WouldBlock);
     }
     let dec = match decode_frame(rx, enc) {

@@ -113,6 +113,12 @@ pub(super) fn install(v: &Vc, nfd: i32) {
         // From the old socket, or the placeholder that took its options while it waited.
         carry_state(old, nfd);
     }
+    if c.careful.load(Acquire) != 0 {
+        // The peer codes its frames: a receive low-water mark on the old socket was the
+        // layer's (a coded frame waited whole there), not the program's. The new link
+        // starts at a frame boundary.
+        crate::tcp_sink::set_lowat(nfd, 1);
+    }
     // (The old socket's TCP options were the bells' if it was on shared memory.)
     v.link_tcp_options(nfd);
     // Threads in `poll` or `select` on the placeholder are woken by its shutdown while it
