@@ -202,16 +202,20 @@ PORTS = {
     "chain_failover": 17924,
     "chain_unknown": 17925,
     "chain_migrate": 17926,
+    "device_loop": 17927,
+    "device_pid": 17928,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
 
 # Where a real-program test runs its client: on another host (the layers talk over kernel
 # TCP), or on the server's host (shared memory). Shared-memory runs use their ports + 10000.
-# "chain": across hosts with the test filter `double` on both directions of every connection
-# (VMI_CHAIN at both ends): real programs through a chain that changes every frame's length.
+# "chain": across hosts with the chain `double,lz4` on both directions of every connection
+# (VMI_CHAIN at both ends): real programs through a chain that changes every frame's length
+# (`double`, a test filter) and then compresses it (`lz4`, which always finds the doubled
+# bytes worth compressing, so every frame goes through both filters).
 PLACES = {"hosts": (H2, {}, "tcp", 0), "shm": (H1, {"VMI_SHM": "1"}, "shm", 10000),
-          "chain": (H2, {"VMI_CHAIN": "double"}, "tcp", 12000)}
+          "chain": (H2, {"VMI_CHAIN": "double,lz4"}, "tcp/double,lz4", 12000)}
 
 
 def place(where, port_name):
@@ -841,8 +845,28 @@ def assert_virtual(watcher, server_host, server_addr, client_host, *, min_conns=
             f"client ends of connections to {server_addr} list pids {sorted(pids)}, " \
             f"expected only the client's pid {client_pid}\n{seen}"
     if substrate is not None:
+        # "tcp/CHAIN": kernel TCP, with filters CHAIN on the connections (see PLACES).
+        substrate, _, chain = substrate.partition("/")
         other = [(c["gid"], c["substrate"]) for c in srv + cli if c["substrate"] != substrate]
         assert not other, f"connections to {server_addr} not on {substrate}: {other[:5]}\n{seen}"
+        two_way = any(c.get("bytes_sent", 0) > 0 and c.get("bytes_received", 0) > 0 for c in cli)
+        if chain and two_way:
+            # (A side learns that its offer was taken only by reading: without bytes both
+            # ways nothing says the chain was used.) Some direction of some connection was coded: its sender lists the chain for
+            # what it sends and its receiver for what it receives. (A side that sends a few
+            # bytes and never reads again does not see the answer to its offer: its bytes go
+            # plain, and only the peer lists the chain, as taken.)
+            def ch(c, k):
+                return (c.get("chain") or {}).get(k)
+            by_gid = {c["gid"]: c for c in srv}
+            assert any(c["gid"] in by_gid and ((ch(c, "send") == chain
+                                                 and ch(by_gid[c["gid"]], "recv") == chain)
+                                                or (ch(c, "recv") == chain
+                                                    and ch(by_gid[c["gid"]], "send") == chain))
+                       for c in cli), \
+                f"no connection to {server_addr} listed chain {chain!r} at both ends " \
+                f"ends: server ends {[c.get('chain') for c in srv][:8]}, client ends " \
+                f"{[c.get('chain') for c in cli][:8]}\n{seen}"
     if server_pids_not is not None:
         bad = [c for c in srv if c["pid"] in server_pids_not]
         assert not bad, f"server ends still attributed to pid(s) {server_pids_not} in " \

@@ -201,8 +201,8 @@ def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, copies)
     # A root-owned server and a connection to it, and a server of nobody's own.
     p, mine = port(4), port(5)
     root_addr = f"{H1_IP}:{p}"
-    procs.server(H1, python_prog("stream.py", "server", "--bind", root_addr), p, layer=True,
-                 name="root-server")
+    root_srv = procs.server(H1, python_prog("stream.py", "server", "--bind", root_addr), p,
+                            layer=True, name="root-server")
     argv = host_argv(H1, ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                           "/usr/bin/python3", copies / "stream.py", "server", "--bind",
                           f"{H1_IP}:{mine}"],
@@ -229,11 +229,21 @@ def test_local_users_cannot_steer_the_node_and_see_only_their_own(procs, copies)
         assert r.returncode != 0 and "not allowed" in r.stderr + r.stdout, r
         r = as_nobody(H1, [ctl, "chain", gid, "double"])
         assert r.returncode != 0 and "not allowed to change the filters" in r.stderr + r.stdout, r
+        r = as_nobody(H1, [ctl, "device", "load", "lz4", "--gid", gid])
+        assert r.returncode != 0 and "not allowed to load a device" in r.stderr + r.stdout, r
+        r = as_nobody(H1, [ctl, "device", "load", "lz4", "--pid", str(root_srv.pid)])
+        assert r.returncode != 0 and "not allowed" in r.stderr + r.stdout, r
+        # --all means every connection the asker may manage: none of root's.
+        r = as_nobody(H1, [ctl, "device", "load", "lz4", "--all"])
+        assert r.returncode == 0 and "(0 connection(s))" in r.stdout, r
+        time.sleep(0.5)
+        c = next(c for c in vmictl_status(H1)["connections"] if c["gid"] == gid)
+        assert (c.get("chain") or {}).get("send", "") == "", c
         cli.wait(timeout=30)
     finally:
         os.killpg(theirs.pid, signal.SIGKILL)
         theirs.wait(timeout=5)
-    assert refused(H1)["local"] >= 3
+    assert refused(H1)["local"] >= 5
 
 
 def test_an_agent_without_a_private_key_does_not_start(tmp_path):

@@ -34,6 +34,7 @@ fn forwardable(m: &Msg) -> bool {
             | Msg::Net { .. }
             | Msg::Move { .. }
             | Msg::Chain { .. }
+            | Msg::Device { .. }
             | Msg::Migrate { .. }
             | Msg::Journal { .. }
     )

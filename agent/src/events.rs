@@ -396,6 +396,22 @@ impl Events {
         m.contains_key(&gid)
     }
 
+    /// Connections held here (by process `pid` only, when given), each with the processes
+    /// holding it.
+    pub fn held_by(&self, pid: Option<u32>) -> Vec<(u128, Vec<u32>)> {
+        let chans = self.lock();
+        let mut gids: Vec<u128> = chans
+            .values()
+            .filter(|c| pid.is_none_or(|p| c.pid == p))
+            .flat_map(|c| c.holds.keys().copied())
+            .collect();
+        gids.sort_unstable();
+        gids.dedup();
+        gids.into_iter()
+            .map(|g| (g, chans.values().filter(|c| c.holds.contains_key(&g)).map(|c| c.pid).collect()))
+            .collect()
+    }
+
     /// Processes here holding `gid`.
     pub fn holders(&self, gid: u128) -> Vec<u32> {
         self.lock().values().filter(|c| c.holds.contains_key(&gid)).map(|c| c.pid).collect()

@@ -518,9 +518,69 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
                 Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") }
             }
         }
+        Msg::Device { load, name, gid, pid } => device(agent, &asker, load, &name, gid, pid),
         Msg::Migrate { pid, to } => crate::migrate::run(agent, asker, pid, &to),
         other => Msg::Error { reason: format!("{} cannot be run from another node", other.name()) },
     }
+}
+
+/// `vmictl device load|unload NAME`: the device goes on (or off) both directions of one
+/// connection, of every connection of a process, or of every connection on the node the
+/// asker may manage; the layers holding them agree on the switch in band.
+fn device(agent: &Agent, asker: &Asker, load: bool, name: &str, gid: u128, pid: u32) -> Msg {
+    use substrate::connection::chain::FILTERS;
+    let verb = if load { "load" } else { "unload" };
+    if !FILTERS.contains(&name) {
+        return Msg::Error {
+            reason: format!("no such device: {name}; the devices are: {}", FILTERS.join(", ")),
+        };
+    }
+    let targets: Vec<(u128, Vec<u32>)> = if gid != 0 {
+        match managed_holders(agent, asker, gid, &format!("{verb} a device on")) {
+            Ok(pids) => vec![(gid, pids)],
+            Err(reason) => return Msg::Error { reason },
+        }
+    } else if pid != 0 {
+        if !asker.may_manage(pid) {
+            agent.refusals.note(Refused::Local, || {
+                format!(
+                    "{} asked to {verb} device {name} on the connections of process {pid}",
+                    asker.describe()
+                )
+            });
+            return Msg::Error { reason: format!("not allowed to change the connections of process {pid}") };
+        }
+        let held = agent.events.held_by(Some(pid));
+        if held.is_empty() {
+            return Msg::Error { reason: format!("process {pid} holds no connection on this node") };
+        }
+        held
+    } else {
+        // Every connection the asker may manage (root: all of them).
+        agent
+            .events
+            .held_by(None)
+            .into_iter()
+            .filter(|(_, pids)| pids.iter().all(|p| asker.may_manage(*p)))
+            .collect()
+    };
+    let mut told = 0;
+    for (g, pids) in &targets {
+        let m = Msg::Device { load, name: name.to_string(), gid: *g, pid: 0 };
+        if agent.events.tell_holders(*g, &m) {
+            told += 1;
+            agent.journal.record(
+                "device",
+                pids.first().copied(),
+                serde_json::json!({ "gid": format!("{g:032x}"), "device": name, "op": verb }),
+            );
+        }
+    }
+    info!("device {name}: {verb} asked on {told} of {} connections", targets.len());
+    if told == 0 && gid != 0 {
+        return Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") };
+    }
+    Msg::DeviceReply { conns: told as u32 }
 }
 
 /// Sends the node's events after number `after` to `vmictl` on `s` (those `asker` may see),
@@ -658,6 +718,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             | Msg::Net { .. }
             | Msg::Move { .. }
             | Msg::Chain { .. }
+            | Msg::Device { .. }
             | Msg::Migrate { .. }) => command(agent, Asker::local(&s), m),
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),

@@ -174,8 +174,11 @@ pub struct SharedConn {
     /// The peer's answer to our chain offer, for the send half (`rx::ANSWER | taken << 8 |
     /// number`; 0: none).
     pub chain_answer: AtomicU32,
-    /// The answer we owe the peer's chain offer (same form), sent by whichever half can.
+    /// The answer we owe the peer's chain offer (same form, and `rx::MIRROR` when the peer
+    /// asked for the chain both ways), sent by whichever half can.
     pub answer_owed: AtomicU32,
+    /// With `rx::MIRROR` in `answer_owed`: the compact form of the chain to offer back.
+    pub mirror_ids: AtomicU32,
     /// Copy of `rx.careful`: the peer may send coded frames (readable reports are checked).
     pub careful: AtomicU32,
     /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
@@ -289,6 +292,7 @@ impl Mapping {
             exec_holds: AtomicU32::new(0),
             chain_answer: AtomicU32::new(0),
             answer_owed: AtomicU32::new(0),
+            mirror_ids: AtomicU32::new(0),
             careful: AtomicU32::new(0),
             coding: AtomicU32::new(0),
             offering: AtomicU32::new(0),

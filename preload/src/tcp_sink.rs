@@ -22,7 +22,7 @@ use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
     ack_due, offer_spec, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
-    TxState, ANSWER,
+    TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
@@ -155,8 +155,15 @@ fn publish_chain(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) {
     if rx.answer_in != 0 {
         c.chain_answer.store(std::mem::take(&mut rx.answer_in), Release);
     }
-    if let Some((no, taken)) = rx.take_answer_owed() {
-        c.answer_owed.store(ANSWER | u32::from(taken) << 8 | no as u32, Release);
+    if let Some((no, taken, both)) = rx.take_answer_owed() {
+        let mirror = match rx.chain_ids(no as u32).filter(|_| taken && both) {
+            Some(ids) => {
+                c.mirror_ids.store(ids, Release);
+                MIRROR
+            }
+            None => 0,
+        };
+        c.answer_owed.store(ANSWER | mirror | u32::from(taken) << 8 | no as u32, Release);
         log_offer(mem, rx, no, taken);
         if let (Some(s), Some(ids)) = (slot, rx.chain_ids(no as u32).filter(|_| taken)) {
             s.set_chain(ids, false);
@@ -1309,34 +1316,73 @@ fn make_coded(
 }
 
 /// Offers the peer the chain `spec` describes for what this side sends from now on (the
-/// `CHAIN` IRB). The tx lock is held by the caller.
+/// `CHAIN` IRB; a description starting with `both:` asks the peer to put the chain on its
+/// own stream too). The tx lock is held by the caller.
 fn offer(mem: ConnMem, spec: &[u8]) -> Result<usize, IrbError> {
     let c = mem.conn();
     let spec = std::str::from_utf8(spec).map_err(|_| IrbError::Os(libc::EINVAL))?;
+    let (spec, both) = match spec.strip_prefix(BOTH_WAYS) {
+        Some(rest) => (rest, true),
+        None => (spec, false),
+    };
     let ch = Chain::build(spec).ok_or(IrbError::Os(libc::EINVAL))?;
     let ids = ch.ids().ok_or(IrbError::Os(libc::EINVAL))?;
-    let fit = if ch.is_empty() { MAX_PAYLOAD as usize } else { ch.fit(CODED_MAX) };
-    if fit == 0 {
-        return Err(IrbError::Os(libc::EINVAL));
-    }
     let b = c.broken.load(Acquire);
     if b != 0 {
         return Err(IrbError::Os(b));
     }
     mem.with_tx_ring_held(|tx, _| {
-        if tx.chain_now().1 == ids && tx.offer_no == 0 {
+        if tx.chain_now().1 == ids && tx.offer_no == 0 && !both {
             // Already so.
             return Ok(tx.chain_cur as usize);
         }
-        let no = tx.begin_offer(ids, fit).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
-        // The answer may come alone: readable reports are checked until it is here.
-        c.offering.store(1, Release);
-        crate::log::debug(format_args!(
-            "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends",
-            c.gid, ch.spec
-        ));
-        Ok(no as usize)
+        begin_offer(mem, tx, &ch, both).map(usize::from)
     })
+}
+
+/// The prefix of a `CHAIN` IRB's description that asks for the chain both ways.
+pub const BOTH_WAYS: &str = "both:";
+
+/// Starts our offer of chain `ch` (see [`offer`]).
+fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result<u8, IrbError> {
+    let c = mem.conn();
+    let ids = ch.ids().ok_or(IrbError::Os(libc::EINVAL))?;
+    let fit = if ch.is_empty() { MAX_PAYLOAD as usize } else { ch.fit(CODED_MAX) };
+    if fit == 0 {
+        return Err(IrbError::Os(libc::EINVAL));
+    }
+    let no = tx.begin_offer(ids, fit, both).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
+    // The answer may come alone: readable reports are checked until it is here.
+    c.offering.store(1, Release);
+    crate::log::debug(format_args!(
+        "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends{}",
+        c.gid,
+        ch.spec,
+        if both { " (and asks the peer to use it too)" } else { "" }
+    ));
+    Ok(no)
+}
+
+/// The peer took a chain for its stream and asked for the same on ours: offered back
+/// (unless ours already is that chain, or an offer of our own waits).
+#[cold]
+fn mirror(mem: ConnMem, tx: &mut TxState, ids: u32) {
+    let gid = mem.conn().gid;
+    if tx.chain_now().1 == ids && tx.offer_no == 0 {
+        return;
+    }
+    let Some(ch) = Chain::from_ids(ids) else { return };
+    match begin_offer(mem, tx, &ch, false) {
+        Ok(_) => crate::log::info(format_args!(
+            "virtual connection {gid:032x}: offers chain \"{}\" for what it sends too, as the peer asked",
+            ch.spec
+        )),
+        Err(_) => crate::log::warn(format_args!(
+            "virtual connection {gid:032x}: the peer asked for chain \"{}\" both ways; not offered back: \
+             an offer of this side waits for its answer",
+            ch.spec
+        )),
+    }
 }
 
 /// Chain business of the send half, at a frame boundary: takes the peer's answer to our
@@ -1376,8 +1422,9 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
             let r = write_plan(fd, &p, &[], ring, libc::MSG_DONTWAIT);
             tx.commit(&p, r.max(0) as usize, &[], ring);
             publish_tx(mem, tx, slot);
-            if r > 0 {
-                let _ = c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed);
+            if r > 0 && c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed).is_ok() && owed & MIRROR != 0
+            {
+                mirror(mem, tx, c.mirror_ids.load(Acquire));
             }
         }
     }

@@ -781,6 +781,12 @@ impl Vc {
         self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb))
     }
 
+    /// The description of the chain on what this end sends now (`""` for none).
+    pub fn send_chain_spec(&self) -> String {
+        let ids = self.mem.conn().peek_tx(|tx| tx.chain_now().1);
+        substrate::connection::chain::spec_of_ids(ids).unwrap_or_default()
+    }
+
     /// True when a chain of filters works on either direction (the connection then stays
     /// on kernel TCP).
     pub fn filtered(&self) -> bool {

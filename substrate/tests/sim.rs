@@ -40,8 +40,11 @@ struct End {
     /// Bytes of the own stream handed to the layer so far.
     produced: u64,
     received: Vec<u8>,
-    /// The answer owed to the peer's chain offer (number, taken), not sent yet.
-    answer: Option<(u8, bool)>,
+    /// The answer owed to the peer's chain offer (number, taken, asked both ways), not
+    /// sent yet.
+    answer: Option<(u8, bool, bool)>,
+    /// Chains this end put on its own stream because the peer asked for them both ways.
+    mirrored: u32,
     /// Chains taken by the peer for our stream, and coded frames sent.
     switches: u32,
     coded_frames: u64,
@@ -57,6 +60,7 @@ impl End {
             produced: 0,
             received: Vec::new(),
             answer: None,
+            mirrored: 0,
             switches: 0,
             coded_frames: 0,
         }
@@ -93,12 +97,21 @@ impl End {
         if self.tx.in_frame() || self.tx.replaying() || self.tx.awaiting_resync() {
             return;
         }
-        if let Some((no, taken)) = self.answer {
+        if let Some((no, taken, both)) = self.answer {
             if let Some(plan) = self.tx.plan_answer(no, taken, self.rx.delivered) {
                 let n = self.push(&plan, &[], q, room);
                 self.tx.commit(&plan, n, &[], &mut self.ring);
                 if n > 0 {
                     self.answer = None;
+                    // Asked for the same chain both ways: offered back (as the layer does;
+                    // busy with an offer of its own, it does not).
+                    if let Some(ids) = self.rx.chain_ids(no as u32).filter(|_| taken && both) {
+                        let c = Chain::from_ids(ids).expect("a taken chain");
+                        let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
+                        if self.tx.chain_now().1 != ids && self.tx.begin_offer(ids, fit, false).is_ok() {
+                            self.mirrored += 1;
+                        }
+                    }
                 }
             }
         }
@@ -308,7 +321,7 @@ fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resum
 }
 
 /// The filter chains offered at random (`chains`): double, double twice, none.
-const SPECS: [&str; 3] = ["double", "double,double", ""];
+const SPECS: [&str; 4] = ["double", "double,double", "", "lz4,double"];
 
 /// Returns both streams' lengths, the link failures, and chain switches and coded frames.
 fn run_chains(
@@ -350,9 +363,9 @@ fn run_chains(
         }
         let s = rng.below(2) as usize;
         if chains && generating && rng.below(200) == 0 {
-            let c = Chain::build(SPECS[rng.below(3) as usize]).unwrap();
+            let c = Chain::build(SPECS[rng.below(SPECS.len() as u64) as usize]).unwrap();
             let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
-            let _ = ends[s].tx.begin_offer(c.ids().unwrap(), fit);
+            let _ = ends[s].tx.begin_offer(c.ids().unwrap(), fit, rng.below(2) == 0);
         }
         match rng.below(10) {
             0..=3 => {
@@ -405,7 +418,13 @@ fn run_chains(
     }
     let sw = ends[0].switches + ends[1].switches;
     let coded = ends[0].coded_frames + ends[1].coded_frames;
+    MIRRORED.with(|m| m.set(m.get() + (ends[0].mirrored + ends[1].mirrored) as u64));
     (ends[0].tx.next_seq, ends[1].tx.next_seq, failures, (sw, coded))
+}
+
+thread_local! {
+    /// Chains put on a stream because the peer asked for them both ways, over this test's runs.
+    static MIRRORED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 #[test]
@@ -418,6 +437,8 @@ fn chains_switched_at_random_keep_the_streams() {
         coded += c;
     }
     assert!(sw > 100 && coded > 1000, "chains really changed ({sw}) and coded frames went ({coded})");
+    let m = MIRRORED.with(|m| m.get());
+    assert!(m > 10, "offers asked both ways were offered back ({m})");
 }
 
 #[test]

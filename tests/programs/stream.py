@@ -80,6 +80,19 @@ def errno_name(exc):
     return errno_mod.errorcode.get(code, str(code))
 
 
+# With --text: words drawn from the seed instead of random bytes (data that compresses).
+TEXT = False
+WORDS = [b"the", b"layer", b"virtual", b"connection", b"frame", b"device", b"chain", b"of",
+         b"stream", b"byte", b"link", b"node", b"agent", b"a", b"network", b"and", b"filter"]
+
+
+def payload(rng, size):
+    if not TEXT:
+        return rng.randbytes(size)
+    # (Each word and its space take at least 2 bytes.)
+    return b" ".join(rng.choices(WORDS, k=size // 2 + 1))[:size]
+
+
 def write_sizes(rng, total):
     """Yield write sizes 1..MAX_WRITE, log-uniform so that tiny and huge writes both occur."""
     left = total
@@ -109,7 +122,7 @@ class Sender:
             start = time.monotonic()
             last_report = start
             for size in write_sizes(rng, self.total):
-                chunk = rng.randbytes(size)
+                chunk = payload(rng, size)
                 if self.rate > 0:
                     due = start + (self.sent + size) / self.rate
                     delay = due - time.monotonic()
@@ -331,7 +344,12 @@ def main():
                    help="print sent-byte progress to stderr every this many seconds")
     c.add_argument("--check-names", type=float, default=0.0, metavar="S",
                    help="check getsockname/getpeername every S seconds during the exchange")
+    for q in (s, c):
+        q.add_argument("--text", action="store_true",
+                       help="send words (data that compresses) instead of random bytes")
     args = p.parse_args()
+    global TEXT
+    TEXT = args.text
     return server(args) if args.cmd == "server" else client(args)
 
 

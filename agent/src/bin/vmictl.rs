@@ -15,6 +15,8 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] net down|up NET [--json]
        vmictl [--socket NAME] [--node NODE] move GID shm|tcp [--json]
        vmictl [--socket NAME] [--node NODE] chain GID FILTERS|none [--json]
+       vmictl [--socket NAME] [--node NODE] device load|unload NAME --gid GID|--pid PID|--all [--json]
+       vmictl [--socket NAME] [--node NODE] device list [--json]
        vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
@@ -28,6 +30,8 @@ commands:
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
   chain          put filters on what a live connection's ends on the node send
+  device         load a device (a filter: compression...) onto live connections, both
+                 directions, or unload it; list the devices and each connection's chain
   migrate        move a process and its connections to another host (CRIU)
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node (or on NODE, or on every node with --cluster),
@@ -37,8 +41,8 @@ commands:
 
 options (anywhere on the line):
   --socket NAME  the agent's abstract socket (default vmi-agent, or $VMI_AGENT_SOCKET)
-  --node NODE    run status, net, move, migrate, events or web on another node of the
-                 cluster (its name in reports, or one of its addresses), through this
+  --node NODE    run status, net, move, chain, device, migrate, events or web on another
+                 node of the cluster (its name in reports, or one of its addresses), through this
                  node's agent and the cluster's encrypted channel; changes need root there
   --cluster      status or events of every node of the cluster (through its head, if the
                  agents have one, else from every node); net on every node
@@ -121,6 +125,25 @@ const USAGE_CHAIN: &str = "usage: vmictl [--socket NAME] [--node NODE] chain GID
   TCP first).
   --json         {gid, chain, node, ok, error?} (node: NODE of --node, or null)";
 
+const USAGE_DEVICE: &str =
+    "usage: vmictl [--socket NAME] [--node NODE] device load|unload NAME --gid GID|--pid PID|--all [--json]
+       vmictl [--socket NAME] [--node NODE] device list [--json]
+
+  device load NAME  put device NAME at the end of the chain of filters of connection GID,
+                 of every connection of process PID, or of every connection on the node
+                 (--all: those the asker may manage), in both directions: each end on the
+                 node offers the new chain to its peer's layer, which takes it for what it
+                 receives and offers the same for what it sends. Both layers switch at a
+                 frame boundary they agree on: no byte lost, repeated or reordered. The
+                 switch happens with the next bytes the end sends.
+  device unload NAME  take device NAME out of those chains again
+  device list    the devices this build has, and each connection's chain both ways
+  The devices: double (every byte twice; for tests), lz4 (LZ4 compression of each frame;
+  data that does not compress goes as it is). Needs root or the owner of the processes.
+  Connections on shared memory take no devices (move them to TCP first).
+  --json         load/unload: {device, op, conns, node, ok, error?}; list: {devices,
+                 connections: [{gid, pid, send, recv}]}";
+
 const USAGE_WHERE: &str = "usage: vmictl [--socket NAME] where GID [--json]
 
   where GID      on which node(s) and in which process(es) connection GID lives now:
@@ -169,11 +192,12 @@ const USAGE_MIGRATE: &str = "usage: vmictl [--socket NAME] [--node NODE] migrate
   --json         vmi-migrate's report as one JSON object";
 
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 8] = [
+const COMMANDS: [(&str, &str); 9] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
     ("chain", USAGE_CHAIN),
+    ("device", USAGE_DEVICE),
     ("migrate", USAGE_MIGRATE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
@@ -182,6 +206,48 @@ const COMMANDS: [(&str, &str); 8] = [
 
 fn usage_of(cmd: Option<&str>) -> &'static str {
     COMMANDS.iter().find(|(c, _)| Some(*c) == cmd).map_or(USAGE, |(_, u)| u)
+}
+
+/// `device list`: the devices this build has, and the chains of the node's connections.
+fn print_devices(v: &Value, json: bool) {
+    const ABOUT: &[(&str, &str)] = &[
+        ("double", "every byte twice (a test device that changes lengths)"),
+        ("lz4", "LZ4 compression of each frame; data that does not compress goes as it is"),
+    ];
+    let devices = substrate::connection::chain::FILTERS;
+    let conns: Vec<Value> = v["connections"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "gid": c["gid"], "pid": c["pid"],
+                "send": c["chain"]["send"].as_str().unwrap_or(""),
+                "recv": c["chain"]["recv"].as_str().unwrap_or(""),
+            })
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::json!({ "devices": devices, "connections": conns }));
+        return;
+    }
+    println!("devices:");
+    for d in devices {
+        let about = ABOUT.iter().find(|(n, _)| n == d).map_or("", |(_, a)| a);
+        println!("  {d:<8} {about}");
+    }
+    println!("connections ({}):", conns.len());
+    let shown = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
+    for c in &conns {
+        println!(
+            "  {} pid {:>7}  sends through {:<16} receives through {}",
+            c["gid"].as_str().unwrap_or("?"),
+            c["pid"],
+            shown(c["send"].as_str().unwrap_or("")),
+            shown(c["recv"].as_str().unwrap_or(""))
+        );
+    }
 }
 
 fn fail(msg: &str) -> ! {
@@ -638,11 +704,14 @@ fn main() {
     let mut follow = false;
     let mut web = false;
     let mut grid = false;
+    let mut device_list = false;
     // `--flag=value` is `--flag value`.
     let args: Vec<String> = std::env::args()
         .skip(1)
         .flat_map(|a| match a.split_once('=') {
-            Some((f, v)) if f == "--socket" || f == "--node" => vec![f.to_string(), v.to_string()],
+            Some((f, v)) if ["--socket", "--node", "--gid", "--pid"].contains(&f) => {
+                vec![f.to_string(), v.to_string()]
+            }
             _ => vec![a],
         })
         .collect();
@@ -674,7 +743,7 @@ fn main() {
                     Some(c) => usage_error(
                         None,
                         &format!(
-                            "no command {c:?} (commands: status, net, move, migrate, where, events, web)"
+                            "no command {c:?} (commands: status, net, move, chain, device, migrate, where, events, web)"
                         ),
                     ),
                 }
@@ -742,6 +811,43 @@ fn main() {
                 let spec = if spec == "none" { String::new() } else { spec };
                 cmd = Some(Msg::Chain { gid, spec });
             }
+            "device" => {
+                name = word;
+                match operand(&mut it, "device", "load, unload or list").as_str() {
+                    "list" => {
+                        device_list = true;
+                        cmd = Some(Msg::Status);
+                    }
+                    op @ ("load" | "unload") => {
+                        let dev = operand(&mut it, "device", "a device name");
+                        let (mut gid, mut pid) = (0u128, 0u32);
+                        match operand(&mut it, "device", "--gid GID, --pid PID or --all").as_str() {
+                            "--gid" => {
+                                let g = operand(&mut it, "device", "a GID after --gid");
+                                gid = u128::from_str_radix(g.trim_start_matches("0x"), 16)
+                                    .ok()
+                                    .filter(|&g| g != 0)
+                                    .unwrap_or_else(|| {
+                                        usage_error(name, &format!("{g} is not a GID (32 hex digits)"))
+                                    });
+                            }
+                            "--pid" => {
+                                let p = operand(&mut it, "device", "a PID after --pid");
+                                pid = p.parse().ok().filter(|&p| p != 0).unwrap_or_else(|| {
+                                    usage_error(name, &format!("{p} is not a process id"))
+                                });
+                            }
+                            "--all" => {}
+                            other => usage_error(
+                                name,
+                                &format!("device {op} needs --gid GID, --pid PID or --all, not {other:?}"),
+                            ),
+                        }
+                        cmd = Some(Msg::Device { load: op == "load", name: dev, gid, pid });
+                    }
+                    other => usage_error(name, &format!("device needs load, unload or list, not {other:?}")),
+                }
+            }
             other => usage_error(name, &format!("unknown argument {other:?}")),
         }
     }
@@ -794,6 +900,42 @@ fn main() {
     // A migration takes as long as CRIU does (the agent gives up after 300 s).
     let wait = if matches!(inner, Msg::Migrate { .. }) { 320 } else { 10 };
     let _ = s.set_read_timeout(Some(Duration::from_secs(wait)));
+    if let Msg::Device { load, name: dev, gid, pid } = &inner {
+        write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
+        let op = if *load { "load" } else { "unload" };
+        let outcome = match read_msg(&mut s) {
+            Ok(Msg::DeviceReply { conns }) => Ok(conns),
+            Ok(Msg::Error { reason }) => Err(reason),
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(e.to_string()),
+        };
+        if json {
+            let mut v = serde_json::json!({
+                "device": dev, "op": op, "ok": outcome.is_ok(),
+                "node": target.clone().map_or(Value::Null, Value::String),
+            });
+            match &outcome {
+                Ok(n) => v["conns"] = Value::from(*n),
+                Err(e) => v["error"] = Value::String(e.clone()),
+            }
+            println!("{v}");
+        } else {
+            match &outcome {
+                Ok(n) => {
+                    let which = if *gid != 0 {
+                        format!("connection {gid:032x}")
+                    } else if *pid != 0 {
+                        format!("the connections of process {pid}")
+                    } else {
+                        "every connection".to_string()
+                    };
+                    println!("device {dev}: {op} asked on {which} ({n} connection(s)); each switches at its next bytes sent");
+                }
+                Err(e) => eprintln!("vmictl: {e}"),
+            }
+        }
+        std::process::exit(i32::from(outcome.is_err()));
+    }
     let done = match &inner {
         Msg::Net { name, up } => Some((
             format!("network {name} {}", if *up { "back in service" } else { "out of service" }),
@@ -870,7 +1012,9 @@ fn main() {
         }
         std::process::exit(if ok { 0 } else { 1 });
     }
-    if web {
+    if device_list {
+        print_devices(&v, json);
+    } else if web {
         print_web(&v, json);
     } else if let Some(gid) = whereis {
         let ends = where_is(&v, &gid);

@@ -682,6 +682,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
         (Msg::Freeze { .. }, _) => freeze(w),
         (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
         (Msg::Chain { gid, spec }, _) => chain_conn(gid, &spec),
+        (Msg::Device { load, name, gid, .. }, _) => device_conn(gid, load, &name),
         (Msg::Handover { gid, nonce }, Some(fd)) => {
             w.suspects.remove(&gid);
             answer(gid, nonce, fd)
@@ -706,6 +707,34 @@ fn chain_conn(gid: u128, spec: &str) {
         )),
         Err(e) => log::warn(format_args!(
             "virtual connection {gid:032x}: chain \"{spec}\" not offered: {}",
+            std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
+        )),
+    }
+}
+
+/// The operator loads device `name` onto connection `gid`, or unloads it (`vmictl device`):
+/// the chain of what this end sends, with the device added at its end or taken out, is
+/// offered to the peer, which is asked to use the same chain for what it sends.
+fn device_conn(gid: u128, load: bool, name: &str) {
+    let Some(v) = crate::vc::by_gid(gid) else { return };
+    let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
+    let now = v.send_chain_spec();
+    let mut names: Vec<&str> = now.split(',').filter(|n| !n.is_empty()).collect();
+    let had = names.contains(&name);
+    if load && !had {
+        names.push(name);
+    } else if !load {
+        names.retain(|n| *n != name);
+    }
+    let spec = names.join(",");
+    let verb = if load { "load" } else { "unload" };
+    match v.offer_chain(fd, &format!("{}{spec}", crate::tcp_sink::BOTH_WAYS)) {
+        Ok(no) => log::info(format_args!(
+            "virtual connection {gid:032x}: device {name} {verb}ed as the operator asked: chain {no} \"{spec}\" \
+             offered to the peer for both directions"
+        )),
+        Err(e) => log::warn(format_args!(
+            "virtual connection {gid:032x}: device {name} not {verb}ed: {}",
             std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
         )),
     }

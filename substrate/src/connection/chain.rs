@@ -58,9 +58,108 @@ impl Filter for Doubler {
     }
 }
 
+/// LZ4 compression of each frame (the block format, from the `lz4_flex` crate).
+///
+/// An encoded frame starts with a tag byte: `0` and the frame's bytes as they were (data that
+/// does not compress), or `1`, the original length (4 bytes, little-endian) and one LZ4
+/// block. Whether a frame is worth compressing is judged from its first
+/// [`Lz4::PROBE`] bytes, so that incompressible data (already compressed, encrypted, random)
+/// costs a small fraction of a compression. Both the judgement and the compression depend
+/// only on the frame's bytes: the same frame always encodes the same way.
+#[derive(Default)]
+pub struct Lz4 {
+    table: lz4_flex::block::CompressTable,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Lz4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Lz4")
+    }
+}
+
+impl Lz4 {
+    /// Bytes of a frame compressed first to judge whether the whole frame is worth it.
+    pub const PROBE: usize = 2048;
+    const STORED: u8 = 0;
+    const PACKED: u8 = 1;
+
+    /// Compresses `input` into the scratch buffer; its compressed length.
+    fn pack(&mut self, input: &[u8]) -> usize {
+        let need = lz4_flex::block::get_maximum_output_size(input.len());
+        if self.scratch.len() < need {
+            self.scratch.resize(need, 0);
+        }
+        // (The buffer has the room the crate asks for: it cannot fail.)
+        lz4_flex::block::compress_into_with_table(input, &mut self.scratch, &mut self.table)
+            .unwrap_or(usize::MAX)
+    }
+}
+
+impl Filter for Lz4 {
+    fn name(&self) -> &'static str {
+        "lz4"
+    }
+    fn max_out(&self, n: usize) -> usize {
+        // A frame that would not shrink goes stored, behind its tag.
+        n + 1
+    }
+    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
+        // Tiny frames are not worth it; a probe that saves less than an eighth says the data
+        // does not compress.
+        let probe = &input[..input.len().min(Self::PROBE)];
+        let packed = if input.len() <= 64 {
+            None
+        } else {
+            let n = self.pack(probe);
+            if n >= probe.len() - probe.len() / 8 {
+                None
+            } else if probe.len() == input.len() {
+                Some(n)
+            } else {
+                Some(self.pack(input))
+            }
+        };
+        if let Some(n) = packed.filter(|&n| n + 4 < input.len()) {
+            out.reserve(5 + n);
+            out.push(Self::PACKED);
+            out.extend_from_slice(&(input.len() as u32).to_le_bytes());
+            out.extend_from_slice(&self.scratch[..n]);
+            return;
+        }
+        out.reserve(1 + input.len());
+        out.push(Self::STORED);
+        out.extend_from_slice(input);
+    }
+    fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+        match input.split_first() {
+            Some((&Self::STORED, rest)) => {
+                out.extend_from_slice(rest);
+                Ok(())
+            }
+            Some((&Self::PACKED, rest)) if rest.len() >= 4 => {
+                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                if len > crate::wire::frame::MAX_PAYLOAD as usize {
+                    return Err(DecodeError);
+                }
+                let at = out.len();
+                out.resize(at + len, 0);
+                match lz4_flex::block::decompress_into(&rest[4..], &mut out[at..]) {
+                    Ok(n) if n == len => Ok(()),
+                    _ => {
+                        out.truncate(at);
+                        Err(DecodeError)
+                    }
+                }
+            }
+            _ => Err(DecodeError),
+        }
+    }
+}
+
 /// The filters this build knows, by name; a filter's id in a chain's compact form (see
 /// [`Chain::ids`]) is its place here plus one.
-pub const FILTERS: &[&str] = &["double"];
+pub const FILTERS: &[&str] = &["double", "lz4"];
 
 /// Most filters in one chain's compact form.
 pub const MAX_FILTERS: usize = 4;
@@ -102,6 +201,7 @@ impl Chain {
         for name in spec.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             match name {
                 "double" => filters.push(Box::new(Doubler)),
+                "lz4" => filters.push(Box::new(Lz4::default())),
                 _ => return None,
             }
         }
@@ -186,6 +286,55 @@ mod tests {
         assert_eq!(c.fit(100), 25);
         assert!(Chain::build("zstd").is_none());
         assert!(Chain::build("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn lz4_packs_what_compresses_and_stores_what_does_not() {
+        let mut c = Chain::build("lz4").unwrap();
+        let text: Vec<u8> =
+            b"the quick brown fox jumps over the lazy dog. ".iter().copied().cycle().take(16384).collect();
+        let e = c.encode(7, &text);
+        assert_eq!(e[0], 1, "text compresses");
+        assert!(e.len() < text.len() / 4, "{}", e.len());
+        assert_eq!(c.decode(7, e.clone()).unwrap(), text);
+        assert_eq!(c.encode(7, &text), e, "the same frame encodes the same way");
+        // Noise (a xorshift stream) does not: stored behind its tag.
+        let mut x = 0x9e3779b97f4a7c15u64;
+        let noise: Vec<u8> = (0..16384)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let e = c.encode(0, &noise);
+        assert_eq!((e[0], e.len()), (0, noise.len() + 1));
+        assert_eq!(c.decode(0, e).unwrap(), noise);
+        assert_eq!(c.encode(0, b"short")[0], 0);
+        assert_eq!(c.max_out(100), 101);
+        assert_eq!(c.fit(CODED_MAX), CODED_MAX - 1);
+        // A hostile peer: bad tags, lengths that lie, truncated blocks, a huge claim.
+        let good = c.encode(0, &text);
+        for bad in [
+            vec![],
+            vec![2, 0],
+            vec![1, 0, 0],
+            {
+                let mut b = good.clone();
+                b[1] ^= 1;
+                b
+            },
+            good[..good.len() - 3].to_vec(),
+            vec![1, 0xff, 0xff, 0xff, 0xff, 0x10],
+        ] {
+            assert!(c.decode(0, bad.clone()).is_err(), "{bad:?}");
+        }
+        // lz4 after double: the doubled frame compresses to less than the original.
+        let mut c = Chain::build("double,lz4").unwrap();
+        let e = c.encode(0, &text);
+        assert!(e.len() < text.len() / 4);
+        assert_eq!(c.decode(0, e).unwrap(), text);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 pub mod rx;
 pub mod tx;
 
-pub use rx::{Ingested, ReadPlan, RxState, ANSWER, TAKEN};
+pub use rx::{Ingested, ReadPlan, RxState, ANSWER, MIRROR, TAKEN};
 pub use tx::{
     offer_spec, ring_slices, ring_write, ring_write_with, Blocked, OfferError, Plan, Source, TxState,
 };

@@ -84,6 +84,8 @@ pub struct RxState {
     spec_len: u32,
     /// The chain number being offered.
     offer_no: u32,
+    /// 1 when that offer asks for the chain both ways.
+    offer_both: u32,
     spec: [u8; MAX_CHAIN_SPEC as usize],
     /// The peer's chains for its stream, by number: [`TAKEN`] and the compact form
     /// (`chain::Chain::ids`); 0 for a number never taken.
@@ -94,7 +96,8 @@ pub struct RxState {
     /// 1 when the peer's latest chain is empty: the first plain data frame ends `careful`
     /// (no coded frame can follow it, replays included).
     leave_careful: u32,
-    /// The answer owed to the peer's last offer ([`ANSWER`] | taken << 8 | number), 0: none.
+    /// The answer owed to the peer's last offer ([`ANSWER`] | taken << 8 | number, and
+    /// [`MIRROR`] when the peer asked for its chain on our stream too), 0: none.
     pub answer_owed: u32,
     /// The peer's answer to our offer ([`ANSWER`] | taken << 8 | number), 0: none.
     pub answer_in: u32,
@@ -117,6 +120,8 @@ pub struct RxState {
 pub const TAKEN: u32 = 1 << 31;
 /// `RxState::answer_owed` / `answer_in`: an answer is there.
 pub const ANSWER: u32 = 1 << 16;
+/// `RxState::answer_owed`: the offer taken asked for the same chain on our stream.
+pub const MIRROR: u32 = 1 << 17;
 
 impl Default for RxState {
     fn default() -> Self {
@@ -152,6 +157,7 @@ impl RxState {
             self.coded_len,
             self.coded_chain,
             self.coded_taken,
+            self.offer_both,
         ] {
             b.extend_from_slice(&v.to_le_bytes());
         }
@@ -161,7 +167,7 @@ impl RxState {
 
     /// Length of [`to_bytes`](Self::to_bytes).
     pub const BYTES: usize =
-        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 7 * 4 + 8;
+        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 8 * 4 + 8;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -201,8 +207,9 @@ impl RxState {
         r.coded_len = u32_at(m + 16);
         r.coded_chain = u32_at(m + 20);
         r.coded_taken = u32_at(m + 24);
-        r.coded_seq = u64_at(m + 28);
-        let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | 0x1ff) == 0);
+        r.offer_both = u32_at(m + 28);
+        r.coded_seq = u64_at(m + 32);
+        let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
             && r.header_len as usize <= HEADER_LEN
@@ -211,6 +218,7 @@ impl RxState {
             && r.spec_len + r.ctl_rem <= MAX_CHAIN_SPEC
             && (r.ctl_rem == 0 || r.header_len == 0)
             && r.offer_no <= 15
+            && r.offer_both <= 1
             && r.chains.iter().all(|&v| v == 0 || (v & TAKEN != 0 && Chain::from_ids(v & !TAKEN).is_some()))
             && r.careful <= 1
             && r.leave_careful <= 1
@@ -236,6 +244,7 @@ impl RxState {
             ctl_rem: 0,
             spec_len: 0,
             offer_no: 0,
+            offer_both: 0,
             spec: [0; MAX_CHAIN_SPEC as usize],
             chains: [0; 16],
             careful: 0,
@@ -279,9 +288,9 @@ impl RxState {
     }
 
     /// Takes the answer owed to the peer's offer (number, taken).
-    pub fn take_answer_owed(&mut self) -> Option<(u8, bool)> {
+    pub fn take_answer_owed(&mut self) -> Option<(u8, bool, bool)> {
         let a = std::mem::take(&mut self.answer_owed);
-        (a != 0).then_some((a as u8, a & 0x100 != 0))
+        (a != 0).then_some((a as u8, a & 0x100 != 0, a & MIRROR != 0))
     }
 
     /// Decides the layout of the next read for an application buffer of `app_len` bytes.
@@ -465,7 +474,7 @@ impl RxState {
         }
         let allowed = match h[1] {
             1 => 0x0f,
-            7 => 0x01,
+            6 | 7 => 0x01,
             _ => 0,
         };
         if n >= 4 && (h[2] & !allowed != 0 || h[3] != 0) {
@@ -499,6 +508,7 @@ impl RxState {
                     self.answer_in = ANSWER | (h.chain as u32) << 8 | h.seq as u32;
                 } else {
                     self.offer_no = h.seq as u32;
+                    self.offer_both = h.chain as u32;
                     self.spec_len = 0;
                     self.ctl_rem = h.len;
                 }
@@ -565,6 +575,9 @@ impl RxState {
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
         let Some(ids) = ids else { return };
+        if self.offer_both != 0 {
+            self.answer_owed |= MIRROR;
+        }
         self.chains[no as usize] = TAKEN | ids;
         if ids != 0 {
             self.careful = 1;
@@ -722,6 +735,31 @@ mod tests {
     }
 
     #[test]
+    fn offers_asked_both_ways_say_so_in_the_answer_owed() {
+        for (spec, both, want) in [
+            ("lz4", true, Some((4, true, true))),
+            ("lz4", false, Some((4, true, false))),
+            ("zstd", true, Some((4, false, false))),
+        ] {
+            let (mut h, p) = offer(4, spec);
+            h.chain = u8::from(both);
+            let mut rx = RxState::new();
+            let link = wire(&[(h, &p), (FrameHeader::data(1, 0, 0), b"x")]);
+            let mut app = [0u8; 64];
+            let plan = rx.plan_read(64);
+            let (_, r) = rx.read_from(plan, &link, &mut app);
+            assert_eq!(r.unwrap().payload, 1);
+            assert_eq!(rx.take_answer_owed(), want, "{spec} both={both}");
+            let back = RxState::from_bytes(&rx.to_bytes()).expect("a state it wrote");
+            assert_eq!(back.offer_both, u32::from(both));
+        }
+        // Any other flag of an offer is an error.
+        let (mut h, _) = offer(4, "lz4");
+        h.chain = 2;
+        assert!(FrameHeader::decode(&h.encode()).is_err());
+    }
+
+    #[test]
     fn offers_are_taken_or_refused_and_never_reach_the_application() {
         for n in [1, 3, 7, 100] {
             let (h1, p1) = offer(2, "double");
@@ -746,8 +784,11 @@ mod tests {
             assert_eq!(out, b"abcde", "reads of {n}");
             // (An honest peer makes one offer at a time and waits for its answer; two in
             // one read leave only the last answer owed.)
-            assert_eq!(answers.last(), Some(&(3, false)), "reads of {n}");
-            assert!(n >= 100 || answers == [(2, true), (3, false)], "reads of {n}: {answers:?}");
+            assert_eq!(answers.last(), Some(&(3, false, false)), "reads of {n}");
+            assert!(
+                n >= 100 || answers == [(2, true, false), (3, false, false)],
+                "reads of {n}: {answers:?}"
+            );
             assert_eq!(rx.chain_ids(2), Some(1));
             assert_eq!(rx.chain_ids(3), None, "a refused chain is not taken");
             assert_eq!(rx.careful, 1, "a taken chain with a filter: one frame at a time");

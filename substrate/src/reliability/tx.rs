@@ -157,6 +157,8 @@ pub struct TxState {
     owed_enc_len: u32,
     /// The chain number the frame just planned must be coded with (0: plain).
     new_chain: u32,
+    /// 1 when our offer asks the peer to use the chain for its own stream as well.
+    offer_both: u32,
 }
 
 impl TxState {
@@ -191,6 +193,7 @@ impl TxState {
             self.owed_raw_len,
             self.owed_chain,
             self.owed_enc_len,
+            self.offer_both,
         ]) {
             b.extend_from_slice(&v.to_le_bytes());
         }
@@ -199,7 +202,7 @@ impl TxState {
 
     /// Length of [`to_bytes`](Self::to_bytes).
     pub const BYTES: usize =
-        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 10 * 4;
+        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 11 * 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// positions that cannot be (acknowledged past sent, a window under 4 KiB, a frame in
@@ -262,6 +265,7 @@ impl TxState {
         t.owed_raw_len = next();
         t.owed_chain = next();
         t.owed_enc_len = next();
+        t.offer_both = next();
         let n = t.n_switch as usize;
         let chains_ok = t.chain_cur <= 15
             && (t.chain_cur == 0 || t.chain_ids[t.chain_cur as usize] != 0)
@@ -272,6 +276,7 @@ impl TxState {
             && t.offer_no <= 15
             && crate::connection::chain::spec_of_ids(t.offer_ids).is_some()
             && t.offer_sent <= 1
+            && t.offer_both <= 1
             && t.last_no <= 15
             && t.owed_kind <= OWED_SPEC
             && t.owed_chain <= 15
@@ -321,6 +326,7 @@ impl TxState {
             owed_chain: 0,
             owed_enc_len: 0,
             new_chain: 0,
+            offer_both: 0,
         }
     }
 
@@ -373,8 +379,10 @@ impl TxState {
     }
 
     /// Offers the chain of compact form `ids` for our stream (`fit`: raw bytes per coded
-    /// frame). Returns its number; the offer goes out with [`plan_offer`](Self::plan_offer).
-    pub fn begin_offer(&mut self, ids: u32, fit: usize) -> Result<u8, OfferError> {
+    /// frame). With `both`, the peer is asked to put the same chain on its own stream (it
+    /// offers it back). Returns its number; the offer goes out with
+    /// [`plan_offer`](Self::plan_offer).
+    pub fn begin_offer(&mut self, ids: u32, fit: usize, both: bool) -> Result<u8, OfferError> {
         self.trim_switches();
         if self.offer_no != 0 || self.n_switch as usize >= SWITCHES {
             return Err(OfferError::Busy);
@@ -392,6 +400,7 @@ impl TxState {
         self.offer_ids = ids;
         self.offer_fit = fit.clamp(1, MAX_PAYLOAD as usize) as u32;
         self.offer_sent = 0;
+        self.offer_both = u32::from(both);
         Ok(no as u8)
     }
 
@@ -404,6 +413,7 @@ impl TxState {
         let spec = offer_spec(self.offer_ids);
         let mut h = FrameHeader::control(FrameKind::ChainOffer, self.offer_no as u64, delivered);
         h.len = spec.len() as u32;
+        h.chain = self.offer_both as u8;
         self.start_frame(h, false);
         self.owed_kind = OWED_SPEC;
         self.owed_enc_len = spec.len() as u32;

@@ -400,6 +400,26 @@ pub enum Msg {
         /// The chain's description.
         spec: String,
     },
+    /// `vmictl device load|unload` → agent: put device `name` on (or take it off) both
+    /// directions of connection `gid` (when not 0), of every connection of process `pid`
+    /// (when not 0), or of every connection on the node the asker may manage (both 0).
+    /// Agent → the layer: the same for one connection (`gid`); the agent answers `vmictl`
+    /// with [`Msg::DeviceReply`].
+    Device {
+        /// Load (true) or unload.
+        load: bool,
+        /// The device (a filter's name).
+        name: String,
+        /// The connection, or 0.
+        gid: u128,
+        /// The process, or 0.
+        pid: u32,
+    },
+    /// Agent → `vmictl`: a `Device` command was passed to the layers of `conns` connections.
+    DeviceReply {
+        /// How many.
+        conns: u32,
+    },
 }
 
 /// Why a message was refused.
@@ -607,6 +627,8 @@ impl Msg {
             Msg::Bound { .. } => "Bound",
             Msg::Migrate { .. } => "Migrate",
             Msg::Chain { .. } => "Chain",
+            Msg::Device { .. } => "Device",
+            Msg::DeviceReply { .. } => "DeviceReply",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -833,6 +855,17 @@ impl Msg {
                 w.u128(*gid);
                 w.str(spec);
             }
+            Msg::Device { load, name, gid, pid } => {
+                w.u8(68);
+                w.u8(u8::from(*load));
+                w.str(name);
+                w.u128(*gid);
+                w.u32(*pid);
+            }
+            Msg::DeviceReply { conns } => {
+                w.u8(69);
+                w.u32(*conns);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -971,6 +1004,8 @@ impl Msg {
             45 => Msg::GridStatus,
             65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
             67 => Msg::Chain { gid: r.u128()?, spec: r.str()? },
+            69 => Msg::DeviceReply { conns: r.u32()? },
+            68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
                 stall_ms: r.u32()?,
@@ -1079,6 +1114,9 @@ mod tests {
             Msg::AsUser { uid: 0, cmd: Msg::HeadEvents { after: 29 }.encode() },
             Msg::Migrate { pid: 4242, to: "ssh:root@node7".into() },
             Msg::Chain { gid: 5 << 64 | 3, spec: "double,double".into() },
+            Msg::Device { load: true, name: "lz4".into(), gid: 0, pid: 4242 },
+            Msg::Device { load: false, name: "double".into(), gid: 9 << 64 | 1, pid: 0 },
+            Msg::DeviceReply { conns: 12 },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,

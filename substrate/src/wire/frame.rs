@@ -18,9 +18,10 @@
 //!   stream this side has delivered, so the peer replays from there.
 //! * `ChainOffer` (connection core) proposes a chain of filters for this side's stream:
 //!   `seq` numbers the chain (1..=15), the payload (at most [`MAX_CHAIN_SPEC`] bytes) names
-//!   its filters. `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it.
+//!   its filters; flags 1 asks the peer to put the same chain on its own stream too.
+//!   `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it.
 //! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
-//!   (0: none); every other bit, and any flag of other kinds but `ChainAnswer`'s, is an error.
+//!   (0: none); every other bit, and any flag of other kinds but those two, is an error.
 //!
 //! All integers are little endian. Anything else (bad magic, unknown kind, reserved flags,
 //! a length out of bounds) is a [`FrameError`]: the connection is closed, never guessed at.
@@ -66,7 +67,8 @@ pub struct FrameHeader {
     /// Cumulative count of the peer's bytes this side has delivered.
     pub ack: u64,
     /// `Data`: the chain that transformed the payload (0: none); `ChainAnswer`: 1 when
-    /// taken. Zero otherwise.
+    /// taken; `ChainOffer`: 1 when the peer is asked to use the chain both ways. Zero
+    /// otherwise.
     pub chain: u8,
 }
 
@@ -137,7 +139,7 @@ impl FrameHeader {
         let flags = u16::from_le_bytes([b[2], b[3]]);
         let allowed = match kind {
             FrameKind::Data => 0x000f,
-            FrameKind::ChainAnswer => 0x0001,
+            FrameKind::ChainAnswer | FrameKind::ChainOffer => 0x0001,
             _ => 0,
         };
         if flags & !allowed != 0 {

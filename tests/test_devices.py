@@ -1,0 +1,160 @@
+"""Devices loaded into running programs (`vmictl device load|unload|list`): a device goes on
+both directions of a live connection, of every connection of a process, or of every
+connection of the node, from the node itself or from another node through the agents; the
+two layers switch at a frame boundary they agree on, so the program sees nothing.
+
+The devices are the filters of the device chain: `lz4` (compression of each frame) and
+`double` (every byte twice, a test device that changes lengths). Every case checks the
+streams byte for byte at both ends (stream.py's digests and counts) and what `vmictl status`
+and `vmictl device list` say of each direction's chain. The lz4 case sends words (data that
+compresses) and checks on the interface counters that the wire carried much less than the
+stream.
+"""
+
+import json
+import time
+
+import pytest
+
+from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, Watcher, assert_same_stream,
+                     in_netns, python_prog, vmictl, vmictl_ok, wait_conn, wait_status)
+
+pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
+                                "is nothing to test")
+
+MiB = 1 << 20
+CLIENT, SERVER = H1, H2
+
+
+def chain_of(c):
+    ch = c.get("chain") or {}
+    return ch.get("send"), ch.get("recv")
+
+
+def tx_bytes(host, ifname=ETH0):
+    r = in_netns(host, ["ip", "-j", "-s", "link", "show", "dev", ifname])
+    assert r.returncode == 0, r.stderr
+    return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
+def both_ways(gid, want, timeout=5):
+    """Waits until both ends of connection gid send and receive through chain `want`;
+    returns the seconds it took."""
+    t0 = time.monotonic()
+    for host, side in ((CLIENT, "client"), (SERVER, "server")):
+        wait_status(host, lambda st: next((c for c in st.get("connections", [])
+                                           if c.get("gid") == gid
+                                           and chain_of(c) == (want, want)), None),
+                    timeout, f"the {side} end of {gid} on chain {want!r} both ways")
+    return time.monotonic() - t0
+
+
+def test_device_loaded_and_unloaded_in_a_loop_locally_and_from_another_node(procs):
+    """A checksummed stream moving both ways: lz4 and double are loaded and unloaded many
+    times, by connection, alternately from the client's node and, through the agents, from
+    the server's node asked on the client's. Every switch reaches both directions (the peer
+    layer offers back the chain it was asked for), and the streams stay exact."""
+    port = PORTS["device_loop"]
+    addr = f"{H2_IP}:{port}"
+    rate, seconds = 4 * MiB, 14
+    n = rate * seconds
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                           "--hold", "1", "--rate", rate), port, layer=True,
+                       env={"VMI_LOG": "info"}, name="stream-server")
+    cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                          "--server-bytes", n, "--seed", port, "--rate", rate,
+                                          "--hold", "1"),
+                      layer=True, env={"VMI_LOG": "info"}, name="stream-client")
+    c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 0
+                  and c.get("bytes_received", 0) > 0, 10, "the stream moving both ways")
+    gid = c["gid"]
+    # (where vmictl runs, the node option, the command, the chain both ways after it)
+    steps = [
+        (CLIENT, [], "load", "lz4", "lz4"),
+        (CLIENT, ["--node", H2_IP], "load", "double", "lz4,double"),
+        (CLIENT, [], "unload", "lz4", "double"),
+        (CLIENT, ["--node", H2_IP], "unload", "double", ""),
+    ] * 3
+    took = []
+    for host, node, op, dev, want in steps:
+        r = vmictl_ok(host, *node, "device", op, dev, "--gid", gid)
+        assert "1 connection" in r.stdout, r.stdout
+        took.append(both_ways(gid, want))
+    cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
+    assert_same_stream(c, s)
+    print(f"switches seen both ways after {min(took):.3f}..{max(took):.3f} s "
+          f"(median {sorted(took)[len(took) // 2]:.3f} s, status polled)")
+
+
+def test_device_by_process_and_all_and_listed(procs):
+    """Two connections of one server process: `device load lz4 --pid` puts lz4 on both,
+    both ways; `device list` shows it; `device unload lz4 --all` takes it off every
+    connection of the node. Words (data that compresses) cross the wire in a fraction of
+    their bytes while lz4 is on."""
+    port = PORTS["device_pid"]
+    addr = f"{H2_IP}:{port}"
+    rate, seconds = 4 * MiB, 8
+    n = rate * seconds
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "2",
+                                           "--hold", "1", "--rate", rate, "--text"), port,
+                       layer=True, env={"VMI_LOG": "info"}, name="stream-server")
+    clis = [procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                            n, "--server-bytes", n, "--seed", port + k, "--rate",
+                                            rate, "--hold", "1", "--text"),
+                        layer=True, env={"VMI_LOG": "info"}, name=f"stream-client-{k}")
+            for k in range(2)]
+    gids = set()
+    for cli in clis:
+        c = wait_conn(CLIENT, addr, lambda c: c.get("pid") == cli.pid and c.get("bytes_sent", 0)
+                      > 0, 10, f"client {cli.pid} moving bytes")
+        gids.add(c["gid"])
+    assert len(gids) == 2
+    r = vmictl_ok(SERVER, "device", "load", "lz4", "--pid", srv.pid)
+    assert "2 connection" in r.stdout, r.stdout
+    for g in gids:
+        both_ways(g, "lz4")
+    listed = json.loads(vmictl_ok(SERVER, "device", "list", "--json").stdout)
+    assert "lz4" in listed["devices"] and "double" in listed["devices"], listed
+    mine = {c["gid"]: (c["send"], c["recv"]) for c in listed["connections"] if c["gid"] in gids}
+    assert mine == {g: ("lz4", "lz4") for g in gids}, listed
+    text = vmictl_ok(SERVER, "device", "list").stdout
+    assert all(g in text for g in gids) and "lz4" in text, text
+    # While lz4 is on: the client's interface carries far less than the streams it sends.
+    sent0 = sum(wait_conn(CLIENT, addr, lambda c, g=g: c.get("gid") == g, 5, "the connection")
+                ["bytes_sent"] for g in gids)
+    wire0 = tx_bytes(CLIENT)
+    time.sleep(2)
+    sent1 = sum(wait_conn(CLIENT, addr, lambda c, g=g: c.get("gid") == g, 5, "the connection")
+                ["bytes_sent"] for g in gids)
+    wire = tx_bytes(CLIENT) - wire0
+    assert sent1 - sent0 > 4 * MiB, (sent0, sent1)
+    assert wire < 0.6 * (sent1 - sent0), \
+        f"{CLIENT} sent {wire} bytes on the wire for {sent1 - sent0} bytes of words under lz4"
+    r = vmictl_ok(SERVER, "device", "unload", "lz4", "--all")
+    for g in gids:
+        both_ways(g, "")
+    for cli in clis:
+        cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    results = {r["peer"]: r for r in srv.json_lines()}
+    for cli in clis:
+        c = cli.last_json()
+        assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
+        assert_same_stream(c, results[c["local"]])
+
+
+def test_device_refused_clearly(procs):
+    """An unknown device, a process that does not exist here, and a command line without a
+    target are refused with a message that says why; the connection goes on untouched."""
+    r = vmictl(CLIENT, "device", "load", "zstd9", "--all")
+    assert r.returncode == 1 and "no such device: zstd9" in r.stderr and "lz4" in r.stderr, \
+        (r.returncode, r.stdout, r.stderr)
+    r = vmictl(CLIENT, "device", "load", "lz4", "--pid", "999999")
+    assert r.returncode == 1 and "999999" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    r = vmictl(CLIENT, "device", "load", "lz4")
+    assert r.returncode == 2 and "--gid GID, --pid PID or --all" in r.stderr, r.stderr
+    r = vmictl(CLIENT, "device", "frobnicate")
+    assert r.returncode == 2 and "load, unload or list" in r.stderr, r.stderr
