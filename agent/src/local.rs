@@ -503,7 +503,7 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
                 Msg::Error {
                     reason: format!(
                         "no such chain: {bad}; the filters are: {}",
-                        substrate::connection::chain::FILTERS.join(", ")
+                        substrate::connection::chain::DEVICE_NAMES.join(", ")
                     ),
                 }
             } else if agent.events.tell_holders(gid, &Msg::Chain { gid, spec: spec.clone() }) {
@@ -528,13 +528,16 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
 /// connection, of every connection of a process, or of every connection on the node the
 /// asker may manage; the layers holding them agree on the switch in band.
 fn device(agent: &Agent, asker: &Asker, load: bool, name: &str, gid: u128, pid: u32) -> Msg {
-    use substrate::connection::chain::FILTERS;
+    use substrate::connection::chain::{Chain, DEVICE_NAMES};
     let verb = if load { "load" } else { "unload" };
-    if !FILTERS.contains(&name) {
+    let one = Chain::build(name).filter(|c| !c.is_empty() && !c.spec.contains(','));
+    let Some(one) = one else {
         return Msg::Error {
-            reason: format!("no such device: {name}; the devices are: {}", FILTERS.join(", ")),
+            reason: format!("no such device: {name}; the devices are: {}", DEVICE_NAMES.join(", ")),
         };
-    }
+    };
+    // (`zstd` is `zstd:3`: the layers compare names as the chain spells them.)
+    let name = one.spec.as_str();
     let targets: Vec<(u128, Vec<u32>)> = if gid != 0 {
         match managed_holders(agent, asker, gid, &format!("{verb} a device on")) {
             Ok(pids) => vec![(gid, pids)],

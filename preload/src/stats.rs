@@ -143,7 +143,13 @@ impl Slot {
     /// compact form.
     pub fn set_chain(&self, ids: u32, send: bool) {
         let o = if send { off::SEND_CHAIN } else { off::RECV_CHAIN };
-        self.map.u32(self.at + o).store(ids, Relaxed);
+        let before = self.map.u32(self.at + o).swap(ids, Relaxed);
+        if send && before != ids {
+            // When it changed (for `vmictl status` and the time a device load takes).
+            let born = self.map.u64(self.at + off::CREATED_MS).load(Relaxed);
+            let d = sys::unix_ms().saturating_sub(born).clamp(1, u32::MAX as u64) as u32;
+            self.map.u32(self.at + off::SEND_CHAIN_AT).store(d, Relaxed);
+        }
     }
 
     /// Records the substrate carrying the bytes (1 tcp, 2 shm).

@@ -57,6 +57,9 @@ pub mod off {
     pub const FAILOVERS: usize = 180;
     /// u32: 0 = link up, 1 = rebuilding the link.
     pub const LINK_STATE: usize = 184;
+    /// u32: when the chain of what this side sends last changed, in ms after
+    /// [`CREATED_MS`] (0: never).
+    pub const SEND_CHAIN_AT: usize = 188;
 }
 
 /// Encodes an address into the 20-byte slot form.
@@ -130,6 +133,8 @@ pub struct SlotView {
     pub failovers: u32,
     /// True while the link is being rebuilt.
     pub relinking: bool,
+    /// When the chain of what this side sends last changed (ms since the epoch; 0: never).
+    pub send_chain_ms: u64,
 }
 
 /// Substrate name for a code.
@@ -178,6 +183,10 @@ impl SlotView {
             link_peer: decode_addr(&s[off::LINK_PEER..off::LINK_PEER + 20]),
             failovers: u32at(off::FAILOVERS),
             relinking: u32at(off::LINK_STATE) == 1,
+            send_chain_ms: match u32at(off::SEND_CHAIN_AT) {
+                0 => 0,
+                d => u64at(off::CREATED_MS).saturating_add(d as u64),
+            },
         })
     }
 

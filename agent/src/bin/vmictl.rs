@@ -114,7 +114,8 @@ const USAGE_MOVE: &str = "usage: vmictl [--socket NAME] [--node NODE] move GID s
 const USAGE_CHAIN: &str = "usage: vmictl [--socket NAME] [--node NODE] chain GID FILTERS|none [--json]
 
   chain GID FILTERS  put the chain of filters FILTERS (names separated by commas; the
-                 filters this build has: double, which sends every byte twice, for tests)
+                 filters this build has: double, which sends every byte twice, for tests;
+                 lz4; zstd:LEVEL, 1-19, zstd for zstd:3; see `vmictl device list`)
                  on what each end of connection GID on this node sends, from a frame
                  boundary both layers agree on: no byte lost, repeated or reordered. The
                  peer's layer takes the chain or refuses it (the stream then goes on as
@@ -139,7 +140,8 @@ const USAGE_DEVICE: &str =
   device unload NAME  take device NAME out of those chains again
   device list    the devices this build has, and each connection's chain both ways
   The devices: double (every byte twice; for tests), lz4 (LZ4 compression of each frame;
-  data that does not compress goes as it is). Needs root or the owner of the processes.
+  data that does not compress goes as it is), zstd:LEVEL (Zstandard at LEVEL 1-19, the
+  same way; zstd is zstd:3). Needs root or the owner of the processes.
   Connections on shared memory take no devices (move them to TCP first).
   --json         load/unload: {device, op, conns, node, ok, error?}; list: {devices,
                  connections: [{gid, pid, send, recv}]}";
@@ -213,8 +215,10 @@ fn print_devices(v: &Value, json: bool) {
     const ABOUT: &[(&str, &str)] = &[
         ("double", "every byte twice (a test device that changes lengths)"),
         ("lz4", "LZ4 compression of each frame; data that does not compress goes as it is"),
+        ("zstd", "Zstandard compression of each frame at level 3 (as zstd:3)"),
+        ("zstd:LEVEL (1-19)", "Zstandard at LEVEL: 1 fastest, 19 smallest"),
     ];
-    let devices = substrate::connection::chain::FILTERS;
+    let devices = substrate::connection::chain::DEVICE_NAMES;
     let conns: Vec<Value> = v["connections"]
         .as_array()
         .cloned()
@@ -235,7 +239,7 @@ fn print_devices(v: &Value, json: bool) {
     println!("devices:");
     for d in devices {
         let about = ABOUT.iter().find(|(n, _)| n == d).map_or("", |(_, a)| a);
-        println!("  {d:<8} {about}");
+        println!("  {d:<18} {about}");
     }
     println!("connections ({}):", conns.len());
     let shown = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };

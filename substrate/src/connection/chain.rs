@@ -157,9 +157,136 @@ impl Filter for Lz4 {
     }
 }
 
+/// Zstandard compression of each frame at a level (1 fastest .. 19 smallest), with the
+/// reference C library.
+///
+/// The frame format is [`Lz4`]'s: a tag byte, `0` and the bytes as they were, or `1`, the
+/// original length (4 bytes, little-endian) and one zstd frame; the same probe decides.
+pub struct Zstd {
+    level: i32,
+    enc: Option<zstd::bulk::Compressor<'static>>,
+    dec: Option<zstd::bulk::Decompressor<'static>>,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Zstd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Zstd({})", self.level)
+    }
+}
+
+impl Zstd {
+    /// A filter at `level` (1..=19).
+    pub fn new(level: i32) -> Zstd {
+        Zstd { level, enc: None, dec: None, scratch: Vec::new() }
+    }
+
+    /// Compresses `input` into the scratch buffer; its compressed length, or `None` when
+    /// the library cannot (no memory).
+    fn pack(&mut self, input: &[u8]) -> Option<usize> {
+        if self.enc.is_none() {
+            self.enc = zstd::bulk::Compressor::new(self.level).ok();
+        }
+        let need = zstd::zstd_safe::compress_bound(input.len());
+        self.scratch.clear();
+        self.scratch.reserve(need);
+        self.enc.as_mut()?.compress_to_buffer(input, &mut self.scratch).ok()
+    }
+}
+
+impl Filter for Zstd {
+    fn name(&self) -> &'static str {
+        ZSTD_NAMES[(self.level - 1) as usize]
+    }
+    fn max_out(&self, n: usize) -> usize {
+        n + 1
+    }
+    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
+        let probe = &input[..input.len().min(Lz4::PROBE)];
+        let packed = if input.len() <= 64 {
+            None
+        } else {
+            match self.pack(probe) {
+                Some(n) if n < probe.len() - probe.len() / 8 => {
+                    if probe.len() == input.len() {
+                        Some(n)
+                    } else {
+                        self.pack(input)
+                    }
+                }
+                _ => None,
+            }
+        };
+        if let Some(n) = packed.filter(|&n| n + 4 < input.len()) {
+            out.reserve(5 + n);
+            out.push(1);
+            out.extend_from_slice(&(input.len() as u32).to_le_bytes());
+            out.extend_from_slice(&self.scratch[..n]);
+            return;
+        }
+        out.reserve(1 + input.len());
+        out.push(0);
+        out.extend_from_slice(input);
+    }
+    fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+        match input.split_first() {
+            Some((0, rest)) => {
+                out.extend_from_slice(rest);
+                Ok(())
+            }
+            Some((1, rest)) if rest.len() >= 4 => {
+                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                if len > crate::wire::frame::MAX_PAYLOAD as usize {
+                    return Err(DecodeError);
+                }
+                if self.dec.is_none() {
+                    self.dec = zstd::bulk::Decompressor::new().ok();
+                }
+                let dec = self.dec.as_mut().ok_or(DecodeError)?;
+                let at = out.len();
+                out.resize(at + len, 0);
+                match dec.decompress_to_buffer(&rest[4..], &mut out[at..]) {
+                    Ok(n) if n == len => Ok(()),
+                    _ => {
+                        out.truncate(at);
+                        Err(DecodeError)
+                    }
+                }
+            }
+            _ => Err(DecodeError),
+        }
+    }
+}
+
+/// The names of the zstd filters, by level.
+const ZSTD_NAMES: [&str; 19] = [
+    "zstd:1", "zstd:2", "zstd:3", "zstd:4", "zstd:5", "zstd:6", "zstd:7", "zstd:8", "zstd:9", "zstd:10",
+    "zstd:11", "zstd:12", "zstd:13", "zstd:14", "zstd:15", "zstd:16", "zstd:17", "zstd:18", "zstd:19",
+];
+
 /// The filters this build knows, by name; a filter's id in a chain's compact form (see
-/// [`Chain::ids`]) is its place here plus one.
-pub const FILTERS: &[&str] = &["double", "lz4"];
+/// [`Chain::ids`]) is its place here plus one. (`zstd` alone names `zstd:3`.)
+pub const FILTERS: &[&str] = &[
+    "double", "lz4", "zstd:1", "zstd:2", "zstd:3", "zstd:4", "zstd:5", "zstd:6", "zstd:7", "zstd:8",
+    "zstd:9", "zstd:10", "zstd:11", "zstd:12", "zstd:13", "zstd:14", "zstd:15", "zstd:16", "zstd:17",
+    "zstd:18", "zstd:19",
+];
+
+/// The devices as an operator names them (each zstd level is one name here).
+pub const DEVICE_NAMES: &[&str] = &["double", "lz4", "zstd", "zstd:LEVEL (1-19)"];
+
+/// The filter a name asks for (`zstd` is `zstd:3`).
+fn filter_named(name: &str) -> Option<Box<dyn Filter>> {
+    match name {
+        "double" => Some(Box::new(Doubler)),
+        "lz4" => Some(Box::new(Lz4::default())),
+        "zstd" => Some(Box::new(Zstd::new(3))),
+        _ => {
+            let level: i32 = name.strip_prefix("zstd:")?.parse().ok()?;
+            (1..=19).contains(&level).then(|| Box::new(Zstd::new(level)) as Box<dyn Filter>)
+        }
+    }
+}
 
 /// Most filters in one chain's compact form.
 pub const MAX_FILTERS: usize = 4;
@@ -199,11 +326,7 @@ impl Chain {
     pub fn build(spec: &str) -> Option<Chain> {
         let mut filters: Vec<Box<dyn Filter>> = Vec::new();
         for name in spec.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-            match name {
-                "double" => filters.push(Box::new(Doubler)),
-                "lz4" => filters.push(Box::new(Lz4::default())),
-                _ => return None,
-            }
+            filters.push(filter_named(name)?);
         }
         let spec = filters.iter().map(|f| f.name()).collect::<Vec<_>>().join(",");
         Some(Chain { spec, filters })
@@ -284,7 +407,9 @@ mod tests {
         assert!(c.decode(0, b"aab".to_vec()).is_err());
         assert!(c.decode(0, b"abab".to_vec()).is_err());
         assert_eq!(c.fit(100), 25);
-        assert!(Chain::build("zstd").is_none());
+        assert!(Chain::build("brotli").is_none());
+        assert!(Chain::build("zstd:20").is_none() && Chain::build("zstd:0").is_none());
+        assert_eq!(Chain::build("zstd").unwrap().spec, "zstd:3");
         assert!(Chain::build("").unwrap().is_empty());
     }
 
@@ -338,13 +463,34 @@ mod tests {
     }
 
     #[test]
+    fn zstd_packs_text_at_every_level_and_refuses_garbage() {
+        let text: Vec<u8> =
+            b"the quick brown fox jumps over the lazy dog. ".iter().copied().cycle().take(16384).collect();
+        for level in [1, 3, 19] {
+            let mut c = Chain::build(&format!("zstd:{level}")).unwrap();
+            let e = c.encode(0, &text);
+            assert_eq!(e[0], 1);
+            assert!(e.len() < text.len() / 8, "level {level}: {}", e.len());
+            assert_eq!(c.encode(0, &text), e, "the same frame encodes the same way");
+            assert_eq!(c.decode(0, e.clone()).unwrap(), text);
+            let mut bad = e.clone();
+            bad[1] ^= 1;
+            assert!(c.decode(0, bad).is_err(), "a length that lies");
+            assert!(c.decode(0, e[..e.len() - 2].to_vec()).is_err(), "a truncated frame");
+            assert!(c.decode(0, vec![1, 0, 0, 0x20, 0, 0x28, 0xb5]).is_err(), "a huge claim");
+        }
+        let c = Chain::build("zstd:9").unwrap();
+        assert_eq!(Chain::from_ids(c.ids().unwrap()).unwrap().spec, "zstd:9");
+    }
+
+    #[test]
     fn compact_forms_round_trip() {
         let c = Chain::build("double,double").unwrap();
         assert_eq!(c.ids(), Some(0x0101));
         assert_eq!(spec_of_ids(0x0101).as_deref(), Some("double,double"));
         assert_eq!(Chain::from_ids(0).unwrap().spec, "");
         assert_eq!(spec_of_ids(0x0100), None, "a gap in the list");
-        assert_eq!(spec_of_ids(0x09), None, "an unknown id");
+        assert_eq!(spec_of_ids(0xf0), None, "an unknown id");
         assert!(Chain::build("double,double,double,double,double").unwrap().ids().is_none());
     }
 }

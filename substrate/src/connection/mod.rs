@@ -1009,12 +1009,12 @@ mod tests {
     #[test]
     fn an_unknown_filter_is_refused_here_and_there() {
         let (mut a, mut b) = pair();
-        assert_eq!(a.offer_chain("zstd"), Err(ChainError::Unknown));
+        assert_eq!(a.offer_chain("brotli"), Err(ChainError::Unknown));
         // A peer that does not know a filter refuses the offer; the stream goes on plain.
         let mut h = FrameHeader::control(FrameKind::ChainOffer, 3, 0);
-        h.len = 4;
+        h.len = 6;
         let mut f = h.encode().to_vec();
-        f.extend_from_slice(b"zstd");
+        f.extend_from_slice(b"brotli");
         b.handle_link_bytes(0, LinkId(1), &f).unwrap();
         let answer = b.poll_transmit(0, LinkId(1), 1 << 20).unwrap();
         let h = FrameHeader::decode(answer[..HEADER_LEN].try_into().unwrap()).unwrap();

@@ -739,7 +739,7 @@ mod tests {
         for (spec, both, want) in [
             ("lz4", true, Some((4, true, true))),
             ("lz4", false, Some((4, true, false))),
-            ("zstd", true, Some((4, false, false))),
+            ("brotli", true, Some((4, false, false))),
         ] {
             let (mut h, p) = offer(4, spec);
             h.chain = u8::from(both);
@@ -763,7 +763,7 @@ mod tests {
     fn offers_are_taken_or_refused_and_never_reach_the_application() {
         for n in [1, 3, 7, 100] {
             let (h1, p1) = offer(2, "double");
-            let (h2, p2) = offer(3, "zstd");
+            let (h2, p2) = offer(3, "brotli");
             let link = wire(&[
                 (FrameHeader::data(3, 0, 0), b"abc"),
                 (h1, &p1),
