@@ -92,10 +92,10 @@ ip -n "$H1" link set dev eth0 up
 sleep 0.5
 same_stream "$LOG/stream-client.json" "$LOG/stream-server.json"
 
-say "filters put on a live connection and taken off again (vmictl chain): double sends every byte twice"
-layered "$H2" python3 tests/programs/stream.py server --bind "$S:7002" --count 1 --hold 1 --rate 20000000 >"$LOG/chain-server.json" 2>"$LOG/chain-server.err" &
+say "devices loaded into the running programs and unloaded again (vmictl device): lz4 compression, then zstd from the other node"
+layered "$H2" python3 tests/programs/stream.py server --bind "$S:7002" --count 1 --hold 1 --rate 20000000 --text >"$LOG/chain-server.json" 2>"$LOG/chain-server.err" &
 sleep 0.5
-layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 40000000 --seed 11 --hold 1 --rate 20000000 >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
+layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 40000000 --seed 11 --hold 1 --rate 20000000 --text >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
 client=$!
 sleep 0.8
 chains() { in_host "$1" target/release/vmictl status --json | python3 -c '
@@ -105,11 +105,12 @@ for c in json.load(sys.stdin)["connections"]:
         print(c["gid"] if sys.argv[2] == "gid" else "  {}: {} -> {}, chain out {!r} in {!r}, sent {}".format(
             sys.argv[3], c["local"], c["peer"], c["chain"]["send"], c["chain"]["recv"], c["bytes_sent"]))' "$S:7002" "$2" "$1"; }
 gid=$(chains "$H1" gid | head -1)
-for spec in double none; do
-    for h in "$H1" "$H2"; do
-        echo "  in $h: vmictl chain $gid $spec"
-        in_host "$h" target/release/vmictl chain "$gid" "$spec" >/dev/null
-    done
+for step in "$H1:device load lz4" "$H1:device unload lz4" "$H1:--node $S device load zstd" "$H1:--node $S device unload zstd"; do
+    h=${step%%:*}
+    # shellcheck disable=SC2086
+    set -- ${step#*:}
+    echo "  in $h: vmictl $* --gid $gid"
+    in_host "$h" target/release/vmictl "$@" --gid "$gid" | sed 's/^/    /'
     sleep 0.6
     chains "$H1" show
     chains "$H2" show

@@ -204,6 +204,7 @@ PORTS = {
     "chain_migrate": 17926,
     "device_loop": 17927,
     "device_pid": 17928,
+    "device_busy": 17929,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

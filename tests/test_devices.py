@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, Watcher, assert_same_stream,
+import subprocess
+
+from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, PRELOAD_LIB, assert_same_stream,
                      in_netns, python_prog, vmictl, vmictl_ok, wait_conn, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
@@ -150,6 +152,38 @@ def test_device_by_process_and_all_and_listed(procs):
         assert_same_stream(c, results[c["local"]])
 
 
+def test_device_switches_on_a_stream_at_full_speed(procs):
+    """iperf3 at full speed keeps the sender's window full: a device loaded then must still
+    reach the wire (its offer waits for the next data frame that goes, not for one that the
+    full window held back). Eight loads and unloads, each seen at the sender and at the
+    receiver; iperf3 reports no error."""
+    port = PORTS["device_busy"]
+    procs.server(SERVER, ["iperf3", "-s", "-1", "-B", H2_IP, "-p", port], port, layer=True,
+                 name="iperf3-server")
+    cli = procs.start(CLIENT, ["iperf3", "-c", H2_IP, "-p", port, "-t", "12", "--json"],
+                      layer=True, name="iperf3-client")
+    addr = f"{H2_IP}:{port}"
+    c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 64 << 20, 10,
+                  "iperf3's data connection at full speed")
+    gid = c["gid"]
+    took = []
+    for k in range(8):
+        op, want = ("load", "lz4") if k % 2 == 0 else ("unload", "")
+        t0 = time.time() * 1000
+        vmictl_ok(CLIENT, "device", op, "lz4", "--gid", gid)
+        # (iperf3's data flows one way: the receiver never sends, so only the sender's
+        # direction switches.)
+        snd = wait_conn(CLIENT, addr, lambda c: c.get("gid") == gid
+                        and chain_of(c)[0] == want, 5, f"the sender on chain {want!r}")
+        wait_conn(SERVER, addr, lambda c: c.get("gid") == gid and chain_of(c)[1] == want, 5,
+                  f"the receiver on chain {want!r}", side="server")
+        took.append(snd["chain"]["send_since_ms"] - t0)
+    cli.wait(timeout=40)
+    res = json.loads(cli.stdout())
+    assert "error" not in res, res["error"]
+    print(f"switches at full speed: {min(took):.0f}..{max(took):.0f} ms after vmictl was run")
+
+
 def test_device_refused_clearly(procs):
     """An unknown device, a process that does not exist here, and a command line without a
     target are refused with a message that says why; the connection goes on untouched."""
@@ -162,3 +196,16 @@ def test_device_refused_clearly(procs):
     assert r.returncode == 2 and "--gid GID, --pid PID or --all" in r.stderr, r.stderr
     r = vmictl(CLIENT, "device", "frobnicate")
     assert r.returncode == 2 and "load, unload or list" in r.stderr, r.stderr
+
+
+def test_compressors_stay_inside_the_layer():
+    """The compressors are linked into the preloaded library but none of their symbols is
+    exported: a program that uses its own libzstd or liblz4 keeps calling its own."""
+    r = subprocess.run(["nm", "-D", "--defined-only", str(PRELOAD_LIB)], capture_output=True,
+                       text=True, check=True)
+    names = [l.split()[-1] for l in r.stdout.splitlines() if l.strip()]
+    leaked = [n for n in names if n.upper().startswith(("ZSTD", "LZ4", "HUF_", "FSE_", "ZDICT"))]
+    assert names and not leaked, leaked
+    r = subprocess.run(["readelf", "-d", str(PRELOAD_LIB)], capture_output=True, text=True,
+                       check=True)
+    assert "zstd" not in r.stdout and "lz4" not in r.stdout, r.stdout

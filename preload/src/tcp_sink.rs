@@ -593,7 +593,14 @@ pub fn send(
                     offer_first = Some((before, op, spec));
                 }
             }
-            let plan = match tx.plan_send(rest.len(), delivered, false) {
+            let planned = tx.plan_send(rest.len(), delivered, false);
+            if planned.is_err() {
+                // No data frame to carry our offer: it was not written, so it is not sent.
+                if let Some((before, _, _)) = offer_first.take() {
+                    *tx = before;
+                }
+            }
+            let plan = match planned {
                 Ok(p) => p,
                 Err(Blocked::Window) => {
                     let h = harvest(mem, slot, fd, gen)?;
@@ -1242,6 +1249,42 @@ fn chain_of(ids: u32) -> Option<Chain> {
     Chain::from_ids(ids)
 }
 
+thread_local! {
+    /// Chains this thread built, by compact form: a compressor's context and tables are made
+    /// once per thread, not once per frame (a zstd context costs far more than a frame).
+    static BUILT: std::cell::RefCell<Vec<(u32, Chain)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with the chain of compact form `ids`, built once per thread (or afresh when
+/// this thread is already inside one, from a signal handler). `None` for an unknown chain.
+fn with_chain<R>(ids: u32, f: impl FnOnce(&mut Chain) -> R) -> Option<R> {
+    const KEPT: usize = 4;
+    let mut f = Some(f);
+    let cached = BUILT
+        .try_with(|b| {
+            let mut b = b.try_borrow_mut().ok()?;
+            let at = match b.iter().position(|(i, _)| *i == ids) {
+                Some(at) => at,
+                None => {
+                    let c = chain_of(ids)?;
+                    if b.len() >= KEPT {
+                        b.remove(0);
+                    }
+                    b.push((ids, c));
+                    b.len() - 1
+                }
+            };
+            Some((f.take()?)(&mut b[at].1))
+        })
+        .ok()
+        .flatten();
+    match (cached, f) {
+        (Some(r), _) => Some(r),
+        (None, Some(f)) => chain_of(ids).map(|mut c| f(&mut c)),
+        (None, None) => None,
+    }
+}
+
 /// The description of compact form `ids`, for log lines and `vmictl`.
 pub fn chain_spec(ids: u32) -> String {
     chain::spec_of_ids(ids).unwrap_or_else(|| format!("?{ids:#x}"))
@@ -1290,7 +1333,7 @@ fn make_coded(
             _ => tx.next_seq,
         };
         let raw = raw_of(plan.source, plan.payload);
-        let coded = chain_of(ids).map(|mut c| c.encode(seq, &raw)).unwrap_or_default();
+        let coded = with_chain(ids, |c| c.encode(seq, &raw)).unwrap_or_default();
         if coded.is_empty() || coded.len() > MAX_PAYLOAD as usize {
             crate::log::error(format_args!(
                 "virtual connection {:032x}: chain \"{}\" coded {} bytes into {}",
@@ -1307,7 +1350,7 @@ fn make_coded(
     let made = match plan.source {
         Source::Coded { raw_seq, raw_len, chain, .. } => {
             let raw = raw_of(plan.source, raw_len as usize);
-            chain_of(tx.chain_ids[chain as usize]).map(|mut c| c.encode(raw_seq, &raw)).unwrap_or_default()
+            with_chain(tx.chain_ids[chain as usize], |c| c.encode(raw_seq, &raw)).unwrap_or_default()
         }
         Source::Spec { ids, .. } => offer_spec(ids).into_bytes(),
         _ => return Ok((plan, Vec::new())),
@@ -1471,8 +1514,9 @@ fn log_offer(mem: ConnMem, rx: &RxState, no: u8, taken: bool) {
 /// Decodes the coded frame being read from its whole payload `enc`.
 fn decode_frame(rx: &RxState, enc: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
     let ids = rx.chain_ids(rx.coded_chain).ok_or(ProtoError::BadChain(rx.coded_chain as u8))?;
-    let mut c = chain_of(ids).ok_or(ProtoError::BadChain(rx.coded_chain as u8))?;
-    let d = c.decode(rx.coded_seq, enc).map_err(|_| ProtoError::Undecodable)?;
+    let d = with_chain(ids, |c| c.decode(rx.coded_seq, enc))
+        .ok_or(ProtoError::BadChain(rx.coded_chain as u8))?
+        .map_err(|_| ProtoError::Undecodable)?;
     if d.is_empty() || (rx.coded_taken as usize) > d.len() {
         return Err(ProtoError::Undecodable);
     }
