@@ -205,6 +205,7 @@ PORTS = {
     "device_loop": 17927,
     "device_pid": 17928,
     "device_busy": 17929,
+    "device_policy": 17930,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -18,8 +18,9 @@ import pytest
 
 import subprocess
 
-from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, PRELOAD_LIB, assert_same_stream,
-                     in_netns, python_prog, vmictl, vmictl_ok, wait_conn, wait_status)
+from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, PRELOAD_LIB,
+                     assert_same_stream, extra_agent, in_netns, python_prog, vmictl, vmictl_ok,
+                     wait_conn, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -182,6 +183,42 @@ def test_device_switches_on_a_stream_at_full_speed(procs):
     res = json.loads(cli.stdout())
     assert "error" not in res, res["error"]
     print(f"switches at full speed: {min(took):.0f}..{max(took):.0f} ms after vmictl was run")
+
+
+def test_node_default_chains_from_the_agent(procs, tmp_path):
+    """Agents started with `--chain lz4 --chain H2_IP/32=zstd:1` (on a socket and port of
+    their own): a program that sets nothing gets the node's default for its peer (the client
+    end, whose peer matches the /32 rule, sends through zstd:1; the server end through lz4),
+    and one with VMI_CHAIN=none gets no chain. Streams stay exact."""
+    sock, port0 = "vmi-chainpol", 7950
+    rules = ["--chain", "lz4", "--chain", f"{H2_IP}/32=zstd:1"]
+    env = {"VMI_AGENT_SOCKET": sock, "VMI_LOG": "info"}
+    with extra_agent(H1, tmp_path, "agent-pol-h1", args=["--socket", sock, "--port", port0, *rules]), \
+            extra_agent(H2, tmp_path, "agent-pol-h2", args=["--socket", sock, "--port", port0, *rules]):
+        port = PORTS["device_policy"]
+        addr = f"{H2_IP}:{port}"
+        srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count",
+                                               "2", "--hold", "1", "--text"), port, layer=True,
+                           env=env, name="stream-server")
+        seen = {}
+        for k, extra in enumerate(({}, {"VMI_CHAIN": "none"})):
+            cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr,
+                                                  "--bytes", 4 * MiB, "--server-bytes", 4 * MiB,
+                                                  "--seed", port + k, "--hold", "1.5", "--text"),
+                              layer=True, env={**env, **extra}, name=f"stream-client-{k}")
+            time.sleep(1.0)
+            st = json.loads(vmictl_ok(CLIENT, "--socket", sock, "status", "--json").stdout)
+            mine = [c for c in st["connections"] if c["pid"] == cli.pid]
+            assert mine, st["connections"]
+            seen[k] = chain_of(mine[0])
+            cli.wait(timeout=30)
+            c = cli.last_json()
+            assert c["sent_bytes"] == 4 * MiB and c["recv_bytes"] == 4 * MiB, c
+        srv.wait(timeout=10)
+    assert seen[0] == ("zstd:1", "lz4"), seen
+    assert seen[1] == ("", "lz4"), seen
+    results = {r["peer"]: r for r in srv.json_lines()}
+    assert len(results) == 2 and all("error" not in r for r in results.values()), results
 
 
 def test_device_refused_clearly(procs):

@@ -35,7 +35,7 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 21] = [
+pub const KEYS: [&str; 22] = [
     "key",
     "peers",
     "head",
@@ -56,6 +56,7 @@ pub const KEYS: [&str; 21] = [
     "directory-ca",
     "directory-cert",
     "directory-key",
+    "chain",
     "log",
 ];
 
@@ -315,6 +316,8 @@ pub struct Layer {
     pub key: Option<PathBuf>,
     /// Other nodes of the cluster, probed from the start.
     pub peers: Option<Vec<IpAddr>>,
+    /// Default chains of the node's connections (`CHAIN` or `NET/LEN=CHAIN` rules).
+    pub chain: Option<Vec<String>>,
     /// The cluster's heads (nodes push their summary there, queries go there first).
     pub head: Option<Vec<IpAddr>>,
     /// Clusters this agent shows as a grid.
@@ -362,6 +365,9 @@ pub struct Settings {
     pub key: PathBuf,
     /// Other nodes of the cluster.
     pub peers: Vec<IpAddr>,
+    /// Default chains of the node's connections, as rules (see
+    /// `substrate::connection::chain::Policy`).
+    pub chain: Vec<String>,
     /// The cluster's heads.
     pub head: Vec<IpAddr>,
     /// Clusters of the grid view.
@@ -479,6 +485,12 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
                 for p in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                     peers.push(value("--peers", p)?);
                 }
+            }
+            "--chain" => {
+                // (A chain holds commas: rules are separated by `;`, or given one per flag.)
+                let v = val()?;
+                let rules = l.chain.get_or_insert_with(Vec::new);
+                rules.extend(v.split(';').map(str::trim).filter(|r| !r.is_empty()).map(String::from));
             }
             "--head" => {
                 let v = val()?;
@@ -676,6 +688,10 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     let env_log = env("VMI_LOG").filter(|v| !v.is_empty()).map(|v| (v, "VMI_LOG"));
     let (key, _) = pick("key", &cli.key, env_key, file, &f.key, PathBuf::from(crate::mesh::DEFAULT_KEY_PATH));
     let (peers, _) = pick("peers", &cli.peers, None, file, &f.peers, Vec::new());
+    let (chain, chain_from) = pick("chain", &cli.chain, None, file, &f.chain, Vec::new());
+    if let Err(e) = substrate::connection::chain::Policy::parse(chain.iter().map(String::as_str)) {
+        return Err(format!("chain ({chain_from}): {e}"));
+    }
     let (head, head_from) = pick("head", &cli.head, None, file, &f.head, Vec::new());
     let (grid, grid_from) = pick("grid", &cli.grid, None, file, &f.grid, Vec::new());
     let (metrics, _) = pick("metrics", &cli.metrics, None, file, &f.metrics, Metrics::Off);
@@ -786,6 +802,7 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     Ok(Settings {
         key,
         peers,
+        chain,
         head,
         grid,
         metrics,
@@ -1067,7 +1084,7 @@ log = "debug"
     fn every_key_is_a_flag_and_a_field() {
         for k in KEYS {
             let v = match k {
-                "peers" | "head" | "grid" => format!("{k} = []"),
+                "peers" | "head" | "grid" | "chain" => format!("{k} = []"),
                 "port" | "relink-ports" | "probe-interval" | "dead-after" | "sweep-every"
                 | "directory-ttl" => {
                     format!("{k} = 1")
@@ -1082,6 +1099,8 @@ log = "debug"
                 "10.0.0.1".to_string()
             } else if k == "grid" {
                 "c=10.0.0.1@/k".to_string()
+            } else if k == "chain" {
+                "lz4;10.0.0.0/8=zstd:1".to_string()
             } else {
                 v.split(" = ").nth(1).unwrap().trim_matches('"').to_string()
             };

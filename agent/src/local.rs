@@ -55,6 +55,9 @@ pub struct Agent {
     pub journal: Arc<Journal>,
     /// Where the web view is served, once it is (`vmictl web` reads it from the status).
     pub web: std::sync::OnceLock<serde_json::Value>,
+    /// The node's default chains (the `chain` setting's rules, as `Policy::to_text` writes
+    /// them), told to each process in the answer to its `Hello`.
+    pub chain: std::sync::OnceLock<String>,
     next_client: AtomicU64,
 }
 
@@ -112,6 +115,7 @@ impl Agent {
             refusals,
             journal,
             web: std::sync::OnceLock::new(),
+            chain: std::sync::OnceLock::new(),
             next_client: AtomicU64::new(1),
         }
     }
@@ -656,7 +660,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Hello { pid, name } => {
                 info!("process {pid} ({name}) under the layer");
                 agent.procs.lock().unwrap_or_else(|e| e.into_inner()).hello(id, pid, name, passed);
-                Msg::Ok
+                match agent.chain.get() {
+                    Some(rules) => Msg::Policy { chain: rules.clone() },
+                    None => Msg::Ok,
+                }
             }
             Msg::Listen { addr, window } => {
                 debug!("listener {addr} (client {id})");

@@ -21,7 +21,7 @@ const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B.
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
                  [--directory etcd://HOST:PORT,..] [--directory-ttl S]
                  [--directory-ca FILE [--directory-cert FILE --directory-key FILE]]
-                 [--log FILTER]
+                 [--chain RULE].. [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
        vmi-agent --check-config [--config FILE] [flags as above]
        vmi-agent --help | --version
@@ -105,6 +105,11 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
                  --client-cert-auth; with etcd's authentication on, the certificate's
                  common name is the etcd user, which needs read and write on the cluster's
                  prefix (/vmi/CLUSTER/)
+  --chain RULE   a default chain of devices for the node's connections (chain = [\"RULE\",
+                 ..]): CHAIN for every connection, or NET/LEN=CHAIN for those whose peer is in
+                 that network (the most specific rule wins; CHAIN may be none), e.g. --chain
+                 lz4 --chain \"10.78.1.0/24=zstd:1\"; rules may also be separated by ';'. A
+                 program's VMI_CHAIN overrides it. Repeatable; default none
   --log FILTER   log level or tracing filter: error, warn, info, debug (log = \"FILTER\";
                  $VMI_LOG overrides the file; default info)
   -h, --help     this text;  -V, --version  the version
@@ -303,6 +308,16 @@ fn run(args: Settings) {
     ));
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
+    if !args.chain.is_empty() {
+        // (Checked when the settings were read.)
+        let p = substrate::connection::chain::Policy::parse(args.chain.iter().map(String::as_str))
+            .unwrap_or_default();
+        info!(
+            "default chains of this node's connections: {} (a program's VMI_CHAIN overrides them)",
+            p.to_text()
+        );
+        let _ = agent.chain.set(p.to_text());
+    }
     if !args.head.is_empty() {
         info!(
             "cluster heads: {} (this node pushes its summary there; cluster queries go there first)",

@@ -4,6 +4,7 @@
 //! agent is not asked again for a second.
 
 use crate::ownfd::{OWN_AGENT, OWN_STATS};
+use crate::sys::cell::Kept;
 use crate::{log, sys};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -196,7 +197,20 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
     let stats_fd = crate::ownfd::own_fd(OWN_STATS);
     let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
     match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
-        Some(Msg::Ok) => st.said_hello = true,
+        Some(Msg::Ok) => {
+            set_policy(None);
+            st.said_hello = true;
+        }
+        Some(Msg::Policy { chain }) => {
+            match substrate::connection::chain::Policy::parse([chain.as_str()]) {
+                Ok(p) => set_policy(Some(p)),
+                Err(e) => {
+                    log::warn(format_args!("the node agent's default chains are not valid here ({e}): none"));
+                    set_policy(None);
+                }
+            }
+            st.said_hello = true;
+        }
         _ => return fail(st, now),
     }
     // First contact, or the agent restarted: it must know every listener we have.
@@ -206,6 +220,23 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         }
     }
     Some(fd)
+}
+
+/// The node's default chains, from the agent's answer to our `Hello` (read with one load:
+/// set-up paths take no lock a fork could leave held).
+static POLICY: std::sync::LazyLock<Kept<Option<substrate::connection::chain::Policy>>> =
+    std::sync::LazyLock::new(Kept::default);
+
+fn set_policy(p: Option<substrate::connection::chain::Policy>) {
+    if POLICY.get().map_or(p.is_some(), |cur| *cur != p) {
+        POLICY.set(p);
+    }
+}
+
+/// The node's default chain for a connection with `peer` (the agent's `chain` rules), if
+/// one applies.
+pub fn default_chain(peer: std::net::IpAddr) -> Option<String> {
+    POLICY.get()?.as_ref()?.chain_for(peer).map(String::from)
 }
 
 /// Introduces this process to the agent now (a new image that inherited connections).

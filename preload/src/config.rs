@@ -10,7 +10,7 @@
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
-//! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`double`: every byte twice, a test filter); offered to the peer's layer at set-up, which must take it; such connections stay on kernel TCP | none |
+//! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -107,14 +107,16 @@ pub fn init() {
         }
     }
     if let Ok(v) = std::env::var("VMI_CHAIN") {
-        match substrate::connection::Chain::build(&v).filter(|c| c.ids().is_some()) {
+        // (`none`: no chain, whatever the node's default.)
+        let spec = if v.trim() == "none" { "" } else { v.as_str() };
+        match substrate::connection::Chain::build(spec).filter(|c| c.ids().is_some()) {
             Some(c) => {
                 let _ = CHAIN.set(c.spec);
             }
             None => crate::log::warn(format_args!(
                 "VMI_CHAIN={v} names a filter this build does not have (it has: {}), or more than {}; \
                  no chain",
-                substrate::connection::chain::FILTERS.join(", "),
+                substrate::connection::chain::DEVICE_NAMES.join(", "),
                 substrate::connection::chain::MAX_FILTERS
             )),
         }
@@ -122,10 +124,11 @@ pub fn init() {
     let _ = AGENT_SOCKET.set(std::env::var("VMI_AGENT_SOCKET").ok());
 }
 
-/// The chain of filters (`VMI_CHAIN`) offered for what the program sends on each new
-/// virtual connection; empty for none.
-pub fn chain() -> &'static str {
-    CHAIN.get().map(String::as_str).unwrap_or("")
+/// The chain of filters `VMI_CHAIN` gives for what the program sends on each new virtual
+/// connection (`Some("")` for `none`); `None` when it gives none (the node's default
+/// applies, see `setup::chain_for`).
+pub fn chain_env() -> Option<&'static str> {
+    CHAIN.get().map(String::as_str)
 }
 
 /// The node agent's socket name, if `VMI_AGENT_SOCKET` gives one.

@@ -60,7 +60,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
             let shm = (config::shm()
-                && config::chain().is_empty()
+                && chain_for(dst.ip()).is_empty()
                 && via.is_none()
                 && crate::shm_sink::same_node(&addrs))
             .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
@@ -106,7 +106,7 @@ pub fn after_connect(fd: i32, p: Pending) {
             if let (Some(via), Some(sl)) = (p.via, vc.slot()) {
                 sl.set_link(&local, &via);
             }
-            offer_configured_chain(&vc, fd);
+            offer_configured_chain(&vc, fd, p.dst.ip());
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held();
         }
@@ -120,15 +120,27 @@ pub fn after_connect(fd: i32, p: Pending) {
     }
 }
 
-/// `VMI_CHAIN`: the chain is offered for what this side sends, with its first frame.
-fn offer_configured_chain(vc: &Vc, fd: i32) {
-    let spec = config::chain();
+/// The chain for a new connection with `peer`: `VMI_CHAIN` when the program's environment
+/// gives one (`none` for none), else the node's default for that peer (the agent's `chain`
+/// rules), else none.
+pub fn chain_for(peer: std::net::IpAddr) -> String {
+    match config::chain_env() {
+        Some(c) => c.to_string(),
+        None => agent::default_chain(peer).unwrap_or_default(),
+    }
+}
+
+/// The chain for this connection (see [`chain_for`]) is offered for what this side sends,
+/// with its first frame.
+fn offer_configured_chain(vc: &Vc, fd: i32, peer: std::net::IpAddr) {
+    let spec = chain_for(peer);
     if spec.is_empty() {
         return;
     }
-    if let Err(e) = vc.offer_chain(fd, spec) {
+    let from = if config::chain_env().is_some() { "VMI_CHAIN" } else { "the node's default chain" };
+    if let Err(e) = vc.offer_chain(fd, &spec) {
         log::warn(format_args!(
-            "virtual connection {:032x}: VMI_CHAIN={spec} not offered: {}",
+            "virtual connection {:032x}: chain \"{spec}\" ({from}) not offered: {}",
             vc.mem().conn().gid,
             std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
         ));
@@ -187,7 +199,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
             secret,
             0,
             fd,
-            config::shm() && config::chain().is_empty(),
+            config::shm() && chain_for(peer.ip()).is_empty(),
             (0, 0),
         )
     } else {
@@ -211,7 +223,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
             if let (true, Some(sl), Some(l)) = (renamed, vc.slot(), sys::local_addr(fd)) {
                 sl.set_link(&l, &peer);
             }
-            offer_configured_chain(&vc, fd);
+            offer_configured_chain(&vc, fd, peer.ip());
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
             crate::relink::held();
         }

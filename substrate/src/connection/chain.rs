@@ -313,6 +313,109 @@ pub fn spec_of_ids(ids: u32) -> Option<String> {
     Some(names.join(","))
 }
 
+/// A node's default chains (the agent's `chain` setting), as rules: `CHAIN` for every
+/// connection, or `NET/LEN=CHAIN` for connections whose peer address is in that network.
+/// The most specific rule that matches wins; `none` names the empty chain (a network whose
+/// connections keep no filter under a node-wide default).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    /// (network, prefix length, chain description), most specific first; the node-wide rule
+    /// is the one of length 0 on the unspecified address.
+    rules: Vec<(std::net::IpAddr, u8, String)>,
+}
+
+impl Policy {
+    /// Parses rules separated by `;` (as the agent passes them to the layers) or given one
+    /// by one. A rule whose network, prefix or chain is not valid is an error naming it.
+    pub fn parse<'a>(rules: impl IntoIterator<Item = &'a str>) -> Result<Policy, String> {
+        let mut p = Policy::default();
+        for rule in rules.into_iter().flat_map(|r| r.split(';')).map(str::trim).filter(|r| !r.is_empty()) {
+            let (net, chain) = match rule.split_once('=') {
+                Some((n, c)) => (Some(n.trim()), c.trim()),
+                None => (None, rule),
+            };
+            let spec = if chain == "none" {
+                String::new()
+            } else {
+                let c = Chain::build(chain).filter(|c| c.ids().is_some()).ok_or_else(|| {
+                    format!(
+                        "chain rule {rule:?}: no such chain {chain:?} (the devices: {})",
+                        DEVICE_NAMES.join(", ")
+                    )
+                })?;
+                c.spec
+            };
+            let (addr, len) = match net {
+                None => (std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0),
+                Some(n) => {
+                    let (a, l) =
+                        n.split_once('/').ok_or_else(|| format!("chain rule {rule:?}: NET/LEN=CHAIN"))?;
+                    let a: std::net::IpAddr =
+                        a.parse().map_err(|_| format!("chain rule {rule:?}: {a:?} is not an address"))?;
+                    let max = if a.is_ipv4() { 32 } else { 128 };
+                    let l: u8 = l.parse().ok().filter(|&l| l <= max).ok_or_else(|| {
+                        format!("chain rule {rule:?}: {l:?} is not a prefix length (0-{max})")
+                    })?;
+                    (a, l)
+                }
+            };
+            if p.rules.iter().any(|(a, l, _)| (*a, *l) == (addr, len)) {
+                return Err(format!("chain rule {rule:?}: a second rule for the same network"));
+            }
+            p.rules.push((addr, len, spec));
+        }
+        p.rules.sort_by_key(|r| std::cmp::Reverse(r.1));
+        Ok(p)
+    }
+
+    /// The rules in the form [`parse`](Self::parse) reads, separated by `;`.
+    pub fn to_text(&self) -> String {
+        let one = |(a, l, c): &(std::net::IpAddr, u8, String)| {
+            let c = if c.is_empty() { "none" } else { c.as_str() };
+            if *l == 0 && a.is_unspecified() {
+                c.to_string()
+            } else {
+                format!("{a}/{l}={c}")
+            }
+        };
+        self.rules.iter().map(one).collect::<Vec<_>>().join(";")
+    }
+
+    /// The chain for a connection to (or from) `peer`: the most specific rule that matches;
+    /// `None` when no rule does.
+    pub fn chain_for(&self, peer: std::net::IpAddr) -> Option<&str> {
+        let v4 = |a: std::net::IpAddr| match a {
+            std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map(std::net::IpAddr::V4).unwrap_or(a),
+            a => a,
+        };
+        let peer = v4(peer);
+        self.rules
+            .iter()
+            .find(|(net, len, _)| {
+                if *len == 0 {
+                    return true;
+                }
+                match (net, peer) {
+                    (std::net::IpAddr::V4(n), std::net::IpAddr::V4(p)) => {
+                        let m = u32::MAX.checked_shl(32 - *len as u32).unwrap_or(0);
+                        u32::from(*n) & m == u32::from(p) & m
+                    }
+                    (std::net::IpAddr::V6(n), std::net::IpAddr::V6(p)) => {
+                        let m = u128::MAX.checked_shl(128 - *len as u32).unwrap_or(0);
+                        u128::from(*n) & m == u128::from(p) & m
+                    }
+                    _ => false,
+                }
+            })
+            .map(|(_, _, c)| c.as_str())
+    }
+
+    /// True when there is no rule.
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+}
+
 /// The filters of a chain, in order (the first encodes first and decodes last).
 #[derive(Debug, Default)]
 pub struct Chain {
@@ -481,6 +584,24 @@ mod tests {
         }
         let c = Chain::build("zstd:9").unwrap();
         assert_eq!(Chain::from_ids(c.ids().unwrap()).unwrap().spec, "zstd:9");
+    }
+
+    #[test]
+    fn policies_pick_the_most_specific_network() {
+        let p = Policy::parse(["lz4", "10.78.1.0/24=zstd", "10.78.1.7/32=none", "fd00::/8=double"]).unwrap();
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert_eq!(p.chain_for(ip("10.78.0.2")), Some("lz4"));
+        assert_eq!(p.chain_for(ip("10.78.1.2")), Some("zstd:3"));
+        assert_eq!(p.chain_for(ip("10.78.1.7")), Some(""));
+        assert_eq!(p.chain_for(ip("::ffff:10.78.1.9")), Some("zstd:3"));
+        assert_eq!(p.chain_for(ip("fd12::1")), Some("double"));
+        assert_eq!(Policy::parse([p.to_text().as_str()]).unwrap(), p);
+        let q = Policy::parse(["10.0.0.0/8=lz4"]).unwrap();
+        assert_eq!(q.chain_for(ip("192.168.0.1")), None);
+        assert!(Policy::parse([""]).unwrap().is_empty());
+        for bad in ["brotli", "10.0.0.0=lz4", "10.0.0.0/33=lz4", "ten/8=lz4", "lz4;zstd", "fd00::/129=lz4"] {
+            assert!(Policy::parse([bad]).is_err(), "{bad}");
+        }
     }
 
     #[test]

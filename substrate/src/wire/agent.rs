@@ -415,6 +415,12 @@ pub enum Msg {
         /// The process, or 0.
         pid: u32,
     },
+    /// Agent → the layer, the answer to its `Hello` when the node has default chains: the
+    /// rules (`connection::chain::Policy`, separated by `;`).
+    Policy {
+        /// The rules.
+        chain: String,
+    },
     /// Agent → `vmictl`: a `Device` command was passed to the layers of `conns` connections.
     DeviceReply {
         /// How many.
@@ -629,6 +635,7 @@ impl Msg {
             Msg::Chain { .. } => "Chain",
             Msg::Device { .. } => "Device",
             Msg::DeviceReply { .. } => "DeviceReply",
+            Msg::Policy { .. } => "Policy",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -866,6 +873,10 @@ impl Msg {
                 w.u8(69);
                 w.u32(*conns);
             }
+            Msg::Policy { chain } => {
+                w.u8(70);
+                w.str(chain);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1005,6 +1016,7 @@ impl Msg {
             65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
             67 => Msg::Chain { gid: r.u128()?, spec: r.str()? },
             69 => Msg::DeviceReply { conns: r.u32()? },
+            70 => Msg::Policy { chain: r.str()? },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1117,6 +1129,7 @@ mod tests {
             Msg::Device { load: true, name: "lz4".into(), gid: 0, pid: 4242 },
             Msg::Device { load: false, name: "double".into(), gid: 9 << 64 | 1, pid: 0 },
             Msg::DeviceReply { conns: 12 },
+            Msg::Policy { chain: "lz4;10.78.1.0/24=zstd:1".into() },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
