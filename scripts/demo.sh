@@ -95,7 +95,7 @@ same_stream "$LOG/stream-client.json" "$LOG/stream-server.json"
 say "devices loaded into the running programs and unloaded again (vmictl device): lz4 compression, then zstd from the other node"
 layered "$H2" python3 tests/programs/stream.py server --bind "$S:7002" --count 1 --hold 1 --rate 20000000 --text >"$LOG/chain-server.json" 2>"$LOG/chain-server.err" &
 sleep 0.5
-layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 40000000 --seed 11 --hold 1 --rate 20000000 --text >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
+layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 100000000 --seed 11 --hold 1 --rate 20000000 --text >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
 client=$!
 sleep 0.8
 chains() { in_host "$1" target/release/vmictl status --json | python3 -c '
