@@ -189,6 +189,9 @@ pub struct SharedConn {
     /// `link_gen + 1` of the link whose receive buffer was made big enough for coded
     /// frames.
     pub rcvbuf_gen: AtomicU32,
+    /// The receive low-water mark the layer last gave the link's socket (0 or 1: the
+    /// kernel's default), so that it is set only when it changes.
+    pub lowat: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -297,6 +300,7 @@ impl Mapping {
             coding: AtomicU32::new(0),
             offering: AtomicU32::new(0),
             rcvbuf_gen: AtomicU32::new(0),
+            lowat: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {

@@ -944,7 +944,7 @@ pub fn recv(
         let mut total = 0;
         loop {
             let space = &mut buf[total..];
-            if rx.coded_len > 0 {
+            if rx.coded_len > 0 && !take_stored(mem, slot, rx, fd)? {
                 match recv_coded(mem, slot, rx, fd, space, kflags, false, gen) {
                     Ok(0) => return Ok(total),
                     Ok(n) => {
@@ -1165,7 +1165,7 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
                 return if sys::fd::fionread(fd).is_some_and(|n| n as u64 >= rx.coded_len as u64) {
                     Truth::Readable
                 } else {
-                    set_lowat(fd, rx.coded_len as usize);
+                    set_lowat(mem, fd, rx.coded_len as usize);
                     Truth::Spurious
                 };
             }
@@ -1534,7 +1534,7 @@ fn coding_policy(rx: &mut RxState) {
 }
 
 /// Receive buffer asked for on a link that carries coded frames: several whole frames.
-const CODED_RCVBUF: usize = 16 * CODED_MAX;
+const CODED_RCVBUF: usize = 4 * CODED_MAX;
 
 /// A link whose peer codes its frames needs a receive buffer that holds several whole coded
 /// frames: each waits whole in the socket before it is read, and the kernel charges small
@@ -1562,11 +1562,38 @@ fn ensure_rcvbuf(mem: ConnMem, fd: c_int) {
 }
 
 /// Asks the kernel to call the socket readable only once `n` bytes wait (1: as usual).
-pub(crate) fn set_lowat(fd: c_int, n: usize) {
-    if sandbox::allows_nr(libc::SYS_setsockopt) {
-        let v = (n.min(i32::MAX as usize) as i32).to_ne_bytes();
-        sys::fd::setsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v);
+pub(crate) fn set_lowat(mem: ConnMem, fd: c_int, n: usize) {
+    let n = n.clamp(1, i32::MAX as usize) as u32;
+    let c = mem.conn();
+    if c.lowat.load(Relaxed).max(1) == n {
+        return;
     }
+    if sandbox::allows_nr(libc::SYS_setsockopt) {
+        let v = (n as i32).to_ne_bytes();
+        sys::fd::setsockopt_bytes(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, &v);
+        c.lowat.store(n, Relaxed);
+    }
+}
+
+/// A coded frame of a compressor that passed its bytes as they were (tag `0`): the tag is
+/// taken off the socket and the rest is read as a plain frame, straight into the program's
+/// buffer (no peek of the whole frame, no copy, no decode). False when the frame is not
+/// such a one, or its first byte is not here yet. The caller holds the rx lock.
+#[inline]
+fn take_stored(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState, fd: c_int) -> Result<bool, IrbError> {
+    if rx.coded_taken != 0 || !rx.chain_ids(rx.coded_chain).is_some_and(Chain::ids_store_plain) {
+        return Ok(false);
+    }
+    let mut tag = [0u8; 1];
+    if sock_recv(fd, &mut tag, libc::MSG_PEEK | libc::MSG_DONTWAIT) != 1 || tag[0] != 0 {
+        return Ok(false);
+    }
+    if sock_recv(fd, &mut tag, libc::MSG_DONTWAIT) != 1 {
+        return Ok(false);
+    }
+    rx.take_stored().map_err(|e| fail(mem, slot, fd, e))?;
+    set_lowat(mem, fd, 1);
+    Ok(true)
 }
 
 /// Reads from the coded frame whose header was taken: its whole payload is looked at in the
@@ -1593,7 +1620,7 @@ fn recv_coded(
         // also grows the socket's receive buffer (and window) to hold the whole frame: the
         // frame stays in the socket until it is read whole, so a buffer smaller than it
         // would stall the connection.
-        set_lowat(fd, len);
+        set_lowat(mem, fd, len);
         if kflags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd) {
             return Err(IrbError::WouldBlock);
         }
@@ -1652,7 +1679,7 @@ fn recv_coded(
             let _ = physical_error(mem, e, false, 0, gen);
         }
         rx.coded_done();
-        set_lowat(fd, 1);
+        set_lowat(mem, fd, 1);
     }
     if let Err(e) = publish_rx(mem, slot, rx) {
         return Err(fail(mem, slot, fd, e));

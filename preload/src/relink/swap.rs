@@ -117,7 +117,9 @@ pub(super) fn install(v: &Vc, nfd: i32) {
         // The peer codes its frames: a receive low-water mark on the old socket was the
         // layer's (a coded frame waited whole there), not the program's. The new link
         // starts at a frame boundary.
-        crate::tcp_sink::set_lowat(nfd, 1);
+        // (What the new socket holds is not known: the old one's value was carried.)
+        c.lowat.store(u32::MAX, Relaxed);
+        crate::tcp_sink::set_lowat(v.mem(), nfd, 1);
     }
     // (The old socket's TCP options were the bells' if it was on shared memory.)
     v.link_tcp_options(nfd);

@@ -294,7 +294,7 @@ pub const MAX_FILTERS: usize = 4;
 /// Most encoded payload bytes of one frame on a kernel-TCP link: the receiving layer looks
 /// at a whole encoded frame in its socket before it decodes it, so a frame must fit the
 /// socket's receive buffer with room to spare.
-pub const CODED_MAX: usize = 32 * 1024;
+pub const CODED_MAX: usize = 128 * 1024;
 
 /// The description a compact form names (`""` for none), or `None` for an id this build
 /// does not know.
@@ -475,13 +475,21 @@ impl Chain {
 
     /// Encodes a frame's payload.
     pub fn encode(&mut self, seq: u64, input: &[u8]) -> Vec<u8> {
-        let mut cur = input.to_vec();
+        let mut cur: Option<Vec<u8>> = None;
         for f in &mut self.filters {
             let mut out = Vec::new();
-            f.encode(seq, &cur, &mut out);
-            cur = out;
+            f.encode(seq, cur.as_deref().unwrap_or(input), &mut out);
+            cur = Some(out);
         }
-        cur
+        cur.unwrap_or_else(|| input.to_vec())
+    }
+
+    /// True for a chain of one filter whose frames start with a tag byte that is `0` when
+    /// the frame's bytes follow as they were (the compressors): such a frame can be read
+    /// straight into the program's buffer once its tag is taken.
+    pub fn ids_store_plain(ids: u32) -> bool {
+        let id = ids as usize;
+        ids > 0 && ids <= 0xff && FILTERS.get(id - 1).is_some_and(|n| *n == "lz4" || n.starts_with("zstd:"))
     }
 
     /// Decodes a frame's payload.

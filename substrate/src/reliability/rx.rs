@@ -274,6 +274,18 @@ impl RxState {
         (v & TAKEN != 0).then_some(v & !TAKEN)
     }
 
+    /// The coded frame whose header was taken holds its bytes as they were behind a tag byte
+    /// of `0` (see `Chain::ids_store_plain`), and that byte is taken: the rest is read as a
+    /// plain frame's payload, straight into the program's buffer.
+    pub fn take_stored(&mut self) -> Result<(), ProtoError> {
+        if self.coded_len < 2 || self.coded_taken != 0 || self.frame_rem != 0 {
+            return Err(ProtoError::Undecodable);
+        }
+        self.frame_rem = self.coded_len as u64 - 1;
+        self.coded_done();
+        Ok(())
+    }
+
     /// The decoded bytes of the coded frame being read were all given to the program (its
     /// payload was taken off the socket), or the link that carried it is gone.
     pub fn coded_done(&mut self) {
@@ -795,6 +807,35 @@ mod tests {
             let back = RxState::from_bytes(&rx.to_bytes()).expect("a state it wrote");
             assert_eq!((back.chains, back.careful), (rx.chains, rx.careful));
         }
+    }
+
+    #[test]
+    fn a_stored_frame_is_read_as_a_plain_one_after_its_tag() {
+        let (h, p) = offer(3, "lz4");
+        let mut rx = RxState::new();
+        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        assert!(crate::connection::Chain::ids_store_plain(rx.chain_ids(3).unwrap()));
+        let mut d = FrameHeader::data(6, 0, 0);
+        d.chain = 3;
+        let (_, r) = rx.read_from(rx.plan_read(100), &d.encode(), &mut [0u8; 100]);
+        assert_eq!(r.unwrap().payload, 0);
+        assert_eq!(rx.coded_len, 6);
+        // (The sink took the tag byte `0` off the socket.)
+        rx.take_stored().unwrap();
+        assert_eq!((rx.coded_len, rx.frame_rem), (0, 5));
+        let mut app = [0u8; 100];
+        let (got, r) = rx.read_from(rx.plan_read(100), b"hello", &mut app);
+        assert_eq!((got, r.unwrap().payload), (5, 5));
+        assert_eq!((&app[..5], rx.delivered, rx.frame_rem), (&b"hello"[..], 5, 0));
+        // A frame of its tag alone, or one partly given to the program, is not such a frame.
+        let mut rx2 = RxState::new();
+        rx2.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        let mut one = FrameHeader::data(1, 0, 0);
+        one.chain = 3;
+        let _ = rx2.read_from(rx2.plan_read(100), &one.encode(), &mut [0u8; 100]);
+        assert_eq!(rx2.take_stored(), Err(ProtoError::Undecodable));
+        assert!(!crate::connection::Chain::ids_store_plain(0x0201), "two filters");
+        assert!(!crate::connection::Chain::ids_store_plain(1), "double has no tag");
     }
 
     #[test]
