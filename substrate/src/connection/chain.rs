@@ -58,14 +58,84 @@ impl Filter for Doubler {
     }
 }
 
-/// LZ4 compression of each frame (the block format, from the `lz4_flex` crate).
-///
-/// An encoded frame starts with a tag byte: `0` and the frame's bytes as they were (data that
-/// does not compress), or `1`, the original length (4 bytes, little-endian) and one LZ4
-/// block. Whether a frame is worth compressing is judged from its first
-/// [`Lz4::PROBE`] bytes, so that incompressible data (already compressed, encrypted, random)
+/// A block compressor under the tagged frame format the compressing filters share: an
+/// encoded frame starts with a tag byte, `0` and the frame's bytes as they were (data that
+/// does not compress), or `1`, the original length (4 bytes, little-endian) and one
+/// compressed block. Whether a frame is worth compressing is judged from its first
+/// [`PROBE`] bytes, so that incompressible data (already compressed, encrypted, random)
 /// costs a small fraction of a compression. Both the judgement and the compression depend
 /// only on the frame's bytes: the same frame always encodes the same way.
+trait Packer {
+    /// Compresses `input` into [`packed`](Self::packed); its length, `None` if it cannot.
+    fn pack(&mut self, input: &[u8]) -> Option<usize>;
+    /// What the last [`pack`](Self::pack) wrote.
+    fn packed(&self) -> &[u8];
+    /// Decompresses `block` into `out` (exactly its length); the length written.
+    fn unpack(&mut self, block: &[u8], out: &mut [u8]) -> Option<usize>;
+}
+
+/// Bytes of a frame compressed first to judge whether the whole frame is worth it.
+pub const PROBE: usize = 2048;
+
+/// A frame through packer `p` in the tagged format (see [`Packer`]).
+fn tagged_encode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) {
+    // Tiny frames are not worth it; a probe that saves less than an eighth says the data does
+    // not compress.
+    let probe = &input[..input.len().min(PROBE)];
+    let packed = match (input.len() > 64).then(|| p.pack(probe)).flatten() {
+        Some(n) if n < probe.len() - probe.len() / 8 => {
+            if probe.len() == input.len() {
+                Some(n)
+            } else {
+                p.pack(input)
+            }
+        }
+        _ => None,
+    };
+    match packed.filter(|&n| n + 4 < input.len()) {
+        Some(n) => {
+            out.reserve(5 + n);
+            out.push(1);
+            out.extend_from_slice(&(input.len() as u32).to_le_bytes());
+            out.extend_from_slice(&p.packed()[..n]);
+        }
+        None => {
+            out.reserve(1 + input.len());
+            out.push(0);
+            out.extend_from_slice(input);
+        }
+    }
+}
+
+/// The inverse of [`tagged_encode`], for a peer's frame: a bad tag, a claimed length above
+/// the largest frame, or a block that does not decode to exactly that length is an error.
+fn tagged_decode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+    match input.split_first() {
+        Some((0, rest)) => {
+            out.extend_from_slice(rest);
+            Ok(())
+        }
+        Some((1, rest)) if rest.len() >= 4 => {
+            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            if len > crate::wire::frame::MAX_PAYLOAD as usize {
+                return Err(DecodeError);
+            }
+            let at = out.len();
+            out.resize(at + len, 0);
+            match p.unpack(&rest[4..], &mut out[at..]) {
+                Some(n) if n == len => Ok(()),
+                _ => {
+                    out.truncate(at);
+                    Err(DecodeError)
+                }
+            }
+        }
+        _ => Err(DecodeError),
+    }
+}
+
+/// LZ4 compression of each frame (the block format, from the `lz4_flex` crate), in the
+/// tagged frame format of [`Packer`].
 #[derive(Default)]
 pub struct Lz4 {
     table: lz4_flex::block::CompressTable,
@@ -78,21 +148,19 @@ impl std::fmt::Debug for Lz4 {
     }
 }
 
-impl Lz4 {
-    /// Bytes of a frame compressed first to judge whether the whole frame is worth it.
-    pub const PROBE: usize = 2048;
-    const STORED: u8 = 0;
-    const PACKED: u8 = 1;
-
-    /// Compresses `input` into the scratch buffer; its compressed length.
-    fn pack(&mut self, input: &[u8]) -> usize {
+impl Packer for Lz4 {
+    fn pack(&mut self, input: &[u8]) -> Option<usize> {
         let need = lz4_flex::block::get_maximum_output_size(input.len());
         if self.scratch.len() < need {
             self.scratch.resize(need, 0);
         }
-        // (The buffer has the room the crate asks for: it cannot fail.)
-        lz4_flex::block::compress_into_with_table(input, &mut self.scratch, &mut self.table)
-            .unwrap_or(usize::MAX)
+        lz4_flex::block::compress_into_with_table(input, &mut self.scratch, &mut self.table).ok()
+    }
+    fn packed(&self) -> &[u8] {
+        &self.scratch
+    }
+    fn unpack(&mut self, block: &[u8], out: &mut [u8]) -> Option<usize> {
+        lz4_flex::block::decompress_into(block, out).ok()
     }
 }
 
@@ -105,63 +173,15 @@ impl Filter for Lz4 {
         n + 1
     }
     fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
-        // Tiny frames are not worth it; a probe that saves less than an eighth says the data
-        // does not compress.
-        let probe = &input[..input.len().min(Self::PROBE)];
-        let packed = if input.len() <= 64 {
-            None
-        } else {
-            let n = self.pack(probe);
-            if n >= probe.len() - probe.len() / 8 {
-                None
-            } else if probe.len() == input.len() {
-                Some(n)
-            } else {
-                Some(self.pack(input))
-            }
-        };
-        if let Some(n) = packed.filter(|&n| n + 4 < input.len()) {
-            out.reserve(5 + n);
-            out.push(Self::PACKED);
-            out.extend_from_slice(&(input.len() as u32).to_le_bytes());
-            out.extend_from_slice(&self.scratch[..n]);
-            return;
-        }
-        out.reserve(1 + input.len());
-        out.push(Self::STORED);
-        out.extend_from_slice(input);
+        tagged_encode(self, input, out)
     }
     fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        match input.split_first() {
-            Some((&Self::STORED, rest)) => {
-                out.extend_from_slice(rest);
-                Ok(())
-            }
-            Some((&Self::PACKED, rest)) if rest.len() >= 4 => {
-                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-                if len > crate::wire::frame::MAX_PAYLOAD as usize {
-                    return Err(DecodeError);
-                }
-                let at = out.len();
-                out.resize(at + len, 0);
-                match lz4_flex::block::decompress_into(&rest[4..], &mut out[at..]) {
-                    Ok(n) if n == len => Ok(()),
-                    _ => {
-                        out.truncate(at);
-                        Err(DecodeError)
-                    }
-                }
-            }
-            _ => Err(DecodeError),
-        }
+        tagged_decode(self, input, out)
     }
 }
 
 /// Zstandard compression of each frame at a level (1 fastest .. 19 smallest), with the
-/// reference C library.
-///
-/// The frame format is [`Lz4`]'s: a tag byte, `0` and the bytes as they were, or `1`, the
-/// original length (4 bytes, little-endian) and one zstd frame; the same probe decides.
+/// reference C library, in the tagged frame format of [`Packer`].
 pub struct Zstd {
     level: i32,
     enc: Option<zstd::bulk::Compressor<'static>>,
@@ -180,17 +200,25 @@ impl Zstd {
     pub fn new(level: i32) -> Zstd {
         Zstd { level, enc: None, dec: None, scratch: Vec::new() }
     }
+}
 
-    /// Compresses `input` into the scratch buffer; its compressed length, or `None` when
-    /// the library cannot (no memory).
+impl Packer for Zstd {
     fn pack(&mut self, input: &[u8]) -> Option<usize> {
         if self.enc.is_none() {
             self.enc = zstd::bulk::Compressor::new(self.level).ok();
         }
-        let need = zstd::zstd_safe::compress_bound(input.len());
         self.scratch.clear();
-        self.scratch.reserve(need);
+        self.scratch.reserve(zstd::zstd_safe::compress_bound(input.len()));
         self.enc.as_mut()?.compress_to_buffer(input, &mut self.scratch).ok()
+    }
+    fn packed(&self) -> &[u8] {
+        &self.scratch
+    }
+    fn unpack(&mut self, block: &[u8], out: &mut [u8]) -> Option<usize> {
+        if self.dec.is_none() {
+            self.dec = zstd::bulk::Decompressor::new().ok();
+        }
+        self.dec.as_mut()?.decompress_to_buffer(block, out).ok()
     }
 }
 
@@ -202,59 +230,10 @@ impl Filter for Zstd {
         n + 1
     }
     fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
-        let probe = &input[..input.len().min(Lz4::PROBE)];
-        let packed = if input.len() <= 64 {
-            None
-        } else {
-            match self.pack(probe) {
-                Some(n) if n < probe.len() - probe.len() / 8 => {
-                    if probe.len() == input.len() {
-                        Some(n)
-                    } else {
-                        self.pack(input)
-                    }
-                }
-                _ => None,
-            }
-        };
-        if let Some(n) = packed.filter(|&n| n + 4 < input.len()) {
-            out.reserve(5 + n);
-            out.push(1);
-            out.extend_from_slice(&(input.len() as u32).to_le_bytes());
-            out.extend_from_slice(&self.scratch[..n]);
-            return;
-        }
-        out.reserve(1 + input.len());
-        out.push(0);
-        out.extend_from_slice(input);
+        tagged_encode(self, input, out)
     }
     fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        match input.split_first() {
-            Some((0, rest)) => {
-                out.extend_from_slice(rest);
-                Ok(())
-            }
-            Some((1, rest)) if rest.len() >= 4 => {
-                let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-                if len > crate::wire::frame::MAX_PAYLOAD as usize {
-                    return Err(DecodeError);
-                }
-                if self.dec.is_none() {
-                    self.dec = zstd::bulk::Decompressor::new().ok();
-                }
-                let dec = self.dec.as_mut().ok_or(DecodeError)?;
-                let at = out.len();
-                out.resize(at + len, 0);
-                match dec.decompress_to_buffer(&rest[4..], &mut out[at..]) {
-                    Ok(n) if n == len => Ok(()),
-                    _ => {
-                        out.truncate(at);
-                        Err(DecodeError)
-                    }
-                }
-            }
-            _ => Err(DecodeError),
-        }
+        tagged_decode(self, input, out)
     }
 }
 
