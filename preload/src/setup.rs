@@ -138,7 +138,7 @@ fn offer_configured_chain(vc: &Vc, fd: i32, peer: std::net::IpAddr) {
         return;
     }
     let from = if config::chain_env().is_some() { "VMI_CHAIN" } else { "the node's default chain" };
-    if let Err(e) = vc.offer_chain(fd, &spec) {
+    if let Err(e) = vc.offer_chain(fd, &spec, false) {
         log::warn(format_args!(
             "virtual connection {:032x}: chain \"{spec}\" ({from}) not offered: {}",
             vc.mem().conn().gid,

@@ -66,7 +66,7 @@ impl Device for TcpSink {
                 Ok(0)
             }
             (REPLAY, _) => Ok(usize::from(replay_now(self.mem, self.slot, fd))),
-            (CHAIN, Buf::Out(spec)) => offer(self.mem, spec),
+            (CHAIN, Buf::Out(spec)) => offer(self.mem, spec, flags & BOTH_WAYS != 0),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -1359,15 +1359,11 @@ fn make_coded(
 }
 
 /// Offers the peer the chain `spec` describes for what this side sends from now on (the
-/// `CHAIN` IRB; a description starting with `both:` asks the peer to put the chain on its
-/// own stream too). The tx lock is held by the caller.
-fn offer(mem: ConnMem, spec: &[u8]) -> Result<usize, IrbError> {
+/// `CHAIN` IRB; with `both`, its flag [`BOTH_WAYS`], the peer is asked to put the chain on
+/// its own stream too). The tx lock is held by the caller.
+fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
     let c = mem.conn();
     let spec = std::str::from_utf8(spec).map_err(|_| IrbError::Os(libc::EINVAL))?;
-    let (spec, both) = match spec.strip_prefix(BOTH_WAYS) {
-        Some(rest) => (rest, true),
-        None => (spec, false),
-    };
     let ch = Chain::build(spec).ok_or(IrbError::Os(libc::EINVAL))?;
     let ids = ch.ids().ok_or(IrbError::Os(libc::EINVAL))?;
     let b = c.broken.load(Acquire);
@@ -1383,8 +1379,8 @@ fn offer(mem: ConnMem, spec: &[u8]) -> Result<usize, IrbError> {
     })
 }
 
-/// The prefix of a `CHAIN` IRB's description that asks for the chain both ways.
-pub const BOTH_WAYS: &str = "both:";
+/// The `CHAIN` IRB's flag that asks for the chain both ways.
+pub const BOTH_WAYS: i32 = 1;
 
 /// Starts our offer of chain `ch` (see [`offer`]).
 fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result<u8, IrbError> {

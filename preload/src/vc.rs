@@ -769,8 +769,9 @@ impl Vc {
     /// side sends (alone, it could make the peer's socket readable with no data for its
     /// program). Returns the chain's number; `EINVAL` for a filter this build lacks, `EBUSY`
     /// while an earlier offer waits for its answer, `EOPNOTSUPP` on shared memory (filters
-    /// work on frames of the kernel-TCP substrate).
-    pub fn offer_chain(&self, fd: i32, spec: &str) -> Result<usize, IrbError> {
+    /// work on frames of the kernel-TCP substrate). With `both`, the peer is asked to use the
+    /// same chain for what it sends.
+    pub fn offer_chain(&self, fd: i32, spec: &str, both: bool) -> Result<usize, IrbError> {
         if self.shm_now().is_some() {
             return Err(IrbError::Os(libc::EOPNOTSUPP));
         }
@@ -778,6 +779,9 @@ impl Vc {
         let _g = c.tx_lock.lock();
         let mut irb = Irb::new(crate::tcp_sink::CHAIN).with_handle(fd as i64);
         irb.buf = substrate::irb::Buf::Out(spec.as_bytes());
+        if both {
+            irb.flags = crate::tcp_sink::BOTH_WAYS;
+        }
         self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb))
     }
 

@@ -701,7 +701,7 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
 fn chain_conn(gid: u128, spec: &str) {
     let Some(v) = crate::vc::by_gid(gid) else { return };
     let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
-    match v.offer_chain(fd, spec) {
+    match v.offer_chain(fd, spec, false) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
         )),
@@ -728,7 +728,7 @@ fn device_conn(gid: u128, load: bool, name: &str) {
     }
     let spec = names.join(",");
     let verb = if load { "load" } else { "unload" };
-    match v.offer_chain(fd, &format!("{}{spec}", crate::tcp_sink::BOTH_WAYS)) {
+    match v.offer_chain(fd, &spec, true) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: device {name} {verb}ed as the operator asked: chain {no} \"{spec}\" \
              offered to the peer for both directions"

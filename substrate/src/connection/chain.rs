@@ -66,6 +66,8 @@ impl Filter for Doubler {
 /// costs a small fraction of a compression. Both the judgement and the compression depend
 /// only on the frame's bytes: the same frame always encodes the same way.
 trait Packer {
+    /// The filter's name in a chain.
+    fn name(&self) -> &'static str;
     /// Compresses `input` into [`packed`](Self::packed); its length, `None` if it cannot.
     fn pack(&mut self, input: &[u8]) -> Option<usize>;
     /// What the last [`pack`](Self::pack) wrote.
@@ -134,6 +136,23 @@ fn tagged_decode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) -> Result
     }
 }
 
+/// Every compressor is a filter through the tagged frame format.
+impl<P: Packer + std::fmt::Debug + Send> Filter for P {
+    fn name(&self) -> &'static str {
+        Packer::name(self)
+    }
+    fn max_out(&self, n: usize) -> usize {
+        // A frame that would not shrink goes stored, behind its tag.
+        n + 1
+    }
+    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
+        tagged_encode(self, input, out)
+    }
+    fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
+        tagged_decode(self, input, out)
+    }
+}
+
 /// LZ4 compression of each frame (the block format, from the `lz4_flex` crate), in the
 /// tagged frame format of [`Packer`].
 #[derive(Default)]
@@ -149,6 +168,9 @@ impl std::fmt::Debug for Lz4 {
 }
 
 impl Packer for Lz4 {
+    fn name(&self) -> &'static str {
+        "lz4"
+    }
     fn pack(&mut self, input: &[u8]) -> Option<usize> {
         let need = lz4_flex::block::get_maximum_output_size(input.len());
         if self.scratch.len() < need {
@@ -161,22 +183,6 @@ impl Packer for Lz4 {
     }
     fn unpack(&mut self, block: &[u8], out: &mut [u8]) -> Option<usize> {
         lz4_flex::block::decompress_into(block, out).ok()
-    }
-}
-
-impl Filter for Lz4 {
-    fn name(&self) -> &'static str {
-        "lz4"
-    }
-    fn max_out(&self, n: usize) -> usize {
-        // A frame that would not shrink goes stored, behind its tag.
-        n + 1
-    }
-    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
-        tagged_encode(self, input, out)
-    }
-    fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        tagged_decode(self, input, out)
     }
 }
 
@@ -203,6 +209,9 @@ impl Zstd {
 }
 
 impl Packer for Zstd {
+    fn name(&self) -> &'static str {
+        ZSTD_NAMES[(self.level - 1) as usize]
+    }
     fn pack(&mut self, input: &[u8]) -> Option<usize> {
         if self.enc.is_none() {
             self.enc = zstd::bulk::Compressor::new(self.level).ok();
@@ -219,21 +228,6 @@ impl Packer for Zstd {
             self.dec = zstd::bulk::Decompressor::new().ok();
         }
         self.dec.as_mut()?.decompress_to_buffer(block, out).ok()
-    }
-}
-
-impl Filter for Zstd {
-    fn name(&self) -> &'static str {
-        ZSTD_NAMES[(self.level - 1) as usize]
-    }
-    fn max_out(&self, n: usize) -> usize {
-        n + 1
-    }
-    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
-        tagged_encode(self, input, out)
-    }
-    fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        tagged_decode(self, input, out)
     }
 }
 
