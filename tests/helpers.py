@@ -206,18 +206,22 @@ PORTS = {
     "device_pid": 17928,
     "device_busy": 17929,
     "device_policy": 17930,
+    "aead_live": 17931,
+    "aead_attack": 17932,               # to 17934
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
 
 # Where a real-program test runs its client: on another host (the layers talk over kernel
 # TCP), or on the server's host (shared memory). Shared-memory runs use their ports + 10000.
-# "chain": across hosts with the chain `double,lz4` on both directions of every connection
-# (VMI_CHAIN at both ends): real programs through a chain that changes every frame's length
-# (`double`, a test filter) and then compresses it (`lz4`, which always finds the doubled
-# bytes worth compressing, so every frame goes through both filters).
+# "chain": across hosts with the chain `double,lz4,aead` on both directions of every
+# connection (VMI_CHAIN at both ends): real programs through a chain that changes every
+# frame's length (`double`, a test filter), compresses it (`lz4`, which always finds the
+# doubled bytes worth compressing, so every frame goes through both filters) and seals it
+# (`aead`, AES-256-GCM under a key from the chain's own key exchange).
 PLACES = {"hosts": (H2, {}, "tcp", 0), "shm": (H1, {"VMI_SHM": "1"}, "shm", 10000),
-          "chain": (H2, {"VMI_CHAIN": "double,lz4"}, "tcp/double,lz4", 12000)}
+          "chain": (H2, {"VMI_CHAIN": "double,lz4,aead"}, "tcp/double,lz4,aead:aes-256-gcm",
+                    12000)}
 
 
 def place(where, port_name):

@@ -134,14 +134,16 @@ def test_chain_on_non_blocking_event_loops(procs):
 
 
 def test_chain_survives_failover(procs, faults):
-    """A stream under VMI_CHAIN=double loses its network in the middle: the frames sent
-    again on the rebuilt link are coded with the chain of their own offsets, and both
-    programs see an exact stream."""
+    """A stream under VMI_CHAIN=double,aead loses its network in the middle: the frames sent
+    again on the rebuilt link are coded (and sealed) with the chain and key of their own
+    offsets, each side takes a new key after the relink, and both programs see an exact
+    stream."""
     port = PORTS["chain_failover"]
     addr = f"{H2_IP}:{port}"
     rate, seconds = 2 * MiB, 6
     n = rate * seconds
-    env = {"VMI_CHAIN": "double", "VMI_LOG": "info"}
+    want = ("double,aead:aes-256-gcm",) * 2
+    env = {"VMI_CHAIN": "double,aead", "VMI_LOG": "info"}
     srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
                                            "--hold", "1", "--rate", rate), port, layer=True,
                        env=env, name="stream-server")
@@ -151,8 +153,7 @@ def test_chain_survives_failover(procs, faults):
                                               rate, "--hold", "1"),
                           layer=True, env=env, name="stream-client")
         c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 0
-                      and chain_of(c) == ("double", "double"), 10,
-                      "the stream moving, coded both ways")
+                      and chain_of(c) == want, 10, "the stream moving, coded both ways")
         time.sleep(1.0)
         faults.link_down(CLIENT, ETH0)
         wait_conn(CLIENT, addr, lambda e: e.get("gid") == c["gid"] and e.get("network") == ETH1
@@ -163,7 +164,9 @@ def test_chain_survives_failover(procs, faults):
     assert c2["sent_bytes"] == n and c2["recv_bytes"] == n, c2
     assert_same_stream(c2, s)
     ends = [e for e in w.connections(CLIENT) if e.get("gid") == c["gid"]]
-    assert ends and chain_of(ends[-1]) == ("double", "double"), ends[-1] if ends else None
+    assert ends and chain_of(ends[-1]) == want, ends[-1] if ends else None
+    for p in (cli, srv):
+        assert "takes a new key" in p.stderr(), f"{p.name}: no new key after the relink"
 
 
 def test_chain_refused_for_unknown_filter(procs):

@@ -165,21 +165,23 @@ def test_client_migrates_mid_stream(procs, third_agent):
 
 
 def test_filters_stay_across_a_migration(procs, third_agent):
-    """A stream coded both ways (VMI_CHAIN=double) whose client is checkpointed and restored
-    on another host: the chains are the connection's memory, so the rebuilt link carries
-    coded frames again from the offsets where the old one stopped, and both programs see an
+    """A stream coded and sealed both ways (VMI_CHAIN=double,aead) whose client is
+    checkpointed and restored on another host: the chains and their keys are the
+    connection's memory, so the rebuilt link carries coded frames again from the offsets
+    where the old one stopped (each side then takes a new key), and both programs see an
     exact stream."""
-    p = Pair(procs, PORTS["chain_migrate"], 6, env={"VMI_CHAIN": "double"})
+    want = "double,aead:aes-256-gcm"
+    p = Pair(procs, PORTS["chain_migrate"], 6, env={"VMI_CHAIN": "double,aead"})
     coded = wait_status(H1, lambda st: next((c for c in st.get("connections") or []
                                              if c.get("peer") == p.addr
-                                             and (c.get("chain") or {}).get("send") == "double"
-                                             and (c.get("chain") or {}).get("recv") == "double"),
+                                             and (c.get("chain") or {}).get("send") == want
+                                             and (c.get("chain") or {}).get("recv") == want),
                                             None), 10, "the stream coded both ways")
     report, _ = migrate(p.cli, H3)
     assert report["connections"] == 1 and report["rebuilt"] == 1, report
     after = conn_in(H3, coded["gid"])
     ch = after.get("chain") or {}
-    assert (ch.get("send"), ch.get("recv")) == ("double", "double"), after
+    assert (ch.get("send"), ch.get("recv")) == (want, want), after
     p.check()
 
 

@@ -12,6 +12,8 @@
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
+//! | `VMI_REKEY` | how often a connection under an `aead` filter takes a new key: `SIZE[,SECONDS]` (bytes sealed, seconds), besides after every relink | `1G,600` |
+//! | `VMI_TAMPER` | fault injection for tests of the `aead` filters: `flip:N`, `replay:N` or `foreign:N` alters the Nth sealed frame this process sends (a flipped bit, an earlier record, a record under another key) | none |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
@@ -30,6 +32,8 @@ static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+static REKEY_BYTES: AtomicU64 = AtomicU64::new(1 << 30);
+static REKEY_MS: AtomicU64 = AtomicU64::new(600_000);
 
 /// Parses a size such as `512K` or `4M`.
 pub fn parse_size(s: &str) -> Option<u64> {
@@ -121,7 +125,31 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(v) = std::env::var("VMI_REKEY") {
+        let (size, secs) = match v.split_once(',') {
+            Some((a, b)) => (a, Some(b)),
+            None => (v.as_str(), None),
+        };
+        let secs = secs.map(|s| s.trim().parse::<u64>().ok().filter(|&s| s > 0));
+        match (parse_size(size).filter(|&b| b >= 4096), secs) {
+            (Some(b), None) => REKEY_BYTES.store(b, Relaxed),
+            (Some(b), Some(Some(s))) => {
+                REKEY_BYTES.store(b, Relaxed);
+                REKEY_MS.store(s.saturating_mul(1000), Relaxed);
+            }
+            _ => crate::log::warn(format_args!(
+                "VMI_REKEY={v} is not SIZE[,SECONDS] (at least 4K, and a whole number of seconds); using 1G,600"
+            )),
+        }
+    }
+    crate::tamper::init(std::env::var("VMI_TAMPER").ok().as_deref());
     let _ = AGENT_SOCKET.set(std::env::var("VMI_AGENT_SOCKET").ok());
+}
+
+/// When a keyed chain takes a new key: after this many bytes sealed, or this many
+/// milliseconds (`VMI_REKEY`).
+pub fn rekey() -> (u64, u64) {
+    (REKEY_BYTES.load(Relaxed), REKEY_MS.load(Relaxed))
 }
 
 /// The chain of filters `VMI_CHAIN` gives for what the program sends on each new virtual

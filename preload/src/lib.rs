@@ -46,6 +46,7 @@ pub mod sockswap;
 pub mod stats;
 #[allow(unsafe_code)]
 pub mod sys;
+pub mod tamper;
 pub mod tcp_sink;
 pub mod vc;
 

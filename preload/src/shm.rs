@@ -210,7 +210,16 @@ pub struct SharedConn {
     tx: LendCell<TxState>,
     /// Receive half (under `rx_lock`).
     rx: LendCell<RxState>,
+    /// Key shares from the receive half to the send half: [`SHARE_OWED`] is ours for the
+    /// answer owed (written before `answer_owed`), [`SHARE_IN`] the peer's that came with
+    /// its answer (written before `chain_answer`).
+    shares: [[AtomicU64; 4]; 2],
 }
+
+/// `SharedConn::share`: this side's key share for the answer it owes.
+pub const SHARE_OWED: usize = 0;
+/// `SharedConn::share`: the peer's key share from its answer to our offer.
+pub const SHARE_IN: usize = 1;
 
 impl RingHead for SharedConn {
     type Half = TxState;
@@ -312,6 +321,7 @@ impl Mapping {
             peer_window,
             tx: LendCell::new(TxState::with_soft_window(ring as u64, soft)),
             rx: LendCell::new(RxState::new()),
+            shares: Default::default(),
         };
         let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
         Some(Mapping { view, _map: map })
@@ -319,6 +329,23 @@ impl Mapping {
 }
 
 impl SharedConn {
+    /// Puts a key share in place `which` ([`SHARE_OWED`] or [`SHARE_IN`]); the atomic
+    /// store that publishes the answer it goes with comes after (release).
+    pub fn set_share(&self, which: usize, share: &[u8; 32]) {
+        for (w, c) in self.shares[which].iter().zip(share.chunks_exact(8)) {
+            w.store(u64::from_le_bytes(c.try_into().expect("8 bytes")), Relaxed);
+        }
+    }
+
+    /// The key share in place `which` (after an acquire load of the answer it goes with).
+    pub fn share(&self, which: usize) -> [u8; 32] {
+        let mut s = [0u8; 32];
+        for (w, c) in self.shares[which].iter().zip(s.chunks_exact_mut(8)) {
+            c.copy_from_slice(&w.load(Relaxed).to_le_bytes());
+        }
+        s
+    }
+
     /// The peer node's agent addresses.
     pub fn peer_agents(&self) -> Vec<std::net::SocketAddr> {
         let n = (self.n_peer_agents.load(Acquire) as usize).min(MAX_PEER_AGENTS);

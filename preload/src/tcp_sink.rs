@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, offer_spec, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
+    ack_due, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
     TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
@@ -153,9 +153,11 @@ fn publish_rx(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) -> Result<(), 
 fn publish_chain(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) {
     let c = mem.conn();
     if rx.answer_in != 0 {
+        c.set_share(crate::shm::SHARE_IN, &rx.share_in);
         c.chain_answer.store(std::mem::take(&mut rx.answer_in), Release);
     }
     if let Some((no, taken, both)) = rx.take_answer_owed() {
+        c.set_share(crate::shm::SHARE_OWED, &rx.answer_share);
         let mirror = match rx.chain_ids(no as u32).filter(|_| taken && both) {
             Some(ids) => {
                 c.mirror_ids.store(ids, Release);
@@ -195,8 +197,8 @@ fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> 
     let (a, b) = match plan.source {
         Source::App => (&app[..plan.payload], &[][..]),
         Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-        // (Coded frames and offers go through `write_coded`.)
-        Source::Coded { .. } | Source::Spec { .. } => (&[][..], &[][..]),
+        // (Coded frames, offers and answers with a key share go through `write_coded`.)
+        Source::Coded { .. } | Source::Spec { .. } | Source::Share { .. } => (&[][..], &[][..]),
     };
     let parts = [plan.header_bytes(), a, b];
     if sandbox::active() {
@@ -246,7 +248,7 @@ fn write_after(
     let (a, b) = match plan.source {
         Source::App => (&app[..plan.payload], &[][..]),
         Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-        Source::Coded { skip, .. } | Source::Spec { skip, .. } => {
+        Source::Coded { skip, .. } | Source::Spec { skip, .. } | Source::Share { skip } => {
             let at = (skip as usize).min(made.len());
             (&made[at..(at + plan.payload).min(made.len())], &[][..])
         }
@@ -579,6 +581,9 @@ pub fn send(
             }
             let rest = &data[total..];
             let delivered = c.delivered.load(Acquire);
+            if tx.chain_cur != 0 && tx.offer_no == 0 && !tx.in_frame() {
+                rekey_if_due(mem, tx);
+            }
             // Our chain offer, not on this link yet, goes in the same write as this data frame
             // (taken as written whole here; undone below if the kernel takes less of it).
             let mut offer_first = None;
@@ -586,9 +591,7 @@ pub fn send(
                 let before = *tx;
                 if let Some(op) = tx.plan_offer(delivered) {
                     let mut spec = op.header_bytes().to_vec();
-                    if let Source::Spec { ids, .. } = op.source {
-                        spec.extend_from_slice(offer_spec(ids).as_bytes());
-                    }
+                    spec.extend_from_slice(&tx.control_payload(op.source));
                     tx.commit(&op, op.header_len + op.payload, &[], ring);
                     offer_first = Some((before, op, spec));
                 }
@@ -1249,38 +1252,52 @@ fn chain_of(ids: u32) -> Option<Chain> {
     Chain::from_ids(ids)
 }
 
+/// A chain's key (zero for a chain with no keyed filter).
+type Key = [u8; 32];
+
 thread_local! {
-    /// Chains this thread built, by compact form: a compressor's context and tables are made
-    /// once per thread, not once per frame (a zstd context costs far more than a frame).
-    static BUILT: std::cell::RefCell<Vec<(u32, Chain)>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Chains this thread built, by compact form and key: a compressor's context and tables
+    /// (and a cipher's key schedule) are made once per thread, not once per frame (a zstd
+    /// context costs far more than a frame).
+    static BUILT: std::cell::RefCell<Vec<(u32, Key, Chain)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Runs `f` with the chain of compact form `ids`, built once per thread (or afresh when
-/// this thread is already inside one, from a signal handler). `None` for an unknown chain.
-fn with_chain<R>(ids: u32, f: impl FnOnce(&mut Chain) -> R) -> Option<R> {
+/// The chain of compact form `ids` with `key`.
+fn keyed_chain(ids: u32, key: &Key) -> Option<Chain> {
+    let mut c = chain_of(ids)?;
+    if c.keyed() {
+        c.set_key(key);
+    }
+    Some(c)
+}
+
+/// Runs `f` with the chain of compact form `ids` and key `key`, built once per thread (or
+/// afresh when this thread is already inside one, from a signal handler). `None` for an
+/// unknown chain.
+fn with_chain<R>(ids: u32, key: &Key, f: impl FnOnce(&mut Chain) -> R) -> Option<R> {
     const KEPT: usize = 4;
     let mut f = Some(f);
     let cached = BUILT
         .try_with(|b| {
             let mut b = b.try_borrow_mut().ok()?;
-            let at = match b.iter().position(|(i, _)| *i == ids) {
+            let at = match b.iter().position(|(i, k, _)| *i == ids && k == key) {
                 Some(at) => at,
                 None => {
-                    let c = chain_of(ids)?;
+                    let c = keyed_chain(ids, key)?;
                     if b.len() >= KEPT {
                         b.remove(0);
                     }
-                    b.push((ids, c));
+                    b.push((ids, *key, c));
                     b.len() - 1
                 }
             };
-            Some((f.take()?)(&mut b[at].1))
+            Some((f.take()?)(&mut b[at].2))
         })
         .ok()
         .flatten();
     match (cached, f) {
         (Some(r), _) => Some(r),
-        (None, Some(f)) => chain_of(ids).map(|mut c| f(&mut c)),
+        (None, Some(f)) => keyed_chain(ids, key).map(|mut c| f(&mut c)),
         (None, None) => None,
     }
 }
@@ -1324,16 +1341,19 @@ fn make_coded(
                 [a, b].concat()
             }
             Source::Coded { app: true, .. } => app[..len].to_vec(),
-            Source::Spec { .. } => Vec::new(),
+            Source::Spec { .. } | Source::Share { .. } => Vec::new(),
         }
     };
-    if let Some((_, ids)) = tx.frame_chain() {
+    if let Some((no, ids)) = tx.frame_chain() {
         let seq = match plan.source {
             Source::Ring(at) => at,
             _ => tx.next_seq,
         };
         let raw = raw_of(plan.source, plan.payload);
-        let coded = with_chain(ids, |c| c.encode(seq, &raw)).unwrap_or_default();
+        let mut coded = with_chain(ids, tx.chain_key(no), |c| c.encode(seq, &raw)).unwrap_or_default();
+        if crate::tamper::active() {
+            crate::tamper::frame(mem, ids, tx.chain_key(no), seq, &mut coded);
+        }
         if coded.is_empty() || coded.len() > MAX_PAYLOAD as usize {
             crate::log::error(format_args!(
                 "virtual connection {:032x}: chain \"{}\" coded {} bytes into {}",
@@ -1350,9 +1370,10 @@ fn make_coded(
     let made = match plan.source {
         Source::Coded { raw_seq, raw_len, chain, .. } => {
             let raw = raw_of(plan.source, raw_len as usize);
-            with_chain(tx.chain_ids[chain as usize], |c| c.encode(raw_seq, &raw)).unwrap_or_default()
+            with_chain(tx.chain_ids[chain as usize], tx.chain_key(chain), |c| c.encode(raw_seq, &raw))
+                .unwrap_or_default()
         }
-        Source::Spec { ids, .. } => offer_spec(ids).into_bytes(),
+        Source::Spec { .. } | Source::Share { .. } => tx.control_payload(plan.source),
         _ => return Ok((plan, Vec::new())),
     };
     Ok((plan, made))
@@ -1379,6 +1400,30 @@ fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
     })
 }
 
+/// Offers our keyed chain again (a new key exchange) when its key is due for renewal
+/// (see `TxState::rekey_due` and `VMI_REKEY`).
+#[cold]
+#[inline(never)]
+fn rekey_if_due(mem: ConnMem, tx: &mut TxState) {
+    let (cur, ids) = tx.chain_now();
+    if *tx.chain_key(cur as u8) == [0; 32] {
+        return;
+    }
+    let (bytes, ms) = crate::config::rekey();
+    if !tx.rekey_due(sys::unix_ms(), bytes, ms) {
+        return;
+    }
+    let Some(ch) = Chain::from_ids(ids) else { return };
+    if begin_offer(mem, tx, &ch, false).is_ok() {
+        crate::log::info(format_args!(
+            "virtual connection {:032x}: chain \"{}\" takes a new key (offered again at byte {})",
+            mem.conn().gid,
+            ch.spec,
+            tx.next_seq
+        ));
+    }
+}
+
 /// The `CHAIN` IRB's flag that asks for the chain both ways.
 pub const BOTH_WAYS: i32 = 1;
 
@@ -1390,7 +1435,22 @@ fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result
     if fit == 0 {
         return Err(IrbError::Os(libc::EINVAL));
     }
-    let no = tx.begin_offer(ids, fit, both).map_err(|OfferError::Busy| IrbError::Os(libc::EBUSY))?;
+    let secret = if ch.keyed() {
+        // A fresh secret for every offer: every offer of a keyed chain is a new key.
+        Some(substrate::connection::aead::random_secret().ok_or_else(|| {
+            crate::log::warn(format_args!(
+                "virtual connection {:032x}: no random numbers for a key exchange; chain \"{}\" not offered",
+                c.gid, ch.spec
+            ));
+            IrbError::Os(libc::EAGAIN)
+        })?)
+    } else {
+        None
+    };
+    let no = tx.begin_offer(ids, fit, both, secret).map_err(|e| match e {
+        OfferError::Busy => IrbError::Os(libc::EBUSY),
+        OfferError::NoKey => IrbError::Os(libc::EINVAL),
+    })?;
     // The answer may come alone: readable reports are checked until it is here.
     c.offering.store(1, Release);
     crate::log::debug(format_args!(
@@ -1432,7 +1492,9 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
     let c = mem.conn();
     let a = c.chain_answer.swap(0, AcqRel);
     if a != 0 {
-        if let Some((no, taken, ids)) = tx.take_answer(a) {
+        let share = Some(c.share(crate::shm::SHARE_IN)).filter(|s| *s != [0; 32]);
+        let keyed = tx.offer_keyed();
+        if let Some((no, taken, ids)) = tx.take_answer(a, share, sys::unix_ms()) {
             c.coding.store(u32::from(tx.chain_cur != 0), Release);
             c.offering.store(u32::from(tx.offer_no != 0), Release);
             if let Some(s) = slot {
@@ -1444,6 +1506,13 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
                     c.gid,
                     chain_spec(ids),
                     tx.next_seq
+                ));
+            } else if keyed && a & 0x100 != 0 {
+                crate::log::error(format_args!(
+                    "virtual connection {:032x}: the peer took chain {no} \"{}\" with a key share no key \
+                     comes from; the stream goes on as it was",
+                    c.gid,
+                    chain_spec(ids)
                 ));
             } else {
                 crate::log::warn(format_args!(
@@ -1457,8 +1526,10 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
     }
     let owed = c.answer_owed.load(Acquire);
     if owed != 0 && !tx.in_frame() {
-        if let Some(p) = tx.plan_answer(owed as u8, owed & 0x100 != 0, c.delivered.load(Acquire)) {
-            let r = write_plan(fd, &p, &[], ring, libc::MSG_DONTWAIT);
+        let share = Some(c.share(crate::shm::SHARE_OWED)).filter(|s| *s != [0; 32] && owed & 0x100 != 0);
+        if let Some(p) = tx.plan_answer(owed as u8, owed & 0x100 != 0, c.delivered.load(Acquire), share) {
+            let made = tx.control_payload(p.source);
+            let r = write_coded(fd, &p, &[], ring, &made, libc::MSG_DONTWAIT);
             tx.commit(&p, r.max(0) as usize, &[], ring);
             publish_tx(mem, tx, slot);
             if r > 0 && c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed).is_ok() && owed & MIRROR != 0
@@ -1510,9 +1581,12 @@ fn log_offer(mem: ConnMem, rx: &RxState, no: u8, taken: bool) {
 /// Decodes the coded frame being read from its whole payload `enc`.
 fn decode_frame(rx: &RxState, enc: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
     let ids = rx.chain_ids(rx.coded_chain).ok_or(ProtoError::BadChain(rx.coded_chain as u8))?;
-    let d = with_chain(ids, |c| c.decode(rx.coded_seq, enc))
+    let d = with_chain(ids, rx.chain_key(rx.coded_chain), |c| c.decode(rx.coded_seq, enc))
         .ok_or(ProtoError::BadChain(rx.coded_chain as u8))?
-        .map_err(|_| ProtoError::Undecodable)?;
+        .map_err(|e| match e {
+            chain::DecodeError::Malformed => ProtoError::Undecodable,
+            e => ProtoError::Record(e),
+        })?;
     if d.is_empty() || (rx.coded_taken as usize) > d.len() {
         return Err(ProtoError::Undecodable);
     }

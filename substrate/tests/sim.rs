@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 use substrate::connection::chain::{Chain, CODED_MAX};
-use substrate::reliability::{ack_due, offer_spec, ring_slices, Blocked, Plan, RxState, Source, TxState};
+use substrate::reliability::{ack_due, ring_slices, Blocked, Plan, RxState, Source, TxState};
 use substrate::wire::frame::{FrameKind, HEADER_LEN};
 
 struct Rng(u64);
@@ -74,20 +74,27 @@ impl End {
                 let (a, b) = ring_slices(&self.ring, at, len);
                 [a, b].concat()
             }
-            Source::Spec { .. } => Vec::new(),
+            Source::Spec { .. } | Source::Share { .. } => Vec::new(),
         }
+    }
+
+    /// Our chain number `no`, with its key.
+    fn tx_chain(&self, no: u8) -> Chain {
+        let mut c = Chain::from_ids(self.tx.chain_ids[no as usize]).expect("agreed chain");
+        c.set_key(self.tx.chain_key(no));
+        c
     }
 
     /// Codes the frame just planned if its chain says so (as the kernel-TCP sink does).
     fn code(&mut self, plan: Plan, app: &[u8]) -> Plan {
-        let Some((_, ids)) = self.tx.frame_chain() else { return plan };
+        let Some((no, _)) = self.tx.frame_chain() else { return plan };
         let seq = match plan.source {
             Source::Ring(at) => at,
             _ => self.tx.next_seq,
         };
         let raw = self.raw(plan.source, app, plan.payload);
-        let coded = Chain::from_ids(ids).expect("agreed chain").encode(seq, &raw);
-        assert!(coded.len() <= CODED_MAX, "a coded frame fits");
+        let coded = self.tx_chain(no).encode(seq, &raw);
+        assert!(!coded.is_empty() && coded.len() <= CODED_MAX, "a coded frame fits");
         self.coded_frames += 1;
         self.tx.code_frame(plan, coded.len())
     }
@@ -98,7 +105,8 @@ impl End {
             return;
         }
         if let Some((no, taken, both)) = self.answer {
-            if let Some(plan) = self.tx.plan_answer(no, taken, self.rx.delivered) {
+            let share = Some(self.rx.answer_share).filter(|_| self.rx.chain_ids(no as u32).is_some_and(Chain::ids_keyed));
+            if let Some(plan) = self.tx.plan_answer(no, taken, self.rx.delivered, share) {
                 let n = self.push(&plan, &[], q, room);
                 self.tx.commit(&plan, n, &[], &mut self.ring);
                 if n > 0 {
@@ -108,7 +116,7 @@ impl End {
                     if let Some(ids) = self.rx.chain_ids(no as u32).filter(|_| taken && both) {
                         let c = Chain::from_ids(ids).expect("a taken chain");
                         let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
-                        if self.tx.chain_now().1 != ids && self.tx.begin_offer(ids, fit, false).is_ok() {
+                        if self.tx.chain_now().1 != ids && self.tx.begin_offer(ids, fit, false, secret()).is_ok() {
                             self.mirrored += 1;
                         }
                     }
@@ -137,12 +145,11 @@ impl End {
             Source::Coded { raw_seq, raw_len, chain, skip, .. } => {
                 // Made again from the raw bytes each time, as the sink does.
                 let raw = self.raw(plan.source, app, raw_len as usize);
-                let ids = self.tx.chain_ids[chain as usize];
-                let coded = Chain::from_ids(ids).expect("agreed chain").encode(raw_seq, &raw);
+                let coded = self.tx_chain(chain).encode(raw_seq, &raw);
                 bytes.extend_from_slice(&coded[skip as usize..skip as usize + plan.payload]);
             }
-            Source::Spec { ids, skip } => {
-                bytes.extend_from_slice(&offer_spec(ids).as_bytes()[skip as usize..][..plan.payload]);
+            Source::Spec { skip, .. } | Source::Share { skip } => {
+                bytes.extend_from_slice(&self.tx.control_payload(plan.source)[skip as usize..][..plan.payload]);
             }
         }
         let n = bytes.len().min(room);
@@ -218,7 +225,9 @@ fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
         }
         let enc: Vec<u8> = peer_q.iter().take(len).copied().collect();
         let ids = e.rx.chain_ids(e.rx.coded_chain).expect("a taken chain");
-        let dec = Chain::from_ids(ids).unwrap().decode(e.rx.coded_seq, enc).expect("honest peer");
+        let mut c = Chain::from_ids(ids).unwrap();
+        c.set_key(e.rx.chain_key(e.rx.coded_chain));
+        let dec = c.decode(e.rx.coded_seq, enc).expect("honest peer");
         let at = e.rx.coded_taken as usize;
         let k = n.min(dec.len() - at);
         e.received.extend_from_slice(&dec[at..at + k]);
@@ -247,7 +256,8 @@ fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     }
     if e.rx.answer_in != 0 {
         let a = std::mem::take(&mut e.rx.answer_in);
-        if let Some((_, true, _)) = e.tx.take_answer(a) {
+        let share = Some(e.rx.share_in).filter(|s| *s != [0; 32]);
+        if let Some((_, true, _)) = e.tx.take_answer(a, share, 0) {
             e.switches += 1;
         }
     }
@@ -321,7 +331,7 @@ fn run_with(seed: u64, steps: u64, window: u64, fail_per_mille: u64, mode: Resum
 }
 
 /// The filter chains offered at random (`chains`): double, double twice, none.
-const SPECS: [&str; 4] = ["double", "double,double", "", "lz4,double"];
+const SPECS: [&str; 6] = ["double", "double,double", "", "lz4,double", "aead", "lz4,aead:chacha20-poly1305"];
 
 /// Returns both streams' lengths, the link failures, and chain switches and coded frames.
 fn run_chains(
@@ -365,7 +375,7 @@ fn run_chains(
         if chains && generating && rng.below(200) == 0 {
             let c = Chain::build(SPECS[rng.below(SPECS.len() as u64) as usize]).unwrap();
             let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
-            let _ = ends[s].tx.begin_offer(c.ids().unwrap(), fit, rng.below(2) == 0);
+            let _ = ends[s].tx.begin_offer(c.ids().unwrap(), fit, rng.below(2) == 0, secret());
         }
         match rng.below(10) {
             0..=3 => {
@@ -488,4 +498,9 @@ fn tiny_window_forces_back_pressure_and_acks() {
     for seed in 1..30 {
         run(seed, 5000, 4096, 2);
     }
+}
+
+/// A fresh secret for a key exchange (as the layer draws one for every offer).
+fn secret() -> Option<[u8; 32]> {
+    substrate::connection::aead::random_secret()
 }

@@ -11,9 +11,38 @@
 //! offsets. A filter works on one frame at a time, given the frame's stream offset, so the
 //! same bytes at the same offset always encode the same way.
 
-/// Why a frame's payload could not be decoded (the peer broke the filter's format).
+/// Why a frame's payload could not be decoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DecodeError;
+pub enum DecodeError {
+    /// The peer broke the filter's format.
+    Malformed,
+    /// A sealed record failed its authentication: forged, altered, or sealed under another
+    /// key (another connection's).
+    Forged,
+    /// A sealed record whose nonce names another stream offset than the one it came at.
+    Replayed {
+        /// The offset it was sealed for.
+        sealed_at: u64,
+        /// The offset it came at.
+        at: u64,
+    },
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::Malformed => write!(f, "a coded frame did not decode"),
+            DecodeError::Forged => write!(
+                f,
+                "a sealed record failed authentication (forged, altered on the way, or sealed under another \
+                 connection's key)"
+            ),
+            DecodeError::Replayed { sealed_at, at } => {
+                write!(f, "a replayed record (sealed for stream offset {sealed_at}, found at {at})")
+            }
+        }
+    }
+}
 
 /// A filter: encodes a frame's payload on the way out, decodes it on the way in.
 pub trait Filter: std::fmt::Debug + Send {
@@ -21,10 +50,17 @@ pub trait Filter: std::fmt::Debug + Send {
     fn name(&self) -> &'static str;
     /// Most bytes `n` payload bytes can encode to.
     fn max_out(&self, n: usize) -> usize;
-    /// Encodes `input` (stream offset `seq`) into `out`.
-    fn encode(&mut self, seq: u64, input: &[u8], out: &mut Vec<u8>);
+    /// Encodes `input` into `out`: part of the frame at stream offset `seq` whose length
+    /// before the chain's first filter is `raw_len`.
+    fn encode(&mut self, seq: u64, raw_len: usize, input: &[u8], out: &mut Vec<u8>);
     /// Decodes `input` (stream offset `seq`) into `out`.
     fn decode(&mut self, seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError>;
+    /// True for a filter that needs a key from the chain's key exchange.
+    fn keyed(&self) -> bool {
+        false
+    }
+    /// Gives a keyed filter its key.
+    fn set_key(&mut self, _key: &[u8; 32]) {}
 }
 
 /// The test filter that changes lengths: every byte goes twice.
@@ -38,7 +74,7 @@ impl Filter for Doubler {
     fn max_out(&self, n: usize) -> usize {
         2 * n
     }
-    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
+    fn encode(&mut self, _seq: u64, _raw_len: usize, input: &[u8], out: &mut Vec<u8>) {
         out.reserve(2 * input.len());
         for &b in input {
             out.extend_from_slice(&[b, b]);
@@ -46,11 +82,11 @@ impl Filter for Doubler {
     }
     fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
         if !input.len().is_multiple_of(2) {
-            return Err(DecodeError);
+            return Err(DecodeError::Malformed);
         }
         for p in input.chunks_exact(2) {
             if p[0] != p[1] {
-                return Err(DecodeError);
+                return Err(DecodeError::Malformed);
             }
             out.push(p[0]);
         }
@@ -120,7 +156,7 @@ fn tagged_decode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) -> Result
         Some((1, rest)) if rest.len() >= 4 => {
             let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
             if len > crate::wire::frame::MAX_PAYLOAD as usize {
-                return Err(DecodeError);
+                return Err(DecodeError::Malformed);
             }
             let at = out.len();
             out.resize(at + len, 0);
@@ -128,11 +164,11 @@ fn tagged_decode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) -> Result
                 Some(n) if n == len => Ok(()),
                 _ => {
                     out.truncate(at);
-                    Err(DecodeError)
+                    Err(DecodeError::Malformed)
                 }
             }
         }
-        _ => Err(DecodeError),
+        _ => Err(DecodeError::Malformed),
     }
 }
 
@@ -145,7 +181,7 @@ impl<P: Packer + std::fmt::Debug + Send> Filter for P {
         // A frame that would not shrink goes stored, behind its tag.
         n + 1
     }
-    fn encode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) {
+    fn encode(&mut self, _seq: u64, _raw_len: usize, input: &[u8], out: &mut Vec<u8>) {
         tagged_encode(self, input, out)
     }
     fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
@@ -242,11 +278,12 @@ const ZSTD_NAMES: [&str; 19] = [
 pub const FILTERS: &[&str] = &[
     "double", "lz4", "zstd:1", "zstd:2", "zstd:3", "zstd:4", "zstd:5", "zstd:6", "zstd:7", "zstd:8",
     "zstd:9", "zstd:10", "zstd:11", "zstd:12", "zstd:13", "zstd:14", "zstd:15", "zstd:16", "zstd:17",
-    "zstd:18", "zstd:19",
+    "zstd:18", "zstd:19", "aead:aes-256-gcm", "aead:chacha20-poly1305",
 ];
 
 /// The devices as an operator names them (each zstd level is one name here).
-pub const DEVICE_NAMES: &[&str] = &["double", "lz4", "zstd", "zstd:LEVEL (1-19)"];
+pub const DEVICE_NAMES: &[&str] =
+    &["double", "lz4", "zstd", "zstd:LEVEL (1-19)", "aead", "aead:aes-256-gcm", "aead:chacha20-poly1305"];
 
 /// The filter a name asks for (`zstd` is `zstd:3`).
 fn filter_named(name: &str) -> Option<Box<dyn Filter>> {
@@ -254,6 +291,8 @@ fn filter_named(name: &str) -> Option<Box<dyn Filter>> {
         "double" => Some(Box::new(Doubler)),
         "lz4" => Some(Box::new(Lz4::default())),
         "zstd" => Some(Box::new(Zstd::new(3))),
+        "aead" | "aead:aes-256-gcm" => Some(Box::new(super::aead::Aead::new(super::aead::Suite::Aes256Gcm))),
+        "aead:chacha20-poly1305" => Some(Box::new(super::aead::Aead::new(super::aead::Suite::ChaCha20Poly1305))),
         _ => {
             let level: i32 = name.strip_prefix("zstd:")?.parse().ok()?;
             (1..=19).contains(&level).then(|| Box::new(Zstd::new(level)) as Box<dyn Filter>)
@@ -398,11 +437,15 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// Builds the chain a description names; `None` if a filter is unknown here.
+    /// Builds the chain a description names; `None` if a filter is unknown here, or for
+    /// more than one keyed filter (they would share one key and one nonce per frame).
     pub fn build(spec: &str) -> Option<Chain> {
         let mut filters: Vec<Box<dyn Filter>> = Vec::new();
         for name in spec.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             filters.push(filter_named(name)?);
+        }
+        if filters.iter().filter(|f| f.keyed()).count() > 1 {
+            return None;
         }
         let spec = filters.iter().map(|f| f.name()).collect::<Vec<_>>().join(",");
         Some(Chain { spec, filters })
@@ -432,6 +475,26 @@ impl Chain {
         self.filters.is_empty()
     }
 
+    /// True when a filter of the chain needs a key (its offer and answer carry key shares).
+    pub fn keyed(&self) -> bool {
+        self.filters.iter().any(|f| f.keyed())
+    }
+
+    /// True when the chain of compact form `ids` needs a key.
+    pub fn ids_keyed(ids: u32) -> bool {
+        (0..MAX_FILTERS).any(|k| {
+            let id = (ids >> (8 * k)) as u8 as usize;
+            id > 0 && FILTERS.get(id - 1).is_some_and(|n| n.starts_with("aead:"))
+        })
+    }
+
+    /// Gives the chain's keyed filter its key.
+    pub fn set_key(&mut self, key: &[u8; 32]) {
+        for f in self.filters.iter_mut().filter(|f| f.keyed()) {
+            f.set_key(key);
+        }
+    }
+
     /// Most bytes `n` payload bytes encode to.
     pub fn max_out(&self, n: usize) -> usize {
         self.filters.iter().fold(n, |n, f| f.max_out(n))
@@ -451,7 +514,7 @@ impl Chain {
         let mut cur: Option<Vec<u8>> = None;
         for f in &mut self.filters {
             let mut out = Vec::new();
-            f.encode(seq, cur.as_deref().unwrap_or(input), &mut out);
+            f.encode(seq, input.len(), cur.as_deref().unwrap_or(input), &mut out);
             cur = Some(out);
         }
         cur.unwrap_or_else(|| input.to_vec())

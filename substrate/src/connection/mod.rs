@@ -32,6 +32,7 @@
 //! * **One state** ([`State`]): up, link down since T, replaying, half-closed, closed with
 //!   its reason.
 
+pub mod aead;
 pub mod chain;
 mod link;
 
@@ -298,7 +299,8 @@ impl Connection {
             return Err(ChainError::Closed);
         }
         let chain = Chain::build(spec).ok_or(ChainError::Unknown)?;
-        if chain.spec.len() > MAX_CHAIN_SPEC as usize {
+        // (The key exchange of keyed filters is the production layer's, not the core's yet.)
+        if chain.spec.len() > MAX_CHAIN_SPEC as usize || chain.keyed() {
             return Err(ChainError::Unknown);
         }
         // Chains whose bytes are all acknowledged are not needed any more.
@@ -745,7 +747,7 @@ impl Connection {
                 }
                 let spec = std::str::from_utf8(&payload).unwrap_or("?");
                 let spec = if spec == "-" { "" } else { spec };
-                let taken = Chain::build(spec);
+                let taken = Chain::build(spec).filter(|c| !c.keyed());
                 let ok = taken.is_some();
                 if let Some(c) = taken {
                     self.rx_chains[id as usize] = Some(c);

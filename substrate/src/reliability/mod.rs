@@ -64,6 +64,8 @@ pub enum ProtoError {
     CodedInPlace,
     /// A coded frame whose payload the chain could not decode.
     Undecodable,
+    /// A sealed record refused: forged, altered, sealed under another key, or replayed.
+    Record(crate::connection::DecodeError),
     /// An answer to an offer this side did not make.
     UnexpectedAnswer(u8),
     /// The peer's resync names an offset outside what can be replayed.
@@ -103,6 +105,7 @@ impl std::fmt::Display for ProtoError {
             ProtoError::BadChain(n) => write!(f, "frame names filter chain {n}, never agreed"),
             ProtoError::CodedInPlace => write!(f, "coded frame where only plain bytes may be"),
             ProtoError::Undecodable => write!(f, "a coded frame did not decode"),
+            ProtoError::Record(e) => write!(f, "{e}"),
             ProtoError::UnexpectedAnswer(n) => write!(f, "answer for chain {n}, never offered"),
             ProtoError::ResyncOutOfRange { received, acked, sent } => {
                 write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")

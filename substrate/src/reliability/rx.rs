@@ -114,7 +114,22 @@ pub struct RxState {
     /// receive buffer big enough): offers of chains with filters are refused. Set by the
     /// sink, not carried across `exec`.
     pub refuse_coding: u32,
+    /// While the control payload being read is an answer's key share: the answer (as
+    /// `answer_in` takes it once the share is here); 0 for an offer's description.
+    ctl_answer: u32,
+    /// The key of each of the peer's keyed chains, by number (zero for the others).
+    keys: [[u8; KEY]; 16],
+    /// This side's random seed for its halves of the key exchanges (zero until the first
+    /// keyed offer).
+    kx_seed: [u8; KEY],
+    /// This side's key share for the answer owed (a keyed chain taken).
+    pub answer_share: [u8; KEY],
+    /// The peer's key share that came with its answer to our offer (zero: none).
+    pub share_in: [u8; KEY],
 }
+
+/// Bytes of a key share and of a key.
+const KEY: usize = crate::connection::aead::KEY_LEN;
 
 /// `RxState::chains`: the number was taken (its compact form may be 0, the empty chain).
 pub const TAKEN: u32 = 1 << 31;
@@ -162,12 +177,16 @@ impl RxState {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.extend_from_slice(&self.coded_seq.to_le_bytes());
+        b.extend_from_slice(&self.ctl_answer.to_le_bytes());
+        for k in self.keys.iter().chain([&self.kx_seed, &self.answer_share, &self.share_in]) {
+            b.extend_from_slice(k);
+        }
         b
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
     pub const BYTES: usize =
-        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 8 * 4 + 8;
+        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 8 * 4 + 8 + 4 + 19 * KEY;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -209,6 +228,12 @@ impl RxState {
         r.coded_taken = u32_at(m + 24);
         r.offer_both = u32_at(m + 28);
         r.coded_seq = u64_at(m + 32);
+        r.ctl_answer = u32_at(m + 40);
+        let mut at = m + 44;
+        for k in r.keys.iter_mut().chain([&mut r.kx_seed, &mut r.answer_share, &mut r.share_in]) {
+            k.copy_from_slice(&b[at..at + KEY]);
+            at += KEY;
+        }
         let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
@@ -216,6 +241,7 @@ impl RxState {
             && r.frame_rem <= crate::wire::frame::MAX_PAYLOAD as u64
             && r.fin <= 1
             && r.spec_len + r.ctl_rem <= MAX_CHAIN_SPEC
+            && answer_ok(r.ctl_answer)
             && (r.ctl_rem == 0 || r.header_len == 0)
             && r.offer_no <= 15
             && r.offer_both <= 1
@@ -256,6 +282,11 @@ impl RxState {
             coded_taken: 0,
             coded_seq: 0,
             refuse_coding: 0,
+            ctl_answer: 0,
+            keys: [[0; KEY]; 16],
+            kx_seed: [0; KEY],
+            answer_share: [0; KEY],
+            share_in: [0; KEY],
         }
     }
 
@@ -266,6 +297,11 @@ impl RxState {
         } else {
             HEADER_LEN - self.header_len as usize
         }
+    }
+
+    /// The key of the peer's chain number `no` (zero for a chain with no keyed filter).
+    pub fn chain_key(&self, no: u32) -> &[u8; KEY] {
+        &self.keys[no as usize & 15]
     }
 
     /// The compact form of the peer's chain number `no`, if taken.
@@ -381,7 +417,7 @@ impl RxState {
             self.ctl_rem -= h as u32;
             self.spec_len += h as u32;
             if self.ctl_rem == 0 {
-                self.finish_offer();
+                self.finish_ctl();
             }
             return Ok(());
         }
@@ -517,12 +553,22 @@ impl RxState {
                 }
                 self.take_ack(h.ack)?;
                 if h.kind == FrameKind::ChainAnswer {
-                    self.answer_in = ANSWER | (h.chain as u32) << 8 | h.seq as u32;
+                    let a = ANSWER | (h.chain as u32) << 8 | h.seq as u32;
+                    self.share_in = [0; KEY];
+                    if h.len > 0 {
+                        // Its key share follows: the answer counts once it is here.
+                        self.spec_len = 0;
+                        self.ctl_rem = h.len;
+                        self.ctl_answer = a;
+                    } else {
+                        self.answer_in = a;
+                    }
                 } else {
                     self.offer_no = h.seq as u32;
                     self.offer_both = h.chain as u32;
                     self.spec_len = 0;
                     self.ctl_rem = h.len;
+                    self.ctl_answer = 0;
                 }
                 return Ok(());
             }
@@ -575,18 +621,69 @@ impl RxState {
         Ok(())
     }
 
+    /// A control frame's payload is read whole: an offer's description, or an answer's
+    /// key share.
+    fn finish_ctl(&mut self) {
+        if self.ctl_answer == 0 {
+            return self.finish_offer();
+        }
+        if self.spec_len as usize == KEY {
+            self.share_in.copy_from_slice(&self.spec[..KEY]);
+        }
+        self.answer_in = std::mem::take(&mut self.ctl_answer);
+        self.spec_len = 0;
+    }
+
     /// The peer's offer is read whole: take the chain if this build knows every filter of
-    /// it, and owe the answer. From a taken chain with filters on, reads go one frame at a
-    /// time (`careful`); the rest of the read that brought the offer is plain, as the peer
-    /// codes nothing before our answer.
+    /// it (and, for a keyed chain, a key comes from the offer's share), and owe the answer.
+    /// From a taken chain with filters on, reads go one frame at a time (`careful`); the
+    /// rest of the read that brought the offer is plain, as the peer codes nothing before
+    /// our answer.
     fn finish_offer(&mut self) {
-        let spec = std::str::from_utf8(&self.spec[..self.spec_len as usize]).unwrap_or("?");
+        let payload = &self.spec[..self.spec_len as usize];
+        let (text, share) = match payload.iter().position(|&b| b == 0) {
+            Some(at) => (&payload[..at], Some(&payload[at + 1..])),
+            None => (payload, None),
+        };
+        let spec = std::str::from_utf8(text).unwrap_or("?");
         let spec = if spec == "-" { "" } else { spec };
-        let ids = Chain::build(spec).and_then(|c| c.ids()).filter(|&ids| ids == 0 || self.refuse_coding == 0);
         let no = self.offer_no;
+        self.answer_share = [0; KEY];
+        let mut ids = Chain::build(spec).and_then(|c| c.ids()).filter(|&ids| ids == 0 || self.refuse_coding == 0);
+        let mut key = [0; KEY];
+        if let Some(i) = ids {
+            let keyed = Chain::ids_keyed(i);
+            let taken = match share {
+                // A share with a chain that needs none, or none with one that does: refused.
+                None => !keyed,
+                Some(s) if !keyed || s.len() != KEY => false,
+                Some(s) => {
+                    let offer: [u8; KEY] = s.try_into().expect("KEY bytes");
+                    if self.kx_seed == [0; KEY] {
+                        self.kx_seed = crate::connection::aead::random_secret().unwrap_or_default();
+                    }
+                    let spec = crate::connection::chain::spec_of_ids(i).unwrap_or_default();
+                    match (self.kx_seed != [0; KEY])
+                        .then(|| crate::connection::aead::answer(&self.kx_seed, &spec, no as u8, &offer))
+                        .flatten()
+                    {
+                        Some((ours, k)) => {
+                            self.answer_share = ours;
+                            key = k;
+                            true
+                        }
+                        None => false,
+                    }
+                }
+            };
+            if !taken {
+                ids = None;
+            }
+        }
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
         let Some(ids) = ids else { return };
+        self.keys[no as usize] = key;
         if self.offer_both != 0 {
             self.answer_owed |= MIRROR;
         }
@@ -616,6 +713,7 @@ impl RxState {
         self.frame_rem = 0;
         self.header_len = 0;
         self.ctl_rem = 0;
+        self.ctl_answer = 0;
         self.spec_len = 0;
         self.coded_done();
         self.expect_resync = 0;
@@ -629,6 +727,7 @@ impl RxState {
         self.frame_rem = 0;
         self.header_len = 0;
         self.ctl_rem = 0;
+        self.ctl_answer = 0;
         self.spec_len = 0;
         self.coded_done();
         self.expect_resync = 1;

@@ -32,11 +32,18 @@ pub enum Source {
         /// The raw bytes are the application's (a new frame).
         app: bool,
     },
-    /// A chain offer's description (the one compact form `ids` names), from byte `skip`.
+    /// A chain offer's payload (the description of the one compact form `ids` names, and
+    /// for a keyed chain the offer's key share; see [`TxState::offer_payload`]), from byte
+    /// `skip`.
     Spec {
         /// The offered chain's compact form.
         ids: u32,
-        /// Description bytes already on the wire.
+        /// Payload bytes already on the wire.
+        skip: u32,
+    },
+    /// The key share of a chain answer (see [`TxState::answer_share`]), from byte `skip`.
+    Share {
+        /// Share bytes already on the wire.
         skip: u32,
     },
 }
@@ -57,6 +64,8 @@ pub enum OfferError {
     /// An offer waits for its answer, or four chains of our stream still have bytes the
     /// peer has not acknowledged: try again later.
     Busy,
+    /// A keyed chain offered with no secret for its key exchange.
+    NoKey,
 }
 
 /// The frame in progress carries plain payload (application or ring bytes).
@@ -65,6 +74,10 @@ const OWED_PLAIN: u32 = 0;
 const OWED_CODED: u32 = 1;
 /// The frame in progress is a chain offer: its payload is the offer's description.
 const OWED_SPEC: u32 = 2;
+/// The frame in progress is a chain answer with a key share.
+const OWED_SHARE: u32 = 3;
+/// Bytes of a key share and of a key.
+const KEY: usize = crate::connection::aead::KEY_LEN;
 /// Most chain changes of our stream whose bytes are not all acknowledged.
 const SWITCHES: usize = 4;
 
@@ -159,6 +172,18 @@ pub struct TxState {
     new_chain: u32,
     /// 1 when our offer asks the peer to use the chain for its own stream as well.
     offer_both: u32,
+    /// The key of each of our keyed chains, by number (zero for the others).
+    chain_keys: [[u8; KEY]; 16],
+    /// The secret of our waiting offer's key exchange (zero for an offer of a chain with
+    /// no keyed filter).
+    offer_secret: [u8; KEY],
+    /// The key share of the answer in progress.
+    answer_share: [u8; KEY],
+    /// When our keyed chain now in use was keyed: stream offset and time (the caller's
+    /// clock, milliseconds); 1 in `rekey` once a rebuilt link asks for a new key.
+    keyed_seq: u64,
+    keyed_ms: u64,
+    rekey: u32,
 }
 
 impl TxState {
@@ -197,12 +222,19 @@ impl TxState {
         ]) {
             b.extend_from_slice(&v.to_le_bytes());
         }
+        for k in self.chain_keys.iter().chain([&self.offer_secret, &self.answer_share]) {
+            b.extend_from_slice(k);
+        }
+        for v in [self.keyed_seq, self.keyed_ms] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.rekey.to_le_bytes());
         b
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
     pub const BYTES: usize =
-        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 11 * 4;
+        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 11 * 4 + 18 * KEY + 2 * 8 + 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// positions that cannot be (acknowledged past sent, a window under 4 KiB, a frame in
@@ -266,6 +298,14 @@ impl TxState {
         t.owed_chain = next();
         t.owed_enc_len = next();
         t.offer_both = next();
+        let mut at = Self::BYTES - 18 * KEY - 2 * 8 - 4;
+        for k in t.chain_keys.iter_mut().chain([&mut t.offer_secret, &mut t.answer_share]) {
+            k.copy_from_slice(&b[at..at + KEY]);
+            at += KEY;
+        }
+        t.keyed_seq = u64_at(at);
+        t.keyed_ms = u64_at(at + 8);
+        t.rekey = u32_at(at + 16);
         let n = t.n_switch as usize;
         let chains_ok = t.chain_cur <= 15
             && (t.chain_cur == 0 || t.chain_ids[t.chain_cur as usize] != 0)
@@ -278,7 +318,9 @@ impl TxState {
             && t.offer_sent <= 1
             && t.offer_both <= 1
             && t.last_no <= 15
-            && t.owed_kind <= OWED_SPEC
+            && t.owed_kind <= OWED_SHARE
+            && t.rekey <= 1
+            && t.keyed_seq <= t.next_seq
             && t.owed_chain <= 15
             && t.owed_raw_len <= MAX_PAYLOAD
             && t.owed_enc_len <= MAX_PAYLOAD
@@ -327,6 +369,12 @@ impl TxState {
             owed_enc_len: 0,
             new_chain: 0,
             offer_both: 0,
+            chain_keys: [[0; KEY]; 16],
+            offer_secret: [0; KEY],
+            answer_share: [0; KEY],
+            keyed_seq: 0,
+            keyed_ms: 0,
+            rekey: 0,
         }
     }
 
@@ -380,9 +428,20 @@ impl TxState {
 
     /// Offers the chain of compact form `ids` for our stream (`fit`: raw bytes per coded
     /// frame). With `both`, the peer is asked to put the same chain on its own stream (it
-    /// offers it back). Returns its number; the offer goes out with
+    /// offers it back). A keyed chain needs `secret`, this side's half of the key exchange
+    /// (a fresh random one for every offer). Returns its number; the offer goes out with
     /// [`plan_offer`](Self::plan_offer).
-    pub fn begin_offer(&mut self, ids: u32, fit: usize, both: bool) -> Result<u8, OfferError> {
+    pub fn begin_offer(
+        &mut self,
+        ids: u32,
+        fit: usize,
+        both: bool,
+        secret: Option<[u8; KEY]>,
+    ) -> Result<u8, OfferError> {
+        let keyed = crate::connection::Chain::ids_keyed(ids);
+        if keyed && secret.is_none() {
+            return Err(OfferError::NoKey);
+        }
         self.trim_switches();
         if self.offer_no != 0 || self.n_switch as usize >= SWITCHES {
             return Err(OfferError::Busy);
@@ -401,7 +460,51 @@ impl TxState {
         self.offer_fit = fit.clamp(1, MAX_PAYLOAD as usize) as u32;
         self.offer_sent = 0;
         self.offer_both = u32::from(both);
+        self.offer_secret = if keyed { secret.unwrap_or_default() } else { [0; KEY] };
         Ok(no as u8)
+    }
+
+    /// The payload of our offer: the chain's description, and for a keyed chain a zero
+    /// byte and the offer's key share.
+    pub fn offer_payload(&self) -> Vec<u8> {
+        let mut p = offer_spec(self.offer_ids).into_bytes();
+        if self.offer_secret != [0; KEY] {
+            p.push(0);
+            p.extend_from_slice(&crate::connection::aead::share_of(&self.offer_secret));
+        }
+        p
+    }
+
+    /// The payload a control frame's `source` names (an offer's or an answer's).
+    pub fn control_payload(&self, source: Source) -> Vec<u8> {
+        match source {
+            Source::Spec { .. } => self.offer_payload(),
+            Source::Share { .. } => self.answer_share.to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// True when our waiting offer is of a keyed chain.
+    pub fn offer_keyed(&self) -> bool {
+        self.offer_no != 0 && self.offer_secret != [0; KEY]
+    }
+
+    /// The key of our chain number `no` (zero for a chain with no keyed filter).
+    pub fn chain_key(&self, no: u8) -> &[u8; KEY] {
+        &self.chain_keys[no as usize & 15]
+    }
+
+    /// True when our chain now is keyed and its key is due for renewal: a link was rebuilt
+    /// since, or it sealed `max_bytes` bytes, or it is `max_ms` old (`now_ms` on the clock
+    /// given to [`take_answer`](Self::take_answer)). Renewing is offering the same chain
+    /// again.
+    pub fn rekey_due(&self, now_ms: u64, max_bytes: u64, max_ms: u64) -> bool {
+        self.chain_cur != 0
+            && self.offer_no == 0
+            && self.chain_keys[self.chain_cur as usize] != [0; KEY]
+            && (self.rekey != 0
+                || self.next_seq - self.keyed_seq >= max_bytes
+                || now_ms.saturating_sub(self.keyed_ms) >= max_ms)
     }
 
     /// Plans our offer's frame, when one waits to go on this link and no frame is in
@@ -410,40 +513,66 @@ impl TxState {
         if self.offer_no == 0 || self.offer_sent != 0 || self.in_frame() {
             return None;
         }
-        let spec = offer_spec(self.offer_ids);
+        let len = self.offer_payload().len();
         let mut h = FrameHeader::control(FrameKind::ChainOffer, self.offer_no as u64, delivered);
-        h.len = spec.len() as u32;
+        h.len = len as u32;
         h.chain = self.offer_both as u8;
         self.start_frame(h, false);
         self.owed_kind = OWED_SPEC;
-        self.owed_enc_len = spec.len() as u32;
-        Some(self.owed(spec.len(), Source::Spec { ids: self.offer_ids, skip: 0 }))
+        self.owed_enc_len = len as u32;
+        Some(self.owed(len, Source::Spec { ids: self.offer_ids, skip: 0 }))
     }
 
-    /// Plans an answer to the peer's offer of its chain `no` (taken or not).
-    pub fn plan_answer(&mut self, no: u8, taken: bool, delivered: u64) -> Option<Plan> {
+    /// Plans an answer to the peer's offer of its chain `no` (taken or not; with `share`,
+    /// this side's key share for a keyed chain taken).
+    pub fn plan_answer(&mut self, no: u8, taken: bool, delivered: u64, share: Option<[u8; KEY]>) -> Option<Plan> {
         if self.in_frame() {
             return None;
         }
         let mut h = FrameHeader::control(FrameKind::ChainAnswer, no as u64, delivered);
         h.chain = taken as u8;
+        let share = share.filter(|_| taken);
+        h.len = if share.is_some() { KEY as u32 } else { 0 };
         self.start_frame(h, false);
-        Some(self.owed(0, Source::App))
+        match share {
+            Some(s) => {
+                self.answer_share = s;
+                self.owed_kind = OWED_SHARE;
+                self.owed_enc_len = KEY as u32;
+                Some(self.owed(KEY, Source::Share { skip: 0 }))
+            }
+            None => Some(self.owed(0, Source::App)),
+        }
     }
 
-    /// Takes the peer's answer (`rx::ANSWER | taken << 8 | number`) to our offer. Returns
-    /// the number, whether it was taken and its compact form; `None` for an answer to an
-    /// offer no longer waiting (one sent again on a rebuilt link is answered twice). A taken
-    /// chain codes every new frame from the next byte of our stream.
-    pub fn take_answer(&mut self, a: u32) -> Option<(u8, bool, u32)> {
-        let (no, taken) = (a & 0xff, a & 0x100 != 0);
+    /// Takes the peer's answer (`rx::ANSWER | taken << 8 | number`, and the peer's key
+    /// share `share` for a keyed chain) to our offer, at `now_ms`. Returns the number,
+    /// whether it was taken and its compact form; `None` for an answer to an offer no
+    /// longer waiting (one sent again on a rebuilt link is answered twice). A taken chain
+    /// codes every new frame from the next byte of our stream. A keyed chain taken with no
+    /// share, or one no key comes from, counts as refused (our frames stay as they were).
+    pub fn take_answer(&mut self, a: u32, share: Option<[u8; KEY]>, now_ms: u64) -> Option<(u8, bool, u32)> {
+        let (no, mut taken) = (a & 0xff, a & 0x100 != 0);
         if no == 0 || no != self.offer_no {
             return None;
         }
         let ids = self.offer_ids;
         self.offer_no = 0;
         self.offer_sent = 0;
+        let mut key = [0; KEY];
+        if taken && self.offer_secret != [0; KEY] {
+            let spec = crate::connection::chain::spec_of_ids(ids).unwrap_or_default();
+            match share.and_then(|s| crate::connection::aead::offer_key(&self.offer_secret, &spec, no as u8, &s)) {
+                Some(k) => key = k,
+                None => taken = false,
+            }
+        }
+        self.offer_secret = [0; KEY];
         if taken {
+            self.chain_keys[no as usize] = key;
+            self.keyed_seq = self.next_seq;
+            self.keyed_ms = now_ms;
+            self.rekey = 0;
             self.chain_ids[no as usize] = ids;
             self.chain_fit[no as usize] = self.offer_fit;
             self.chain_cur = if ids != 0 { no } else { 0 };
@@ -564,6 +693,7 @@ impl TxState {
                     app: false,
                 },
                 OWED_SPEC => Source::Spec { ids: self.offer_ids, skip: done },
+                OWED_SHARE => Source::Share { skip: done },
                 _ => Source::Ring(at),
             };
             return Some(self.owed(self.owed_payload as usize, source));
@@ -672,6 +802,14 @@ impl TxState {
                 }
                 accepted
             }
+            Source::Share { .. } => {
+                if self.in_frame() {
+                    self.owed_is_replay = 1;
+                } else {
+                    self.owed_kind = OWED_PLAIN;
+                }
+                0
+            }
             Source::Spec { .. } => {
                 self.offer_sent = 1;
                 if self.in_frame() {
@@ -733,6 +871,7 @@ impl TxState {
         self.acked = received;
         self.wire_seq = received;
         self.ack_sent = self.ack_sent.max(delivered);
+        self.rekey = 1;
         Ok(())
     }
 
@@ -744,6 +883,7 @@ impl TxState {
         self.acked = received;
         self.wire_seq = received;
         self.awaiting_resync = 0;
+        self.rekey = 1;
         Ok(())
     }
 }

@@ -19,7 +19,10 @@
 //! * `ChainOffer` (connection core) proposes a chain of filters for this side's stream:
 //!   `seq` numbers the chain (1..=15), the payload (at most [`MAX_CHAIN_SPEC`] bytes) names
 //!   its filters; flags 1 asks the peer to put the same chain on its own stream too.
-//!   `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it.
+//!   `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it. For a chain
+//!   with a keyed filter (`aead`), the offer's payload is the description, a zero byte and
+//!   the offering side's 32-byte X25519 share, and an answer that takes it carries the
+//!   answering side's share as its payload (`len` 32; otherwise 0).
 //! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
 //!   (0: none); every other bit, and any flag of other kinds but those two, is an error.
 //!
@@ -34,6 +37,8 @@ pub const MAGIC: u8 = 0xA7;
 pub const MAX_PAYLOAD: u32 = 1 << 20;
 /// Largest chain description in a `ChainOffer`.
 pub const MAX_CHAIN_SPEC: u32 = 256;
+/// Payload of a `ChainAnswer` that takes a keyed chain: the answering side's key share.
+pub const ANSWER_SHARE: u32 = 32;
 
 /// What a frame is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +154,7 @@ impl FrameHeader {
         let ok = match kind {
             FrameKind::Data => (1..=MAX_PAYLOAD).contains(&len),
             FrameKind::ChainOffer => (1..=MAX_CHAIN_SPEC).contains(&len),
+            FrameKind::ChainAnswer => len == 0 || len == ANSWER_SHARE,
             _ => len == 0,
         };
         if !ok {

@@ -1,0 +1,94 @@
+//! Fault injection for the tests of the `aead` filters (`VMI_TAMPER`): the layer of one
+//! process alters one sealed frame it sends, as an attacker on the path would, so that the
+//! tests can check that the peer refuses it, logs it and resets the connection.
+//!
+//! `flip:N` flips one bit of the Nth sealed frame's ciphertext; `replay:N` sends the record
+//! of the frame before it in its place (a record sealed for another stream offset);
+//! `foreign:N` seals it under a key of its own (a record from another connection). Frames
+//! are counted from 1 per process, across its connections. Off (one relaxed load per
+//! sealed frame) unless the variable is set.
+
+use crate::shm::ConnMem;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::Mutex;
+
+const OFF: u8 = 0;
+const FLIP: u8 = 1;
+const REPLAY: u8 = 2;
+const FOREIGN: u8 = 3;
+
+static MODE: AtomicU8 = AtomicU8::new(OFF);
+static AT: AtomicU64 = AtomicU64::new(0);
+static SEEN: AtomicU64 = AtomicU64::new(0);
+/// The last sealed frame's record (for `replay`).
+static LAST: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+/// Reads `VMI_TAMPER`'s value.
+pub fn init(v: Option<&str>) {
+    let Some(v) = v else { return };
+    let parsed = v.split_once(':').and_then(|(m, n)| {
+        let mode = match m {
+            "flip" => FLIP,
+            "replay" => REPLAY,
+            "foreign" => FOREIGN,
+            _ => return None,
+        };
+        let n: u64 = n.parse().ok().filter(|&n| n >= 1 + u64::from(mode == REPLAY))?;
+        Some((mode, n))
+    });
+    match parsed {
+        Some((mode, n)) => {
+            AT.store(n, Relaxed);
+            MODE.store(mode, Relaxed);
+            crate::log::warn(format_args!("VMI_TAMPER={v}: this process will alter sealed frame {n} it sends"));
+        }
+        None => crate::log::warn(format_args!(
+            "VMI_TAMPER={v} is not flip:N, replay:N (N at least 2) or foreign:N; nothing is altered"
+        )),
+    }
+}
+
+/// True when a frame may be altered.
+#[inline]
+pub fn active() -> bool {
+    MODE.load(Relaxed) != OFF
+}
+
+/// Sees the frame `coded` just sealed (chain `ids`, key `key`, stream offset `seq`) and
+/// alters it if it is the one.
+#[cold]
+pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, coded: &mut Vec<u8>) {
+    if !substrate::connection::Chain::ids_keyed(ids) || coded.is_empty() {
+        return;
+    }
+    let n = SEEN.fetch_add(1, Relaxed) + 1;
+    let mode = MODE.load(Relaxed);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    if n == AT.load(Relaxed) {
+        match mode {
+            FLIP => {
+                let at = coded.len() / 2;
+                coded[at] ^= 0x04;
+            }
+            REPLAY if !last.is_empty() => *coded = last.clone(),
+            FOREIGN => {
+                let mut c = substrate::connection::Chain::from_ids(ids).unwrap_or_default();
+                let mut other = *key;
+                other[0] ^= 0x80;
+                c.set_key(&other);
+                // (The frame's raw bytes are gone by now; any plaintext under the wrong key
+                // makes the point.)
+                *coded = c.encode(seq, &vec![0x5a; coded.len().saturating_sub(40).max(1)]);
+            }
+            _ => {}
+        }
+        crate::log::warn(format_args!(
+            "VMI_TAMPER: virtual connection {:032x}: sealed frame {n} at offset {seq} altered",
+            mem.conn().gid
+        ));
+        MODE.store(OFF, Relaxed);
+    }
+    if mode == REPLAY {
+        last.clone_from(coded);
+    }
+}

@@ -1,0 +1,136 @@
+"""The `aead` devices: every frame sealed (AES-256-GCM or ChaCha20-Poly1305) under a key each
+chain gets from its own X25519 exchange, inside the chain's offer and answer.
+
+Shown here: loaded and unloaded on a live checksummed stream of words (data an observer could
+read) moving both ways, the wire carries none of the words while a sealing device is on and
+plenty while none is (a capture of the client's interface with tcpdump); each side takes a new
+key on the schedule `VMI_REKEY` sets; and records altered on the way (a flipped bit, a record
+replayed at another offset, a record sealed under another key) close the connection with a
+log line that says what was wrong and ECONNRESET for the program. (Failover, exec, fork and
+migration under a sealed chain are in test_chain.py, the "chain" place of the real-program
+tests and test_migration.py.)
+"""
+
+import time
+
+import pytest
+
+from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, assert_same_stream, in_netns,
+                     python_prog, vmictl_ok, wait_conn, wait_status)
+
+pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
+                                "is nothing to test")
+
+MiB = 1 << 20
+CLIENT, SERVER = H1, H2
+# Words stream.py --text sends (long enough not to turn up by chance in sealed bytes).
+WORDS = (b"connection", b"virtual", b"network", b"device", b"filter")
+
+
+def chain_of(c):
+    ch = c.get("chain") or {}
+    return ch.get("send"), ch.get("recv")
+
+
+def both_ways(gid, want, timeout=5):
+    for host in (CLIENT, SERVER):
+        wait_status(host, lambda st: next((c for c in st.get("connections", [])
+                                           if c.get("gid") == gid
+                                           and chain_of(c) == (want, want)), None),
+                    timeout, f"{host}'s end of {gid} on chain {want!r} both ways")
+
+
+def words_on_wire(tmp_path, name, seconds=1.5):
+    """How many of WORDS a capture of the client's interface holds, over `seconds`."""
+    path = tmp_path / f"{name}.pcap"
+    r = in_netns(CLIENT, ["timeout", str(seconds), "tcpdump", "-i", ETH0, "-s", "0", "-U",
+                          "-Z", "root", "-w", str(path), "tcp"])
+    assert r.returncode in (0, 124), r.stderr
+    data = path.read_bytes()
+    assert len(data) > 256 << 10, f"the capture {name} holds only {len(data)} bytes"
+    return sum(data.count(w) for w in WORDS), len(data)
+
+
+def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
+    """Words move both ways; `aead` is loaded on the connection (from the client's node),
+    unloaded through the other node's agent, and `lz4` then `aead:chacha20-poly1305` loaded
+    and unloaded. While a sealing device is on, a capture of the wire holds none of the words;
+    with none on, it holds thousands. VMI_REKEY=1M makes each side take a new key for every
+    MiB it seals. The streams stay exact."""
+    port = PORTS["aead_live"]
+    addr = f"{H2_IP}:{port}"
+    rate, seconds = 3 * MiB, 16
+    n = rate * seconds
+    env = {"VMI_LOG": "info", "VMI_REKEY": "1M"}
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                           "--hold", "1", "--rate", rate, "--text"), port,
+                       layer=True, env=env, name="stream-server")
+    cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                          "--server-bytes", n, "--seed", port, "--rate", rate,
+                                          "--hold", "1", "--text"),
+                      layer=True, env=env, name="stream-client")
+    c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 0
+                  and c.get("bytes_received", 0) > 0, 10, "the stream moving both ways")
+    gid = c["gid"]
+    plain, _ = words_on_wire(tmp_path, "plain")
+    assert plain > 1000, f"the plain stream's words should be on the wire: {plain}"
+
+    vmictl_ok(CLIENT, "device", "load", "aead", "--gid", gid)
+    both_ways(gid, "aead:aes-256-gcm")
+    sealed, size = words_on_wire(tmp_path, "aes")
+    assert sealed == 0, f"{sealed} words in {size} bytes of the wire under aead"
+    time.sleep(1)
+    vmictl_ok(CLIENT, "--node", H2_IP, "device", "unload", "aead", "--gid", gid)
+    both_ways(gid, "")
+
+    vmictl_ok(CLIENT, "device", "load", "lz4", "--gid", gid)
+    both_ways(gid, "lz4")
+    vmictl_ok(CLIENT, "--node", H2_IP, "device", "load", "aead:chacha20-poly1305", "--gid", gid)
+    both_ways(gid, "lz4,aead:chacha20-poly1305")
+    sealed, size = words_on_wire(tmp_path, "chacha")
+    assert sealed == 0, f"{sealed} words in {size} bytes of the wire under lz4,chacha20"
+    time.sleep(1)
+    vmictl_ok(CLIENT, "device", "unload", "aead:chacha20-poly1305", "--gid", gid)
+    both_ways(gid, "lz4")
+    vmictl_ok(CLIENT, "device", "unload", "lz4", "--gid", gid)
+    both_ways(gid, "")
+
+    cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
+    assert_same_stream(c, s)
+    for p in (cli, srv):
+        rekeys = p.stderr().count("takes a new key")
+        assert rekeys >= 2, f"{p.name} took {rekeys} new keys under VMI_REKEY=1M"
+
+
+@pytest.mark.parametrize("attack,logged", [
+    ("flip", "failed authentication"),
+    ("replay", "a replayed record"),
+    ("foreign", "failed authentication"),
+])
+def test_aead_refuses_altered_records(procs, attack, logged):
+    """The client's layer alters its 20th sealed frame (VMI_TAMPER, as an attacker on the
+    path would): a flipped bit, the record of the frame before it, or a record sealed under
+    another key. The server's layer refuses it, says why in its log, and the server program
+    sees ECONNRESET; nothing altered reaches it."""
+    port = PORTS["aead_attack"] + ["flip", "replay", "foreign"].index(attack)
+    addr = f"{H2_IP}:{port}"
+    n = 8 * MiB
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                           "--hold", "0"), port, layer=True,
+                       env={"VMI_LOG": "info"}, name="stream-server")
+    cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                          "--server-bytes", 0, "--seed", port, "--rate", 4 * MiB),
+                      layer=True, name="stream-client",
+                      env={"VMI_CHAIN": "aead", "VMI_TAMPER": f"{attack}:20", "VMI_LOG": "info",
+                           "VMI_GRACE": "3"})
+    srv.wait(timeout=30, check=False)
+    s = srv.last_json()
+    assert "error" in s and "ConnectionResetError" in s["error"], s
+    assert s["recv_bytes"] < n, s
+    log = srv.stderr()
+    assert logged in log and "ECONNRESET" in log, log[-2000:]
+    assert "sealed frame 20" in cli.stderr(), cli.stderr()[-2000:]
+    cli.stop()
