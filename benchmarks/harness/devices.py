@@ -7,7 +7,8 @@ namespace hosts under the layer.
   reference `lz4` and `zstd` command-line tools on the same text (whole-file benchmarks: the
   speed the machine allows, which the per-core targets are read against);
 * goodput of text over a network shaped to 1 Gbit/s (tbf on the sender's eth0): one stream,
-  no device, `lz4`, `zstd:1`, `zstd:3`;
+  no device, `lz4`, `zstd:1`, `zstd:3`, and the sealing devices (`aead` is AES-256-GCM,
+  `aead:chacha20-poly1305`, and `lz4,aead`: compressed, then sealed);
 * iperf3 (random data, one stream, the unshaped veth) with each device: throughput and CPU
   time of both ends per GiB moved (iperf3's own CPU figures);
 * sockperf ping-pong, 64 B and 16 KiB, with each device;
@@ -42,7 +43,7 @@ PREFIX = "vmidv"
 NET0, NET1 = "10.81.0", "10.81.1"
 H1, H2 = f"{PREFIX}1", f"{PREFIX}2"
 IP2 = f"{NET0}.2"
-MODES = ["none", "lz4", "zstd:1", "zstd:3"]
+MODES = ["none", "lz4", "zstd:1", "zstd:3", "aead", "aead:chacha20-poly1305", "lz4,aead"]
 LIVE = []
 
 SENDER = r"""
