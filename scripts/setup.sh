@@ -26,6 +26,7 @@ APT_PACKAGES=(
     openssh-client
     nftables
     tcpdump
+    tshark
     strace
     python3-pip
     gcc
@@ -52,6 +53,8 @@ done
 
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "setup.sh: installing ${missing[*]}"
+    # (tshark's package asks whether ordinary users may capture: no.)
+    echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 else

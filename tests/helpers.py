@@ -208,6 +208,9 @@ PORTS = {
     "device_policy": 17930,
     "aead_live": 17931,
     "aead_attack": 17932,               # to 17934
+    "tap_profile": 17935,
+    "tap_capture": 17936,
+    "plugins": 17937,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
@@ -1627,3 +1630,19 @@ class Group:
             if line.startswith("{"):
                 return json.loads(line)
         raise AssertionError(f"no JSON result in {self.log_path}:\n{self.output()[-2000:]}")
+
+
+# Words stream.py --text sends (long enough not to turn up by chance in coded bytes).
+TEXT_WORDS = (b"connection", b"virtual", b"network", b"device", b"filter")
+
+
+def words_on_wire(host, tmp_path, name, seconds=1.5):
+    """How many of TEXT_WORDS (stream.py --text) a capture of host's eth0 holds, over
+    `seconds`; and the capture's size."""
+    path = tmp_path / f"{name}.pcap"
+    r = in_netns(host, ["timeout", str(seconds), "tcpdump", "-i", ETH0, "-s", "0", "-U",
+                          "-Z", "root", "-w", str(path), "tcp"])
+    assert r.returncode in (0, 124), r.stderr
+    data = path.read_bytes()
+    assert len(data) > 256 << 10, f"the capture {name} holds only {len(data)} bytes"
+    return sum(data.count(w) for w in TEXT_WORDS), len(data)

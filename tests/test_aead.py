@@ -15,18 +15,14 @@ import time
 
 import pytest
 
-from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, assert_same_stream, in_netns,
-                     python_prog, vmictl_ok, wait_conn, wait_status)
+from helpers import (BASELINE, H1, H2, H2_IP, PORTS, assert_same_stream, python_prog,
+                     vmictl_ok, wait_conn, wait_status, words_on_wire)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
 
 MiB = 1 << 20
 CLIENT, SERVER = H1, H2
-# Words stream.py --text sends (long enough not to turn up by chance in sealed bytes).
-WORDS = (b"connection", b"virtual", b"network", b"device", b"filter")
-
-
 def chain_of(c):
     ch = c.get("chain") or {}
     return ch.get("send"), ch.get("recv")
@@ -38,17 +34,6 @@ def both_ways(gid, want, timeout=5):
                                            if c.get("gid") == gid
                                            and chain_of(c) == (want, want)), None),
                     timeout, f"{host}'s end of {gid} on chain {want!r} both ways")
-
-
-def words_on_wire(tmp_path, name, seconds=1.5):
-    """How many of WORDS a capture of the client's interface holds, over `seconds`."""
-    path = tmp_path / f"{name}.pcap"
-    r = in_netns(CLIENT, ["timeout", str(seconds), "tcpdump", "-i", ETH0, "-s", "0", "-U",
-                          "-Z", "root", "-w", str(path), "tcp"])
-    assert r.returncode in (0, 124), r.stderr
-    data = path.read_bytes()
-    assert len(data) > 256 << 10, f"the capture {name} holds only {len(data)} bytes"
-    return sum(data.count(w) for w in WORDS), len(data)
 
 
 def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
@@ -72,12 +57,12 @@ def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
     c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 0
                   and c.get("bytes_received", 0) > 0, 10, "the stream moving both ways")
     gid = c["gid"]
-    plain, _ = words_on_wire(tmp_path, "plain")
+    plain, _ = words_on_wire(CLIENT, tmp_path, "plain")
     assert plain > 1000, f"the plain stream's words should be on the wire: {plain}"
 
     vmictl_ok(CLIENT, "device", "load", "aead", "--gid", gid)
     both_ways(gid, "aead:aes-256-gcm")
-    sealed, size = words_on_wire(tmp_path, "aes")
+    sealed, size = words_on_wire(CLIENT, tmp_path, "aes")
     assert sealed == 0, f"{sealed} words in {size} bytes of the wire under aead"
     time.sleep(1)
     vmictl_ok(CLIENT, "--node", H2_IP, "device", "unload", "aead", "--gid", gid)
@@ -87,7 +72,7 @@ def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
     both_ways(gid, "lz4")
     vmictl_ok(CLIENT, "--node", H2_IP, "device", "load", "aead:chacha20-poly1305", "--gid", gid)
     both_ways(gid, "lz4,aead:chacha20-poly1305")
-    sealed, size = words_on_wire(tmp_path, "chacha")
+    sealed, size = words_on_wire(CLIENT, tmp_path, "chacha")
     assert sealed == 0, f"{sealed} words in {size} bytes of the wire under lz4,chacha20"
     time.sleep(1)
     vmictl_ok(CLIENT, "device", "unload", "aead:chacha20-poly1305", "--gid", gid)

@@ -35,6 +35,7 @@ fn forwardable(m: &Msg) -> bool {
             | Msg::Move { .. }
             | Msg::Chain { .. }
             | Msg::Device { .. }
+            | Msg::Profile { .. }
             | Msg::Migrate { .. }
             | Msg::Journal { .. }
     )

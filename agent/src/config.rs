@@ -35,7 +35,7 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 22] = [
+pub const KEYS: [&str; 23] = [
     "key",
     "peers",
     "head",
@@ -57,8 +57,12 @@ pub const KEYS: [&str; 22] = [
     "directory-cert",
     "directory-key",
     "chain",
+    "plugins",
     "log",
 ];
+
+/// Where device plug-ins are (the layers' `VMI_PLUGINS` default too).
+pub const DEFAULT_PLUGINS: &str = "/usr/lib/vmi/plugins";
 
 /// Most etcd endpoints of a directory.
 pub const MAX_ENDPOINTS: usize = 16;
@@ -318,6 +322,8 @@ pub struct Layer {
     pub peers: Option<Vec<IpAddr>>,
     /// Default chains of the node's connections (`CHAIN` or `NET/LEN=CHAIN` rules).
     pub chain: Option<Vec<String>>,
+    /// The folder of device plug-ins.
+    pub plugins: Option<PathBuf>,
     /// The cluster's heads (nodes push their summary there, queries go there first).
     pub head: Option<Vec<IpAddr>>,
     /// Clusters this agent shows as a grid.
@@ -368,6 +374,9 @@ pub struct Settings {
     /// Default chains of the node's connections, as rules (see
     /// `substrate::connection::chain::Policy`).
     pub chain: Vec<String>,
+    /// The folder of device plug-ins (`libvmi_dev_NAME.so`): `vmictl device load NAME`
+    /// takes NAME when its file is there.
+    pub plugins: PathBuf,
     /// The cluster's heads.
     pub head: Vec<IpAddr>,
     /// Clusters of the grid view.
@@ -479,6 +488,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             "--metrics" => l.metrics = Some(value(&flag, &val()?)?),
             "--web" => l.web = Some(value(&flag, &val()?)?),
             "--web-token" => l.web_token = Some(val()?.into()),
+            "--plugins" => l.plugins = Some(val()?.into()),
             "--peers" => {
                 let v = val()?;
                 let peers = l.peers.get_or_insert_with(Vec::new);
@@ -692,6 +702,7 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     if let Err(e) = substrate::connection::chain::Policy::parse(chain.iter().map(String::as_str)) {
         return Err(format!("chain ({chain_from}): {e}"));
     }
+    let (plugins, _) = pick("plugins", &cli.plugins, None, file, &f.plugins, PathBuf::from(DEFAULT_PLUGINS));
     let (head, head_from) = pick("head", &cli.head, None, file, &f.head, Vec::new());
     let (grid, grid_from) = pick("grid", &cli.grid, None, file, &f.grid, Vec::new());
     let (metrics, _) = pick("metrics", &cli.metrics, None, file, &f.metrics, Metrics::Off);
@@ -803,6 +814,7 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         key,
         peers,
         chain,
+        plugins,
         head,
         grid,
         metrics,

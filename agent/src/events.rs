@@ -5,8 +5,9 @@
 
 use crate::journal::Journal;
 use crate::wire::read_msg_fd;
+use crate::wire::send_with_fd;
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::OwnedFd;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -45,36 +46,6 @@ pub struct Events {
     pub journal: Arc<Journal>,
     /// Failovers the processes reported, for the metrics.
     pub relinks: crate::relinks::Relinks,
-}
-
-fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
-    let mut iov = libc::iovec { iov_base: body.as_ptr() as *mut _, iov_len: body.len() };
-    // SAFETY: zeroed msghdr is valid; pointers set to live locals below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    let mut cbuf = [0u64; 4];
-    if let Some(pfd) = fd {
-        msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-        // SAFETY: CMSG_SPACE is a pure computation.
-        msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as _;
-        // SAFETY: the control buffer holds one int.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(4) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, pfd);
-        }
-    }
-    // SAFETY: msg is fully initialised.
-    let r = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // The rest (rare: a full socket buffer) without the descriptor.
-    let mut w = s;
-    w.write_all(&body[r as usize..])
 }
 
 /// True once the peer's FIN arrived (TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING).
@@ -421,6 +392,24 @@ impl Events {
     /// none here does.
     pub fn move_conn(&self, gid: u128, shm: bool) -> bool {
         self.tell_holders(gid, &Msg::Move { gid, shm })
+    }
+
+    /// Sends `m` with descriptor `fd` to one process holding `gid` (the first that takes
+    /// it); its pid, `None` if none here does.
+    pub fn tell_one_with_fd(&self, gid: u128, m: &Msg, fd: RawFd) -> Option<u32> {
+        let body = m.encode();
+        let chans = self.lock();
+        for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
+            match send_with_fd(&c.out, &body, Some(fd)) {
+                Ok(()) => return Some(c.pid),
+                Err(e) => info!(
+                    "connection {gid:032x}: cannot pass {} to process {}: {e} (the process is gone or stopped reading its event channel)",
+                    m.name(),
+                    c.pid
+                ),
+            }
+        }
+        None
     }
 
     /// Sends `m` to every process holding `gid`. False if none here does (or none took it).

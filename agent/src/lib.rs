@@ -41,6 +41,7 @@ pub mod notify;
 pub mod paths;
 pub mod peer;
 pub mod ports;
+pub mod profile_view;
 pub mod registry;
 pub mod relinks;
 pub mod status;

@@ -58,6 +58,8 @@ pub struct Agent {
     /// The node's default chains (the `chain` setting's rules, as `Policy::to_text` writes
     /// them), told to each process in the answer to its `Hello`.
     pub chain: std::sync::OnceLock<String>,
+    /// The folder of device plug-ins (the `plugins` setting).
+    pub plugins: std::sync::OnceLock<std::path::PathBuf>,
     next_client: AtomicU64,
 }
 
@@ -116,6 +118,7 @@ impl Agent {
             journal,
             web: std::sync::OnceLock::new(),
             chain: std::sync::OnceLock::new(),
+            plugins: std::sync::OnceLock::new(),
             next_client: AtomicU64::new(1),
         }
     }
@@ -523,6 +526,7 @@ pub fn command(agent: &Agent, asker: Asker, m: Msg) -> Msg {
             }
         }
         Msg::Device { load, name, gid, pid } => device(agent, &asker, load, &name, gid, pid),
+        Msg::Profile { gid } => profile(agent, &asker, gid),
         Msg::Migrate { pid, to } => crate::migrate::run(agent, asker, pid, &to),
         other => Msg::Error { reason: format!("{} cannot be run from another node", other.name()) },
     }
@@ -535,13 +539,30 @@ fn device(agent: &Agent, asker: &Asker, load: bool, name: &str, gid: u128, pid: 
     use substrate::connection::chain::{Chain, DEVICE_NAMES};
     let verb = if load { "load" } else { "unload" };
     let one = Chain::build(name).filter(|c| !c.is_empty() && !c.spec.contains(','));
-    let Some(one) = one else {
-        return Msg::Error {
-            reason: format!("no such device: {name}; the devices are: {}", DEVICE_NAMES.join(", ")),
-        };
+    let name = match one {
+        // (`zstd` is `zstd:3`: the layers compare names as the chain spells them.)
+        Some(one) => one.spec,
+        None if substrate::connection::chain::TAPS.contains(&name) => name.to_string(),
+        // A plug-in (the layers load it from their plug-in folder, or refuse it and keep
+        // their chain, with a log line that says why).
+        None if substrate::connection::chain::plugin_name_ok(name)
+            && !substrate::connection::chain::FILTERS.contains(&name)
+            && plugin_dir(agent).join(format!("libvmi_dev_{name}.so")).is_file() =>
+        {
+            name.to_string()
+        }
+        None => {
+            return Msg::Error {
+                reason: format!(
+                    "no such device: {name}; the devices are: {}, and the plug-ins of {}: {}",
+                    DEVICE_NAMES.join(", "),
+                    plugin_dir(agent).display(),
+                    plugins_here(agent)
+                ),
+            }
+        }
     };
-    // (`zstd` is `zstd:3`: the layers compare names as the chain spells them.)
-    let name = one.spec.as_str();
+    let name = name.as_str();
     let targets: Vec<(u128, Vec<u32>)> = if gid != 0 {
         match managed_holders(agent, asker, gid, &format!("{verb} a device on")) {
             Ok(pids) => vec![(gid, pids)],
@@ -588,6 +609,97 @@ fn device(agent: &Agent, asker: &Asker, load: bool, name: &str, gid: u128, pid: 
         return Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") };
     }
     Msg::DeviceReply { conns: told as u32 }
+}
+
+/// The folder of device plug-ins.
+fn plugin_dir(agent: &Agent) -> std::path::PathBuf {
+    agent.plugins.get().cloned().unwrap_or_else(|| crate::config::DEFAULT_PLUGINS.into())
+}
+
+/// The plug-in devices of the folder, for messages ("none" when there are none).
+fn plugins_here(agent: &Agent) -> String {
+    let mut names: Vec<String> = std::fs::read_dir(plugin_dir(agent))
+        .map(|d| {
+            d.filter_map(|e| {
+                let f = e.ok()?.file_name().into_string().ok()?;
+                Some(f.strip_prefix("libvmi_dev_")?.strip_suffix(".so")?.to_string())
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// `vmictl profile GID`: asks a process holding the connection for its `profile` device's
+/// figures, through a pipe passed down its event channel; the JSON it writes, or an error.
+fn profile(agent: &Agent, asker: &Asker, gid: u128) -> Msg {
+    use std::io::Read;
+    if let Err(reason) = managed_holders(agent, asker, gid, "profile") {
+        return Msg::Error { reason };
+    }
+    let (mut r, w) = match std::io::pipe() {
+        Ok(p) => p,
+        Err(e) => return Msg::Error { reason: format!("no pipe for the profile: {e}") },
+    };
+    let told = agent.events.tell_one_with_fd(gid, &Msg::Profile { gid }, w.as_raw_fd());
+    drop(w);
+    let Some(pid) = told else {
+        return Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") };
+    };
+    // (Read on a thread of its own, so that a process that never answers costs a wait of
+    // bounded length here.)
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let r = (&mut r).take(16 << 20).read_to_string(&mut s).map(|_| s);
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(Duration::from_secs(5)) {
+        Ok(Ok(json)) if json.is_empty() => Msg::Error { reason: format!("process {pid} gave no profile") },
+        Ok(Ok(json)) => match serde_json::from_str::<serde_json::Value>(&json) {
+            Ok(v) => match v.get("error").and_then(|e| e.as_str()) {
+                Some(e) => Msg::Error { reason: e.to_string() },
+                None => Msg::ProfileReply { json },
+            },
+            Err(e) => Msg::Error { reason: format!("process {pid} gave a profile that is not JSON: {e}") },
+        },
+        Ok(Err(e)) => Msg::Error { reason: format!("reading process {pid}'s profile: {e}") },
+        Err(_) => Msg::Error { reason: format!("process {pid} gave no profile within 5 s") },
+    }
+}
+
+/// `vmictl capture GID -w FILE`: passes the file `vmictl` opened (`file`) to a process
+/// holding the connection, which writes the connection's traffic there.
+fn capture(
+    agent: &Agent,
+    asker: &Asker,
+    gid: u128,
+    duration_ms: u32,
+    file: Option<std::os::fd::OwnedFd>,
+) -> Msg {
+    let Some(file) = file else {
+        return Msg::Error { reason: "capture: no file came with the request".into() };
+    };
+    if let Err(reason) = managed_holders(agent, asker, gid, "capture") {
+        return Msg::Error { reason };
+    }
+    match agent.events.tell_one_with_fd(gid, &Msg::Capture { gid, duration_ms }, file.as_raw_fd()) {
+        Some(pid) => {
+            info!("connection {gid:032x}: process {pid} captures its traffic for {duration_ms} ms");
+            agent.journal.record(
+                "capture",
+                Some(pid),
+                serde_json::json!({ "gid": format!("{gid:032x}"), "ms": duration_ms }),
+            );
+            Msg::Ok
+        }
+        None => Msg::Error { reason: format!("the processes holding {gid:032x} do not take events") },
+    }
 }
 
 /// Sends the node's events after number `after` to `vmictl` on `s` (those `asker` may see),
@@ -729,7 +841,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             | Msg::Move { .. }
             | Msg::Chain { .. }
             | Msg::Device { .. }
+            | Msg::Profile { .. }
             | Msg::Migrate { .. }) => command(agent, Asker::local(&s), m),
+            Msg::Capture { gid, duration_ms } => capture(agent, &Asker::local(&s), gid, duration_ms, passed),
             Msg::Remote { to, cmd } => crate::cluster::remote(agent, Asker::local(&s), &to, &cmd),
             Msg::ClusterStatus => crate::cluster::status(agent, Asker::local(&s)),
             // (Other users see only their own connections: they ask the nodes.)

@@ -21,7 +21,7 @@ const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B.
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
                  [--directory etcd://HOST:PORT,..] [--directory-ttl S]
                  [--directory-ca FILE [--directory-cert FILE --directory-key FILE]]
-                 [--chain RULE].. [--log FILTER]
+                 [--chain RULE].. [--plugins DIR] [--log FILTER]
        vmi-agent --init [--config FILE] [--key FILE]
        vmi-agent --check-config [--config FILE] [flags as above]
        vmi-agent --help | --version
@@ -105,6 +105,10 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
                  --client-cert-auth; with etcd's authentication on, the certificate's
                  common name is the etcd user, which needs read and write on the cluster's
                  prefix (/vmi/CLUSTER/)
+  --plugins DIR  the folder of device plug-ins (libvmi_dev_NAME.so; default
+                 /usr/lib/vmi/plugins): vmictl device load NAME takes a plug-in found there
+                 (the programs' layers load it from their VMI_PLUGINS, the same folder by
+                 default)
   --chain RULE   a default chain of devices for the node's connections (chain = [\"RULE\",
                  ..]): CHAIN for every connection, or NET/LEN=CHAIN for those whose peer is in
                  that network (the most specific rule wins; CHAIN may be none), e.g. --chain
@@ -308,6 +312,11 @@ fn run(args: Settings) {
     ));
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
+    let _ = agent.plugins.set(args.plugins.clone());
+    // (Names only: status shows the chains of plug-ins, which run in the programs alone.)
+    substrate::connection::chain::set_plugins(Box::new(substrate::connection::chain::PluginNames(
+        substrate::connection::chain::plugin_names(&args.plugins),
+    )));
     if !args.chain.is_empty() {
         // (Checked when the settings were read.)
         let p = substrate::connection::chain::Policy::parse(args.chain.iter().map(String::as_str))

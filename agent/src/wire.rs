@@ -2,7 +2,8 @@
 //! descriptor riding with a message.
 
 use std::io::{self, Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use substrate::wire::agent::Msg;
 
 /// Reads one message from any stream.
@@ -83,4 +84,35 @@ pub fn read_msg_limited(pre: [u8; 4], r: &mut impl Read, max: usize) -> io::Resu
     let mut body = vec![0u8; n];
     r.read_exact(&mut body)?;
     Msg::decode(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+}
+
+/// Writes one encoded message `body` on a Unix socket, with descriptor `fd` riding along.
+pub fn send_with_fd(s: &UnixStream, body: &[u8], fd: Option<RawFd>) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: body.as_ptr() as *mut _, iov_len: body.len() };
+    // SAFETY: zeroed msghdr is valid; pointers set to live locals below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    let mut cbuf = [0u64; 4];
+    if let Some(pfd) = fd {
+        msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+        // SAFETY: CMSG_SPACE is a pure computation.
+        msg.msg_controllen = unsafe { libc::CMSG_SPACE(4) } as _;
+        // SAFETY: the control buffer holds one int.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut i32, pfd);
+        }
+    }
+    // SAFETY: msg is fully initialised.
+    let r = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The rest (rare: a full socket buffer) without the descriptor.
+    let mut w = s;
+    w.write_all(&body[r as usize..])
 }

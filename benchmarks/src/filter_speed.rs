@@ -60,7 +60,16 @@ fn main() {
         }
     };
     let random = noise(text.len().max(8 << 20));
-    let specs = ["", "double", "lz4", "zstd:1", "zstd:3", "aead:aes-256-gcm", "aead:chacha20-poly1305", "lz4,aead:aes-256-gcm"];
+    let specs = [
+        "",
+        "double",
+        "lz4",
+        "zstd:1",
+        "zstd:3",
+        "aead:aes-256-gcm",
+        "aead:chacha20-poly1305",
+        "lz4,aead:aes-256-gcm",
+    ];
     for spec in specs {
         for (what, data) in [("text", &text), ("random", &random)] {
             let mut enc = Chain::build(spec).expect("a filter of this build");

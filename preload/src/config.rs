@@ -12,6 +12,7 @@
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
+//! | `VMI_PLUGINS` | the folder of device plug-ins (`libvmi_dev_NAME.so`, see `plugins/vmi_device.h`) | `/usr/lib/vmi/plugins` |
 //! | `VMI_REKEY` | how often a connection under an `aead` filter takes a new key: `SIZE[,SECONDS]` (bytes sealed, seconds), besides after every relink | `1G,600` |
 //! | `VMI_TAMPER` | fault injection for tests of the `aead` filters: `flip:N`, `replay:N` or `foreign:N` alters the Nth sealed frame this process sends (a flipped bit, an earlier record, a record under another key) | none |
 
@@ -32,6 +33,8 @@ static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// Where device plug-ins are looked for (`VMI_PLUGINS`).
+pub const DEFAULT_PLUGINS: &str = "/usr/lib/vmi/plugins";
 static REKEY_BYTES: AtomicU64 = AtomicU64::new(1 << 30);
 static REKEY_MS: AtomicU64 = AtomicU64::new(600_000);
 
@@ -110,6 +113,9 @@ pub fn init() {
             )),
         }
     }
+    crate::sys::plugin::install(
+        std::env::var("VMI_PLUGINS").ok().as_deref().filter(|d| !d.is_empty()).unwrap_or(DEFAULT_PLUGINS),
+    );
     if let Ok(v) = std::env::var("VMI_CHAIN") {
         // (`none`: no chain, whatever the node's default.)
         let spec = if v.trim() == "none" { "" } else { v.as_str() };

@@ -47,6 +47,7 @@ pub mod stats;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod tamper;
+pub mod tap;
 pub mod tcp_sink;
 pub mod vc;
 

@@ -33,14 +33,16 @@ pub fn init(v: Option<&str>) {
             "foreign" => FOREIGN,
             _ => return None,
         };
-        let n: u64 = n.parse().ok().filter(|&n| n >= 1 + u64::from(mode == REPLAY))?;
+        let n: u64 = n.parse().ok().filter(|&n| n > u64::from(mode == REPLAY))?;
         Some((mode, n))
     });
     match parsed {
         Some((mode, n)) => {
             AT.store(n, Relaxed);
             MODE.store(mode, Relaxed);
-            crate::log::warn(format_args!("VMI_TAMPER={v}: this process will alter sealed frame {n} it sends"));
+            crate::log::warn(format_args!(
+                "VMI_TAMPER={v}: this process will alter sealed frame {n} it sends"
+            ));
         }
         None => crate::log::warn(format_args!(
             "VMI_TAMPER={v} is not flip:N, replay:N (N at least 2) or foreign:N; nothing is altered"

@@ -21,8 +21,8 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
-    TxState, ANSWER, MIRROR,
+    ack_due, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source, TxState, ANSWER,
+    MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 

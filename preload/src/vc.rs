@@ -116,6 +116,9 @@ pub struct Vc {
     truth_gen: AtomicU32,
     /// A wait reported the connection readable and no receive followed yet.
     told_readable: std::sync::atomic::AtomicBool,
+    /// Taps on this end (profile, capture), and whether any is on.
+    taps: std::sync::Mutex<crate::tap::Taps>,
+    tapped: std::sync::atomic::AtomicBool,
 }
 
 /// What is needed to set up a virtual connection.
@@ -195,6 +198,8 @@ impl Vc {
             parked_epoll: std::sync::Mutex::new(ParkedEpoll::default()),
             links,
             slot_freed: std::sync::atomic::AtomicBool::new(false),
+            taps: std::sync::Mutex::new(crate::tap::Taps::default()),
+            tapped: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -455,12 +460,74 @@ impl Vc {
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
-        self.with_link(fd, flags, |ctx| {
+        let r = self.with_link(fd, flags, |ctx| {
             let _g = c.tx_lock.lock();
             self.send_chain.with(&c.tx_lock, |chain| {
                 Self::run(chain, Irb::send(data, flags).with_handle(fd as i64).with_ctx(ctx))
             })
-        })
+        });
+        if self.tapped.load(Relaxed) {
+            if let Ok(n) = r {
+                self.tap(crate::tap::SEND, &data[..n.min(data.len())]);
+            }
+        }
+        r
+    }
+
+    /// The taps see `data` moving in direction `dir`. (Skipped, never waited for, when
+    /// another call of this process holds them, or a signal handler interrupted one.)
+    #[cold]
+    fn tap(&self, dir: usize, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        if let Ok(mut t) = self.taps.try_lock() {
+            t.record(dir, data);
+            if t.is_empty() {
+                self.tapped.store(false, Relaxed);
+            }
+        }
+    }
+
+    /// Loads (or unloads) the `profile` tap on this end.
+    pub fn set_profile(&self, on: bool) {
+        let mut t = self.taps.lock().unwrap_or_else(|p| p.into_inner());
+        t.profile = on.then(Default::default);
+        self.tapped.store(!t.is_empty(), Relaxed);
+    }
+
+    /// The profile as JSON, `None` when the `profile` tap is not loaded.
+    pub fn profile_json(&self) -> Option<String> {
+        let t = self.taps.lock().unwrap_or_else(|p| p.into_inner());
+        t.profile.as_ref().map(|p| p.json(self.mem.conn().gid))
+    }
+
+    /// Starts capturing this end's traffic into `fd` (taken over) for `duration_ms`.
+    pub fn start_capture(&self, fd: i32, duration_ms: u64) -> bool {
+        let gid = self.mem.conn().gid;
+        let Some(c) = crate::tap::Capture::start(fd, duration_ms, self.local, self.peer, gid) else {
+            crate::sys::fd::close(fd);
+            return false;
+        };
+        let mut t = self.taps.lock().unwrap_or_else(|p| p.into_inner());
+        t.capture = Some(c);
+        self.tapped.store(true, Relaxed);
+        true
+    }
+
+    /// Ends a capture whose time is over (the control thread calls it; a busy connection
+    /// ends it itself). Returns packets written and lost, when it ended one.
+    pub fn end_capture_if_over(&self) -> Option<(u64, u64)> {
+        if !self.tapped.load(Relaxed) {
+            return None;
+        }
+        let mut t = self.taps.lock().unwrap_or_else(|p| p.into_inner());
+        if !t.capture.as_ref().is_some_and(|c| c.over()) {
+            return None;
+        }
+        let c = t.capture.take()?;
+        self.tapped.store(!t.is_empty(), Relaxed);
+        Some((c.packets, c.lost))
     }
 
     /// Receives application bytes through the receive chain.
@@ -471,9 +538,14 @@ impl Vc {
         let told = self.told_readable.load(Relaxed) && self.told_readable.swap(false, Relaxed);
         // (Read only then: the common receive pays one relaxed load for all this.)
         let gen = if told { c.link_gen.load(Acquire) } else { 0 };
-        let r = self.with_link(fd, flags, |ctx| self.recv_once(fd, buf, flags, ctx));
+        let mut r = self.with_link(fd, flags, |ctx| self.recv_once(fd, buf, flags, ctx));
         if told && matches!(r, Err(IrbError::WouldBlock)) && self.relinked_since(gen) {
-            return self.recv_promised(fd, buf, flags);
+            r = self.recv_promised(fd, buf, flags);
+        }
+        if self.tapped.load(Relaxed) && flags & libc::MSG_PEEK == 0 {
+            if let Ok(n) = r {
+                self.tap(crate::tap::RECV, &buf[..n.min(buf.len())]);
+            }
         }
         r
     }

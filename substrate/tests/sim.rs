@@ -105,7 +105,8 @@ impl End {
             return;
         }
         if let Some((no, taken, both)) = self.answer {
-            let share = Some(self.rx.answer_share).filter(|_| self.rx.chain_ids(no as u32).is_some_and(Chain::ids_keyed));
+            let share = Some(self.rx.answer_share)
+                .filter(|_| self.rx.chain_ids(no as u32).is_some_and(Chain::ids_keyed));
             if let Some(plan) = self.tx.plan_answer(no, taken, self.rx.delivered, share) {
                 let n = self.push(&plan, &[], q, room);
                 self.tx.commit(&plan, n, &[], &mut self.ring);
@@ -116,7 +117,9 @@ impl End {
                     if let Some(ids) = self.rx.chain_ids(no as u32).filter(|_| taken && both) {
                         let c = Chain::from_ids(ids).expect("a taken chain");
                         let fit = if c.is_empty() { 1 << 20 } else { c.fit(CODED_MAX) };
-                        if self.tx.chain_now().1 != ids && self.tx.begin_offer(ids, fit, false, secret()).is_ok() {
+                        if self.tx.chain_now().1 != ids
+                            && self.tx.begin_offer(ids, fit, false, secret()).is_ok()
+                        {
                             self.mirrored += 1;
                         }
                     }
@@ -149,7 +152,9 @@ impl End {
                 bytes.extend_from_slice(&coded[skip as usize..skip as usize + plan.payload]);
             }
             Source::Spec { skip, .. } | Source::Share { skip } => {
-                bytes.extend_from_slice(&self.tx.control_payload(plan.source)[skip as usize..][..plan.payload]);
+                bytes.extend_from_slice(
+                    &self.tx.control_payload(plan.source)[skip as usize..][..plan.payload],
+                );
             }
         }
         let n = bytes.len().min(room);

@@ -17,6 +17,8 @@ const USAGE: &str = "usage: vmictl [--socket NAME] [--node NODE] status [--json]
        vmictl [--socket NAME] [--node NODE] chain GID FILTERS|none [--json]
        vmictl [--socket NAME] [--node NODE] device load|unload NAME --gid GID|--pid PID|--all [--json]
        vmictl [--socket NAME] [--node NODE] device list [--json]
+       vmictl [--socket NAME] [--node NODE] profile GID [--plot FILE.svg] [--json]
+       vmictl [--socket NAME] capture GID -w FILE [--duration S] [--json]
        vmictl [--socket NAME] [--node NODE] migrate PID --to HOST [--json]
        vmictl [--socket NAME] where GID [--json]
        vmictl [--socket NAME] [--node NODE | --cluster] events [--follow] [--json]
@@ -30,8 +32,12 @@ commands:
   net down|up    take a network out of service, or put it back
   move           move a connection between shared memory and TCP
   chain          put filters on what a live connection's ends on the node send
-  device         load a device (a filter: compression...) onto live connections, both
-                 directions, or unload it; list the devices and each connection's chain
+  device         load a device (a filter: compression, encryption; or the profile tap)
+                 onto live connections, both directions, or unload it; list the devices and
+                 each connection's chain
+  profile        what the profile device saw on a connection: sizes of the program's calls,
+                 time between them, bytes per second (a table, and a plot with --plot)
+  capture        write a connection's traffic, as its program sees it, to a pcapng file
   migrate        move a process and its connections to another host (CRIU)
   where          on which node(s) and in which process(es) a connection lives
   events         what happened on the node (or on NODE, or on every node with --cluster),
@@ -126,6 +132,31 @@ const USAGE_CHAIN: &str = "usage: vmictl [--socket NAME] [--node NODE] chain GID
   TCP first).
   --json         {gid, chain, node, ok, error?} (node: NODE of --node, or null)";
 
+const USAGE_PROFILE: &str =
+    "usage: vmictl [--socket NAME] [--node NODE] profile GID [--plot FILE.svg] [--json]
+
+  profile GID    what the profile device (vmictl device load profile --gid GID) saw at the
+                 end of connection GID on the node since it was loaded: for the program's
+                 sends and receives, the number of calls and bytes, a histogram of call sizes
+                 (powers of two), one of the time between calls, and bytes per second over
+                 the last ten minutes. Needs root or the owner of the connection's processes.
+  --plot FILE    also write bytes per second over time, both directions, as an SVG plot
+  --json         the figures as the layer gives them: {gid, pid, since_unix_ms, seconds,
+                 send: DIR, recv: DIR}, DIR {calls, bytes, sizes, gaps_us, per_second}
+                 (histograms as [low, count]: values from low to twice it)";
+
+const USAGE_CAPTURE: &str = "usage: vmictl [--socket NAME] capture GID -w FILE [--duration S] [--json]
+
+  capture GID    write the traffic of connection GID, as its program on this node sees it,
+                 to FILE as pcapng, for S seconds (default 10): each call's bytes as TCP
+                 segments between the program's own addresses (Ethernet, IP and TCP headers
+                 made up; a handshake first), so that tshark or Wireshark read it as an
+                 ordinary TCP conversation. vmictl opens FILE (as the user who runs it) and
+                 hands it to the process through the agent; the program opens no path.
+                 Returns once the time is over. Needs root or the owner of the connection's
+                 processes. (Not through --node: the file is written where the connection is.)
+  --json         {gid, file, bytes, ok, error?}";
+
 const USAGE_DEVICE: &str =
     "usage: vmictl [--socket NAME] [--node NODE] device load|unload NAME --gid GID|--pid PID|--all [--json]
        vmictl [--socket NAME] [--node NODE] device list [--json]
@@ -194,12 +225,14 @@ const USAGE_MIGRATE: &str = "usage: vmictl [--socket NAME] [--node NODE] migrate
   --json         vmi-migrate's report as one JSON object";
 
 /// The commands and their usage.
-const COMMANDS: [(&str, &str); 9] = [
+const COMMANDS: [(&str, &str); 11] = [
     ("status", USAGE_STATUS),
     ("net", USAGE_NET),
     ("move", USAGE_MOVE),
     ("chain", USAGE_CHAIN),
     ("device", USAGE_DEVICE),
+    ("profile", USAGE_PROFILE),
+    ("capture", USAGE_CAPTURE),
     ("migrate", USAGE_MIGRATE),
     ("where", USAGE_WHERE),
     ("events", USAGE_EVENTS),
@@ -625,6 +658,59 @@ fn cluster_net(socket: &str, net: &str, up: bool, json: bool) -> ! {
     std::process::exit(i32::from(failed))
 }
 
+/// A GID on the command line of `cmd`.
+fn parse_gid(cmd: Option<&str>, g: &str) -> u128 {
+    u128::from_str_radix(g.trim_start_matches("0x"), 16)
+        .ok()
+        .filter(|&g| g != 0)
+        .unwrap_or_else(|| usage_error(cmd, &format!("{g} is not a GID (32 hex digits)")))
+}
+
+/// `vmictl capture`: opens `file` as the user who runs vmictl, hands it to the process
+/// holding `gid` through the agent, waits for the capture to end, and says what it wrote.
+fn capture(socket: &str, gid: u128, duration_ms: u32, file: &str, json: bool) -> ! {
+    use std::os::fd::AsRawFd;
+    std::fs::File::create(file).unwrap_or_else(|e| fail(&format!("{file}: {e}")));
+    // (Appending: each packet goes whole, even when a forked child of the program writes too.)
+    let f =
+        std::fs::OpenOptions::new().append(true).open(file).unwrap_or_else(|e| fail(&format!("{file}: {e}")));
+    let mut s = connect(socket);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let m = Msg::Capture { gid, duration_ms };
+    agent::wire::send_with_fd(&s, &m.encode(), Some(f.as_raw_fd())).unwrap_or_else(|e| fail(&e.to_string()));
+    drop(f);
+    let outcome = match read_msg(&mut s) {
+        Ok(Msg::Ok) => Ok(()),
+        Ok(Msg::Error { reason }) => Err(reason),
+        Ok(other) => Err(format!("unexpected answer {}", other.name())),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = outcome {
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({ "gid": format!("{gid:032x}"), "file": file, "ok": false, "error": e })
+            );
+            std::process::exit(1);
+        }
+        fail(&e);
+    }
+    if !json {
+        eprintln!("capturing connection {gid:032x} into {file} for {:.1} s", duration_ms as f64 / 1000.0);
+    }
+    std::thread::sleep(Duration::from_millis(duration_ms as u64));
+    let bytes = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "gid": format!("{gid:032x}"), "file": file, "bytes": bytes, "ok": true })
+        );
+    } else {
+        println!("connection {gid:032x}: {bytes} bytes of pcapng in {file}");
+    }
+    std::process::exit(0)
+}
+
 fn connect(socket: &str) -> UnixStream {
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).unwrap_or_else(|e| fail(&e.to_string()));
     UnixStream::connect_addr(&addr)
@@ -709,6 +795,8 @@ fn main() {
     let mut web = false;
     let mut grid = false;
     let mut device_list = false;
+    let mut plot: Option<String> = None;
+    let mut capture_file: Option<String> = None;
     // `--flag=value` is `--flag value`.
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -747,7 +835,7 @@ fn main() {
                     Some(c) => usage_error(
                         None,
                         &format!(
-                            "no command {c:?} (commands: status, net, move, chain, device, migrate, where, events, web)"
+                            "no command {c:?} (commands: status, net, move, chain, device, profile, capture, migrate, where, events, web)"
                         ),
                     ),
                 }
@@ -852,10 +940,48 @@ fn main() {
                     other => usage_error(name, &format!("device needs load, unload or list, not {other:?}")),
                 }
             }
+            "profile" => {
+                name = word;
+                let g = operand(&mut it, "profile", "a GID");
+                let gid = parse_gid(name, &g);
+                cmd = Some(Msg::Profile { gid });
+            }
+            "--plot" if name == Some("profile") => {
+                plot = Some(operand(&mut it, "profile", "a file after --plot"));
+            }
+            "capture" => {
+                name = word;
+                let g = operand(&mut it, "capture", "a GID");
+                let gid = parse_gid(name, &g);
+                cmd = Some(Msg::Capture { gid, duration_ms: 10_000 });
+            }
+            "-w" if name == Some("capture") => {
+                capture_file = Some(operand(&mut it, "capture", "a file after -w"));
+            }
+            "--duration" if name == Some("capture") => {
+                let d = operand(&mut it, "capture", "seconds after --duration");
+                let secs: f64 =
+                    d.parse().ok().filter(|s: &f64| *s > 0.0 && *s <= 86_400.0).unwrap_or_else(|| {
+                        usage_error(name, &format!("{d} is not a number of seconds (up to a day)"))
+                    });
+                if let Some(Msg::Capture { duration_ms, .. }) = &mut cmd {
+                    *duration_ms = (secs * 1000.0) as u32;
+                }
+            }
             other => usage_error(name, &format!("unknown argument {other:?}")),
         }
     }
     let Some(mut cmd) = cmd else { usage_error(None, "which command?") };
+    if let Msg::Capture { gid, duration_ms } = cmd {
+        if node.is_some() || cluster || grid {
+            usage_error(name, "capture writes the file on the connection's node: run it there (no --node)");
+        }
+        let file = capture_file.unwrap_or_else(|| usage_error(name, "capture GID needs -w FILE"));
+        capture(&socket, gid, duration_ms, &file, json);
+    }
+    if plot.is_some() && name != Some("profile") {
+        usage_error(name, "--plot goes with profile");
+    }
     if follow && name != Some("events") {
         usage_error(name, "--follow goes with events");
     }
@@ -904,6 +1030,28 @@ fn main() {
     // A migration takes as long as CRIU does (the agent gives up after 300 s).
     let wait = if matches!(inner, Msg::Migrate { .. }) { 320 } else { 10 };
     let _ = s.set_read_timeout(Some(Duration::from_secs(wait)));
+    if let Msg::Profile { .. } = &inner {
+        write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
+        let text = match read_msg(&mut s) {
+            Ok(Msg::ProfileReply { json }) => json,
+            Ok(Msg::Error { reason }) => fail(&reason),
+            Ok(other) => fail(&format!("unexpected answer {}", other.name())),
+            Err(e) => fail(&e.to_string()),
+        };
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| fail(&format!("bad profile: {e}")));
+        if let Some(p) = &plot {
+            std::fs::write(p, agent::profile_view::svg(&v)).unwrap_or_else(|e| fail(&format!("{p}: {e}")));
+        }
+        if json {
+            println!("{text}");
+        } else {
+            print!("{}", agent::profile_view::table(&v));
+            if let Some(p) = &plot {
+                println!("\nbytes per second over time: {p}");
+            }
+        }
+        return;
+    }
     if let Msg::Device { load, name: dev, gid, pid } = &inner {
         write_msg(&mut s, &cmd).unwrap_or_else(|e| fail(&e.to_string()));
         let op = if *load { "load" } else { "unload" };

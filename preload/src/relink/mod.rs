@@ -682,7 +682,55 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
         (Msg::Freeze { .. }, _) => freeze(w),
         (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
         (Msg::Chain { gid, spec }, _) => chain_conn(gid, &spec),
+        (Msg::Device { load, name, gid, .. }, _)
+            if substrate::connection::chain::TAPS.contains(&name.as_str()) =>
+        {
+            if let Some(v) = crate::vc::by_gid(gid) {
+                v.set_profile(load);
+                log::info(format_args!(
+                    "virtual connection {gid:032x}: device {name} {} on this end, as the operator asked",
+                    if load { "loaded" } else { "unloaded" }
+                ));
+            }
+        }
         (Msg::Device { load, name, gid, .. }, _) => device_conn(gid, load, &name),
+        (Msg::Profile { gid }, Some(fd)) => {
+            let json = match crate::vc::by_gid(gid) {
+                Some(v) => v.profile_json().unwrap_or_else(|| {
+                    format!(
+                        "{{\"error\": \"connection {gid:032x} has no profile: load the device first \
+                         (vmictl device load profile --gid {gid:032x})\"}}"
+                    )
+                }),
+                None => format!("{{\"error\": \"no connection {gid:032x} in process {}\"}}", crate::pid()),
+            };
+            // (A pipe from the agent, which reads it whole.)
+            let mut at = 0;
+            while at < json.len() {
+                let r = crate::sys::fd::write(fd, &json.as_bytes()[at..]);
+                if r <= 0 {
+                    break;
+                }
+                at += r as usize;
+            }
+            crate::sys::fd::close(fd);
+        }
+        (Msg::Capture { gid, duration_ms }, Some(fd)) => match crate::vc::by_gid(gid) {
+            Some(v) if v.start_capture(fd, duration_ms as u64) => {
+                log::info(format_args!(
+                    "virtual connection {gid:032x}: capturing its traffic for {} ms, as the operator asked",
+                    duration_ms
+                ));
+                // (The control thread ends it on time even if the program goes quiet.)
+                w.look_at_all = true;
+            }
+            Some(_) => log::warn(format_args!(
+                "virtual connection {gid:032x}: no capture: the file passed takes nothing"
+            )),
+            None => {
+                crate::sys::fd::close(fd);
+            }
+        },
         (Msg::Handover { gid, nonce }, Some(fd)) => {
             w.suspects.remove(&gid);
             answer(gid, nonce, fd)
@@ -833,6 +881,12 @@ fn work(w: &mut Work, every: bool, extra: Vec<u128>) {
     for v in &all {
         let v = &**v;
         let c = v.mem().conn();
+        if let Some((packets, lost)) = v.end_capture_if_over() {
+            log::info(format_args!(
+                "virtual connection {:032x}: capture over: {packets} packets written, {lost} lost",
+                c.gid
+            ));
+        }
         if c.broken.load(Acquire) != 0 {
             continue;
         }

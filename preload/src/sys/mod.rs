@@ -6,6 +6,7 @@ pub mod entry;
 pub mod fd;
 pub mod gate;
 pub mod packet;
+pub mod plugin;
 pub mod process;
 pub mod prog;
 pub mod real;
@@ -316,6 +317,14 @@ pub fn now_ns() -> u64 {
     // SAFETY: valid pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wall-clock microseconds since the epoch.
+pub fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
 }
 
 /// Wall-clock milliseconds since the epoch.

@@ -93,7 +93,11 @@ impl Filter for Aead {
         out.reserve(input.len() + OVERHEAD);
         out.extend_from_slice(&nonce);
         out.extend_from_slice(input);
-        match key.seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut out[at + NONCE_LEN..]) {
+        match key.seal_in_place_separate_tag(
+            Nonce::assume_unique_for_key(nonce),
+            Aad::from(AAD),
+            &mut out[at + NONCE_LEN..],
+        ) {
             Ok(tag) => out.extend_from_slice(tag.as_ref()),
             // (Only for more than 64 GiB in one record.)
             Err(_) => out.truncate(at),
@@ -170,7 +174,12 @@ fn derive(
 /// The answering side: its share and the key, for the peer's offer of chain `no` described
 /// by `spec` with share `offer`, from this side's random `seed` (the same offer always gets
 /// the same answer). `None` for a share no key can come from.
-pub fn answer(seed: &[u8; KEY_LEN], spec: &str, no: u8, offer: &[u8; KEY_LEN]) -> Option<([u8; KEY_LEN], [u8; KEY_LEN])> {
+pub fn answer(
+    seed: &[u8; KEY_LEN],
+    spec: &str,
+    no: u8,
+    offer: &[u8; KEY_LEN],
+) -> Option<([u8; KEY_LEN], [u8; KEY_LEN])> {
     let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, seed);
     let mut ctx = ring::hmac::Context::with_key(&k);
     ctx.update(&[no]);
@@ -182,7 +191,12 @@ pub fn answer(seed: &[u8; KEY_LEN], spec: &str, no: u8, offer: &[u8; KEY_LEN]) -
 }
 
 /// The offering side, once the answer came: the key, from its secret and the peer's share.
-pub fn offer_key(secret: &[u8; KEY_LEN], spec: &str, no: u8, answer: &[u8; KEY_LEN]) -> Option<[u8; KEY_LEN]> {
+pub fn offer_key(
+    secret: &[u8; KEY_LEN],
+    spec: &str,
+    no: u8,
+    answer: &[u8; KEY_LEN],
+) -> Option<[u8; KEY_LEN]> {
     derive(secret, answer, spec, no, &share_of(secret), answer)
 }
 
@@ -203,7 +217,11 @@ mod tests {
         let pa = share_of(&a);
         let (pb, kb) = answer(&seed, "aead:aes-256-gcm", 3, &pa).unwrap();
         assert_eq!(offer_key(&a, "aead:aes-256-gcm", 3, &pb), Some(kb));
-        assert_eq!(answer(&seed, "aead:aes-256-gcm", 3, &pa).unwrap(), (pb, kb), "the same offer, the same answer");
+        assert_eq!(
+            answer(&seed, "aead:aes-256-gcm", 3, &pa).unwrap(),
+            (pb, kb),
+            "the same offer, the same answer"
+        );
         // Another number, another description, another offer: other keys.
         assert_ne!(answer(&seed, "aead:aes-256-gcm", 4, &pa).unwrap().1, kb);
         assert_ne!(answer(&seed, "lz4,aead:aes-256-gcm", 3, &pa).unwrap().1, kb);
@@ -245,7 +263,10 @@ mod tests {
                 }
             }
             // The record at another offset: replayed.
-            assert_eq!(f.decode(8192, &rec, &mut Vec::new()), Err(DecodeError::Replayed { sealed_at: 4096, at: 8192 }));
+            assert_eq!(
+                f.decode(8192, &rec, &mut Vec::new()),
+                Err(DecodeError::Replayed { sealed_at: 4096, at: 8192 })
+            );
             // Another key (another connection): forged.
             let mut other = keyed(suite, &[8u8; 32]);
             assert_eq!(other.decode(4096, &rec, &mut Vec::new()), Err(DecodeError::Forged));

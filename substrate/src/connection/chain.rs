@@ -276,23 +276,145 @@ const ZSTD_NAMES: [&str; 19] = [
 /// The filters this build knows, by name; a filter's id in a chain's compact form (see
 /// [`Chain::ids`]) is its place here plus one. (`zstd` alone names `zstd:3`.)
 pub const FILTERS: &[&str] = &[
-    "double", "lz4", "zstd:1", "zstd:2", "zstd:3", "zstd:4", "zstd:5", "zstd:6", "zstd:7", "zstd:8",
-    "zstd:9", "zstd:10", "zstd:11", "zstd:12", "zstd:13", "zstd:14", "zstd:15", "zstd:16", "zstd:17",
-    "zstd:18", "zstd:19", "aead:aes-256-gcm", "aead:chacha20-poly1305",
+    "double",
+    "lz4",
+    "zstd:1",
+    "zstd:2",
+    "zstd:3",
+    "zstd:4",
+    "zstd:5",
+    "zstd:6",
+    "zstd:7",
+    "zstd:8",
+    "zstd:9",
+    "zstd:10",
+    "zstd:11",
+    "zstd:12",
+    "zstd:13",
+    "zstd:14",
+    "zstd:15",
+    "zstd:16",
+    "zstd:17",
+    "zstd:18",
+    "zstd:19",
+    "aead:aes-256-gcm",
+    "aead:chacha20-poly1305",
 ];
 
 /// The devices as an operator names them (each zstd level is one name here).
-pub const DEVICE_NAMES: &[&str] =
-    &["double", "lz4", "zstd", "zstd:LEVEL (1-19)", "aead", "aead:aes-256-gcm", "aead:chacha20-poly1305"];
+pub const DEVICE_NAMES: &[&str] = &[
+    "double",
+    "lz4",
+    "zstd",
+    "zstd:LEVEL (1-19)",
+    "aead",
+    "aead:aes-256-gcm",
+    "aead:chacha20-poly1305",
+    "profile",
+];
 
-/// The filter a name asks for (`zstd` is `zstd:3`).
+/// The devices that only watch one end's traffic (taps, not filters: nothing is agreed
+/// with the peer's layer).
+pub const TAPS: &[&str] = &["profile"];
+
+/// Filters from outside this build: the layer's plug-in folder. A plug-in's id in a chain's
+/// compact form is [`PLUGIN_IDS`] plus its place in the source's list (which must not change
+/// while the process lives, nor across its `exec`: the sorted names in the folder).
+pub trait FilterSource: Send + Sync {
+    /// A new filter of plug-in `name`; why not, when it cannot be had (no such plug-in, a
+    /// wrong interface version, a missing symbol, a failed initialisation).
+    fn make(&self, name: &str) -> Result<Box<dyn Filter>, String>;
+    /// The place of plug-in `name` in the list (0-based), if there is one by that name.
+    fn place_of(&self, name: &str) -> Option<u8>;
+    /// The name of the plug-in at `place`.
+    fn name_at(&self, place: u8) -> Option<&'static str>;
+}
+
+/// The first compact-form id of plug-ins (up to 127 of them).
+pub const PLUGIN_IDS: u8 = 0x80;
+
+static PLUGINS: std::sync::OnceLock<Box<dyn FilterSource>> = std::sync::OnceLock::new();
+
+/// Installs the source of plug-in filters (once per process; later calls do nothing).
+pub fn set_plugins(src: Box<dyn FilterSource>) {
+    let _ = PLUGINS.set(src);
+}
+
+/// True for a name a plug-in device may have: a lowercase letter, then up to 31 lowercase
+/// letters, digits, `_` or `-` (it names a file: `libvmi_dev_NAME.so`).
+pub fn plugin_name_ok(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 32
+        && b[0].is_ascii_lowercase()
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_' || *c == b'-')
+}
+
+/// The plug-in devices of folder `dir`: the NAMEs of its `libvmi_dev_NAME.so` files, sorted
+/// (a plug-in's place in this list is its id in compact forms; a folder that cannot be read
+/// has none).
+pub fn plugin_names(dir: &std::path::Path) -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| {
+                let f = e.ok()?.file_name().into_string().ok()?;
+                let n = f.strip_prefix("libvmi_dev_")?.strip_suffix(".so")?;
+                (plugin_name_ok(n) && FILTERS.iter().all(|b| *b != n))
+                    .then(|| &*Box::leak(n.to_string().into_boxed_str()))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    names.sort_unstable();
+    names.truncate(0x7f);
+    names
+}
+
+/// The plug-ins of a folder by name only, for those who show chains but never run them
+/// (the agent): every filter made from it is refused.
+pub struct PluginNames(pub Vec<&'static str>);
+
+impl FilterSource for PluginNames {
+    fn make(&self, name: &str) -> Result<Box<dyn Filter>, String> {
+        Err(format!("device {name}: plug-ins are not run here"))
+    }
+    fn place_of(&self, name: &str) -> Option<u8> {
+        self.0.iter().position(|n| *n == name).map(|p| p as u8)
+    }
+    fn name_at(&self, place: u8) -> Option<&'static str> {
+        self.0.get(place as usize).copied()
+    }
+}
+
+/// A filter by name from the plug-ins; why not.
+pub fn plugin_filter(name: &str) -> Result<Box<dyn Filter>, String> {
+    match PLUGINS.get() {
+        Some(p) => p.make(name),
+        None => Err(format!("no device {name} in this build, and no plug-ins here")),
+    }
+}
+
+/// The filter a name asks for (`zstd` is `zstd:3`; a name this build does not know comes
+/// from the plug-ins, if any).
 fn filter_named(name: &str) -> Option<Box<dyn Filter>> {
+    if let Some(f) = builtin_named(name) {
+        return Some(f);
+    }
+    if plugin_name_ok(name) && FILTERS.iter().all(|n| *n != name) {
+        return plugin_filter(name).ok();
+    }
+    None
+}
+
+fn builtin_named(name: &str) -> Option<Box<dyn Filter>> {
     match name {
         "double" => Some(Box::new(Doubler)),
         "lz4" => Some(Box::new(Lz4::default())),
         "zstd" => Some(Box::new(Zstd::new(3))),
         "aead" | "aead:aes-256-gcm" => Some(Box::new(super::aead::Aead::new(super::aead::Suite::Aes256Gcm))),
-        "aead:chacha20-poly1305" => Some(Box::new(super::aead::Aead::new(super::aead::Suite::ChaCha20Poly1305))),
+        "aead:chacha20-poly1305" => {
+            Some(Box::new(super::aead::Aead::new(super::aead::Suite::ChaCha20Poly1305)))
+        }
         _ => {
             let level: i32 = name.strip_prefix("zstd:")?.parse().ok()?;
             (1..=19).contains(&level).then(|| Box::new(Zstd::new(level)) as Box<dyn Filter>)
@@ -320,7 +442,11 @@ pub fn spec_of_ids(ids: u32) -> Option<String> {
             }
             break;
         }
-        names.push(*FILTERS.get(id as usize - 1)?);
+        if id >= PLUGIN_IDS {
+            names.push(PLUGINS.get()?.name_at(id - PLUGIN_IDS)?);
+        } else {
+            names.push(*FILTERS.get(id as usize - 1)?);
+        }
     }
     Some(names.join(","))
 }
@@ -459,7 +585,13 @@ impl Chain {
         }
         let mut ids = 0u32;
         for (k, f) in self.filters.iter().enumerate() {
-            let id = FILTERS.iter().position(|n| *n == f.name())? as u32 + 1;
+            let id = match FILTERS.iter().position(|n| *n == f.name()) {
+                Some(at) => at as u32 + 1,
+                None => {
+                    let place = PLUGINS.get()?.place_of(f.name())?;
+                    u32::from(PLUGIN_IDS.checked_add(place).filter(|&id| id < 0xff)?)
+                }
+            };
             ids |= id << (8 * k);
         }
         Some(ids)

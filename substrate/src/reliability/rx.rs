@@ -649,7 +649,8 @@ impl RxState {
         let spec = if spec == "-" { "" } else { spec };
         let no = self.offer_no;
         self.answer_share = [0; KEY];
-        let mut ids = Chain::build(spec).and_then(|c| c.ids()).filter(|&ids| ids == 0 || self.refuse_coding == 0);
+        let mut ids =
+            Chain::build(spec).and_then(|c| c.ids()).filter(|&ids| ids == 0 || self.refuse_coding == 0);
         let mut key = [0; KEY];
         if let Some(i) = ids {
             let keyed = Chain::ids_keyed(i);

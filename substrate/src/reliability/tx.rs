@@ -233,8 +233,19 @@ impl TxState {
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
-    pub const BYTES: usize =
-        6 * 8 + HEADER_LEN + 2 * 4 + 8 + 4 + 4 + 32 * 4 + SWITCHES * 8 + SWITCHES * 4 + 11 * 4 + 18 * KEY + 2 * 8 + 4;
+    pub const BYTES: usize = 6 * 8
+        + HEADER_LEN
+        + 2 * 4
+        + 8
+        + 4
+        + 4
+        + 32 * 4
+        + SWITCHES * 8
+        + SWITCHES * 4
+        + 11 * 4
+        + 18 * KEY
+        + 2 * 8
+        + 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// positions that cannot be (acknowledged past sent, a window under 4 KiB, a frame in
@@ -525,7 +536,13 @@ impl TxState {
 
     /// Plans an answer to the peer's offer of its chain `no` (taken or not; with `share`,
     /// this side's key share for a keyed chain taken).
-    pub fn plan_answer(&mut self, no: u8, taken: bool, delivered: u64, share: Option<[u8; KEY]>) -> Option<Plan> {
+    pub fn plan_answer(
+        &mut self,
+        no: u8,
+        taken: bool,
+        delivered: u64,
+        share: Option<[u8; KEY]>,
+    ) -> Option<Plan> {
         if self.in_frame() {
             return None;
         }
@@ -562,7 +579,9 @@ impl TxState {
         let mut key = [0; KEY];
         if taken && self.offer_secret != [0; KEY] {
             let spec = crate::connection::chain::spec_of_ids(ids).unwrap_or_default();
-            match share.and_then(|s| crate::connection::aead::offer_key(&self.offer_secret, &spec, no as u8, &s)) {
+            match share
+                .and_then(|s| crate::connection::aead::offer_key(&self.offer_secret, &spec, no as u8, &s))
+            {
                 Some(k) => key = k,
                 None => taken = false,
             }

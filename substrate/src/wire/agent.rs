@@ -426,6 +426,27 @@ pub enum Msg {
         /// How many.
         conns: u32,
     },
+    /// `vmictl profile` → agent: the profile of connection `gid` (the `profile` device's
+    /// histograms). Agent → the layer holding it, with the write end of a pipe: write the
+    /// profile there as JSON and close it. The agent answers with [`Msg::ProfileReply`].
+    Profile {
+        /// The connection.
+        gid: u128,
+    },
+    /// Agent → `vmictl`: the profile, as JSON.
+    ProfileReply {
+        /// The profile.
+        json: String,
+    },
+    /// `vmictl capture` → agent, with the file to write (a descriptor `vmictl` opened):
+    /// capture the traffic of connection `gid` as its program sees it, as pcapng, for
+    /// `duration_ms`. Agent → the layer holding it: the same, with the descriptor.
+    Capture {
+        /// The connection.
+        gid: u128,
+        /// For how long.
+        duration_ms: u32,
+    },
 }
 
 /// Why a message was refused.
@@ -636,6 +657,9 @@ impl Msg {
             Msg::Device { .. } => "Device",
             Msg::DeviceReply { .. } => "DeviceReply",
             Msg::Policy { .. } => "Policy",
+            Msg::Profile { .. } => "Profile",
+            Msg::ProfileReply { .. } => "ProfileReply",
+            Msg::Capture { .. } => "Capture",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -877,6 +901,19 @@ impl Msg {
                 w.u8(70);
                 w.str(chain);
             }
+            Msg::Profile { gid } => {
+                w.u8(71);
+                w.u128(*gid);
+            }
+            Msg::ProfileReply { json } => {
+                w.u8(72);
+                w.str(json);
+            }
+            Msg::Capture { gid, duration_ms } => {
+                w.u8(73);
+                w.u128(*gid);
+                w.u32(*duration_ms);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1017,6 +1054,9 @@ impl Msg {
             67 => Msg::Chain { gid: r.u128()?, spec: r.str()? },
             69 => Msg::DeviceReply { conns: r.u32()? },
             70 => Msg::Policy { chain: r.str()? },
+            71 => Msg::Profile { gid: r.u128()? },
+            72 => Msg::ProfileReply { json: r.str()? },
+            73 => Msg::Capture { gid: r.u128()?, duration_ms: r.u32()? },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1130,6 +1170,9 @@ mod tests {
             Msg::Device { load: false, name: "double".into(), gid: 9 << 64 | 1, pid: 0 },
             Msg::DeviceReply { conns: 12 },
             Msg::Policy { chain: "lz4;10.78.1.0/24=zstd:1".into() },
+            Msg::Profile { gid: 7 << 100 | 3 },
+            Msg::ProfileReply { json: "{\"dirs\": {}}".into() },
+            Msg::Capture { gid: 1, duration_ms: 10_000 },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
