@@ -18,9 +18,9 @@ LAYERS = [
     ("glue", {"vc", "relink"}),
     ("devices", {"tcp_sink", "shm_sink", "linkstate"}),
     ("base", {"config", "log", "error", "ownfd", "sandbox", "lifetime", "stats", "readiness",
-              "agent", "shm", "sockswap"}),
+              "agent", "shm", "sockswap", "tap", "tamper"}),
     ("sys", {"sys", "sys/fd", "sys/process", "sys/gate", "sys/shared", "sys/prog", "sys/real",
-             "sys/copy", "sys/cell", "sys/packet"}),
+             "sys/copy", "sys/cell", "sys/packet", "sys/plugin"}),
 ]
 # No import circle is left: the sinks and the connection report to `linkstate` (below them),
 # which the control thread reads, and what only the control thread can do is handed down to

@@ -115,6 +115,7 @@ pub fn init() {
     }
     crate::sys::plugin::install(
         std::env::var("VMI_PLUGINS").ok().as_deref().filter(|d| !d.is_empty()).unwrap_or(DEFAULT_PLUGINS),
+        |refused, m| if refused { crate::log::warn(m) } else { crate::log::info(m) },
     );
     if let Ok(v) = std::env::var("VMI_CHAIN") {
         // (`none`: no chain, whatever the node's default.)

@@ -145,7 +145,7 @@ impl Profile {
         };
         format!(
             "{{\"gid\": \"{gid:032x}\", \"pid\": {}, \"since_unix_ms\": {}, \"seconds\": {:.3}, \"send\": {}, \"recv\": {}}}",
-            crate::pid(),
+            crate::sys::process::pid(),
             self.since_unix_ms,
             sys::now_us().saturating_sub(self.since_us) as f64 / 1e6,
             dir(&self.dirs[SEND]),

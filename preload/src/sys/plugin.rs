@@ -44,15 +44,17 @@ struct Device {
 /// compact form) and, once opened, their tables or why they were refused.
 pub struct Plugins {
     dir: String,
+    /// Where a loaded or refused plug-in is told (true: a refusal).
+    say: fn(bool, std::fmt::Arguments<'_>),
     names: Vec<&'static str>,
     opened: Mutex<HashMap<&'static str, Result<Device, String>>>,
 }
 
 impl Plugins {
     /// The devices of folder `dir` (a folder that cannot be read has none).
-    pub fn scan(dir: &str) -> Plugins {
+    pub fn scan(dir: &str, say: fn(bool, std::fmt::Arguments<'_>)) -> Plugins {
         let names = substrate::connection::chain::plugin_names(std::path::Path::new(dir));
-        Plugins { dir: dir.to_string(), names, opened: Mutex::new(HashMap::new()) }
+        Plugins { dir: dir.to_string(), say, names, opened: Mutex::new(HashMap::new()) }
     }
 
     /// Opens plug-in `name` (once), checking its table.
@@ -70,12 +72,12 @@ impl Plugins {
         let r = self.open(name);
         match &r {
             Ok(_) => {
-                crate::log::info(format_args!("device plug-in {}/libvmi_dev_{name}.so loaded", self.dir))
+                (self.say)(false, format_args!("device plug-in {}/libvmi_dev_{name}.so loaded", self.dir))
             }
-            Err(e) => crate::log::warn(format_args!(
-                "device plug-in {}/libvmi_dev_{name}.so refused: {e}",
-                self.dir
-            )),
+            Err(e) => (self.say)(
+                true,
+                format_args!("device plug-in {}/libvmi_dev_{name}.so refused: {e}", self.dir),
+            ),
         }
         opened.insert(name, r.clone());
         r
@@ -238,7 +240,8 @@ impl Filter for PluginFilter {
 
 static INSTALLED: OnceLock<()> = OnceLock::new();
 
-/// Makes the plug-ins of folder `dir` available to chains (once per process).
-pub fn install(dir: &str) {
-    INSTALLED.get_or_init(|| substrate::connection::chain::set_plugins(Box::new(Plugins::scan(dir))));
+/// Makes the plug-ins of folder `dir` available to chains (once per process); `say` logs
+/// each plug-in loaded (false) or refused (true).
+pub fn install(dir: &str, say: fn(bool, std::fmt::Arguments<'_>)) {
+    INSTALLED.get_or_init(|| substrate::connection::chain::set_plugins(Box::new(Plugins::scan(dir, say))));
 }
