@@ -64,6 +64,37 @@ impl Aead {
     }
 }
 
+impl Aead {
+    /// Opens the record `buf` (stream offset `seq`) where it lies: `buf` becomes its
+    /// plaintext (emptied on an error).
+    fn open(&mut self, seq: u64, buf: &mut Vec<u8>) -> Result<(), DecodeError> {
+        let r = self.open_checked(seq, buf);
+        if r.is_err() {
+            buf.clear();
+        }
+        r
+    }
+
+    fn open_checked(&mut self, seq: u64, buf: &mut Vec<u8>) -> Result<(), DecodeError> {
+        let key = self.key.as_ref().ok_or(DecodeError::Malformed)?;
+        if buf.len() < OVERHEAD {
+            return Err(DecodeError::Malformed);
+        }
+        let nonce: [u8; NONCE_LEN] = buf[..NONCE_LEN].try_into().expect("12 bytes");
+        let sealed_at = u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"));
+        if sealed_at != seq {
+            return Err(DecodeError::Replayed { sealed_at, at: seq });
+        }
+        let n = key
+            .open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut buf[NONCE_LEN..])
+            .map_err(|_| DecodeError::Forged)?
+            .len();
+        buf.copy_within(NONCE_LEN..NONCE_LEN + n, 0);
+        buf.truncate(n);
+        Ok(())
+    }
+}
+
 impl Filter for Aead {
     fn name(&self) -> &'static str {
         match self.suite {
@@ -104,28 +135,17 @@ impl Filter for Aead {
         }
     }
     fn decode(&mut self, seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        let key = self.key.as_ref().ok_or(DecodeError::Malformed)?;
-        if input.len() < OVERHEAD {
-            return Err(DecodeError::Malformed);
-        }
-        let nonce: [u8; NONCE_LEN] = input[..NONCE_LEN].try_into().expect("12 bytes");
-        let sealed_at = u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes"));
-        if sealed_at != seq {
-            return Err(DecodeError::Replayed { sealed_at, at: seq });
-        }
         let at = out.len();
-        out.extend_from_slice(&input[NONCE_LEN..]);
-        match key.open_in_place(Nonce::assume_unique_for_key(nonce), Aad::from(AAD), &mut out[at..]) {
-            Ok(plain) => {
-                let n = plain.len();
-                out.truncate(at + n);
-                Ok(())
-            }
-            Err(_) => {
-                out.truncate(at);
-                Err(DecodeError::Forged)
-            }
+        out.extend_from_slice(input);
+        let mut rest = out.split_off(at);
+        let r = self.open(seq, &mut rest);
+        if r.is_ok() {
+            out.extend_from_slice(&rest);
         }
+        r
+    }
+    fn decode_in_place(&mut self, seq: u64, buf: &mut Vec<u8>) -> Option<Result<(), DecodeError>> {
+        Some(self.open(seq, buf))
     }
 }
 
@@ -249,6 +269,13 @@ mod tests {
             let mut out = Vec::new();
             f.decode(4096, &rec, &mut out).unwrap();
             assert_eq!(out, msg);
+            let mut inplace = rec.clone();
+            f.decode_in_place(4096, &mut inplace).unwrap().unwrap();
+            assert_eq!(inplace, msg, "opened where it lies");
+            let mut bad = rec.clone();
+            bad[20] ^= 1;
+            assert_eq!(f.decode_in_place(4096, &mut bad), Some(Err(DecodeError::Forged)));
+            assert!(bad.is_empty());
             // A flipped bit anywhere: forged.
             for i in [0usize, 9, 12, rec.len() / 2, rec.len() - 1] {
                 let mut bad = rec.clone();

@@ -61,6 +61,11 @@ pub trait Filter: std::fmt::Debug + Send {
     }
     /// Gives a keyed filter its key.
     fn set_key(&mut self, _key: &[u8; 32]) {}
+    /// Decodes `buf` where it lies, when the filter can (a sealed record opens in place):
+    /// `None` when it cannot (then [`decode`](Self::decode) is used).
+    fn decode_in_place(&mut self, _seq: u64, _buf: &mut Vec<u8>) -> Option<Result<(), DecodeError>> {
+        None
+    }
 }
 
 /// The test filter that changes lengths: every byte goes twice.
@@ -643,13 +648,31 @@ impl Chain {
 
     /// Encodes a frame's payload.
     pub fn encode(&mut self, seq: u64, input: &[u8]) -> Vec<u8> {
-        let mut cur: Option<Vec<u8>> = None;
-        for f in &mut self.filters {
-            let mut out = Vec::new();
-            f.encode(seq, input.len(), cur.as_deref().unwrap_or(input), &mut out);
-            cur = Some(out);
+        let mut out = Vec::new();
+        self.encode_into(seq, input, &mut out);
+        out
+    }
+
+    /// Encodes a frame's payload into `out` (emptied first; a buffer used again saves the
+    /// allocation of one per frame).
+    pub fn encode_into(&mut self, seq: u64, input: &[u8], out: &mut Vec<u8>) {
+        out.clear();
+        let n = self.filters.len();
+        if n == 0 {
+            out.extend_from_slice(input);
+            return;
         }
-        cur.unwrap_or_else(|| input.to_vec())
+        let mut cur: Option<Vec<u8>> = None;
+        for (k, f) in self.filters.iter_mut().enumerate() {
+            let src = cur.as_deref().unwrap_or(input);
+            if k + 1 == n {
+                f.encode(seq, input.len(), src, out);
+            } else {
+                let mut o = Vec::new();
+                f.encode(seq, input.len(), src, &mut o);
+                cur = Some(o);
+            }
+        }
     }
 
     /// True for a chain of one filter whose frames start with a tag byte that is `0` when
@@ -664,9 +687,14 @@ impl Chain {
     pub fn decode(&mut self, seq: u64, input: Vec<u8>) -> Result<Vec<u8>, DecodeError> {
         let mut cur = input;
         for f in self.filters.iter_mut().rev() {
-            let mut out = Vec::new();
-            f.decode(seq, &cur, &mut out)?;
-            cur = out;
+            match f.decode_in_place(seq, &mut cur) {
+                Some(r) => r?,
+                None => {
+                    let mut out = Vec::new();
+                    f.decode(seq, &cur, &mut out)?;
+                    cur = out;
+                }
+            }
         }
         Ok(cur)
     }
