@@ -207,7 +207,7 @@ PORTS = {
     "device_busy": 17929,
     "device_policy": 17930,
     "aead_live": 17931,
-    "aead_attack": 17932,               # to 17934
+    "aead_attack": 17932,               # to 17934, and 17938
     "tap_profile": 17935,
     "tap_capture": 17936,
     "plugins": 17937,

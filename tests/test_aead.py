@@ -91,16 +91,18 @@ def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
 
 
 @pytest.mark.parametrize("attack,logged", [
-    ("flip", "failed authentication"),
+    ("flip", "a sealed record failed authentication"),
     ("replay", "a replayed record"),
-    ("foreign", "failed authentication"),
+    ("foreign", "a sealed record failed authentication"),
+    ("share", "a key share of a chain offer or answer failed authentication"),
 ])
 def test_aead_refuses_altered_records(procs, attack, logged):
     """The client's layer alters its 20th sealed frame (VMI_TAMPER, as an attacker on the
     path would): a flipped bit, the record of the frame before it, or a record sealed under
-    another key. The server's layer refuses it, says why in its log, and the server program
+    another key; or the key share of its first offer (an attacker putting its own share in
+    the exchange). The server's layer refuses it, says why in its log, and the server program
     sees ECONNRESET; nothing altered reaches it."""
-    port = PORTS["aead_attack"] + ["flip", "replay", "foreign"].index(attack)
+    port = PORTS["aead_attack"] + {"flip": 0, "replay": 1, "foreign": 2, "share": 6}[attack]
     addr = f"{H2_IP}:{port}"
     n = 8 * MiB
     srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
@@ -109,13 +111,14 @@ def test_aead_refuses_altered_records(procs, attack, logged):
     cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
                                           "--server-bytes", 0, "--seed", port, "--rate", 4 * MiB),
                       layer=True, name="stream-client",
-                      env={"VMI_CHAIN": "aead", "VMI_TAMPER": f"{attack}:20", "VMI_LOG": "info",
-                           "VMI_GRACE": "3"})
+                      env={"VMI_CHAIN": "aead", "VMI_LOG": "info", "VMI_GRACE": "3",
+                           "VMI_TAMPER": f"{attack}:{1 if attack == 'share' else 20}"})
     srv.wait(timeout=30, check=False)
     s = srv.last_json()
     assert "error" in s and "ConnectionResetError" in s["error"], s
-    assert s["recv_bytes"] < n, s
+    assert s.get("recv_bytes", 0) < n, s
     log = srv.stderr()
     assert logged in log and "ECONNRESET" in log, log[-2000:]
-    assert "sealed frame 20" in cli.stderr(), cli.stderr()[-2000:]
+    assert ("chain offer 1" if attack == "share" else "sealed frame 20") in cli.stderr(), \
+        cli.stderr()[-2000:]
     cli.stop()

@@ -14,7 +14,7 @@
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
 //! | `VMI_PLUGINS` | the folder of device plug-ins (`libvmi_dev_NAME.so`, see `plugins/vmi_device.h`) | `/usr/lib/vmi/plugins` |
 //! | `VMI_REKEY` | how often a connection under an `aead` filter takes a new key: `SIZE[,SECONDS]` (bytes sealed, seconds), besides after every relink | `1G,600` |
-//! | `VMI_TAMPER` | fault injection for tests of the `aead` filters: `flip:N`, `replay:N` or `foreign:N` alters the Nth sealed frame this process sends (a flipped bit, an earlier record, a record under another key) | none |
+//! | `VMI_TAMPER` | fault injection for tests of the `aead` filters: `flip:N`, `replay:N` or `foreign:N` alters the Nth sealed frame this process sends (a flipped bit, an earlier record, a record under another key); `share:N` the key share of the Nth chain offer | none |
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 

@@ -214,6 +214,9 @@ pub struct SharedConn {
     /// answer owed (written before `answer_owed`), [`SHARE_IN`] the peer's that came with
     /// its answer (written before `chain_answer`).
     shares: [[AtomicU64; 4]; 2],
+    /// 1 when the peer asked for its chain on our stream too while an offer of ours waited:
+    /// `mirror_ids` is offered back once ours is answered.
+    pub mirror_owed: AtomicU32,
 }
 
 /// `SharedConn::share`: this side's key share for the answer it owes.
@@ -319,9 +322,18 @@ impl Mapping {
             gid,
             secret,
             peer_window,
-            tx: LendCell::new(TxState::with_soft_window(ring as u64, soft)),
-            rx: LendCell::new(RxState::new()),
+            tx: LendCell::new({
+                let mut t = TxState::with_soft_window(ring as u64, soft);
+                t.set_auth(secret);
+                t
+            }),
+            rx: LendCell::new({
+                let mut r = RxState::new();
+                r.set_auth(secret);
+                r
+            }),
             shares: Default::default(),
+            mirror_owed: AtomicU32::new(0),
         };
         let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
         Some(Mapping { view, _map: map })

@@ -5,7 +5,8 @@
 //! `flip:N` flips one bit of the Nth sealed frame's ciphertext; `replay:N` sends the record
 //! of the frame before it in its place (a record sealed for another stream offset);
 //! `foreign:N` seals it under a key of its own (a record from another connection). Frames
-//! are counted from 1 per process, across its connections. Off (one relaxed load per
+//! are counted from 1 per process, across its connections. `share:N` flips a bit of the key
+//! share in the Nth chain offer with one (an attacker swapping the share for its own). Off (one relaxed load per
 //! sealed frame) unless the variable is set.
 
 use crate::shm::ConnMem;
@@ -16,6 +17,7 @@ const OFF: u8 = 0;
 const FLIP: u8 = 1;
 const REPLAY: u8 = 2;
 const FOREIGN: u8 = 3;
+const SHARE: u8 = 4;
 
 static MODE: AtomicU8 = AtomicU8::new(OFF);
 static AT: AtomicU64 = AtomicU64::new(0);
@@ -31,6 +33,7 @@ pub fn init(v: Option<&str>) {
             "flip" => FLIP,
             "replay" => REPLAY,
             "foreign" => FOREIGN,
+            "share" => SHARE,
             _ => return None,
         };
         let n: u64 = n.parse().ok().filter(|&n| n > u64::from(mode == REPLAY))?;
@@ -40,12 +43,11 @@ pub fn init(v: Option<&str>) {
         Some((mode, n)) => {
             AT.store(n, Relaxed);
             MODE.store(mode, Relaxed);
-            crate::log::warn(format_args!(
-                "VMI_TAMPER={v}: this process will alter sealed frame {n} it sends"
-            ));
+            let what = if mode == SHARE { "the key share of chain offer" } else { "sealed frame" };
+            crate::log::warn(format_args!("VMI_TAMPER={v}: this process will alter {what} {n} it sends"));
         }
         None => crate::log::warn(format_args!(
-            "VMI_TAMPER={v} is not flip:N, replay:N (N at least 2) or foreign:N; nothing is altered"
+            "VMI_TAMPER={v} is not flip:N, replay:N (N at least 2), foreign:N or share:N; nothing is altered"
         )),
     }
 }
@@ -56,11 +58,30 @@ pub fn active() -> bool {
     MODE.load(Relaxed) != OFF
 }
 
+/// Sees the payload of a chain offer about to go (`payload`) and alters the key share in it
+/// if it is the one.
+#[cold]
+pub fn offer(payload: &mut [u8]) {
+    if MODE.load(Relaxed) != SHARE {
+        return;
+    }
+    let Some(zero) = payload.iter().position(|&b| b == 0) else { return };
+    if payload.len() <= zero + 1 {
+        return;
+    }
+    let n = SEEN.fetch_add(1, Relaxed) + 1;
+    if n == AT.load(Relaxed) {
+        payload[zero + 1] ^= 0x01;
+        crate::log::warn(format_args!("VMI_TAMPER: the key share of chain offer {n} altered"));
+        MODE.store(OFF, Relaxed);
+    }
+}
+
 /// Sees the frame `coded` just sealed (chain `ids`, key `key`, stream offset `seq`) and
 /// alters it if it is the one.
 #[cold]
 pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, coded: &mut Vec<u8>) {
-    if !substrate::connection::Chain::ids_keyed(ids) || coded.is_empty() {
+    if !substrate::connection::Chain::ids_keyed(ids) || coded.is_empty() || MODE.load(Relaxed) == SHARE {
         return;
     }
     let n = SEEN.fetch_add(1, Relaxed) + 1;

@@ -570,7 +570,11 @@ pub fn send(
             if let Err(e) = check_link(mem) {
                 return if total > 0 { Ok(total) } else { Err(e) };
             }
-            if (c.chain_answer.load(Relaxed) | c.answer_owed.load(Relaxed) | tx.offer_no) != 0
+            if (c.chain_answer.load(Relaxed)
+                | c.answer_owed.load(Relaxed)
+                | c.mirror_owed.load(Relaxed)
+                | tx.offer_no)
+                != 0
                 && !tx.in_frame()
                 && !tx.replaying()
             {
@@ -591,7 +595,11 @@ pub fn send(
                 let before = *tx;
                 if let Some(op) = tx.plan_offer(delivered) {
                     let mut spec = op.header_bytes().to_vec();
-                    spec.extend_from_slice(&tx.control_payload(op.source));
+                    let mut payload = tx.control_payload(op.source);
+                    if crate::tamper::active() {
+                        crate::tamper::offer(&mut payload);
+                    }
+                    spec.extend_from_slice(&payload);
                     tx.commit(&op, op.header_len + op.payload, &[], ring);
                     offer_first = Some((before, op, spec));
                 }
@@ -1463,7 +1471,7 @@ fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
 #[inline(never)]
 fn rekey_if_due(mem: ConnMem, tx: &mut TxState) {
     let (cur, ids) = tx.chain_now();
-    if *tx.chain_key(cur as u8) == [0; 32] {
+    if *tx.chain_key(cur as u8) == [0; 32] || mem.conn().mirror_owed.load(Relaxed) != 0 {
         return;
     }
     let (bytes, ms) = crate::config::rekey();
@@ -1533,9 +1541,18 @@ fn mirror(mem: ConnMem, tx: &mut TxState, ids: u32) {
             "virtual connection {gid:032x}: offers chain \"{}\" for what it sends too, as the peer asked",
             ch.spec
         )),
+        Err(IrbError::Os(libc::EBUSY)) => {
+            // An offer of this side waits for its answer (a new key, say): this one goes once
+            // it is answered (see `chain_frames`).
+            mem.conn().mirror_owed.store(1, Release);
+            crate::log::debug(format_args!(
+                "virtual connection {gid:032x}: chain \"{}\" to be offered back once this side's own \
+                 offer is answered",
+                ch.spec
+            ));
+        }
         Err(_) => crate::log::warn(format_args!(
-            "virtual connection {gid:032x}: the peer asked for chain \"{}\" both ways; not offered back: \
-             an offer of this side waits for its answer",
+            "virtual connection {gid:032x}: the peer asked for chain \"{}\" both ways; not offered back",
             ch.spec
         )),
     }
@@ -1580,6 +1597,9 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
                 ));
             }
         }
+    }
+    if c.mirror_owed.load(Relaxed) != 0 && tx.offer_no == 0 && c.mirror_owed.swap(0, AcqRel) != 0 {
+        mirror(mem, tx, c.mirror_ids.load(Acquire));
     }
     let owed = c.answer_owed.load(Acquire);
     if owed != 0 && !tx.in_frame() {

@@ -744,12 +744,32 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
     }
 }
 
+/// Offers chain `spec` for what connection `v` sends (see `Vc::offer_chain`), waiting (at
+/// most a second) while an offer of its own waits for its answer: the operator's command
+/// must not be lost because the connection was re-keying its sealing device at that moment.
+fn offer_when_free(
+    v: &crate::vc::Vc,
+    fd: i32,
+    spec: &str,
+    both: bool,
+) -> Result<usize, substrate::irb::IrbError> {
+    let deadline = sys::now_ms() + 1_000;
+    loop {
+        match v.offer_chain(fd, spec, both) {
+            Err(substrate::irb::IrbError::Os(libc::EBUSY)) if sys::now_ms() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// The operator puts a chain of filters on what this end of connection `gid` sends
 /// (`vmictl chain`).
 fn chain_conn(gid: u128, spec: &str) {
     let Some(v) = crate::vc::by_gid(gid) else { return };
     let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
-    match v.offer_chain(fd, spec, false) {
+    match offer_when_free(&v, fd, spec, false) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
         )),
@@ -776,7 +796,7 @@ fn device_conn(gid: u128, load: bool, name: &str) {
     }
     let spec = names.join(",");
     let verb = if load { "load" } else { "unload" };
-    match v.offer_chain(fd, &spec, true) {
+    match offer_when_free(&v, fd, &spec, true) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: device {name} {verb}ed as the operator asked: chain {no} \"{spec}\" \
              offered to the peer for both directions"

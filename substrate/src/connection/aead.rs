@@ -21,8 +21,9 @@
 //! and puts `B` in its answer. Both take `HKDF-SHA256(X25519(a, B))` with the chain's
 //! description, its number, `A` and `B` as context. Every offer is a new exchange: re-keying
 //! is offering the same chain again, on a schedule and after every relink. A network
-//! observer sees `A` and `B` only; the exchange is not authenticated against an active
-//! attacker on the path (nothing but the agents could vouch for the keys).
+//! observer sees `A` and `B` only. Each share travels with a tag under the connection's
+//! secret ([`seal_share`]), so an attacker on the path cannot put its own share in place of
+//! one; the secret authenticates the exchange and takes no part in the key.
 
 use super::chain::{DecodeError, Filter};
 use curve25519_dalek::montgomery::MontgomeryPoint;
@@ -149,6 +150,43 @@ impl Filter for Aead {
     }
 }
 
+/// Bytes of a key share on the wire: the share and its tag.
+pub const SHARE_WIRE: usize = KEY_LEN + 16;
+
+/// A key share as it goes on the wire: the share, then a tag under the connection's secret
+/// `auth` (which only the two layers and their agents know: it travels inside the agents'
+/// encrypted channel), bound to the side (`offer`: the offering side's share) and the chain
+/// number. An attacker on the path who swaps a share for its own cannot make the tag: the
+/// exchange is authenticated, while the key still comes from the exchange alone.
+pub fn seal_share(auth: &[u8; 16], offer: bool, no: u8, share: &[u8; KEY_LEN]) -> [u8; SHARE_WIRE] {
+    let mut out = [0u8; SHARE_WIRE];
+    out[..KEY_LEN].copy_from_slice(share);
+    out[KEY_LEN..].copy_from_slice(&share_tag(auth, offer, no, share).as_ref()[..16]);
+    out
+}
+
+fn share_tag(auth: &[u8; 16], offer: bool, no: u8, share: &[u8; KEY_LEN]) -> ring::hmac::Tag {
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, auth);
+    let mut ctx = ring::hmac::Context::with_key(&k);
+    ctx.update(b"vmi key share v1");
+    ctx.update(&[u8::from(offer), no]);
+    ctx.update(share);
+    ctx.sign()
+}
+
+/// The share of a wire form [`seal_share`] made with the same `auth`, side and number;
+/// `None` for any other bytes.
+pub fn open_share(auth: &[u8; 16], offer: bool, no: u8, wire: &[u8]) -> Option<[u8; KEY_LEN]> {
+    if wire.len() != SHARE_WIRE {
+        return None;
+    }
+    let share: [u8; KEY_LEN] = wire[..KEY_LEN].try_into().ok()?;
+    let want = share_tag(auth, offer, no, &share);
+    // (A comparison in constant time.)
+    use subtle::ConstantTimeEq;
+    bool::from(want.as_ref()[..16].ct_eq(&wire[KEY_LEN..])).then_some(share)
+}
+
 /// The public share of secret `secret`.
 pub fn share_of(secret: &[u8; KEY_LEN]) -> [u8; KEY_LEN] {
     MontgomeryPoint::mul_base_clamped(*secret).to_bytes()
@@ -251,6 +289,21 @@ mod tests {
         let mut one = [0u8; 32];
         one[0] = 1;
         assert_eq!(offer_key(&a, "aead", 1, &one), None);
+    }
+
+    #[test]
+    fn shares_are_bound_to_the_connection_side_and_number() {
+        let auth = [3u8; 16];
+        let share = share_of(&[9u8; 32]);
+        let w = seal_share(&auth, true, 4, &share);
+        assert_eq!(open_share(&auth, true, 4, &w), Some(share));
+        assert_eq!(open_share(&[4u8; 16], true, 4, &w), None, "another connection's secret");
+        assert_eq!(open_share(&auth, false, 4, &w), None, "reflected as an answer");
+        assert_eq!(open_share(&auth, true, 5, &w), None, "another chain");
+        let mut swapped = seal_share(&auth, true, 4, &share_of(&[1u8; 32]));
+        swapped[KEY_LEN..].copy_from_slice(&w[KEY_LEN..]);
+        assert_eq!(open_share(&auth, true, 4, &swapped), None, "a share swapped under its tag");
+        assert_eq!(open_share(&auth, true, 4, &w[..40]), None);
     }
 
     #[test]

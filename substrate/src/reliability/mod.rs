@@ -66,6 +66,8 @@ pub enum ProtoError {
     Undecodable,
     /// A sealed record refused: forged, altered, sealed under another key, or replayed.
     Record(crate::connection::DecodeError),
+    /// A key share of a chain offer or answer whose tag is wrong.
+    ShareForged,
     /// An answer to an offer this side did not make.
     UnexpectedAnswer(u8),
     /// The peer's resync names an offset outside what can be replayed.
@@ -106,6 +108,11 @@ impl std::fmt::Display for ProtoError {
             ProtoError::CodedInPlace => write!(f, "coded frame where only plain bytes may be"),
             ProtoError::Undecodable => write!(f, "a coded frame did not decode"),
             ProtoError::Record(e) => write!(f, "{e}"),
+            ProtoError::ShareForged => write!(
+                f,
+                "a key share of a chain offer or answer failed authentication (altered on the way, or \
+                 sent by someone without the connection's secret)"
+            ),
             ProtoError::UnexpectedAnswer(n) => write!(f, "answer for chain {n}, never offered"),
             ProtoError::ResyncOutOfRange { received, acked, sent } => {
                 write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")

@@ -126,6 +126,8 @@ pub struct RxState {
     pub answer_share: [u8; KEY],
     /// The peer's key share that came with its answer to our offer (zero: none).
     pub share_in: [u8; KEY],
+    /// The connection's secret: the key of the tags of the peer's key shares.
+    auth: [u8; 16],
 }
 
 /// Bytes of a key share and of a key.
@@ -181,12 +183,23 @@ impl RxState {
         for k in self.keys.iter().chain([&self.kx_seed, &self.answer_share, &self.share_in]) {
             b.extend_from_slice(k);
         }
+        b.extend_from_slice(&self.auth);
         b
     }
 
     /// Length of [`to_bytes`](Self::to_bytes).
-    pub const BYTES: usize =
-        4 * 8 + 3 * 4 + HEADER_LEN + 4 + 3 * 4 + MAX_CHAIN_SPEC as usize + 16 * 4 + 8 * 4 + 8 + 4 + 19 * KEY;
+    pub const BYTES: usize = 4 * 8
+        + 3 * 4
+        + HEADER_LEN
+        + 4
+        + 3 * 4
+        + MAX_CHAIN_SPEC as usize
+        + 16 * 4
+        + 8 * 4
+        + 8
+        + 4
+        + 19 * KEY
+        + 16;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -234,6 +247,7 @@ impl RxState {
             k.copy_from_slice(&b[at..at + KEY]);
             at += KEY;
         }
+        r.auth.copy_from_slice(&b[at..at + 16]);
         let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
@@ -287,6 +301,7 @@ impl RxState {
             kx_seed: [0; KEY],
             answer_share: [0; KEY],
             share_in: [0; KEY],
+            auth: [0; 16],
         }
     }
 
@@ -297,6 +312,11 @@ impl RxState {
         } else {
             HEADER_LEN - self.header_len as usize
         }
+    }
+
+    /// Sets the key of the peer's key shares' tags: the connection's secret.
+    pub fn set_auth(&mut self, secret: u128) {
+        self.auth = secret.to_le_bytes();
     }
 
     /// The key of the peer's chain number `no` (zero for a chain with no keyed filter).
@@ -417,7 +437,7 @@ impl RxState {
             self.ctl_rem -= h as u32;
             self.spec_len += h as u32;
             if self.ctl_rem == 0 {
-                self.finish_ctl();
+                self.finish_ctl()?;
             }
             return Ok(());
         }
@@ -623,15 +643,17 @@ impl RxState {
 
     /// A control frame's payload is read whole: an offer's description, or an answer's
     /// key share.
-    fn finish_ctl(&mut self) {
+    fn finish_ctl(&mut self) -> Result<(), ProtoError> {
         if self.ctl_answer == 0 {
             return self.finish_offer();
         }
-        if self.spec_len as usize == KEY {
-            self.share_in.copy_from_slice(&self.spec[..KEY]);
-        }
-        self.answer_in = std::mem::take(&mut self.ctl_answer);
+        let no = self.ctl_answer as u8;
+        let share =
+            crate::connection::aead::open_share(&self.auth, false, no, &self.spec[..self.spec_len as usize]);
         self.spec_len = 0;
+        self.share_in = share.ok_or(ProtoError::ShareForged)?;
+        self.answer_in = std::mem::take(&mut self.ctl_answer);
+        Ok(())
     }
 
     /// The peer's offer is read whole: take the chain if this build knows every filter of
@@ -639,7 +661,7 @@ impl RxState {
     /// From a taken chain with filters on, reads go one frame at a time (`careful`); the
     /// rest of the read that brought the offer is plain, as the peer codes nothing before
     /// our answer.
-    fn finish_offer(&mut self) {
+    fn finish_offer(&mut self) -> Result<(), ProtoError> {
         let payload = &self.spec[..self.spec_len as usize];
         let (text, share) = match payload.iter().position(|&b| b == 0) {
             Some(at) => (&payload[..at], Some(&payload[at + 1..])),
@@ -657,9 +679,10 @@ impl RxState {
             let taken = match share {
                 // A share with a chain that needs none, or none with one that does: refused.
                 None => !keyed,
-                Some(s) if !keyed || s.len() != KEY => false,
+                Some(_) if !keyed => false,
                 Some(s) => {
-                    let offer: [u8; KEY] = s.try_into().expect("KEY bytes");
+                    let offer = crate::connection::aead::open_share(&self.auth, true, no as u8, s)
+                        .ok_or(ProtoError::ShareForged)?;
                     if self.kx_seed == [0; KEY] {
                         self.kx_seed = crate::connection::aead::random_secret().unwrap_or_default();
                     }
@@ -683,7 +706,7 @@ impl RxState {
         }
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
-        let Some(ids) = ids else { return };
+        let Some(ids) = ids else { return Ok(()) };
         self.keys[no as usize] = key;
         if self.offer_both != 0 {
             self.answer_owed |= MIRROR;
@@ -695,6 +718,7 @@ impl RxState {
         } else if self.careful != 0 {
             self.leave_careful = 1;
         }
+        Ok(())
     }
 
     /// Takes the peer's resync value, if one arrived.

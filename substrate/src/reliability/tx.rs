@@ -78,6 +78,8 @@ const OWED_SPEC: u32 = 2;
 const OWED_SHARE: u32 = 3;
 /// Bytes of a key share and of a key.
 const KEY: usize = crate::connection::aead::KEY_LEN;
+/// Bytes of a key share with its tag.
+const SHARE_WIRE: usize = crate::connection::aead::SHARE_WIRE;
 /// Most chain changes of our stream whose bytes are not all acknowledged.
 const SWITCHES: usize = 4;
 
@@ -177,8 +179,10 @@ pub struct TxState {
     /// The secret of our waiting offer's key exchange (zero for an offer of a chain with
     /// no keyed filter).
     offer_secret: [u8; KEY],
-    /// The key share of the answer in progress.
-    answer_share: [u8; KEY],
+    /// The key share of the answer in progress, with its tag.
+    answer_share: [u8; SHARE_WIRE],
+    /// The connection's secret: the key of the tags of our key shares.
+    auth: [u8; 16],
     /// When our keyed chain now in use was keyed: stream offset and time (the caller's
     /// clock, milliseconds); 1 in `rekey` once a rebuilt link asks for a new key.
     keyed_seq: u64,
@@ -222,9 +226,11 @@ impl TxState {
         ]) {
             b.extend_from_slice(&v.to_le_bytes());
         }
-        for k in self.chain_keys.iter().chain([&self.offer_secret, &self.answer_share]) {
+        for k in self.chain_keys.iter().chain([&self.offer_secret]) {
             b.extend_from_slice(k);
         }
+        b.extend_from_slice(&self.answer_share);
+        b.extend_from_slice(&self.auth);
         for v in [self.keyed_seq, self.keyed_ms] {
             b.extend_from_slice(&v.to_le_bytes());
         }
@@ -243,7 +249,9 @@ impl TxState {
         + SWITCHES * 8
         + SWITCHES * 4
         + 11 * 4
-        + 18 * KEY
+        + 17 * KEY
+        + SHARE_WIRE
+        + 16
         + 2 * 8
         + 4;
 
@@ -309,11 +317,15 @@ impl TxState {
         t.owed_chain = next();
         t.owed_enc_len = next();
         t.offer_both = next();
-        let mut at = Self::BYTES - 18 * KEY - 2 * 8 - 4;
-        for k in t.chain_keys.iter_mut().chain([&mut t.offer_secret, &mut t.answer_share]) {
+        let mut at = Self::BYTES - 17 * KEY - SHARE_WIRE - 16 - 2 * 8 - 4;
+        for k in t.chain_keys.iter_mut().chain([&mut t.offer_secret]) {
             k.copy_from_slice(&b[at..at + KEY]);
             at += KEY;
         }
+        t.answer_share.copy_from_slice(&b[at..at + SHARE_WIRE]);
+        at += SHARE_WIRE;
+        t.auth.copy_from_slice(&b[at..at + 16]);
+        at += 16;
         t.keyed_seq = u64_at(at);
         t.keyed_ms = u64_at(at + 8);
         t.rekey = u32_at(at + 16);
@@ -382,7 +394,8 @@ impl TxState {
             offer_both: 0,
             chain_keys: [[0; KEY]; 16],
             offer_secret: [0; KEY],
-            answer_share: [0; KEY],
+            answer_share: [0; SHARE_WIRE],
+            auth: [0; 16],
             keyed_seq: 0,
             keyed_ms: 0,
             rekey: 0,
@@ -475,13 +488,25 @@ impl TxState {
         Ok(no as u8)
     }
 
+    /// Sets the key of our key shares' tags: the connection's secret, which the peer's
+    /// layer holds too.
+    pub fn set_auth(&mut self, secret: u128) {
+        self.auth = secret.to_le_bytes();
+    }
+
     /// The payload of our offer: the chain's description, and for a keyed chain a zero
-    /// byte and the offer's key share.
+    /// byte and the offer's key share with its tag.
     pub fn offer_payload(&self) -> Vec<u8> {
         let mut p = offer_spec(self.offer_ids).into_bytes();
         if self.offer_secret != [0; KEY] {
             p.push(0);
-            p.extend_from_slice(&crate::connection::aead::share_of(&self.offer_secret));
+            let share = crate::connection::aead::share_of(&self.offer_secret);
+            p.extend_from_slice(&crate::connection::aead::seal_share(
+                &self.auth,
+                true,
+                self.offer_no as u8,
+                &share,
+            ));
         }
         p
     }
@@ -549,14 +574,14 @@ impl TxState {
         let mut h = FrameHeader::control(FrameKind::ChainAnswer, no as u64, delivered);
         h.chain = taken as u8;
         let share = share.filter(|_| taken);
-        h.len = if share.is_some() { KEY as u32 } else { 0 };
+        h.len = if share.is_some() { SHARE_WIRE as u32 } else { 0 };
         self.start_frame(h, false);
         match share {
             Some(s) => {
-                self.answer_share = s;
+                self.answer_share = crate::connection::aead::seal_share(&self.auth, false, no, &s);
                 self.owed_kind = OWED_SHARE;
-                self.owed_enc_len = KEY as u32;
-                Some(self.owed(KEY, Source::Share { skip: 0 }))
+                self.owed_enc_len = SHARE_WIRE as u32;
+                Some(self.owed(SHARE_WIRE, Source::Share { skip: 0 }))
             }
             None => Some(self.owed(0, Source::App)),
         }

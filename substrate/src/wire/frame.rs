@@ -21,8 +21,9 @@
 //!   its filters; flags 1 asks the peer to put the same chain on its own stream too.
 //!   `ChainAnswer` takes it (flags 1) or refuses it (flags 0); `seq` names it. For a chain
 //!   with a keyed filter (`aead`), the offer's payload is the description, a zero byte and
-//!   the offering side's 32-byte X25519 share, and an answer that takes it carries the
-//!   answering side's share as its payload (`len` 32; otherwise 0).
+//!   the offering side's 32-byte X25519 share with a 16-byte tag under the connection's
+//!   secret, and an answer that takes it carries the answering side's share and tag as its
+//!   payload (`len` 48; otherwise 0).
 //! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
 //!   (0: none); every other bit, and any flag of other kinds but those two, is an error.
 //!
@@ -37,8 +38,9 @@ pub const MAGIC: u8 = 0xA7;
 pub const MAX_PAYLOAD: u32 = 1 << 20;
 /// Largest chain description in a `ChainOffer`.
 pub const MAX_CHAIN_SPEC: u32 = 256;
-/// Payload of a `ChainAnswer` that takes a keyed chain: the answering side's key share.
-pub const ANSWER_SHARE: u32 = 32;
+/// Payload of a `ChainAnswer` that takes a keyed chain: the answering side's key share and
+/// its tag (`connection::aead::SHARE_WIRE`).
+pub const ANSWER_SHARE: u32 = 48;
 
 /// What a frame is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
