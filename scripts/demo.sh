@@ -92,10 +92,10 @@ ip -n "$H1" link set dev eth0 up
 sleep 0.5
 same_stream "$LOG/stream-client.json" "$LOG/stream-server.json"
 
-say "devices loaded into the running programs and unloaded again (vmictl device): lz4 compression, then zstd from the other node"
+say "devices loaded into the running programs and unloaded again (vmictl device): lz4 compression, zstd from the other node, then aead encryption (keys exchanged in band)"
 layered "$H2" python3 tests/programs/stream.py server --bind "$S:7002" --count 1 --hold 1 --rate 20000000 --text >"$LOG/chain-server.json" 2>"$LOG/chain-server.err" &
 sleep 0.5
-layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 100000000 --seed 11 --hold 1 --rate 20000000 --text >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
+layered "$H1" python3 tests/programs/stream.py client --connect "$S:7002" --bytes 150000000 --seed 11 --hold 1 --rate 20000000 --text >"$LOG/chain-client.json" 2>"$LOG/chain-client.err" &
 client=$!
 sleep 0.8
 chains() { in_host "$1" target/release/vmictl status --json | python3 -c '
@@ -103,9 +103,11 @@ import json, sys
 for c in json.load(sys.stdin)["connections"]:
     if sys.argv[1] in (c["peer"], c["local"]):
         print(c["gid"] if sys.argv[2] == "gid" else "  {}: {} -> {}, chain out {!r} in {!r}, sent {}".format(
-            sys.argv[3], c["local"], c["peer"], c["chain"]["send"], c["chain"]["recv"], c["bytes_sent"]))' "$S:7002" "$2" "$1"; }
+            sys.argv[3], c["local"], c["peer"], c["chain"]["send"], c["chain"]["recv"], c["bytes_sent"]))
+        if sys.argv[2] == "gid":
+            break' "$S:7002" "$2" "$1"; }
 gid=$(chains "$H1" gid | head -1)
-for step in "$H1:device load lz4" "$H1:device unload lz4" "$H1:--node $S device load zstd" "$H1:--node $S device unload zstd"; do
+for step in "$H1:device load lz4" "$H1:device unload lz4" "$H1:--node $S device load zstd" "$H1:--node $S device unload zstd" "$H1:--node $S device load aead" "$H1:device unload aead"; do
     h=${step%%:*}
     # shellcheck disable=SC2086
     set -- ${step#*:}
@@ -128,7 +130,9 @@ ends() { in_host "$H2" target/release/vmictl status --json | python3 -c '
 import json, sys
 for c in json.load(sys.stdin)["connections"]:
     if sys.argv[1] in (c["peer"], c["local"]):
-        print(c["gid"] if sys.argv[2] == "gid" else "  {local} -> {peer}: {substrate}, sent {bytes_sent}".format(**c))' "$S:7001" "$1"; }
+        print(c["gid"] if sys.argv[2] == "gid" else "  {local} -> {peer}: {substrate}, sent {bytes_sent}".format(**c))
+        if sys.argv[2] == "gid":
+            break' "$S:7001" "$1"; }
 gid=$(ends gid | head -1)
 ends show
 for to in tcp shm; do
