@@ -1646,3 +1646,23 @@ def words_on_wire(host, tmp_path, name, seconds=1.5):
     data = path.read_bytes()
     assert len(data) > 256 << 10, f"the capture {name} holds only {len(data)} bytes"
     return sum(data.count(w) for w in TEXT_WORDS), len(data)
+
+
+def chain_of(c):
+    """(send, recv) chain of a connection record."""
+    ch = c.get("chain") or {}
+    return ch.get("send"), ch.get("recv")
+
+
+def both_ways(gid, want, since_ms=0, timeout=5, hosts=(H1, H2)):
+    """Waits until both ends of connection gid (on hosts) send and receive through chain
+    `want`; returns how long after `since_ms` (wall clock) the later end switched what it
+    sends."""
+    at = []
+    for host in hosts:
+        c = wait_status(host, lambda st: next((c for c in st.get("connections", [])
+                                               if c.get("gid") == gid
+                                               and chain_of(c) == (want, want)), None),
+                        timeout, f"{host}'s end of {gid} on chain {want!r} both ways")
+        at.append(c["chain"]["send_since_ms"])
+    return (max(at) - since_ms) / 1000

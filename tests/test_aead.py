@@ -15,27 +15,14 @@ import time
 
 import pytest
 
-from helpers import (BASELINE, H1, H2, H2_IP, PORTS, assert_same_stream, python_prog,
-                     vmictl_ok, wait_conn, wait_status, words_on_wire)
+from helpers import (BASELINE, H1, H2, H2_IP, PORTS, assert_same_stream, both_ways,
+                     python_prog, vmictl_ok, wait_conn, words_on_wire)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
 
 MiB = 1 << 20
 CLIENT, SERVER = H1, H2
-def chain_of(c):
-    ch = c.get("chain") or {}
-    return ch.get("send"), ch.get("recv")
-
-
-def both_ways(gid, want, timeout=5):
-    for host in (CLIENT, SERVER):
-        wait_status(host, lambda st: next((c for c in st.get("connections", [])
-                                           if c.get("gid") == gid
-                                           and chain_of(c) == (want, want)), None),
-                    timeout, f"{host}'s end of {gid} on chain {want!r} both ways")
-
-
 def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
     """Words move both ways; `aead` is loaded on the connection (from the client's node),
     unloaded through the other node's agent, and `lz4` then `aead:chacha20-poly1305` loaded

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H2, H2_IP, PORTS, Watcher, assert_same_stream,
-                     assert_virtual, in_netns, python_prog, vmictl, vmictl_ok, wait_conn)
+                     assert_virtual, chain_of, in_netns, python_prog, vmictl, vmictl_ok,
+                     wait_conn)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="filters are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -31,12 +32,6 @@ def tx_bytes(host, ifname=ETH0):
     r = in_netns(host, ["ip", "-j", "-s", "link", "show", "dev", ifname])
     assert r.returncode == 0, r.stderr
     return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
-
-
-def chain_of(c):
-    """(send, recv) chain of a connection record."""
-    ch = c.get("chain") or {}
-    return ch.get("send"), ch.get("recv")
 
 
 def test_chain_at_set_up_codes_every_byte(procs):

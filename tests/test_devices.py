@@ -19,8 +19,8 @@ import pytest
 import subprocess
 
 from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, PRELOAD_LIB,
-                     assert_same_stream, extra_agent, in_netns, python_prog, vmictl, vmictl_ok,
-                     wait_conn, wait_status)
+                     assert_same_stream, both_ways, chain_of, extra_agent, in_netns, python_prog,
+                     vmictl, vmictl_ok, wait_conn)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -29,28 +29,10 @@ MiB = 1 << 20
 CLIENT, SERVER = H1, H2
 
 
-def chain_of(c):
-    ch = c.get("chain") or {}
-    return ch.get("send"), ch.get("recv")
-
-
 def tx_bytes(host, ifname=ETH0):
     r = in_netns(host, ["ip", "-j", "-s", "link", "show", "dev", ifname])
     assert r.returncode == 0, r.stderr
     return int(json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"])
-
-
-def both_ways(gid, want, since_ms, timeout=5):
-    """Waits until both ends of connection gid send and receive through chain `want`;
-    returns how long after `since_ms` (wall clock) the later end switched what it sends."""
-    at = []
-    for host, side in ((CLIENT, "client"), (SERVER, "server")):
-        c = wait_status(host, lambda st: next((c for c in st.get("connections", [])
-                                               if c.get("gid") == gid
-                                               and chain_of(c) == (want, want)), None),
-                        timeout, f"the {side} end of {gid} on chain {want!r} both ways")
-        at.append(c["chain"]["send_since_ms"])
-    return (max(at) - since_ms) / 1000
 
 
 def test_device_loaded_and_unloaded_in_a_loop_locally_and_from_another_node(procs):
