@@ -618,16 +618,7 @@ fn plugin_dir(agent: &Agent) -> std::path::PathBuf {
 
 /// The plug-in devices of the folder, for messages ("none" when there are none).
 fn plugins_here(agent: &Agent) -> String {
-    let mut names: Vec<String> = std::fs::read_dir(plugin_dir(agent))
-        .map(|d| {
-            d.filter_map(|e| {
-                let f = e.ok()?.file_name().into_string().ok()?;
-                Some(f.strip_prefix("libvmi_dev_")?.strip_suffix(".so")?.to_string())
-            })
-            .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
+    let names = substrate::connection::chain::plugin_names(&plugin_dir(agent));
     if names.is_empty() {
         "none".into()
     } else {

@@ -315,7 +315,7 @@ fn run(args: Settings) {
     let _ = agent.plugins.set(args.plugins.clone());
     // (Names only: status shows the chains of plug-ins, which run in the programs alone.)
     substrate::connection::chain::set_plugins(Box::new(substrate::connection::chain::PluginNames(
-        substrate::connection::chain::plugin_names(&args.plugins),
+        substrate::connection::chain::plugin_names_kept(&args.plugins),
     )));
     if !args.chain.is_empty() {
         // (Checked when the settings were read.)

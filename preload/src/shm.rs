@@ -179,6 +179,10 @@ pub struct SharedConn {
     pub answer_owed: AtomicU32,
     /// With `rx::MIRROR` in `answer_owed`: the compact form of the chain to offer back.
     pub mirror_ids: AtomicU32,
+    /// 1 when the peer asked for its chain on our stream too while this side could not
+    /// offer (an offer of ours waited): `mirror_ids` is offered back as soon as it can be.
+    /// (Next to `answer_owed`: the send path reads both.)
+    pub mirror_owed: AtomicU32,
     /// Copy of `rx.careful`: the peer may send coded frames (readable reports are checked).
     pub careful: AtomicU32,
     /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
@@ -214,9 +218,6 @@ pub struct SharedConn {
     /// answer owed (written before `answer_owed`), [`SHARE_IN`] the peer's that came with
     /// its answer (written before `chain_answer`).
     shares: [[AtomicU64; 4]; 2],
-    /// 1 when the peer asked for its chain on our stream too while an offer of ours waited:
-    /// `mirror_ids` is offered back once ours is answered.
-    pub mirror_owed: AtomicU32,
 }
 
 /// `SharedConn::share`: this side's key share for the answer it owes.
@@ -308,6 +309,7 @@ impl Mapping {
             chain_answer: AtomicU32::new(0),
             answer_owed: AtomicU32::new(0),
             mirror_ids: AtomicU32::new(0),
+            mirror_owed: AtomicU32::new(0),
             careful: AtomicU32::new(0),
             coding: AtomicU32::new(0),
             offering: AtomicU32::new(0),
@@ -333,7 +335,6 @@ impl Mapping {
                 r
             }),
             shares: Default::default(),
-            mirror_owed: AtomicU32::new(0),
         };
         let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
         Some(Mapping { view, _map: map })

@@ -570,6 +570,8 @@ pub fn send(
             if let Err(e) = check_link(mem) {
                 return if total > 0 { Ok(total) } else { Err(e) };
             }
+            // (`mirror_owed`: a peer's both-ways chain waits for our offer's answer, or for
+            // acknowledgements that free a chain number.)
             if (c.chain_answer.load(Relaxed)
                 | c.answer_owed.load(Relaxed)
                 | c.mirror_owed.load(Relaxed)

@@ -53,7 +53,7 @@ pub struct Plugins {
 impl Plugins {
     /// The devices of folder `dir` (a folder that cannot be read has none).
     pub fn scan(dir: &str, say: fn(bool, std::fmt::Arguments<'_>)) -> Plugins {
-        let names = substrate::connection::chain::plugin_names(std::path::Path::new(dir));
+        let names = substrate::connection::chain::plugin_names_kept(std::path::Path::new(dir));
         Plugins { dir: dir.to_string(), say, names, opened: Mutex::new(HashMap::new()) }
     }
 

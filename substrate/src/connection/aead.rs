@@ -136,14 +136,10 @@ impl Filter for Aead {
         }
     }
     fn decode(&mut self, seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
-        let at = out.len();
-        out.extend_from_slice(input);
-        let mut rest = out.split_off(at);
-        let r = self.open(seq, &mut rest);
-        if r.is_ok() {
-            out.extend_from_slice(&rest);
-        }
-        r
+        let mut buf = input.to_vec();
+        self.open(seq, &mut buf)?;
+        out.extend_from_slice(&buf);
+        Ok(())
     }
     fn decode_in_place(&mut self, seq: u64, buf: &mut Vec<u8>) -> Option<Result<(), DecodeError>> {
         Some(self.open(seq, buf))

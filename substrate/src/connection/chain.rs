@@ -358,14 +358,13 @@ pub fn plugin_name_ok(name: &str) -> bool {
 /// The plug-in devices of folder `dir`: the NAMEs of its `libvmi_dev_NAME.so` files, sorted
 /// (a plug-in's place in this list is its id in compact forms; a folder that cannot be read
 /// has none).
-pub fn plugin_names(dir: &std::path::Path) -> Vec<&'static str> {
-    let mut names: Vec<&'static str> = std::fs::read_dir(dir)
+pub fn plugin_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
         .map(|d| {
             d.filter_map(|e| {
                 let f = e.ok()?.file_name().into_string().ok()?;
                 let n = f.strip_prefix("libvmi_dev_")?.strip_suffix(".so")?;
-                (plugin_name_ok(n) && FILTERS.iter().all(|b| *b != n))
-                    .then(|| &*Box::leak(n.to_string().into_boxed_str()))
+                (plugin_name_ok(n) && FILTERS.iter().all(|b| *b != n)).then(|| n.to_string())
             })
             .collect()
         })
@@ -373,6 +372,12 @@ pub fn plugin_names(dir: &std::path::Path) -> Vec<&'static str> {
     names.sort_unstable();
     names.truncate(0x7f);
     names
+}
+
+/// [`plugin_names`] kept for the life of the process (a source's filters name themselves
+/// with `&'static str`; a source is made once per process).
+pub fn plugin_names_kept(dir: &std::path::Path) -> Vec<&'static str> {
+    plugin_names(dir).into_iter().map(|n| &*Box::leak(n.into_boxed_str())).collect()
 }
 
 /// The plug-ins of a folder by name only, for those who show chains but never run them
