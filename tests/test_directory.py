@@ -424,8 +424,12 @@ def test_a_migrated_process_moves_its_connection_in_the_directory(et):
         et.start_member(m, state="existing")
     wait_for("h3 registered again", lambda: ctl_json("h3", "status")["directory"]["registrations"] > before,
              timeout=30, every=0.2)
-    wait_for("the client's end in etcd on h3 after the outage",
-             lambda: json.loads(etcd_get(key).get(key, "{}")).get("node") == "h3", timeout=10)
+    try:
+        wait_for("the client's end in etcd on h3 after the outage",
+                 lambda: json.loads(etcd_get(key).get(key, "{}")).get("node") == "h3", timeout=10)
+    except AssertionError as e:
+        said = {n: [x for x in et.agents[n].log().splitlines() if "directory" in x][-8:] for n in ("h1", "h3")}
+        raise AssertionError(f"{e}; the record: {etcd_get(key).get(key)}; the agents said: {said}") from None
     assert moved_here("h3", "h1") == 2
     c, s = finished(cli, 60), finished(srv, 15)
     assert_same_stream(c, s)

@@ -362,6 +362,7 @@ pub fn start(cfg: Config) -> Result<(), String> {
         want: HashMap::new(),
         watching: HashMap::new(),
         next_watch: OWN_WATCH + 1,
+        leases: [0; 3],
     };
     std::thread::Builder::new()
         .name("vmi-directory".into())
@@ -580,6 +581,9 @@ struct Worker {
     watching: HashMap<String, (String, i64)>,
     /// The next watch id on the stream.
     next_watch: i64,
+    /// The leases whose registrations wrote records last (0: none), newest first: a record under one of them is
+    /// this node's own, which a registration may write over.
+    leases: [i64; 3],
 }
 
 /// Wakes the directory thread for changes of ends: when one is asked for with nothing
@@ -1096,16 +1100,31 @@ impl Worker {
         }
         let agents = node.agents.clone();
         self.agents = agents.clone();
+        // An end this node held for sure is written again only where its record is still
+        // under one of this node's leases, or is gone: a record another node wrote in between
+        // is a connection that moved there (its process restored there while this agent could
+        // not reach etcd, and this node's release of it still waiting), and stays.
         for ((gid, active), pid) in &self.mirror.gids {
             if self.mirror.unsure.contains(&(*gid, *active)) {
                 continue;
             }
-            ops.push(TxnOp::put(
-                record::gid_key(&self.prefix, *gid, *active),
-                self.place(Some(*pid), agents.clone()),
-                with_lease(),
-            ));
+            let key = record::gid_key(&self.prefix, *gid, *active);
+            let put = || TxnOp::put(key.as_str(), self.place(Some(*pid), agents.clone()), with_lease());
+            let create = Txn::new()
+                .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                .and_then([put()]);
+            let mut t = create;
+            for old in self.leases.iter().rev().filter(|l| **l != 0) {
+                t = Txn::new()
+                    .when([Compare::lease(key.as_str(), CompareOp::Equal, *old)])
+                    .and_then([put()])
+                    .or_else([TxnOp::txn(t)]);
+            }
+            ops.push(TxnOp::txn(t));
         }
+        // From here records go under the new lease (a registration that breaks halfway leaves
+        // some under each: the next one still knows both).
+        self.leases = [lease, self.leases[0], self.leases[1]];
         for (a, to) in &self.mirror.moved {
             ops.push(TxnOp::put(
                 record::moved_key(&self.prefix, &self.cfg.node, *a),
