@@ -5,12 +5,15 @@ Shown here: loaded and unloaded on a live checksummed stream of words (data an o
 read) moving both ways, the wire carries none of the words while a sealing device is on and
 plenty while none is (a capture of the client's interface with tcpdump); each side takes a new
 key on the schedule `VMI_REKEY` sets; and records altered on the way (a flipped bit, a record
-replayed at another offset, a record sealed under another key) close the connection with a
-log line that says what was wrong and ECONNRESET for the program. (Failover, exec, fork and
+replayed at another offset, a record sealed under another key), and frames slipped in that a
+sealed stream only takes with a tag (an end of stream, an offer turning the sealing off, bytes
+in clear) close the connection with a log line that says what was wrong and ECONNRESET for
+the program. (Failover, exec, fork and
 migration under a sealed chain are in test_chain.py, the "chain" place of the real-program
 tests and test_migration.py.)
 """
 
+import json
 import time
 
 import pytest
@@ -82,14 +85,22 @@ def test_aead_loaded_live_seals_the_wire_and_takes_new_keys(procs, tmp_path):
     ("replay", "a replayed record"),
     ("foreign", "a sealed record failed authentication"),
     ("share", "a key share of a chain offer or answer failed authentication"),
+    ("fin", "an end of stream with no tag on a sealed stream failed authentication"),
+    ("offer", "a change of chain on a sealed stream failed authentication"),
+    ("clear", "a data frame in clear on a sealed stream failed authentication"),
 ])
 def test_aead_refuses_altered_records(procs, attack, logged):
     """The client's layer alters its 20th sealed frame (VMI_TAMPER, as an attacker on the
     path would): a flipped bit, the record of the frame before it, or a record sealed under
     another key; or the key share of its first offer (an attacker putting its own share in
-    the exchange). The server's layer refuses it, says why in its log, and the server program
-    sees ECONNRESET; nothing altered reaches it."""
-    port = PORTS["aead_attack"] + {"flip": 0, "replay": 1, "foreign": 2, "share": 6}[attack]
+    the exchange); or it slips in, before that frame, an end of stream (a truncation), an
+    offer of a chain that does not seal (turning the sealing off), or bytes in clear, none
+    with the tag a sealed stream owes. The server's layer refuses it, says why in its log,
+    and the server program sees ECONNRESET; nothing altered reaches it (and no early end of
+    stream either)."""
+    port = {"flip": 0, "replay": 1, "foreign": 2, "share": 6}.get(attack)
+    port = PORTS["aead_attack"] + port if port is not None else \
+        PORTS["aead_slip"] + ["fin", "offer", "clear"].index(attack)
     addr = f"{H2_IP}:{port}"
     n = 8 * MiB
     srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
@@ -102,7 +113,7 @@ def test_aead_refuses_altered_records(procs, attack, logged):
                            "VMI_TAMPER": f"{attack}:{1 if attack == 'share' else 20}"})
     srv.wait(timeout=30, check=False)
     s = srv.last_json()
-    assert "error" in s and "ConnectionResetError" in s["error"], s
+    assert "error" in s and "ConnectionResetError" in s["error"], (json.dumps(s), srv.stderr()[-3000:])
     assert s.get("recv_bytes", 0) < n, s
     log = srv.stderr()
     assert logged in log and "ECONNRESET" in log, log[-2000:]

@@ -6,8 +6,11 @@
 //! of the frame before it in its place (a record sealed for another stream offset);
 //! `foreign:N` seals it under a key of its own (a record from another connection). Frames
 //! are counted from 1 per process, across its connections. `share:N` flips a bit of the key
-//! share in the Nth chain offer with one (an attacker swapping the share for its own). Off (one relaxed load per
-//! sealed frame) unless the variable is set.
+//! share in the Nth chain offer with one (an attacker swapping the share for its own).
+//! `fin:N`, `offer:N` and `clear:N` slip a frame in before the Nth sealed frame, as someone
+//! on the path would: an end of stream, an offer of a chain that does not seal (`double`),
+//! or five bytes in clear, none of them with the tag a sealed stream owes. Off (one relaxed
+//! load per sealed frame) unless the variable is set.
 
 use crate::shm::ConnMem;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
@@ -18,12 +21,24 @@ const FLIP: u8 = 1;
 const REPLAY: u8 = 2;
 const FOREIGN: u8 = 3;
 const SHARE: u8 = 4;
+const FIN: u8 = 5;
+const OFFER: u8 = 6;
+const CLEAR: u8 = 7;
 
 static MODE: AtomicU8 = AtomicU8::new(OFF);
 static AT: AtomicU64 = AtomicU64::new(0);
 static SEEN: AtomicU64 = AtomicU64::new(0);
 /// The last sealed frame's record (for `replay`).
 static LAST: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+/// A frame to slip in before the next frame goes (`fin`, `offer`, `clear`).
+static SLIP: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+static SLIPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// True when a frame waits to be slipped in (one relaxed load).
+#[inline]
+pub fn slipping() -> bool {
+    SLIPPING.load(Relaxed)
+}
 
 /// Reads `VMI_TAMPER`'s value.
 pub fn init(v: Option<&str>) {
@@ -34,20 +49,29 @@ pub fn init(v: Option<&str>) {
             "replay" => REPLAY,
             "foreign" => FOREIGN,
             "share" => SHARE,
+            "fin" => FIN,
+            "offer" => OFFER,
+            "clear" => CLEAR,
             _ => return None,
         };
-        let n: u64 = n.parse().ok().filter(|&n| n > u64::from(mode == REPLAY))?;
+        // (Slipped in before a sealed frame that follows another: the stream is sealed.)
+        let n: u64 =
+            n.parse().ok().filter(|&n| n > u64::from(matches!(mode, REPLAY | FIN | OFFER | CLEAR)))?;
         Some((mode, n))
     });
     match parsed {
         Some((mode, n)) => {
             AT.store(n, Relaxed);
             MODE.store(mode, Relaxed);
-            let what = if mode == SHARE { "the key share of chain offer" } else { "sealed frame" };
+            let what = match mode {
+                SHARE => "the key share of chain offer",
+                FIN | OFFER | CLEAR => "what goes before sealed frame",
+                _ => "sealed frame",
+            };
             crate::log::warn(format_args!("VMI_TAMPER={v}: this process will alter {what} {n} it sends"));
         }
         None => crate::log::warn(format_args!(
-            "VMI_TAMPER={v} is not flip:N, replay:N (N at least 2), foreign:N or share:N; nothing is altered"
+            "VMI_TAMPER={v} is not flip:N, foreign:N, share:N, or replay:N, fin:N, offer:N, clear:N (N at least 2); nothing is altered"
         )),
     }
 }
@@ -77,10 +101,29 @@ pub fn offer(payload: &mut [u8]) {
     }
 }
 
-/// Sees the frame `coded` just sealed (chain `ids`, key `key`, stream offset `seq`) and
-/// alters it if it is the one.
+/// Writes the frame to slip in, if one waits, on `fd` (whole, before the frame about to go).
 #[cold]
-pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, coded: &mut Vec<u8>) {
+pub fn slip(fd: i32) {
+    SLIPPING.store(false, Relaxed);
+    let bytes = std::mem::take(&mut *SLIP.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut at = 0;
+    while at < bytes.len() {
+        let r = crate::sys::fd::send(fd, &bytes[at..], libc::MSG_NOSIGNAL);
+        if r <= 0 && crate::sys::errno() != libc::EAGAIN && crate::sys::errno() != libc::EINTR {
+            return;
+        }
+        if r > 0 {
+            at += r as usize;
+        } else {
+            crate::sys::wait_fd(fd, libc::POLLOUT, 100);
+        }
+    }
+}
+
+/// Sees the frame `coded` just sealed (chain `ids`, key `key`, stream offset `seq`, its
+/// header acknowledging `ack`) and alters it if it is the one.
+#[cold]
+pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, ack: u64, coded: &mut Vec<u8>) {
     if !substrate::connection::Chain::ids_keyed(ids) || coded.is_empty() || MODE.load(Relaxed) == SHARE {
         return;
     }
@@ -103,11 +146,26 @@ pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, coded: &mut Vec<u
                 // makes the point.)
                 *coded = c.encode(seq, &vec![0x5a; coded.len().saturating_sub(40).max(1)]);
             }
+            FIN | OFFER | CLEAR => {
+                use substrate::wire::frame::{FrameHeader, FrameKind};
+                let slip = match mode {
+                    FIN => FrameHeader::control(FrameKind::Fin, seq, ack).encode().to_vec(),
+                    OFFER => {
+                        let mut h = FrameHeader::control(FrameKind::ChainOffer, 15, ack);
+                        h.len = 6;
+                        [&h.encode()[..], b"double"].concat()
+                    }
+                    _ => [&FrameHeader::data(5, seq, ack).encode()[..], b"hello"].concat(),
+                };
+                *SLIP.lock().unwrap_or_else(|p| p.into_inner()) = slip;
+                SLIPPING.store(true, Relaxed);
+            }
             _ => {}
         }
         crate::log::warn(format_args!(
-            "VMI_TAMPER: virtual connection {:032x}: sealed frame {n} at offset {seq} altered",
-            mem.conn().gid
+            "VMI_TAMPER: virtual connection {:032x}: sealed frame {n} at offset {seq} altered{}",
+            mem.conn().gid,
+            if matches!(mode, FIN | OFFER | CLEAR) { " (a frame slipped in before it)" } else { "" }
         ));
         MODE.store(OFF, Relaxed);
     }

@@ -227,6 +227,9 @@ fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], fla
     if made.is_empty() {
         return write_plan(fd, plan, app, ring, flags);
     }
+    if crate::tamper::slipping() {
+        crate::tamper::slip(fd);
+    }
     write_after(fd, &[], plan, app, ring, made, flags)
 }
 
@@ -380,10 +383,22 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
         let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
             if c.fin_owed.load(Acquire) != 0 {
                 if let Some(p) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
-                    let r = write_plan(fd, &p, &[], ring, libc::MSG_DONTWAIT);
+                    // (A sealed stream's Fin carries its tag.)
+                    let (p, made) = match make_payload(mem, tx, p, &[], ring) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            let _ = fail(mem, slot, fd, e);
+                            return true;
+                        }
+                    };
+                    let r = write_coded(fd, &p, &[], ring, &made, libc::MSG_DONTWAIT);
                     tx.commit(&p, r.max(0) as usize, &[], ring);
-                    if r as usize == p.header_len {
+                    if r > 0 {
+                        // Begun: the rest of it, if any, is the frame in progress.
                         c.fin_owed.store(0, Release);
+                        if tx.in_frame() {
+                            continue;
+                        }
                     } else if !tx.in_frame() {
                         return false;
                     }
@@ -463,14 +478,14 @@ fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
             linkstate::poke();
             return Ok(0);
         }
-        let Some(plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
+        let Some(mut plan) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) else {
             // A frame is half on the wire (a write the kernel cut short): end it the plain way.
             return sys::cvt(sys::fd::shutdown(fd, libc::SHUT_WR));
         };
-        let mut done = 0;
-        while done < plan.header_len {
-            let part = Plan { header_len: plan.header_len - done, ..plan };
-            let r = write_plan(fd, &part, &[], ring, 0);
+        loop {
+            // (A sealed stream's Fin carries its tag.)
+            let (part, made) = make_payload(mem, tx, plan, &[], ring).map_err(|_| Errno(libc::ECONNRESET))?;
+            let r = write_coded(fd, &part, &[], ring, &made, 0);
             if r < 0 {
                 let e = sys::errno();
                 if e == libc::EAGAIN {
@@ -489,9 +504,12 @@ fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
                 return Err(Errno(e));
             }
             tx.commit(&part, r as usize, &[], ring);
-            done += r as usize;
+            // What the kernel did not take yet is the frame in progress.
+            match tx.in_frame().then(|| tx.plan_replay(c.delivered.load(Acquire))).flatten() {
+                Some(rest) => plan = rest,
+                None => return Ok(0),
+            }
         }
-        Ok(0)
     })
 }
 
@@ -1365,7 +1383,8 @@ fn make_coded(
         let mut coded = Scratch::take();
         with_chain(ids, tx.chain_key(no), |c| c.encode_into(seq, &raw, &mut coded));
         if crate::tamper::active() {
-            crate::tamper::frame(mem, ids, tx.chain_key(no), seq, &mut coded);
+            let ack = u64::from_le_bytes(plan.header[16..24].try_into().unwrap_or_default());
+            crate::tamper::frame(mem, ids, tx.chain_key(no), seq, ack, &mut coded);
         }
         if coded.is_empty() || coded.len() > MAX_PAYLOAD as usize {
             crate::log::error(format_args!(

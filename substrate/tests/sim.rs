@@ -509,3 +509,89 @@ fn tiny_window_forces_back_pressure_and_acks() {
 fn secret() -> Option<[u8; 32]> {
     substrate::connection::aead::random_secret()
 }
+
+/// Runs both ends over a healthy link until nothing moves (side 0 writing `bytes` more).
+fn settle(ends: &mut [End; 2], link: &mut Link, rng: &mut Rng, bytes: usize) {
+    let mut left = bytes;
+    for _ in 0..100_000 {
+        let want = left.min(3000);
+        write_some(&mut ends[0], link, rng, want, want > 0);
+        write_some(&mut ends[1], link, rng, 0, false);
+        left = left.saturating_sub(want);
+        for s in 0..2 {
+            send_ack(&mut ends[s], link);
+            let (a, b) = ends.split_at_mut(1);
+            let (me, q) = if s == 0 { (&mut a[0], &mut link.q[1]) } else { (&mut b[0], &mut link.q[0]) };
+            read_some(me, q, rng, 65536);
+        }
+        let busy = ends.iter().any(|e| e.tx.in_frame() || e.tx.replaying() || e.answer.is_some());
+        if left == 0 && !busy && link.q[0].is_empty() && link.q[1].is_empty() {
+            return;
+        }
+    }
+    panic!("the link did not settle");
+}
+
+/// What side 1's receive half (a copy of it) makes of `bytes` arriving from the link.
+fn feed(rx: &RxState, bytes: &[u8]) -> (RxState, Result<usize, substrate::reliability::ProtoError>) {
+    let mut rx = *rx;
+    let mut app = vec![0u8; 1 << 16];
+    let (mut at, mut payload) = (0, 0);
+    while at < bytes.len() {
+        // (Reads on a stream with coded frames take one header at a time.)
+        let plan = rx.plan_read(1 << 16);
+        let (got, r) = rx.read_from(plan, &bytes[at..], &mut app);
+        match r {
+            Ok(i) => payload += i.payload,
+            Err(e) => return (rx, Err(e)),
+        }
+        at += got;
+    }
+    (rx, Ok(payload))
+}
+
+#[test]
+fn a_sealed_stream_takes_no_forged_end_chain_change_or_clear_frame() {
+    use substrate::reliability::ProtoError::ControlForged;
+    use substrate::wire::frame::FrameHeader;
+    let mut rng = Rng(7);
+    let mut ends = [End::new(0, 1 << 20), End::new(1, 1 << 20)];
+    let mut link = Link { q: [VecDeque::new(), VecDeque::new()], cap: 4 << 20, up: true };
+    let aead = Chain::build("aead").unwrap();
+    ends[0].tx.begin_offer(aead.ids().unwrap(), aead.fit(CODED_MAX), false, secret()).unwrap();
+    settle(&mut ends, &mut link, &mut rng, 50_000);
+    assert_eq!(ends[0].tx.chain_now().1, aead.ids().unwrap(), "the sealing chain is on");
+    assert!(ends[0].coded_frames > 0 && ends[0].tx.seal().is_some(), "sealed frames went");
+    let rx = ends[1].rx;
+    let at = rx.delivered;
+    let ack = rx.peer_ack;
+    // Someone on the path ends the stream, turns the sealing off, or slips bytes in.
+    let fin = FrameHeader::control(FrameKind::Fin, at, ack).encode();
+    assert_eq!(feed(&rx, &fin).1, Err(ControlForged("an end of stream with no tag")));
+    let mut tagged = FrameHeader::control(FrameKind::Fin, at, ack);
+    tagged.len = 16;
+    let forged = [&tagged.encode()[..], &[0x5a; 16]].concat();
+    assert_eq!(feed(&rx, &forged).1, Err(ControlForged("an end of stream")));
+    let mut offer = FrameHeader::control(FrameKind::ChainOffer, 9, ack);
+    offer.len = 6;
+    let offer = [&offer.encode()[..], b"double"].concat();
+    assert_eq!(feed(&rx, &offer).1, Err(ControlForged("a change of chain")));
+    let clear = [&FrameHeader::data(5, at, ack).encode()[..], b"hello"].concat();
+    assert_eq!(feed(&rx, &clear).1, Err(ControlForged("a data frame in clear")));
+    // The peer's own end of stream carries its tag.
+    let mut tx = ends[0].tx;
+    let plan = tx.plan_control(FrameKind::Fin, ends[0].rx.delivered).unwrap();
+    assert_eq!(plan.payload, 16);
+    let bytes = [plan.header_bytes(), &tx.control_payload(plan.source)].concat();
+    let (after, r) = feed(&rx, &bytes);
+    assert_eq!(r, Ok(0));
+    assert_eq!(after.fin, 1, "a genuine end of stream is taken");
+    // So does its offer of a chain that turns the sealing off; frames in clear follow.
+    let double = Chain::build("double").unwrap();
+    ends[0].tx.begin_offer(double.ids().unwrap(), double.fit(CODED_MAX), false, None).unwrap();
+    settle(&mut ends, &mut link, &mut rng, 50_000);
+    assert_eq!(ends[0].tx.chain_now().1, double.ids().unwrap(), "the clear chain is on");
+    assert!(ends[0].tx.seal().is_none());
+    let want: Vec<u8> = (0..ends[0].tx.next_seq).map(|i| stream_byte(0, i)).collect();
+    assert!(ends[1].received == want, "the stream arrived whole");
+}

@@ -183,6 +183,38 @@ pub fn open_share(auth: &[u8; 16], offer: bool, no: u8, wire: &[u8]) -> Option<[
     bool::from(want.as_ref()[..16].ct_eq(&wire[KEY_LEN..])).then_some(share)
 }
 
+/// Bytes of a control frame's tag (see [`control_tag`]).
+pub const CTL_TAG: usize = 16;
+
+/// The tag of a control frame of a sealed stream: a frame that ends the stream (`Fin`) or
+/// changes its chain to one with no keyed filter (a `ChainOffer`), under `key`, the key of
+/// the chain that sealed the stream's last data frame. `kind` is the frame's kind byte,
+/// `seq` its number (the stream offset of a `Fin`, the chain number of an offer) and
+/// `payload` what it carries before the tag. An attacker on the path, who does not have the
+/// key, can then neither end a sealed stream early nor turn its sealing off.
+pub fn control_tag(key: &[u8; KEY_LEN], kind: u8, seq: u64, payload: &[u8]) -> [u8; CTL_TAG] {
+    // (A key of its own for these tags, derived from the chain's: the cipher's key is
+    // never used by another primitive.)
+    let root = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    let derived = ring::hmac::sign(&root, b"vmi control frame tag key v1");
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, derived.as_ref());
+    let mut ctx = ring::hmac::Context::with_key(&k);
+    ctx.update(&[kind]);
+    ctx.update(&seq.to_le_bytes());
+    ctx.update(&(payload.len() as u32).to_le_bytes());
+    ctx.update(payload);
+    let mut out = [0u8; CTL_TAG];
+    out.copy_from_slice(&ctx.sign().as_ref()[..CTL_TAG]);
+    out
+}
+
+/// True when `tag` is [`control_tag`] of the same key, kind, number and payload (compared
+/// in constant time).
+pub fn control_tag_ok(key: &[u8; KEY_LEN], kind: u8, seq: u64, payload: &[u8], tag: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    tag.len() == CTL_TAG && bool::from(control_tag(key, kind, seq, payload).ct_eq(tag))
+}
+
 /// The public share of secret `secret`.
 pub fn share_of(secret: &[u8; KEY_LEN]) -> [u8; KEY_LEN] {
     MontgomeryPoint::mul_base_clamped(*secret).to_bytes()

@@ -770,6 +770,10 @@ impl Connection {
                 Ok(())
             }
             FrameKind::Fin => {
+                if !payload.is_empty() {
+                    // (This core seals nothing: a tag is owed only after a keyed chain.)
+                    return Err(ProtoError::ControlForged("a tagged end of stream"));
+                }
                 let end = h.seq;
                 if self.peer_end.is_some_and(|e| e != end) || end < self.delivered + self.ready.len() as u64 {
                     return Err(ProtoError::DataAfterFin);

@@ -68,6 +68,9 @@ pub enum ProtoError {
     Record(crate::connection::DecodeError),
     /// A key share of a chain offer or answer whose tag is wrong.
     ShareForged,
+    /// A stream sealed by a keyed chain got a control frame that ends it or changes its
+    /// chain, or a data frame in clear, without a valid tag: what it was.
+    ControlForged(&'static str),
     /// An answer to an offer this side did not make.
     UnexpectedAnswer(u8),
     /// The peer's resync names an offset outside what can be replayed.
@@ -113,6 +116,9 @@ impl std::fmt::Display for ProtoError {
                 "a key share of a chain offer or answer failed authentication (altered on the way, or \
                  sent by someone without the connection's secret)"
             ),
+            ProtoError::ControlForged(what) => {
+                write!(f, "{what} on a sealed stream failed authentication (forged, or altered on the way)")
+            }
             ProtoError::UnexpectedAnswer(n) => write!(f, "answer for chain {n}, never offered"),
             ProtoError::ResyncOutOfRange { received, acked, sent } => {
                 write!(f, "peer resynced at {received}, replayable range is {acked}..={sent}")

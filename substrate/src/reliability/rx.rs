@@ -10,7 +10,7 @@
 
 use super::ProtoError;
 use crate::connection::chain::{Chain, CODED_MAX};
-use crate::wire::frame::{FrameError, FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
+use crate::wire::frame::{FrameError, FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,6 +128,22 @@ pub struct RxState {
     pub share_in: [u8; KEY],
     /// The connection's secret: the key of the tags of the peer's key shares.
     auth: [u8; 16],
+    /// The peer's chain number that coded the last data frame of its stream, when that
+    /// chain is keyed (0: the stream is not sealed). A sealed stream takes an end of stream
+    /// only with a tag under that chain's key, and a data frame in clear only of a chain
+    /// taken after the sealing one. An offer of a chain that would not seal the stream
+    /// must carry a tag while the stream is sealed, or while the chain taken last is keyed
+    /// (under the first's key, else the second's): so every chain taken after a keyed one
+    /// was offered by the peer, not by someone on the path.
+    sealed_no: u32,
+    /// Offers taken so far, when each number was taken last (that count then), when the
+    /// empty chain (whose frames carry number 0) was, and the number taken last.
+    takes: u32,
+    taken_at: [u32; 16],
+    empty_at: u32,
+    latest_no: u32,
+    /// 1 while the control payload being read is a Fin's tag.
+    ctl_fin: u32,
 }
 
 /// Bytes of a key share and of a key.
@@ -184,6 +200,12 @@ impl RxState {
             b.extend_from_slice(k);
         }
         b.extend_from_slice(&self.auth);
+        for v in [self.sealed_no, self.takes, self.empty_at, self.latest_no, self.ctl_fin]
+            .iter()
+            .chain(&self.taken_at)
+        {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
         b
     }
 
@@ -199,7 +221,9 @@ impl RxState {
         + 8
         + 4
         + 19 * KEY
-        + 16;
+        + 16
+        + 5 * 4
+        + 16 * 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -248,6 +272,15 @@ impl RxState {
             at += KEY;
         }
         r.auth.copy_from_slice(&b[at..at + 16]);
+        at += 16;
+        r.sealed_no = u32_at(at);
+        r.takes = u32_at(at + 4);
+        r.empty_at = u32_at(at + 8);
+        r.latest_no = u32_at(at + 12);
+        r.ctl_fin = u32_at(at + 16);
+        for (i, v) in r.taken_at.iter_mut().enumerate() {
+            *v = u32_at(at + 20 + 4 * i);
+        }
         let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
@@ -266,7 +299,13 @@ impl RxState {
             && answer_ok(r.answer_in)
             && r.coded_len <= crate::wire::frame::MAX_PAYLOAD
             && r.coded_chain <= 15
-            && (r.coded_len == 0 || (r.frame_rem == 0 && r.careful == 1));
+            && (r.coded_len == 0 || (r.frame_rem == 0 && r.careful == 1))
+            && r.sealed_no <= 15
+            && r.latest_no <= 15
+            && r.empty_at <= r.takes
+            && r.taken_at.iter().all(|&t| t <= r.takes)
+            && r.ctl_fin <= 1
+            && (r.ctl_fin == 0 || (r.ctl_answer == 0 && r.spec_len + r.ctl_rem == CTL_TAG));
         sane.then_some(r)
     }
     /// A fresh receive half.
@@ -302,6 +341,12 @@ impl RxState {
             answer_share: [0; KEY],
             share_in: [0; KEY],
             auth: [0; 16],
+            sealed_no: 0,
+            takes: 0,
+            taken_at: [0; 16],
+            empty_at: 0,
+            latest_no: 0,
+            ctl_fin: 0,
         }
     }
 
@@ -322,6 +367,18 @@ impl RxState {
     /// The key of the peer's chain number `no` (zero for a chain with no keyed filter).
     pub fn chain_key(&self, no: u32) -> &[u8; KEY] {
         &self.keys[no as usize & 15]
+    }
+
+    /// The key of the chain that sealed the peer's last data frame, if the stream is sealed.
+    fn seal_key(&self) -> Option<&[u8; KEY]> {
+        let k = &self.keys[self.sealed_no as usize & 15];
+        (self.sealed_no != 0 && *k != [0; KEY]).then_some(k)
+    }
+
+    /// The key of the chain taken last, if it is keyed.
+    fn latest_key(&self) -> Option<&[u8; KEY]> {
+        let k = &self.keys[self.latest_no as usize & 15];
+        (self.latest_no != 0 && *k != [0; KEY]).then_some(k)
     }
 
     /// The compact form of the peer's chain number `no`, if taken.
@@ -600,15 +657,39 @@ impl RxState {
         if h.kind == FrameKind::Data && self.fin != 0 {
             return Err(ProtoError::DataAfterFin);
         }
-        if h.kind == FrameKind::Fin {
-            self.fin = 1;
-        }
         self.take_ack(h.ack)?;
+        if h.kind == FrameKind::Fin {
+            match (self.seal_key().is_some(), h.len) {
+                (false, 0) => self.fin = 1,
+                (true, CTL_TAG) => {
+                    // Its tag follows: the end of stream counts once it is checked.
+                    self.spec_len = 0;
+                    self.ctl_rem = CTL_TAG;
+                    self.ctl_answer = 0;
+                    self.ctl_fin = 1;
+                }
+                (true, _) => return Err(ProtoError::ControlForged("an end of stream with no tag")),
+                (false, _) => return Err(ProtoError::ControlForged("a tagged end of stream")),
+            }
+            return Ok(());
+        }
         if h.kind == FrameKind::Data {
             let ids = match h.chain {
                 0 => 0,
                 k => self.chain_ids(k as u32).ok_or(ProtoError::BadChain(k))?,
             };
+            if Chain::ids_keyed(ids) {
+                // (Its record is opened with that chain's key, which authenticates it.)
+                self.sealed_no = h.chain as u32;
+            } else if self.sealed_no != 0 {
+                // In clear after sealed frames: only from a chain taken since the sealing
+                // one (frames of chains taken before it may not follow its frames).
+                let at = if h.chain == 0 { self.empty_at } else { self.taken_at[h.chain as usize] };
+                if at <= self.taken_at[self.sealed_no as usize] {
+                    return Err(ProtoError::ControlForged("a data frame in clear"));
+                }
+                self.sealed_no = 0;
+            }
             if ids == 0 {
                 if self.leave_careful != 0 {
                     // Every frame from here on is plain (replays included): fast reads again.
@@ -644,6 +725,18 @@ impl RxState {
     /// A control frame's payload is read whole: an offer's description, or an answer's
     /// key share.
     fn finish_ctl(&mut self) -> Result<(), ProtoError> {
+        if self.ctl_fin != 0 {
+            self.ctl_fin = 0;
+            self.spec_len = 0;
+            let key = self.seal_key().copied().unwrap_or_default();
+            let tag = &self.spec[..CTL_TAG as usize];
+            let at = self.delivered;
+            if !crate::connection::aead::control_tag_ok(&key, FrameKind::Fin as u8, at, &[], tag) {
+                return Err(ProtoError::ControlForged("an end of stream"));
+            }
+            self.fin = 1;
+            return Ok(());
+        }
         if self.ctl_answer == 0 {
             return self.finish_offer();
         }
@@ -663,10 +756,35 @@ impl RxState {
     /// our answer.
     fn finish_offer(&mut self) -> Result<(), ProtoError> {
         let payload = &self.spec[..self.spec_len as usize];
-        let (text, share) = match payload.iter().position(|&b| b == 0) {
+        let (text, mut share) = match payload.iter().position(|&b| b == 0) {
             Some(at) => (&payload[..at], Some(&payload[at + 1..])),
             None => (payload, None),
         };
+        // On a sealed stream, an offer of a chain that would not seal it must carry a tag
+        // under the sealing key in place of a share.
+        let tagged = share.is_some_and(|s| s.len() == crate::connection::aead::CTL_TAG);
+        if let Some(key) = self.seal_key().or_else(|| self.latest_key()) {
+            let keyed = Chain::build(std::str::from_utf8(text).unwrap_or("?"))
+                .and_then(|c| c.ids())
+                .is_some_and(Chain::ids_keyed);
+            if !keyed {
+                let no = self.offer_no as u64;
+                let ok = tagged
+                    && crate::connection::aead::control_tag_ok(
+                        key,
+                        FrameKind::ChainOffer as u8,
+                        no,
+                        text,
+                        share.unwrap_or_default(),
+                    );
+                if !ok {
+                    return Err(ProtoError::ControlForged("a change of chain"));
+                }
+                share = None;
+            }
+        } else if tagged {
+            return Err(ProtoError::ControlForged("a tagged change of chain"));
+        }
         let spec = std::str::from_utf8(text).unwrap_or("?");
         let spec = if spec == "-" { "" } else { spec };
         let no = self.offer_no;
@@ -707,6 +825,12 @@ impl RxState {
         self.spec_len = 0;
         self.answer_owed = ANSWER | no | (ids.is_some() as u32) << 8;
         let Some(ids) = ids else { return Ok(()) };
+        self.takes += 1;
+        self.taken_at[no as usize] = self.takes;
+        if ids == 0 {
+            self.empty_at = self.takes;
+        }
+        self.latest_no = no;
         self.keys[no as usize] = key;
         if self.offer_both != 0 {
             self.answer_owed |= MIRROR;
@@ -739,6 +863,7 @@ impl RxState {
         self.header_len = 0;
         self.ctl_rem = 0;
         self.ctl_answer = 0;
+        self.ctl_fin = 0;
         self.spec_len = 0;
         self.coded_done();
         self.expect_resync = 0;
@@ -753,6 +878,7 @@ impl RxState {
         self.header_len = 0;
         self.ctl_rem = 0;
         self.ctl_answer = 0;
+        self.ctl_fin = 0;
         self.spec_len = 0;
         self.coded_done();
         self.expect_resync = 1;

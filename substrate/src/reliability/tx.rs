@@ -8,7 +8,7 @@
 //! and [`TxState::plan_replay`] hands out the rest again from the ring.
 
 use super::ProtoError;
-use crate::wire::frame::{FrameHeader, FrameKind, HEADER_LEN, MAX_PAYLOAD};
+use crate::wire::frame::{FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAX_PAYLOAD};
 
 /// Where the payload of a planned write comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,6 +188,10 @@ pub struct TxState {
     keyed_seq: u64,
     keyed_ms: u64,
     rekey: u32,
+    /// The chain number that coded the last byte of our stream (0: plain). When it is
+    /// keyed, the stream is sealed: its Fin, and an offer that would turn the sealing off,
+    /// carry a tag under its key.
+    tail_chain: u32,
 }
 
 impl TxState {
@@ -235,6 +239,7 @@ impl TxState {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.extend_from_slice(&self.rekey.to_le_bytes());
+        b.extend_from_slice(&self.tail_chain.to_le_bytes());
         b
     }
 
@@ -253,6 +258,7 @@ impl TxState {
         + SHARE_WIRE
         + 16
         + 2 * 8
+        + 4
         + 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
@@ -317,7 +323,7 @@ impl TxState {
         t.owed_chain = next();
         t.owed_enc_len = next();
         t.offer_both = next();
-        let mut at = Self::BYTES - 17 * KEY - SHARE_WIRE - 16 - 2 * 8 - 4;
+        let mut at = Self::BYTES - 17 * KEY - SHARE_WIRE - 16 - 2 * 8 - 4 - 4;
         for k in t.chain_keys.iter_mut().chain([&mut t.offer_secret]) {
             k.copy_from_slice(&b[at..at + KEY]);
             at += KEY;
@@ -329,6 +335,7 @@ impl TxState {
         t.keyed_seq = u64_at(at);
         t.keyed_ms = u64_at(at + 8);
         t.rekey = u32_at(at + 16);
+        t.tail_chain = u32_at(at + 20);
         let n = t.n_switch as usize;
         let chains_ok = t.chain_cur <= 15
             && (t.chain_cur == 0 || t.chain_ids[t.chain_cur as usize] != 0)
@@ -343,6 +350,7 @@ impl TxState {
             && t.last_no <= 15
             && t.owed_kind <= OWED_SHARE
             && t.rekey <= 1
+            && t.tail_chain <= 15
             && t.keyed_seq <= t.next_seq
             && t.owed_chain <= 15
             && t.owed_raw_len <= MAX_PAYLOAD
@@ -399,6 +407,7 @@ impl TxState {
             keyed_seq: 0,
             keyed_ms: 0,
             rekey: 0,
+            tail_chain: 0,
         }
     }
 
@@ -474,7 +483,7 @@ impl TxState {
         let mut no = self.last_no;
         for _ in 0..15 {
             no = no % 15 + 1;
-            if !self.switch_no[..n].contains(&no) && no != self.chain_cur {
+            if !self.switch_no[..n].contains(&no) && no != self.chain_cur && no != self.tail_chain {
                 break;
             }
         }
@@ -498,7 +507,18 @@ impl TxState {
     /// byte and the offer's key share with its tag.
     pub fn offer_payload(&self) -> Vec<u8> {
         let mut p = offer_spec(self.offer_ids).into_bytes();
-        if self.offer_secret != [0; KEY] {
+        if let (true, Some(key)) = (self.offer_secret == [0; KEY], self.seal().or_else(|| self.cur_key())) {
+            // Our stream is sealed (or our chain now is keyed) and this chain would not
+            // seal it: the offer proves it comes from us.
+            let tag = crate::connection::aead::control_tag(
+                key,
+                FrameKind::ChainOffer as u8,
+                self.offer_no as u64,
+                &p,
+            );
+            p.push(0);
+            p.extend_from_slice(&tag);
+        } else if self.offer_secret != [0; KEY] {
             p.push(0);
             let share = crate::connection::aead::share_of(&self.offer_secret);
             p.extend_from_slice(&crate::connection::aead::seal_share(
@@ -515,9 +535,23 @@ impl TxState {
     pub fn control_payload(&self, source: Source) -> Vec<u8> {
         match source {
             Source::Spec { .. } => self.offer_payload(),
-            Source::Share { .. } => self.answer_share.to_vec(),
+            Source::Share { .. } => {
+                self.answer_share[..(self.owed_enc_len as usize).min(SHARE_WIRE)].to_vec()
+            }
             _ => Vec::new(),
         }
+    }
+
+    /// The key of the chain that sealed our stream's last byte, if that chain is keyed.
+    pub fn seal(&self) -> Option<&[u8; KEY]> {
+        let k = &self.chain_keys[self.tail_chain as usize & 15];
+        (self.tail_chain != 0 && *k != [0; KEY]).then_some(k)
+    }
+
+    /// The key of our chain now, if it is keyed.
+    fn cur_key(&self) -> Option<&[u8; KEY]> {
+        let k = &self.chain_keys[self.chain_cur as usize & 15];
+        (self.chain_cur != 0 && *k != [0; KEY]).then_some(k)
     }
 
     /// True when our waiting offer is of a keyed chain.
@@ -547,6 +581,12 @@ impl TxState {
     /// progress.
     pub fn plan_offer(&mut self, delivered: u64) -> Option<Plan> {
         if self.offer_no == 0 || self.offer_sent != 0 || self.in_frame() {
+            return None;
+        }
+        if self.replaying() {
+            // Whether it carries a tag, and under which key, depends on the chain of our
+            // stream's last byte, which the peer knows once it has every byte before the
+            // offer: replayed bytes go first.
             return None;
         }
         let len = self.offer_payload().len();
@@ -756,13 +796,30 @@ impl TxState {
         Some(self.owed(len as usize, Source::Ring(self.wire_seq)))
     }
 
-    /// Plans a control frame (ack or resync) when no frame is in progress.
+    /// Plans a control frame (ack, resync, abort, fin) when no frame is in progress. The
+    /// Fin of a sealed stream carries its tag (a payload of `CTL_TAG` bytes, made by
+    /// [`control_payload`](Self::control_payload)).
     pub fn plan_control(&mut self, kind: FrameKind, delivered: u64) -> Option<Plan> {
         if self.in_frame() {
             return None;
         }
-        self.start_frame(FrameHeader::control(kind, self.wire_seq, delivered), false);
-        Some(self.owed(0, Source::App))
+        let mut h = FrameHeader::control(kind, self.wire_seq, delivered);
+        let tag = match (kind, self.seal()) {
+            (FrameKind::Fin, Some(key)) => {
+                Some(crate::connection::aead::control_tag(key, kind as u8, h.seq, &[]))
+            }
+            _ => None,
+        };
+        let Some(tag) = tag else {
+            self.start_frame(h, false);
+            return Some(self.owed(0, Source::App));
+        };
+        h.len = CTL_TAG;
+        self.start_frame(h, false);
+        self.answer_share[..CTL_TAG as usize].copy_from_slice(&tag);
+        self.owed_kind = OWED_SHARE;
+        self.owed_enc_len = CTL_TAG;
+        Some(self.owed(CTL_TAG as usize, Source::Share { skip: 0 }))
     }
 
     fn start_frame(&mut self, h: FrameHeader, replay: bool) {
@@ -817,6 +874,9 @@ impl TxState {
                 ring_write_with(ring, self.next_seq, &app[..plan.payload], copy);
                 self.next_seq += plan.payload as u64;
                 self.wire_seq += pw as u64;
+                if plan.payload > 0 {
+                    self.tail_chain = 0;
+                }
                 if self.in_frame() {
                     self.owed_is_replay = 1;
                 }
@@ -826,9 +886,10 @@ impl TxState {
                 self.wire_seq += pw as u64;
                 0
             }
-            Source::Coded { raw_len, app: from_app, .. } => {
+            Source::Coded { raw_len, app: from_app, chain, .. } => {
                 let raw_len = raw_len as usize;
                 let accepted = if from_app {
+                    self.tail_chain = chain as u32;
                     // As for a plain frame: the raw bytes are accepted whole, and what the
                     // link did not take yet is coded again from the ring.
                     ring_write_with(ring, self.next_seq, &app[..raw_len], copy);

@@ -24,6 +24,10 @@
 //!   the offering side's 32-byte X25519 share with a 16-byte tag under the connection's
 //!   secret, and an answer that takes it carries the answering side's share and tag as its
 //!   payload (`len` 48; otherwise 0).
+//! * `Fin` carries no payload, or, on a stream whose last data frame was sealed by a keyed
+//!   chain, a 16-byte tag under that chain's key ([`CTL_TAG`]); an offer of a chain with no
+//!   keyed filter on such a stream ends with a zero byte and such a tag instead of a share.
+//!   (`connection::aead::control_tag`.)
 //! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
 //!   (0: none); every other bit, and any flag of other kinds but those two, is an error.
 //!
@@ -41,6 +45,8 @@ pub const MAX_CHAIN_SPEC: u32 = 256;
 /// Payload of a `ChainAnswer` that takes a keyed chain: the answering side's key share and
 /// its tag (`connection::aead::SHARE_WIRE`).
 pub const ANSWER_SHARE: u32 = 48;
+/// Payload of a `Fin` on a sealed stream: its tag (`connection::aead::CTL_TAG`).
+pub const CTL_TAG: u32 = 16;
 
 /// What a frame is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +163,7 @@ impl FrameHeader {
             FrameKind::Data => (1..=MAX_PAYLOAD).contains(&len),
             FrameKind::ChainOffer => (1..=MAX_CHAIN_SPEC).contains(&len),
             FrameKind::ChainAnswer => len == 0 || len == ANSWER_SHARE,
+            FrameKind::Fin => len == 0 || len == CTL_TAG,
             _ => len == 0,
         };
         if !ok {
