@@ -14,7 +14,14 @@ fuzz_target!(|data: &[u8]| {
     // First byte picks read sizes; the rest is the link.
     let seed = data[0] as usize;
     let link = &data[1..];
-    let mut rx = RxState::new();
+    // An odd first byte: the peer's stream is already sealed (`aead`, chain 1, a fixed key),
+    // so what a sealed stream refuses is reached too.
+    let mut rx = if seed & 1 == 1 {
+        let ids = Chain::build("aead").and_then(|c| c.ids()).expect("aead is built in");
+        RxState::sealed_by(1, ids, [7; 32]).expect("a keyed chain")
+    } else {
+        RxState::new()
+    };
     let mut pos = 0;
     let mut delivered = 0usize;
     let mut i = 0usize;
@@ -28,7 +35,8 @@ fuzz_target!(|data: &[u8]| {
                 return;
             }
             let ids = rx.chain_ids(rx.coded_chain).expect("a coded frame names a taken chain");
-            let chain = Chain::from_ids(ids).expect("a taken chain can be built");
+            let mut chain = Chain::from_ids(ids).expect("a taken chain can be built");
+            chain.set_key(rx.chain_key(rx.coded_chain));
             let Ok(dec) = chain_decode(chain, rx.coded_seq, &link[pos..pos + len]) else { return };
             let at = rx.coded_taken as usize;
             if dec.is_empty() || at > dec.len() {

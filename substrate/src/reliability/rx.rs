@@ -375,6 +375,25 @@ impl RxState {
         (self.sealed_no != 0 && *k != [0; KEY]).then_some(k)
     }
 
+    /// A fresh receive half whose peer's stream is already sealed by its chain number `no`
+    /// (compact form `ids`, key `key`), as after an exchange and a first sealed frame: for
+    /// tests and fuzzing of what a sealed stream refuses.
+    pub fn sealed_by(no: u8, ids: u32, key: [u8; KEY]) -> Option<RxState> {
+        let no = no as usize;
+        if !(1..16).contains(&no) || !Chain::ids_keyed(ids) {
+            return None;
+        }
+        let mut r = RxState::new();
+        r.chains[no] = TAKEN | ids;
+        r.keys[no] = key;
+        r.careful = 1;
+        r.takes = 1;
+        r.taken_at[no] = 1;
+        r.latest_no = no as u32;
+        r.sealed_no = no as u32;
+        Some(r)
+    }
+
     /// The key of the chain taken last, if it is keyed.
     fn latest_key(&self) -> Option<&[u8; KEY]> {
         let k = &self.keys[self.latest_no as usize & 15];
