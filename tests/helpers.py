@@ -212,6 +212,7 @@ PORTS = {
     "tap_capture": 17936,
     "plugins": 17937,
     "aead_slip": 17940,                 # to 17942
+    "device_shm": 17943,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -18,9 +18,9 @@ import pytest
 
 import subprocess
 
-from helpers import (BASELINE, ETH0, H1, H2, H2_IP, PORTS, PRELOAD_LIB,
+from helpers import (BASELINE, ETH0, H1, H1_IP, H2, H2_IP, PORTS, PRELOAD_LIB,
                      assert_same_stream, both_ways, chain_of, extra_agent, in_netns, python_prog,
-                     vmictl, vmictl_ok, wait_conn)
+                     vmictl, vmictl_ok, wait_conn, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -201,6 +201,49 @@ def test_node_default_chains_from_the_agent(procs, tmp_path):
     assert seen[1] == ("", "lz4"), seen
     results = {r["peer"]: r for r in srv.json_lines()}
     assert len(results) == 2 and all("error" not in r for r in results.values()), results
+
+
+def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
+    """Two programs on one node stream both ways over shared memory. Loading a device on
+    their connection moves it to TCP at both ends (devices work on TCP frames) and puts the
+    device on both directions; unloading leaves it on TCP until the operator moves it back,
+    which works again. The streams stay exact throughout."""
+    port = PORTS["device_shm"]
+    addr = f"{H1_IP}:{port}"
+    rate, seconds = 4 * MiB, 8
+    n = rate * seconds
+    env = {"VMI_LOG": "info", "VMI_SHM": "1"}
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--rate", rate), port, layer=True,
+                       env=env, name="stream-server")
+    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                      "--server-bytes", n, "--seed", port, "--rate", rate,
+                                      "--hold", "1"), layer=True, env=env, name="stream-client")
+
+    def ends(substrate, chain, past=0):
+        def check(st):
+            e = [c for c in st.get("connections", []) if addr in (c.get("peer"), c.get("local"))]
+            ok = len(e) == 2 and all(c.get("substrate") == substrate and chain_of(c) == (chain, chain)
+                                     and c.get("bytes_received", 0) > past for c in e)
+            return ok and e
+        return check
+    e = wait_status(H1, ends("shm", ""), 10, "both ends streaming over shared memory")
+    gid = e[0]["gid"]
+    vmictl_ok(H1, "device", "load", "lz4", "--gid", gid)
+    e = wait_status(H1, ends("tcp", "lz4", e[0]["bytes_received"]), 10,
+                    "both ends on TCP with lz4 both ways, bytes still flowing")
+    vmictl_ok(H1, "device", "unload", "lz4", "--gid", gid)
+    e = wait_status(H1, ends("tcp", "", e[0]["bytes_received"]), 10,
+                    "both ends on TCP with no device, bytes still flowing")
+    vmictl_ok(H1, "move", gid, "shm")
+    wait_status(H1, ends("shm", "", e[0]["bytes_received"]), 10,
+                "both ends back on shared memory, bytes still flowing")
+    cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
+    assert_same_stream(c, s)
+    assert "moves from shared memory to TCP for device lz4" in cli.stderr() + srv.stderr()
 
 
 def test_device_refused_clearly(procs):

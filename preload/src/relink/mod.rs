@@ -769,6 +769,9 @@ fn offer_when_free(
 fn chain_conn(gid: u128, spec: &str) {
     let Some(v) = crate::vc::by_gid(gid) else { return };
     let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
+    if !spec.is_empty() {
+        leave_shm_for_devices(&v, &format!("chain \"{spec}\""));
+    }
     match offer_when_free(&v, fd, spec, false) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
@@ -796,6 +799,9 @@ fn device_conn(gid: u128, load: bool, name: &str) {
     }
     let spec = names.join(",");
     let verb = if load { "load" } else { "unload" };
+    if !spec.is_empty() {
+        leave_shm_for_devices(&v, &format!("device {name}"));
+    }
     match offer_when_free(&v, fd, &spec, true) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: device {name} {verb}ed as the operator asked: chain {no} \"{spec}\" \
@@ -806,6 +812,27 @@ fn device_conn(gid: u128, load: bool, name: &str) {
             std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
         )),
     }
+}
+
+/// Devices work on the frames of kernel TCP: a connection on shared memory that is to get
+/// one moves to TCP first (both ends, as `vmictl move GID tcp` does), and stays there after
+/// the devices are unloaded, until the operator moves it back. The chain offered next waits
+/// in the send half and goes on the new link.
+fn leave_shm_for_devices(v: &crate::vc::Vc, what: &str) {
+    if v.shm_now().is_none() {
+        return;
+    }
+    let gid = v.mem().conn().gid;
+    if v.shm_now().is_some_and(|l| l.peer_closed()) {
+        // (It ends there; the offer is refused as before.)
+        return;
+    }
+    v.mem().conn().pin_tcp.store(1, Release);
+    log::info(format_args!(
+        "virtual connection {gid:032x} moves from shared memory to TCP for {what} (devices work on TCP frames; \
+         `vmictl move {gid:032x} shm` takes it back once they are unloaded)"
+    ));
+    move_off_shm(v, &format!("moving to TCP for {what}"));
 }
 
 /// The operator moves connection `gid` to shared memory or to TCP (`vmictl move`).
