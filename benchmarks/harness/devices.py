@@ -14,12 +14,16 @@ namespace hosts under the layer.
 * sockperf ping-pong, 64 B and 16 KiB, with each device;
 * the time `vmictl device load|unload` takes on a busy connection (iperf3 at full speed):
   from the command to the sending end switching what it sends (read from the
-  `send_since_ms` its layer records) once the receiving end lists the chain too.
+  `send_since_ms` its layer records) once the receiving end lists the chain too;
+* the taps, off and on, loaded on the running programs' connection: `profile` (at both ends)
+  and `vmictl capture` (the sending end, into /dev/null, so that the figure is the layer's
+  work and not the disk's), with iperf3 (the first second, before the tap, left out with
+  `-O 1`) and sockperf ping-pong at 64 B (the tap on for the last 3.5 of 4 s).
 
 Modes alternate within each repetition; medians with their range. Markdown on stdout,
 progress on stderr, the raw figures as JSON with --json FILE.
 
-    sudo python3 benchmarks/harness/devices.py [--reps 5] [--mib 256]
+    sudo python3 benchmarks/harness/devices.py [--reps 5] [--mib 256] [--only taps]
 
 Hosts `vmidv1`, `vmidv2` (10.81.0.0/24 and 10.81.1.0/24), removed at the end, also on failure.
 """
@@ -44,6 +48,7 @@ NET0, NET1 = "10.81.0", "10.81.1"
 H1, H2 = f"{PREFIX}1", f"{PREFIX}2"
 IP2 = f"{NET0}.2"
 MODES = ["none", "lz4", "zstd:1", "zstd:3", "aead", "aead:chacha20-poly1305", "lz4,aead"]
+TAP_MODES = ["off", "profile", "capture"]
 LIVE = []
 
 SENDER = r"""
@@ -238,6 +243,101 @@ def sockperf(mode, port, size):
         stop(srv)
 
 
+def tap_on(mode, prog):
+    """Puts tap `mode` on the connection of the program `prog` runs in H1 (the one that sent
+    most); returns the capture's vmictl process, if any."""
+    deadline = time.monotonic() + 5
+    conns = []
+    while not conns and time.monotonic() < deadline:
+        conns = [c for c in json.loads(vmictl(H1, "status", "--json"))["connections"]
+                 if c.get("bytes_sent", 0) > 0 and c.get("program", prog) == prog]
+        time.sleep(0.05)
+    if not conns:
+        raise RuntimeError(f"no connection of {prog} in {H1}")
+    gid = max(conns, key=lambda c: c.get("bytes_sent", 0))["gid"]
+    if mode == "profile":
+        for h in (H1, H2):
+            vmictl(h, "device", "load", "profile", "--gid", gid)
+    elif mode == "capture":
+        return start(ns(H1, [BIN / "vmictl", "capture", gid, "-w", "/dev/null", "--duration", 10]),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return None
+
+
+def iperf3_tapped(mode, port, seconds=5):
+    """iperf3 (one stream, random data) with tap `mode` put on 0.4 s after it starts; the
+    first second is left out of its figures."""
+    srv = start(ns(H2, ["iperf3", "-s", "-1", "-p", port]), env=layer_env("none"),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cap = None
+    try:
+        time.sleep(0.3)
+        cli = start(ns(H1, ["iperf3", "-c", IP2, "-p", port, "-t", seconds, "-O", 1, "--json"]),
+                    env=layer_env("none"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(0.4)
+        if mode != "off":
+            cap = tap_on(mode, "iperf3")
+        out, _ = cli.communicate(timeout=seconds + 40)
+        end = json.loads(out)["end"]
+        bps = end["sum_received"]["bits_per_second"]
+        moved = end["sum_received"]["bytes"]
+        cpu = end["cpu_utilization_percent"]
+        cpu_s = (cpu["host_total"] + cpu["remote_total"]) / 100 * (seconds + 1)
+        return bps / 1e9, cpu_s / (moved / (1 << 30) * (seconds + 1) / seconds)
+    finally:
+        if cap:
+            stop(cap)
+        stop(srv)
+
+
+def sockperf_tapped(mode, port, size=64):
+    """sockperf ping-pong for 4 s, tap `mode` put on after 0.5 s: the median half round trip."""
+    srv = start(ns(H2, ["sockperf", "server", "--tcp", "-i", IP2, "-p", port]), env=layer_env("none"),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cap = None
+    try:
+        time.sleep(0.5)
+        cli = start(ns(H1, ["sockperf", "ping-pong", "--tcp", "-i", IP2, "-p", port, "-t", "4", "-m", size]),
+                    env=layer_env("none"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(0.5)
+        if mode != "off":
+            cap = tap_on(mode, "sockperf")
+        out, _ = cli.communicate(timeout=60)
+        for line in out.splitlines():
+            if "50.000 =" in line or "<MEDIAN>" in line.upper():
+                return float(line.split("=")[-1].strip())
+        raise RuntimeError(f"sockperf with {mode}: {out[-300:]}")
+    finally:
+        if cap:
+            stop(cap)
+        stop(srv)
+
+
+def taps(reps, port):
+    thr = {m: [] for m in TAP_MODES}
+    cpu = {m: [] for m in TAP_MODES}
+    lat = {m: [] for m in TAP_MODES}
+    for rep in range(reps):
+        for m in (TAP_MODES if rep % 2 == 0 else TAP_MODES[::-1]):
+            port += 2
+            log(f"rep {rep + 1}/{reps}: taps, {m}")
+            g, c = iperf3_tapped(m, port)
+            thr[m].append(g)
+            cpu[m].append(c)
+            lat[m].append(sockperf_tapped(m, port + 1))
+    return thr, cpu, lat
+
+
+def print_taps(thr, cpu, lat):
+    print("\n### Taps on and off (loaded on the running programs' connection)\n")
+    print("| tap | iperf3 Gbit/s | vs off | CPU s per GiB (both ends) | 64 B RTT/2 us | vs off |")
+    print("|---|---|---|---|---|---|")
+    for m in TAP_MODES:
+        r = med(thr[m]) / med(thr["off"])
+        q = med(lat[m]) / med(lat["off"])
+        print(f"| {m} | {spread(thr[m])} | {r:.2f} | {spread(cpu[m])} | {spread(lat[m], 1)} | {q:.2f} |")
+
+
 def switch_times(port, loads):
     """A full-speed iperf3 stream under the layer; `lz4` loaded and unloaded `loads` times."""
     srv = start(ns(H2, ["iperf3", "-s", "-1", "-p", port]), env=layer_env("none"),
@@ -284,6 +384,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--mib", type=int, default=256, help="MiB of text per shaped run")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", choices=["taps"], help="run only this part")
     a = ap.parse_args()
     for b in ("libvmi_preload.so", "vmi-agent", "vmictl", "filter-speed"):
         if not (BIN / b).exists():
@@ -295,6 +396,24 @@ def main():
             if p.suffix in (".rs", ".md", ".py", ".c", ".sh") and "target" not in p.parts:
                 f.write(p.read_bytes())
     res = {"date": time.strftime("%Y-%m-%d"), "text_bytes": text.stat().st_size}
+    if a.only == "taps":
+        topo("down")
+        topo("up")
+        agents = Agents(tmp)
+        try:
+            agents.up()
+            tt = taps(a.reps, 25000)
+        finally:
+            for p in LIVE:
+                if p.poll() is None:
+                    stop(p)
+            topo("down")
+        print(f"## Taps on and off, {res['date']}")
+        print_taps(*tt)
+        if a.json:
+            res.update({"taps_iperf3_gbps": tt[0], "taps_cpu_s_per_gib": tt[1], "taps_latency_us": tt[2]})
+            a.json.write_text(json.dumps(res, indent=1))
+        return
     log(f"codec speed ({text.stat().st_size} bytes of text)")
     rows, ref = codec(a.reps, text)
     topo("down")
@@ -327,6 +446,7 @@ def main():
                     lat[(m, s)].append(sockperf(m, port, s))
         log("device load/unload on a busy connection")
         took = switch_times(port + 1, 2 * a.reps)
+        tt = taps(a.reps, port + 10)
     finally:
         for p in LIVE:
             if p.poll() is None:
@@ -358,11 +478,13 @@ def main():
     print(f"\n### `vmictl device load|unload lz4` on a busy connection (iperf3 at full speed)\n")
     print(f"From the command to the sender switching: {spread(took, 0)} ms over {len(took)} "
           f"switches (the vmictl process start and the agent's round trip included).")
+    print_taps(*tt)
     if a.json:
         res.update({"codec": {f"{f}/{d}": r for (f, d), r in rows.items()}, "reference": ref,
                     "shaped_gbps": shaped, "iperf3_gbps": thr, "cpu_s_per_gib": cpu,
                     "latency_us": {f"{m}/{s}": v for (m, s), v in lat.items()},
-                    "switch_ms": took})
+                    "switch_ms": took, "taps_iperf3_gbps": tt[0], "taps_cpu_s_per_gib": tt[1],
+                    "taps_latency_us": tt[2]})
         a.json.write_text(json.dumps(res, indent=1))
 
 
