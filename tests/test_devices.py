@@ -206,8 +206,9 @@ def test_node_default_chains_from_the_agent(procs, tmp_path):
 def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
     """Two programs on one node stream both ways over shared memory. Loading a device on
     their connection moves it to TCP at both ends (devices work on TCP frames) and puts the
-    device on both directions; unloading leaves it on TCP until the operator moves it back,
-    which works again. The streams stay exact throughout."""
+    device on both directions; a move back to shared memory asked meanwhile leaves it on TCP
+    with its device (and says why); unloading leaves it on TCP until the operator moves it
+    back, which works again. The streams stay exact throughout."""
     port = PORTS["device_shm"]
     addr = f"{H1_IP}:{port}"
     rate, seconds = 4 * MiB, 8
@@ -232,6 +233,11 @@ def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
     vmictl_ok(H1, "device", "load", "lz4", "--gid", gid)
     e = wait_status(H1, ends("tcp", "lz4", e[0]["bytes_received"]), 10,
                     "both ends on TCP with lz4 both ways, bytes still flowing")
+    # Asked back onto shared memory with the device on: it stays on TCP with its device.
+    vmictl_ok(H1, "move", gid, "shm")
+    time.sleep(1)
+    e = wait_status(H1, ends("tcp", "lz4", e[0]["bytes_received"]), 10,
+                    "both ends still on TCP with lz4 after a move to shared memory was asked")
     vmictl_ok(H1, "device", "unload", "lz4", "--gid", gid)
     e = wait_status(H1, ends("tcp", "", e[0]["bytes_received"]), 10,
                     "both ends on TCP with no device, bytes still flowing")
@@ -243,7 +249,9 @@ def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
     c, s = cli.last_json(), srv.last_json()
     assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
     assert_same_stream(c, s)
-    assert "moves from shared memory to TCP for device lz4" in cli.stderr() + srv.stderr()
+    logs = cli.stderr() + srv.stderr()
+    assert "moves from shared memory to TCP for device lz4" in logs, logs[-2000:]
+    assert "stays on TCP" in logs, logs[-2000:]
 
 
 def test_device_refused_clearly(procs):
