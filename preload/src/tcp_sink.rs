@@ -1375,6 +1375,18 @@ fn make_coded(
         v
     };
     if let Some((no, ids)) = tx.frame_chain() {
+        // A frame no filter of its chain would change (incompressible bytes under the
+        // compressors) goes plain: no copy into a coded frame here, none out of it there.
+        let head = match plan.source {
+            Source::App => Some(&app[..plan.payload]),
+            Source::Ring(at) => Some(ring_slices(ring, at, plan.payload).0),
+            _ => None,
+        };
+        if let Some(head) = head.filter(|_| !Chain::ids_keyed(ids)) {
+            if with_chain(ids, tx.chain_key(no), |c| c.passes(head)) == Some(true) {
+                return Ok((tx.send_plain(plan), Scratch::default()));
+            }
+        }
         let seq = match plan.source {
             Source::Ring(at) => at,
             _ => tx.next_seq,

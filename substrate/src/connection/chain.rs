@@ -61,6 +61,12 @@ pub trait Filter: std::fmt::Debug + Send {
     }
     /// Gives a keyed filter its key.
     fn set_key(&mut self, _key: &[u8; 32]) {}
+    /// True when this filter would leave `input` as it is (a compressor that judges the
+    /// frame not worth compressing): a frame every filter of its chain would leave may go
+    /// plain, read by the peer's layer like any plain frame.
+    fn passes(&mut self, _input: &[u8]) -> bool {
+        false
+    }
     /// Decodes `buf` where it lies, when the filter can (a sealed record opens in place):
     /// `None` when it cannot (then [`decode`](Self::decode) is used).
     fn decode_in_place(&mut self, _seq: u64, _buf: &mut Vec<u8>) -> Option<Result<(), DecodeError>> {
@@ -150,6 +156,13 @@ fn tagged_encode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) {
     }
 }
 
+/// True when [`tagged_encode`] would store `input` as it is, judged as it judges (from the
+/// probe alone: a frame whose probe compresses but whose whole does not is not foreseen).
+fn tagged_passes(p: &mut impl Packer, input: &[u8]) -> bool {
+    let probe = &input[..input.len().min(PROBE)];
+    !matches!((input.len() > 64).then(|| p.pack(probe)).flatten(), Some(n) if n < probe.len() - probe.len() / 8)
+}
+
 /// The inverse of [`tagged_encode`], for a peer's frame: a bad tag, a claimed length above
 /// the largest frame, or a block that does not decode to exactly that length is an error.
 fn tagged_decode(p: &mut impl Packer, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
@@ -188,6 +201,9 @@ impl<P: Packer + std::fmt::Debug + Send> Filter for P {
     }
     fn encode(&mut self, _seq: u64, _raw_len: usize, input: &[u8], out: &mut Vec<u8>) {
         tagged_encode(self, input, out)
+    }
+    fn passes(&mut self, input: &[u8]) -> bool {
+        tagged_passes(self, input)
     }
     fn decode(&mut self, _seq: u64, input: &[u8], out: &mut Vec<u8>) -> Result<(), DecodeError> {
         tagged_decode(self, input, out)
@@ -656,6 +672,13 @@ impl Chain {
         let mut out = Vec::new();
         self.encode_into(seq, input, &mut out);
         out
+    }
+
+    /// True when every filter of a chain that has some would leave `input` as it is (see
+    /// [`Filter::passes`]): the frame may then go plain. Never for a chain with a keyed
+    /// filter.
+    pub fn passes(&mut self, input: &[u8]) -> bool {
+        !self.filters.is_empty() && self.filters.iter_mut().all(|f| f.passes(input))
     }
 
     /// Encodes a frame's payload into `out` (emptied first; a buffer used again saves the

@@ -10,7 +10,7 @@
 
 use super::ProtoError;
 use crate::connection::chain::{Chain, CODED_MAX};
-use crate::wire::frame::{FrameError, FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC};
+use crate::wire::frame::{FrameError, FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC, PLAIN};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -617,7 +617,7 @@ impl RxState {
             return Err(FrameError::UnknownKind(h[1]).into());
         }
         let allowed = match h[1] {
-            1 => 0x0f,
+            1 => 0x1f,
             6 | 7 => 0x01,
             _ => 0,
         };
@@ -690,6 +690,23 @@ impl RxState {
                 (true, _) => return Err(ProtoError::ControlForged("an end of stream with no tag")),
                 (false, _) => return Err(ProtoError::ControlForged("a tagged end of stream")),
             }
+            return Ok(());
+        }
+        if h.kind == FrameKind::Data && h.chain & PLAIN != 0 {
+            // A frame of chain `no` that no filter of it would change: plain bytes, read as
+            // any plain frame (a frame of a chain taken before an empty one may still be one).
+            let no = h.chain & !PLAIN;
+            let ids = self.chain_ids(no as u32).ok_or(ProtoError::BadChain(no))?;
+            if Chain::ids_keyed(ids) {
+                return Err(ProtoError::ControlForged("a data frame in clear"));
+            }
+            if self.sealed_no != 0 {
+                if self.taken_at[no as usize] <= self.taken_at[self.sealed_no as usize] {
+                    return Err(ProtoError::ControlForged("a data frame in clear"));
+                }
+                self.sealed_no = 0;
+            }
+            self.frame_rem = h.len as u64;
             return Ok(());
         }
         if h.kind == FrameKind::Data {

@@ -432,6 +432,16 @@ impl TxState {
         (self.new_chain != 0).then(|| (self.new_chain as u8, self.chain_ids[self.new_chain as usize]))
     }
 
+    /// Sends the frame just planned plain although its chain named one (every filter of
+    /// the chain would leave its bytes as they are): its header names the chain with the
+    /// `PLAIN` flag. Returns the plan with that header.
+    pub fn send_plain(&mut self, plan: Plan) -> Plan {
+        debug_assert!(self.new_chain != 0 && self.owed_header_off == 0);
+        let chain = std::mem::take(&mut self.new_chain);
+        self.owed_header[2] = chain as u8 | crate::wire::frame::PLAIN;
+        Plan { header: self.owed_header, ..plan }
+    }
+
     /// Makes the frame just planned (`plan`, from `plan_send` or `plan_replay`, whose
     /// [`frame_chain`](Self::frame_chain) named a chain) a coded one of `enc_len` bytes.
     pub fn code_frame(&mut self, plan: Plan, enc_len: usize) -> Plan {

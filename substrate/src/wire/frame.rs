@@ -29,7 +29,11 @@
 //!   keyed filter on such a stream ends with a zero byte and such a tag instead of a share.
 //!   (`connection::aead::control_tag`.)
 //! * `flags` of a `Data` frame: the low 4 bits name the chain that transformed its payload
-//!   (0: none); every other bit, and any flag of other kinds but those two, is an error.
+//!   (0: none); with [`PLAIN`] (0x10) the frame belongs to that chain but its payload is as
+//!   it was (every filter of the chain would leave it so: incompressible bytes under a
+//!   compressor; never a chain with a keyed filter), and it is read as a plain frame. Every
+//!   other bit, `PLAIN` without a chain, and any flag of other kinds but those two, is an
+//!   error.
 //!
 //! All integers are little endian. Anything else (bad magic, unknown kind, reserved flags,
 //! a length out of bounds) is a [`FrameError`]: the connection is closed, never guessed at.
@@ -45,6 +49,8 @@ pub const MAX_CHAIN_SPEC: u32 = 256;
 /// Payload of a `ChainAnswer` that takes a keyed chain: the answering side's key share and
 /// its tag (`connection::aead::SHARE_WIRE`).
 pub const ANSWER_SHARE: u32 = 48;
+/// Flag of a `Data` frame of a chain whose payload is plain (see the module's notes).
+pub const PLAIN: u8 = 0x10;
 /// Payload of a `Fin` on a sealed stream: its tag (`connection::aead::CTL_TAG`).
 pub const CTL_TAG: u32 = 16;
 
@@ -151,11 +157,11 @@ impl FrameHeader {
         };
         let flags = u16::from_le_bytes([b[2], b[3]]);
         let allowed = match kind {
-            FrameKind::Data => 0x000f,
+            FrameKind::Data => 0x001f,
             FrameKind::ChainAnswer | FrameKind::ChainOffer => 0x0001,
             _ => 0,
         };
-        if flags & !allowed != 0 {
+        if flags & !allowed != 0 || (kind == FrameKind::Data && flags & 0x1f == PLAIN as u16) {
             return Err(FrameError::BadFlags(flags));
         }
         let len = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
