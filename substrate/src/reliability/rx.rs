@@ -10,7 +10,9 @@
 
 use super::ProtoError;
 use crate::connection::chain::{Chain, CODED_MAX};
-use crate::wire::frame::{FrameError, FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC, PLAIN};
+use crate::wire::frame::{
+    FrameError, FrameHeader, FrameKind, CTL_TAG, HEADER_LEN, MAGIC, MAX_CHAIN_SPEC, PLAIN,
+};
 
 /// How the next read from the link must be laid out (the segments of one `readv`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
