@@ -112,6 +112,22 @@ def stop(p):
         p.wait()
 
 
+@contextlib.contextmanager
+def hosts(tmp):
+    """The two hosts, an agent in each; everything started is stopped and the hosts removed
+    at the end, also on failure."""
+    topo("down")
+    topo("up")
+    try:
+        Agents(tmp).up()
+        yield
+    finally:
+        for p in LIVE:
+            if p.poll() is None:
+                stop(p)
+        topo("down")
+
+
 def topo(cmd):
     env = dict(os.environ, VMI_NET0=NET0, VMI_NET1=NET1)
     subprocess.run(["bash", str(REPO / "scripts" / "topo.sh"), cmd, "2", PREFIX], env=env,
@@ -397,17 +413,8 @@ def main():
                 f.write(p.read_bytes())
     res = {"date": time.strftime("%Y-%m-%d"), "text_bytes": text.stat().st_size}
     if a.only == "taps":
-        topo("down")
-        topo("up")
-        agents = Agents(tmp)
-        try:
-            agents.up()
+        with hosts(tmp):
             tt = taps(a.reps, 25000)
-        finally:
-            for p in LIVE:
-                if p.poll() is None:
-                    stop(p)
-            topo("down")
         print(f"## Taps on and off, {res['date']}")
         print_taps(*tt)
         if a.json:
@@ -416,11 +423,7 @@ def main():
         return
     log(f"codec speed ({text.stat().st_size} bytes of text)")
     rows, ref = codec(a.reps, text)
-    topo("down")
-    topo("up")
-    agents = Agents(tmp)
-    try:
-        agents.up()
+    with hosts(tmp):
         shaped = {m: [] for m in MODES}
         thr = {m: [] for m in MODES}
         cpu = {m: [] for m in MODES}
@@ -447,11 +450,6 @@ def main():
         log("device load/unload on a busy connection")
         took = switch_times(port + 1, 2 * a.reps)
         tt = taps(a.reps, port + 10)
-    finally:
-        for p in LIVE:
-            if p.poll() is None:
-                stop(p)
-        topo("down")
     print(f"## Devices on and off, {res['date']}\n")
     print("### Per core, no network (16 KiB frames; GB/s of original bytes)\n")
     print("| filter | data | encode GB/s | decode GB/s | coded/original |")
