@@ -380,31 +380,15 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
         if !tx.in_frame() && !tx.replaying() {
             chain_frames(mem, slot, fd, tx, ring);
         }
-        let Some(plan) = tx.plan_replay(c.delivered.load(Acquire)) else {
-            if c.fin_owed.load(Acquire) != 0 {
-                if let Some(p) = tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
-                    // (A sealed stream's Fin carries its tag.)
-                    let (p, made) = match make_payload(mem, tx, p, &[], ring) {
-                        Ok(p) => p,
-                        Err(e) => {
-                            let _ = fail(mem, slot, fd, e);
-                            return true;
-                        }
-                    };
-                    let r = write_coded(fd, &p, &[], ring, &made, libc::MSG_DONTWAIT);
-                    tx.commit(&p, r.max(0) as usize, &[], ring);
-                    if r > 0 {
-                        // Begun: the rest of it, if any, is the frame in progress.
-                        c.fin_owed.store(0, Release);
-                        if tx.in_frame() {
-                            continue;
-                        }
-                    } else if !tx.in_frame() {
-                        return false;
-                    }
-                }
-            }
-            return !tx.in_frame() && c.fin_owed.load(Acquire) == 0;
+        // Replayed bytes first; then an end of stream still owed (a sealed stream's Fin
+        // carries its tag).
+        let (plan, fin) = match tx.plan_replay(c.delivered.load(Acquire)) {
+            Some(p) => (p, false),
+            None if c.fin_owed.load(Acquire) == 0 => return !tx.in_frame(),
+            None => match tx.plan_control(FrameKind::Fin, c.delivered.load(Acquire)) {
+                Some(p) => (p, true),
+                None => return false,
+            },
         };
         let (plan, made) = match make_payload(mem, tx, plan, &[], ring) {
             Ok(p) => p,
@@ -422,6 +406,10 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
                 return true;
             }
             return false;
+        }
+        if fin && r > 0 {
+            // Begun: the rest of it, if any, is the frame in progress.
+            c.fin_owed.store(0, Release);
         }
         tx.commit(&plan, r as usize, &[], ring);
         publish_tx(mem, tx, slot);
