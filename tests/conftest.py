@@ -165,6 +165,9 @@ def workdir(tmp_path):
 
 def _agent_report():
     parts = []
+    for agent in helpers.TEST_AGENTS:
+        parts.append(f"=== {agent.proc.describe()} (started for the test or its module)\n--- stderr "
+                     f"({agent.proc.err_path}) ---\n{tail(agent.proc.err_path)}")
     for host, agent in _SESSION["agents"].items():
         parts.append(f"=== {agent.proc.describe()}\n--- stderr ({agent.proc.err_path}) ---\n"
                      f"{tail(agent.proc.err_path)}")
@@ -181,6 +184,12 @@ def _agent_report():
     return "\n".join(parts)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # (An agent a module's fixture runs stays in the reports while it runs.)
+    helpers.TEST_AGENTS[:] = [a for a in helpers.TEST_AGENTS if a.proc.alive()]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -190,6 +199,6 @@ def pytest_runtest_makereport(item, call):
     runner = getattr(item, "_vmi_runner", None)
     if runner is not None and runner.procs:
         report.sections.append(("vmi: programs of this test", runner.report()))
-    if _SESSION["agents"]:
+    if _SESSION["agents"] or helpers.TEST_AGENTS:
         report.sections.append(("vmi: agents", _agent_report()))
 

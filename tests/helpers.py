@@ -213,6 +213,8 @@ PORTS = {
     "plugins": 17937,
     "aead_slip": 17940,                 # to 17942
     "device_shm": 17943,
+    "stream_early_net0": 17944,
+    "stream_early_local": 17945,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
@@ -1002,11 +1004,16 @@ class Agent:
 # Link failure: faults injected into the topology, and what vmictl says about networks, paths
 # and the physical links of virtual connections
 
+# The agents a test started beyond the session's (their logs go in its failure report).
+TEST_AGENTS = []
+
+
 @contextlib.contextmanager
 def extra_agent(host, logdir, name, args=(), key="cluster"):
     """An agent in host beyond the session's two (for a test or a module), ready; stopped
     when the block ends."""
     agent = Agent(host, logdir, name=name, args=args, key=key)
+    TEST_AGENTS.append(agent)
     try:
         agent.wait_ready()
         yield agent

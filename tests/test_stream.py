@@ -1,5 +1,7 @@
 """Checksummed two-way streams (tests/programs/stream.py) between layered programs."""
 
+import time
+
 import pytest
 
 from helpers import (H1, H1_IP, H1_IP1, H2, LOOPBACK, PORTS, Watcher, assert_same_stream,
@@ -38,3 +40,31 @@ def test_stream(procs, name, server_host, server_ip, client_host, up, down):
     # The client also sent stream.py's 24-byte header on the connection.
     assert_virtual(w, server_host, addr, client_host, c2s_bytes=up + 24, s2c_bytes=down,
                    exact=True, client_pid=cli.pid)
+
+
+@pytest.mark.parametrize("name,client_host", [("net0", H2), ("local", H1)])
+def test_a_client_that_starts_before_its_server_gets_a_virtual_connection(procs, name,
+                                                                         client_host):
+    # The client tries every 5 ms from before the server runs: the layer must neither keep
+    # the refusals' answer ("no listener there") nor let a connect slip in between the
+    # server's listen and the agent learning of it.
+    port = PORTS[f"stream_early_{name}"]
+    addr = f"{H1_IP}:{port}"
+    with Watcher(H1, client_host) as w:
+        cli = procs.start(client_host,
+                          python_prog("stream.py", "client", "--connect", addr, "--bytes", MiB,
+                                      "--seed", port, "--retry", 20, "--hold", "1"),
+                          layer=True, name="early-client")
+        time.sleep(0.7)
+        if not cli.alive():
+            raise cli.failure("the client gave up before the server started")
+        srv = procs.start(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                          "--hold", "1"),
+                          layer=True, name="late-server")
+        cli.wait(timeout=40)
+        srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["tries"] > 10, f"the client did not try before the server listened: {c}"
+    assert_same_stream(c, s)
+    assert_virtual(w, H1, addr, client_host, c2s_bytes=MiB + 24, s2c_bytes=MiB, exact=True,
+                   client_pid=cli.pid)

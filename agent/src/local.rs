@@ -202,7 +202,7 @@ impl Agent {
         let Some(target) = target.copied() else { return Msg::Plain };
         let via = SocketAddr::new(target.ip(), dst.port());
         let m = Msg::Connect { src, dst: via, gid, secret, window, aim, agents };
-        match self.peers.ask(target.ip(), target.port(), &m) {
+        match self.peers.ask_within(target.ip(), target.port(), &m, crate::peer::CONNECT_BUDGET) {
             Ok(Msg::Virtual { gid, secret, window, addrs, .. }) => {
                 if src.port() == 0 {
                     self.ports.route(gid, target);
@@ -249,7 +249,8 @@ impl Agent {
                     aim: dst,
                     agents: self.health.advertised(),
                 };
-                if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) = self.peers.ask(ip, self.port, &m)
+                if let Ok(Msg::Virtual { gid, secret, window, addrs, .. }) =
+                    self.peers.ask_within(ip, self.port, &m, crate::peer::CONNECT_BUDGET)
                 {
                     if from.port() == 0 {
                         self.ports.route(gid, SocketAddr::new(ip, self.port));
@@ -275,7 +276,7 @@ impl Agent {
             return self.expect_here(Announce { src, dst, gid, secret, window, aim: dst, agents });
         }
         let m = Msg::Connect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
-        match self.peers.ask(dst.ip(), self.port, &m) {
+        match self.peers.ask_within(dst.ip(), self.port, &m, crate::peer::CONNECT_BUDGET) {
             Ok(Msg::Virtual { gid, secret, window, addrs, alias }) => {
                 // (`alias`: the listener moved to another node, connect there.)
                 if src.port() == 0 {
@@ -292,8 +293,16 @@ impl Agent {
                 );
                 Msg::Plain
             }
-            Err(e) => {
+            Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotConnected) => {
                 debug!("no agent at {}: {e}; plain TCP", dst.ip());
+                Msg::Plain
+            }
+            Err(e) => {
+                // An agent that is there but slow or unreachable: worth an operator's look.
+                info!(
+                    "connection {gid:032x}: {src} -> {dst}: the agent at {} did not answer ({e}); plain TCP",
+                    dst.ip()
+                );
                 Msg::Plain
             }
         }

@@ -29,6 +29,13 @@ const CLEAR_MAX: usize = 1024;
 /// Time allowed for reaching another node's agent.
 pub const PEER_TIMEOUT: Duration = Duration::from_millis(500);
 
+/// Time an answer from another node's agent may take, at most (a new channel included).
+pub const ASK_BUDGET: Duration = Duration::from_secs(4);
+
+/// Time the agent gives another node's agent to answer a program's `connect` (the program
+/// waits meanwhile; the layer waits up to [`substrate::wire::agent::CONNECT_WAIT_MS`]).
+pub const CONNECT_BUDGET: Duration = Duration::from_millis(2000);
+
 /// Channels to other nodes' agents.
 pub struct PeerClient {
     key: ClusterKey,
@@ -44,6 +51,24 @@ impl PeerClient {
 
     /// Sends `m` to the agent of the node at `ip` and returns its answer.
     pub fn ask(&self, ip: IpAddr, port: u16, m: &Msg) -> io::Result<Msg> {
+        self.ask_within(ip, port, m, ASK_BUDGET)
+    }
+
+    /// As [`PeerClient::ask`], giving up once `budget` has passed (a new channel's dial and
+    /// handshake included): for a program's `connect`, which waits for the answer.
+    pub fn ask_within(&self, ip: IpAddr, port: u16, m: &Msg, budget: Duration) -> io::Result<Msg> {
+        let deadline = Instant::now() + budget;
+        let left = || {
+            let d = deadline.saturating_duration_since(Instant::now());
+            if d.is_zero() {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer within {} ms", budget.as_millis()),
+                ))
+            } else {
+                Ok(d)
+            }
+        };
         if let Some(t) = self.down.lock().unwrap_or_else(|e| e.into_inner()).get(&ip) {
             if t.elapsed() < Duration::from_secs(1) {
                 return Err(io::Error::new(io::ErrorKind::NotConnected, "agent recently unreachable"));
@@ -53,10 +78,12 @@ impl PeerClient {
         let mut conn = slot.lock().unwrap_or_else(|e| e.into_inner());
         for attempt in 0..2 {
             if conn.is_none() {
-                let opened =
-                    TcpStream::connect_timeout(&SocketAddr::new(ip, port), PEER_TIMEOUT).and_then(|s| {
-                        s.set_read_timeout(Some(Duration::from_secs(2)))?;
-                        s.set_write_timeout(Some(Duration::from_secs(2)))?;
+                let opened = left()
+                    .and_then(|d| TcpStream::connect_timeout(&SocketAddr::new(ip, port), d.min(PEER_TIMEOUT)))
+                    .and_then(|s| {
+                        let d = left()?;
+                        s.set_read_timeout(Some(d))?;
+                        s.set_write_timeout(Some(d))?;
                         s.set_nodelay(true)?;
                         Channel::dial(s, &self.key)
                     });
@@ -74,7 +101,11 @@ impl PeerClient {
                 }
             }
             let s = conn.as_mut().expect("connected above");
-            match write_msg(s, m).and_then(|_| read_msg(s)) {
+            let timed = left().and_then(|d| {
+                s.stream().set_read_timeout(Some(d))?;
+                s.stream().set_write_timeout(Some(d))
+            });
+            match timed.and_then(|_| write_msg(s, m)).and_then(|_| read_msg(s)) {
                 Ok(a) => return Ok(a),
                 Err(e) => {
                     *conn = None;

@@ -134,10 +134,19 @@ pub(crate) fn write_all(fd: i32, mut b: &[u8], pass_fd: Option<i32>) -> bool {
     true
 }
 
-pub(crate) fn read_exact(fd: i32, mut b: &mut [u8]) -> bool {
+pub(crate) fn read_exact(fd: i32, b: &mut [u8]) -> bool {
+    read_patiently(fd, b, 0)
+}
+
+/// As [`read_exact`], waiting `extra` more receive timeouts (a second each) for the data.
+fn read_patiently(fd: i32, mut b: &mut [u8], mut extra: u32) -> bool {
     while !b.is_empty() {
         let r = sys::fd::recv(fd, b, 0);
         if r < 0 && sys::errno() == libc::EINTR {
+            continue;
+        }
+        if r < 0 && extra > 0 && matches!(sys::errno(), libc::EAGAIN | libc::ETIMEDOUT) {
+            extra -= 1;
             continue;
         }
         if r <= 0 {
@@ -152,8 +161,13 @@ fn exchange(fd: i32, m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
     if !write_all(fd, &m.encode(), pass_fd) {
         return None;
     }
+    // The socket's receive timeout is a second; a connect may wait longer.
+    let extra = match m {
+        Msg::Connect { .. } => (substrate::wire::agent::CONNECT_WAIT_MS / 1000).saturating_sub(1) as u32,
+        _ => 0,
+    };
     let mut pre = [0u8; 4];
-    if !read_exact(fd, &mut pre) {
+    if !read_patiently(fd, &mut pre, extra) {
         return None;
     }
     let n = Msg::body_len(pre).ok()?;
@@ -328,7 +342,7 @@ fn fail<T>(st: &mut State, now: u64) -> Option<T> {
     }
     st.said_hello = false;
     st.down_until = now + RETRY_NS;
-    log::info(format_args!("node agent stopped answering: plain TCP for now"));
+    log::warn(format_args!("the node agent stopped answering: plain TCP for new connections for now"));
     None
 }
 

@@ -88,31 +88,59 @@ pub fn connect(fd: c_int, dst: Option<SocketAddr>, real: impl FnOnce(Option<&Raw
         .and_then(|p| p.via)
         .map(|v| RawAddr::ip(&v, sys::tcp_family(fd) == Some(libc::AF_INET6)));
     let r = real(via.as_ref());
-    if let Some(p) = pending {
-        quietly(|| {
-            // (A blocking connect interrupted by a signal goes on in the kernel, as a
-            // non-blocking one does.)
-            if matches!(r, Ok(_) | Err(Errno(libc::EINPROGRESS | libc::EINTR))) {
-                setup::after_connect(fd, p);
-            } else {
-                setup::connect_failed(p);
+    // (A blocking connect interrupted by a signal goes on in the kernel, as a non-blocking
+    // one does.)
+    let made = matches!(r, Ok(_) | Err(Errno(libc::EINPROGRESS | libc::EINTR)));
+    match pending {
+        Some(p) => {
+            quietly(|| {
+                if made {
+                    setup::after_connect(fd, p);
+                } else {
+                    setup::connect_failed(p);
+                }
+                Some(())
+            });
+        }
+        None => {
+            if let Some(dst) = dst {
+                quietly(|| {
+                    setup::plain_connect(dst, made);
+                    Some(())
+                });
             }
-            Some(())
-        });
+        }
     }
     r
 }
 
 /// `listen`.
 pub fn listen(fd: c_int, real: impl FnOnce() -> Real) -> Real {
-    let r = real()?;
-    if !fdtable::is_managed(fd) {
-        quietly(|| {
-            setup::after_listen(fd);
-            Some(())
-        });
+    if fdtable::is_managed(fd) {
+        return real();
     }
-    Ok(r)
+    // A bound socket is registered before it listens: once the kernel takes connections on
+    // it, a connecting layer's agent must find it (a client that connects as soon as the
+    // port listens would otherwise go plain).
+    let early = quietly(|| setup::before_listen(fd));
+    match real() {
+        Ok(r) => {
+            quietly(|| {
+                setup::after_listen(fd, early);
+                Some(())
+            });
+            Ok(r)
+        }
+        Err(e) => {
+            if let Some(addr) = early {
+                quietly(|| {
+                    setup::listen_failed(addr);
+                    Some(())
+                });
+            }
+            Err(e)
+        }
+    }
 }
 
 /// `accept` and `accept4`: `real` is the program's call, run again when it failed because

@@ -69,7 +69,9 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm, unbound })
         }
         Some(Msg::Plain) => {
-            agent::remember_plain(dst);
+            // Remembered only once the real `connect` is under way (`plain_connect`): a
+            // client that tries before its server listens asks again on its next try.
+            PLAIN_ANSWER.with(|c| c.set(Some(dst)));
             None
         }
         Some(other) => {
@@ -77,6 +79,20 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             None
         }
         None => None,
+    }
+}
+
+thread_local! {
+    /// The destination this thread's last [`before_connect`] heard "plain" for.
+    static PLAIN_ANSWER: std::cell::Cell<Option<SocketAddr>> = const { std::cell::Cell::new(None) };
+}
+
+/// After the real `connect` to `dst` of a socket that stays plain: if the agent said `dst`
+/// is no listener under the layer and the connection is made (or under way), that answer is
+/// kept a while, so that more connections there do not ask again. A refused one is not.
+pub fn plain_connect(dst: SocketAddr, made: bool) {
+    if PLAIN_ANSWER.with(|c| c.take()) == Some(dst) && made {
+        agent::remember_plain(dst);
     }
 }
 
@@ -157,8 +173,24 @@ pub fn connect_failed(p: Pending) {
     crate::relink::released(p.gid, false);
 }
 
-/// After a successful `listen`: register the listener with the agent.
-pub fn after_listen(fd: i32) {
+/// Before `listen` on a socket already bound to an address: registers the listener with
+/// the agent (so that it knows the listener before the first SYN can be taken); the address
+/// registered, if any.
+pub fn before_listen(fd: i32) -> Option<SocketAddr> {
+    if config::disabled() || !crate::sandbox::may_set_up() || sys::tcp_family(fd).is_none() {
+        return None;
+    }
+    let addr = sys::local_addr(fd)?;
+    if addr.port() == 0 {
+        // Not bound: `listen` picks the port.
+        return None;
+    }
+    agent::register_listener(addr).then_some(addr)
+}
+
+/// After a successful `listen`: the socket is a listener of the layer's from now on; it is
+/// registered with the agent here unless [`before_listen`] did.
+pub fn after_listen(fd: i32, registered: Option<SocketAddr>) {
     if config::disabled() || !crate::sandbox::may_set_up() || sys::tcp_family(fd).is_none() {
         return;
     }
@@ -166,7 +198,17 @@ pub fn after_listen(fd: i32) {
     // Kept even if no agent answers now: the listener is registered whenever the process
     // next reaches an agent (a restarted one included).
     fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
-    agent::register_listener(addr);
+    if registered != Some(addr) {
+        agent::register_listener(addr);
+    }
+}
+
+/// `listen` failed after [`before_listen`] registered `addr`: unregistered, unless another
+/// listener of this process has that address.
+pub fn listen_failed(addr: SocketAddr) {
+    if !fdtable::listeners().iter().any(|(_, a)| *a == addr) {
+        let _ = agent::request(&Msg::Unlisten { addr });
+    }
 }
 
 /// A listener is closed for good.

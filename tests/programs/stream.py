@@ -296,8 +296,22 @@ def spawner(every, stop, counts):
             counts["spawn_errors"] += 1
 
 
+def connect(addr, retry):
+    """A connection to addr; refused ones are tried again every 5 ms for up to retry s."""
+    deadline = time.monotonic() + retry
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return socket.create_connection(addr), tries
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
 def client(args):
-    sock = socket.create_connection(args.connect)
+    sock, tries = connect(args.connect, args.retry)
     back = args.bytes if args.server_bytes is None else args.server_bytes
     sock.sendall(HEADER.pack(MAGIC, back, args.seed))
     stop, counts = threading.Event(), {"spawned": 0, "spawn_errors": 0}
@@ -308,6 +322,8 @@ def client(args):
     stop.set()
     if args.spawn > 0:
         result.update(counts)
+    if args.retry > 0:
+        result["tries"] = tries
     if hold := args.hold:
         time.sleep(hold)
     sock.close()
@@ -333,6 +349,8 @@ def main():
     c.add_argument("--connect", type=parse_addr, required=True)
     c.add_argument("--spawn", type=float, default=0.0, metavar="S",
                    help="run `true` as a subprocess every S seconds during the exchange")
+    c.add_argument("--retry", type=float, default=0.0, metavar="S",
+                   help="try a refused connect again every 5 ms for up to S seconds")
     c.add_argument("--bytes", type=int, required=True, help="bytes the client sends")
     c.add_argument("--server-bytes", type=int, default=None,
                    help="bytes the server sends back (default: same as --bytes)")

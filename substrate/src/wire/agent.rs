@@ -11,6 +11,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 /// Largest body accepted (a status reply for tens of thousands of connections fits).
 pub const MAX_BODY: usize = 64 << 20;
 
+/// How long a layer waits for its agent's answer to a `Connect` (the agent may have to reach
+/// another node's agent first, and gives it less than this), in milliseconds. Other requests
+/// are answered from the agent's own state and get a second.
+pub const CONNECT_WAIT_MS: u64 = 3000;
+
 /// A message on an agent socket.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Msg {
