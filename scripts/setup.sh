@@ -42,6 +42,9 @@ APT_PACKAGES=(
     etcd-client
     protobuf-compiler
     libprotobuf-dev
+    binutils
+    libibverbs-dev
+    libfabric-dev
 )
 
 missing=()

@@ -72,16 +72,48 @@ pub struct Directory {
     unbound: HashMap<u128, (SocketAddr, Expected)>,
     swept: Option<Instant>,
     forwards: Vec<Forward>,
+    /// Connections announced lately to an address where nothing listened (the newest last):
+    /// their programs may be trying again and again until a server listens.
+    misses: std::collections::VecDeque<(SocketAddr, Instant)>,
 }
+
+/// How long after a connection was announced to an address where nothing listened a new
+/// listener there holds its `listen` (see [`Directory::listen`]).
+pub const MISS_HOLD: Duration = Duration::from_millis(50);
+/// Most misses remembered.
+const MISSES: usize = 64;
 
 impl Directory {
     /// Records a listener (idempotent per owner and address). A listener that comes back
     /// here ends the forward of its address.
-    pub fn listen(&mut self, addr: SocketAddr, window: u64, owner: u64) {
+    ///
+    /// Returns how long the program should wait before it really listens: a connection
+    /// announced here a moment ago, when nothing listened, was answered "plain", and its
+    /// program may connect again any moment (a client that starts before its server). Had
+    /// the kernel taken its connection before the answer reached it, the connection would be
+    /// plain at both ends; the wait lets such answers land first (any later announcement
+    /// finds the listener).
+    pub fn listen(&mut self, addr: SocketAddr, window: u64, owner: u64) -> Duration {
+        self.listen_at(addr, window, owner, Instant::now())
+    }
+
+    /// [`Directory::listen`] at time `now`.
+    pub fn listen_at(&mut self, addr: SocketAddr, window: u64, owner: u64, now: Instant) -> Duration {
         self.forwards.retain(|f| f.addr != addr);
         if !self.listeners.iter().any(|l| l.addr == addr && l.owner == owner) {
             self.listeners.push(ListenerRec { addr, window, owner });
         }
+        let takes = |d: &SocketAddr| {
+            *d == addr
+                || (d.port() == addr.port()
+                    && addr.ip().is_unspecified()
+                    && (matches!(addr.ip(), IpAddr::V6(_)) || d.is_ipv4()))
+        };
+        self.misses
+            .iter()
+            .rev()
+            .find(|(d, _)| takes(d))
+            .map_or(Duration::ZERO, |(_, t)| MISS_HOLD.saturating_sub(now.saturating_duration_since(*t)))
     }
 
     /// Listening addresses registered by any of `owners`.
@@ -153,7 +185,13 @@ impl Directory {
     /// listener under the layer (the connection is then expected), `None` otherwise. A
     /// source port 0 means the port comes later ([`Directory::bind`]).
     pub fn expect(&mut self, src: SocketAddr, dst: SocketAddr, e: Expected) -> Option<u64> {
-        let w = self.listener_for(dst)?.window;
+        let Some(w) = self.listener_for(dst).map(|l| l.window) else {
+            if self.misses.len() == MISSES {
+                self.misses.pop_front();
+            }
+            self.misses.push_back((dst, e.at));
+            return None;
+        };
         let now = e.at;
         // Expired entries go at most once per 1/64 of the time to live (a sweep of every
         // entry at each announcement would cost O(n) per connection at 100,000 pending).
@@ -304,5 +342,30 @@ mod tests {
             ex(1, 1, 1, a("10.0.0.1:80"), t0 + PENDING_TTL + Duration::from_secs(1)),
         );
         assert_eq!(d.expected_count(), 1);
+    }
+
+    #[test]
+    fn a_listener_where_a_connection_just_found_none_waits_before_it_listens() {
+        let mut d = Directory::default();
+        let t0 = Instant::now();
+        let e = |at| Expected { gid: 1, secret: 2, window: 3, at, aim: a("10.0.0.1:80"), agents: vec![] };
+        assert_eq!(d.expect(a("10.0.0.2:5000"), a("10.0.0.1:80"), e(t0)), None);
+        // Another address, or long after: no wait.
+        assert_eq!(d.listen_at(a("10.0.0.1:81"), 1, 1, t0), Duration::ZERO);
+        assert_eq!(d.listen_at(a("10.0.0.1:80"), 1, 1, t0 + MISS_HOLD * 2), Duration::ZERO);
+        // A listener on that address (or the wildcard of its port) right after: the rest of
+        // the hold.
+        let mut d = Directory::default();
+        d.expect(a("10.0.0.2:5000"), a("10.0.0.1:80"), e(t0));
+        let w = d.listen_at(a("0.0.0.0:80"), 1, 1, t0 + Duration::from_millis(10));
+        assert_eq!(w, MISS_HOLD - Duration::from_millis(10));
+        // With the listener there, announcements find it and leave no miss.
+        assert!(d.expect(a("10.0.0.2:5001"), a("10.0.0.1:80"), e(t0)).is_some());
+        assert_eq!(d.misses.len(), 1);
+        // Misses are bounded.
+        for p in 0..200u16 {
+            d.expect(a("10.0.0.2:5000"), SocketAddr::new(a("10.0.0.9:1").ip(), 1000 + p), e(t0));
+        }
+        assert_eq!(d.misses.len(), MISSES);
     }
 }

@@ -44,6 +44,7 @@ pub mod ports;
 pub mod profile_view;
 pub mod registry;
 pub mod relinks;
+pub mod sinks;
 pub mod status;
 pub mod sweep;
 pub mod web;

@@ -60,6 +60,8 @@ pub struct Agent {
     pub chain: std::sync::OnceLock<String>,
     /// The folder of device plug-ins (the `plugins` setting).
     pub plugins: std::sync::OnceLock<std::path::PathBuf>,
+    /// The node's sink plug-ins and what their probes said.
+    pub sinks: crate::sinks::Sinks,
     next_client: AtomicU64,
 }
 
@@ -119,6 +121,7 @@ impl Agent {
             web: std::sync::OnceLock::new(),
             chain: std::sync::OnceLock::new(),
             plugins: std::sync::OnceLock::new(),
+            sinks: crate::sinks::Sinks::default(),
             next_client: AtomicU64::new(1),
         }
     }
@@ -780,8 +783,14 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Listen { addr, window } => {
                 debug!("listener {addr} (client {id})");
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
-                d.listen(addr, window, id);
+                let hold = d.listen(addr, window, id);
                 crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
+                drop(d);
+                if !hold.is_zero() {
+                    // (The layer registers before it listens: this holds its `listen`.)
+                    debug!("listener {addr}: a connection found nothing there a moment ago; its listen waits {hold:?}");
+                    std::thread::sleep(hold);
+                }
                 Msg::Ok
             }
             Msg::Bound { ports } => {
@@ -864,6 +873,16 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 Msg::PathList { pairs: relink_ports(agent.health.paths_to(&peers), gid, agent.relink_ports) }
             }
             Msg::WhereAmI => Msg::Here { addrs: agent.health.advertised() },
+            Msg::Sink { name } => match agent.sinks.get(&name) {
+                Some(i) => Msg::SinkReply { devices: i.devices, why: i.why },
+                None => Msg::SinkReply {
+                    devices: -1,
+                    why: format!(
+                        "no sink plug-in {name} on this node (libvmi_sink_{name}.so in {})",
+                        plugin_dir(agent).display()
+                    ),
+                },
+            },
             Msg::Freeze { pid } if !may_manage(&s, pid) => {
                 agent.refusals.note(Refused::Local, || {
                     format!("user {:?} asked to checkpoint another user's process {pid}", peer_uid(&s))

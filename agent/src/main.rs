@@ -313,6 +313,7 @@ fn run(args: Settings) {
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
     let _ = agent.plugins.set(args.plugins.clone());
+    agent.sinks.probe(&args.plugins);
     // (Names only: status shows the chains of plug-ins, which run in the programs alone.)
     substrate::connection::chain::set_plugins(Box::new(substrate::connection::chain::PluginNames(
         substrate::connection::chain::plugin_names_kept(&args.plugins),

@@ -243,6 +243,8 @@ struct Report {
     web: serde_json::Value,
     /// The cluster directory (`null`: none configured).
     directory: serde_json::Value,
+    /// The node's sink plug-ins and what their probes said.
+    sinks: Vec<crate::sinks::SinkInfo>,
 }
 
 /// The other nodes this node's processes have connections with now, by name (from the
@@ -359,6 +361,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
         }),
         web: agent.web.get().cloned().unwrap_or(serde_json::Value::Null),
         directory: crate::registry::status_json(),
+        sinks: agent.sinks.all(),
     })
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

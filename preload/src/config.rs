@@ -8,6 +8,7 @@
 //! | `VMI_RING_FACTOR` | replay ring size as a multiple of the window (1-16) | `4` |
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
+//! | `VMI_SUBSTRATE` | the substrate asked for: `tcp` (kernel TCP, no shared memory), `shm` (shared memory on one node, kernel TCP between nodes), or the name of a sink plug-in (`verbs`: `libvmi_sink_verbs.so`, see `plugins/vmi_sink.h`) for connections to other nodes; a sink the node has no device for is left with one log line, and kernel TCP carries the connection | `shm` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
@@ -33,6 +34,8 @@ static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// The sink plug-in `VMI_SUBSTRATE` named, if it named one.
+static SINK: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// Where device plug-ins are looked for (`VMI_PLUGINS`).
 pub const DEFAULT_PLUGINS: &str = "/usr/lib/vmi/plugins";
 static REKEY_BYTES: AtomicU64 = AtomicU64::new(1 << 30);
@@ -95,6 +98,20 @@ pub fn init() {
             "1" => SHM.store(true, Relaxed),
             "0" | "" => SHM.store(false, Relaxed),
             _ => crate::log::warn(format_args!("VMI_SHM={v} is neither 0 nor 1; using 1")),
+        }
+    }
+    if let Ok(v) = std::env::var("VMI_SUBSTRATE") {
+        match v.trim() {
+            "" | "shm" => {}
+            "tcp" => SHM.store(false, Relaxed),
+            name if name.len() <= 64
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+            {
+                let _ = SINK.set(name.to_string());
+            }
+            _ => crate::log::warn(format_args!(
+                "VMI_SUBSTRATE={v} is not tcp, shm or the name of a sink plug-in; using the default"
+            )),
         }
     }
     if let Ok(v) = std::env::var("VMI_SHM_SPIN_US") {
@@ -174,6 +191,11 @@ pub fn agent_socket() -> Option<String> {
 /// Most shared-memory connections an epoll instance scans (see the readiness module).
 pub fn epoll_scan_max() -> usize {
     EPOLL_SCAN_MAX.load(Relaxed) as usize
+}
+
+/// The sink plug-in `VMI_SUBSTRATE` asked for, if any.
+pub fn sink() -> Option<&'static str> {
+    SINK.get().map(String::as_str)
 }
 
 /// True when same-node connections may use shared memory.

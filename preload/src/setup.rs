@@ -65,6 +65,9 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
                 && crate::shm_sink::same_node(&addrs))
             .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
             .flatten();
+            if !crate::shm_sink::same_node(&addrs) {
+                sink_asked(dst);
+            }
             let unbound = local.port() == 0;
             Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm, unbound })
         }
@@ -79,6 +82,33 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
             None
         }
         None => None,
+    }
+}
+
+/// `VMI_SUBSTRATE` named a sink plug-in: the first connection to another node asks the agent
+/// whether the node has devices for it (the agent probed its plug-ins at start; the program
+/// loads none of their libraries to learn it). The layer does not carry connections over
+/// plug-in sinks yet, so the answer picks kernel TCP either way, with one log line that says
+/// why; later connections do not ask again.
+fn sink_asked(dst: SocketAddr) {
+    static TOLD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(name) = config::sink() else { return };
+    if TOLD.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    match agent::request(&Msg::Sink { name: name.to_string() }) {
+        Some(Msg::SinkReply { devices, why }) if devices > 0 => log::warn(format_args!(
+            "VMI_SUBSTRATE={name}: the node has {devices} devices ({why}), but connections do not run over sink plug-ins yet: kernel TCP to {dst} and every other node"
+        )),
+        Some(Msg::SinkReply { devices: 0, why }) => log::warn(format_args!(
+            "VMI_SUBSTRATE={name}: {why}: kernel TCP to {dst} and every other node"
+        )),
+        Some(Msg::SinkReply { why, .. }) => {
+            log::warn(format_args!("VMI_SUBSTRATE={name}: not usable here ({why}): kernel TCP to {dst} and every other node"))
+        }
+        _ => log::warn(format_args!(
+            "VMI_SUBSTRATE={name}: the node agent did not say whether the node has devices for it: kernel TCP to {dst} and every other node"
+        )),
     }
 }
 

@@ -65,7 +65,8 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
   status         the node's processes under the layer, its networks, the health of every
                  path to other nodes, and every virtual connection
   --json         the same as one JSON object:
-                 {node, processes[], listeners[], networks[], paths[], connections[], mesh}
+                 {node, processes[], listeners[], networks[], paths[], connections[], mesh,
+                 sinks[]}; each sink plug-in has name, devices and why (its probe's words)
                  each network has name, addr, admin, mac and mtu (the interface's); each
                  path has node, local, peer, network, state, silent_ms and peer_mac (the
                  peer's MAC address on that network from the kernel's neighbour table;
@@ -357,6 +358,23 @@ fn print_table(v: &Value) {
             n("web")
         );
     }
+    // Substrates: kernel TCP and shared memory always; sink plug-ins as their probes said.
+    let sinks = v["sinks"].as_array().cloned().unwrap_or_default();
+    let mut subs = vec!["tcp".to_string(), "shm".to_string()];
+    for sk in &sinks {
+        let d = sk["devices"].as_i64().unwrap_or(-1);
+        let state = match d {
+            n if n > 0 => format!("{n} devices"),
+            0 => "no device".into(),
+            _ => "refused".into(),
+        };
+        subs.push(format!(
+            "{} ({state}: {})",
+            sk["name"].as_str().unwrap_or("?"),
+            sk["why"].as_str().unwrap_or("")
+        ));
+    }
+    println!("substrates: {}", subs.join(", "));
     let procs = v["processes"].as_array().cloned().unwrap_or_default();
     println!("\nprocesses under the layer: {}", procs.len());
     for p in &procs {

@@ -452,6 +452,20 @@ pub enum Msg {
         /// For how long.
         duration_ms: u32,
     },
+    /// Layer → agent: does this node have devices of sink `name` (a sink plug-in the agent
+    /// probed at start)? Answered with [`Msg::SinkReply`].
+    Sink {
+        /// The sink.
+        name: String,
+    },
+    /// Agent → layer: the node's devices of the sink asked for (0: none, negative: the sink
+    /// cannot work here or is not installed), and what the probe said.
+    SinkReply {
+        /// How many.
+        devices: i32,
+        /// The probe's words.
+        why: String,
+    },
 }
 
 /// Why a message was refused.
@@ -665,6 +679,8 @@ impl Msg {
             Msg::Profile { .. } => "Profile",
             Msg::ProfileReply { .. } => "ProfileReply",
             Msg::Capture { .. } => "Capture",
+            Msg::Sink { .. } => "Sink",
+            Msg::SinkReply { .. } => "SinkReply",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -919,6 +935,15 @@ impl Msg {
                 w.u128(*gid);
                 w.u32(*duration_ms);
             }
+            Msg::Sink { name } => {
+                w.u8(74);
+                w.str(name);
+            }
+            Msg::SinkReply { devices, why } => {
+                w.u8(75);
+                w.u32(*devices as u32);
+                w.str(why);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1062,6 +1087,8 @@ impl Msg {
             71 => Msg::Profile { gid: r.u128()? },
             72 => Msg::ProfileReply { json: r.str()? },
             73 => Msg::Capture { gid: r.u128()?, duration_ms: r.u32()? },
+            74 => Msg::Sink { name: r.str()? },
+            75 => Msg::SinkReply { devices: r.u32()? as i32, why: r.str()? },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1178,6 +1205,9 @@ mod tests {
             Msg::Profile { gid: 7 << 100 | 3 },
             Msg::ProfileReply { json: "{\"dirs\": {}}".into() },
             Msg::Capture { gid: 1, duration_ms: 10_000 },
+            Msg::Sink { name: "verbs".into() },
+            Msg::SinkReply { devices: 0, why: "no RDMA device".into() },
+            Msg::SinkReply { devices: -1, why: String::new() },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
