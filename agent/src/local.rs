@@ -266,11 +266,16 @@ impl Agent {
                 }
             }
         }
-        if self.health.is_dead(dst.ip()) {
-            // Asking over a dead path would only make the program wait.
-            debug!("path toward {} is dead and no other network reaches the listener: plain TCP", dst.ip());
-            return Msg::Plain;
-        }
+        // A path the heartbeats call dead is asked over all the same, for less long: a
+        // moment's silence (a busy node) must not make a new connection plain for good, and
+        // over a path that is really dead the program's own connect could not get through
+        // either.
+        let budget = if self.health.is_dead(dst.ip()) {
+            debug!("path toward {} looks dead and no other network reaches the listener: asking its agent all the same", dst.ip());
+            crate::peer::CONNECT_BUDGET_DEAD
+        } else {
+            crate::peer::CONNECT_BUDGET
+        };
         let src_ip = if src.ip().is_unspecified() { net::source_for(dst.ip()) } else { Some(src.ip()) };
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
@@ -279,7 +284,7 @@ impl Agent {
             return self.expect_here(Announce { src, dst, gid, secret, window, aim: dst, agents });
         }
         let m = Msg::Connect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
-        match self.peers.ask_within(dst.ip(), self.port, &m, crate::peer::CONNECT_BUDGET) {
+        match self.peers.ask_within(dst.ip(), self.port, &m, budget) {
             Ok(Msg::Virtual { gid, secret, window, addrs, alias }) => {
                 // (`alias`: the listener moved to another node, connect there.)
                 if src.port() == 0 {

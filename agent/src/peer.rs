@@ -36,6 +36,9 @@ pub const ASK_BUDGET: Duration = Duration::from_secs(4);
 /// waits meanwhile; the layer waits up to [`substrate::wire::agent::CONNECT_WAIT_MS`]).
 pub const CONNECT_BUDGET: Duration = Duration::from_millis(2000);
 
+/// The same over a path the heartbeats call dead (no other network reaching the node).
+pub const CONNECT_BUDGET_DEAD: Duration = Duration::from_millis(700);
+
 /// Channels to other nodes' agents.
 pub struct PeerClient {
     key: ClusterKey,
