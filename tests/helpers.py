@@ -216,7 +216,7 @@ PORTS = {
     "stream_early_net0": 17944,
     "stream_early_local": 17945,
     "sink_layer": 17946,
-    "sink_ctl": 17950,                  # to 17955
+    "sink_ctl": 17950,                  # to 17959
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

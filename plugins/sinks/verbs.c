@@ -440,11 +440,25 @@ static void *connect_to(const uint8_t *addr, size_t addr_len, int timeout_ms, ch
     return l;
 }
 
-/* Takes what the completion queue and the event queue hold; -1 once the link failed. */
+/* Takes what the completion queue and the event queue hold; -1 once the link failed. The
+ * event queue is read first: messages that came before the peer's shutdown are then in the
+ * completion queue when it is read, and are read before the link counts as closed. */
 static int progress(struct link *l)
 {
     if (l->failed)
         return -1;
+    if (l->connected) {
+        uint32_t event;
+        struct fi_eq_cm_entry entry;
+        ssize_t r = fi_eq_read(l->eq, &event, &entry, sizeof entry, 0);
+        if (r == -FI_EAVAIL || (r >= 0 && event == FI_SHUTDOWN)) {
+            l->connected = 0;
+            if (r == -FI_EAVAIL) {
+                struct fi_eq_err_entry err = {0};
+                fi_eq_readerr(l->eq, &err, 0);
+            }
+        }
+    }
     struct fi_cq_msg_entry e[16];
     for (;;) {
         ssize_t n = fi_cq_read(l->cq, e, 16);
@@ -488,18 +502,7 @@ static int progress(struct link *l)
             l->done_n++;
         }
     }
-    uint32_t event;
-    struct fi_eq_cm_entry entry;
-    ssize_t r = fi_eq_read(l->eq, &event, &entry, sizeof entry, 0);
-    if (r == -FI_EAVAIL || (r >= 0 && event == FI_SHUTDOWN)) {
-        /* (Bytes already received are still read first.) */
-        l->failed = l->done_n ? 0 : 1;
-        l->connected = 0;
-        if (r == -FI_EAVAIL) {
-            struct fi_eq_err_entry err = {0};
-            fi_eq_readerr(l->eq, &err, 0);
-        }
-    }
+    /* (Once the peer shut the link down, what it sent before is still read first.) */
     return l->failed ? -1 : 0;
 }
 

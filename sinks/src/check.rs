@@ -250,6 +250,21 @@ impl<'a> Side<'a> {
         Ok(moved)
     }
 
+    /// After the connection closed: keeps moving what the link has until the peer closes it
+    /// or `max` passes (the peer may still wait for this side's last acknowledgement, as
+    /// TCP's TIME_WAIT allows for); no new link is made.
+    pub fn linger(&mut self, max: Duration) {
+        let end = Instant::now() + max;
+        while Instant::now() < end && self.cur.is_some() {
+            let now = self.now();
+            match self.move_bytes(now) {
+                Ok(true) => {}
+                Ok(false) => self.wait(Duration::from_millis(10)),
+                Err(_) => break,
+            }
+        }
+    }
+
     /// Sleeps until the link may move something (at most `max`).
     pub fn wait(&mut self, max: Duration) {
         let fd = match self.cur.as_mut() {
@@ -460,12 +475,7 @@ pub fn run(s: &mut Side<'_>, prog: Program, cuts: u32, expect_total: u64) -> io:
                 r.links = s.links;
                 r.failures = s.failures;
                 let _ = reason;
-                // (Frames still owed to the peer, an acknowledgement of its end, go out.)
-                for _ in 0..50 {
-                    if !s.step()? {
-                        break;
-                    }
-                }
+                s.linger(Duration::from_millis(500));
                 return Ok(r);
             }
         }

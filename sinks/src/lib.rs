@@ -8,11 +8,14 @@
 //! * [`plugin`]: sinks from shared libraries loaded at run time (`plugins/vmi_sink.h`), such
 //!   as RDMA verbs: the layer never links the libraries they need.
 //! * [`tcp`]: kernel TCP, the reference sink.
+//! * [`mx`]: the Myrinet-style protocol on raw Ethernet (`substrate::mx`) through the
+//!   kernel's packet rings.
 //! * [`check`]: the conformance tests every sink passes (the core driven over a sink's links
 //!   between two processes: streams both ways, ping-pong, links cut and rebuilt, the end of
 //!   stream), run by the `sink-check` program.
 
 pub mod check;
+pub mod mx;
 pub mod plugin;
 pub mod tcp;
 
@@ -48,10 +51,12 @@ pub trait Sink {
     fn connect(&self, addr: &[u8], wait: Duration) -> io::Result<Box<dyn Link>>;
 }
 
-/// The sink called `name`: `tcp`, or plug-in `libvmi_sink_NAME.so` of folder `dir`.
+/// The sink called `name`: `tcp`, `mx`, or plug-in `libvmi_sink_NAME.so` of folder `dir`.
 pub fn open(name: &str, dir: &std::path::Path) -> Result<Box<dyn Sink>, String> {
-    if name == "tcp" {
-        return Ok(Box::new(tcp::Tcp));
+    match name {
+        "tcp" => return Ok(Box::new(tcp::Tcp)),
+        "mx" => return Ok(Box::new(mx::Mx::default())),
+        _ => {}
     }
     plugin::SinkPlugin::open(dir, name).map(|p| Box::new(p) as Box<dyn Sink>)
 }
