@@ -23,6 +23,7 @@
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -93,8 +94,11 @@ def test_no_rdma_device_here_and_broken_plugins_refused(procs, plugins):
     folder, broken = plugins
     r = probe(procs, folder, "verbs")
     got = r.last_json()
-    assert got["devices"] == 0, got
-    assert "no RDMA device" in got["why"] and "ibv_get_device_list" in got["why"], got
+    if got["devices"] > 0:
+        # (A machine with RDMA devices: the probe names them.)
+        assert "devices through libfabric's verbs provider" in got["why"], got
+    else:
+        assert got["devices"] == 0 and "no RDMA device" in got["why"], got
     # The same code through libfabric's tcp provider finds devices (the host's interfaces).
     got = probe(procs, folder, "verbs", env={"VMI_VERBS_PROVIDER": "tcp"}).last_json()
     assert got["devices"] > 0, got
@@ -176,7 +180,6 @@ def conformance(procs, folder, env, ctl, name, sink, mode, extra):
 
 
 def procs_wait_line(proc, word, timeout=10):
-    import time
     deadline = time.monotonic() + timeout
     while word not in proc.stdout():
         if not proc.alive():
@@ -193,9 +196,14 @@ def test_a_program_asking_for_verbs_gets_kernel_tcp_in_the_same_setup(procs, plu
             extra_agent(H2, tmp_path, "agent-sinks-h2", args=args):
         st = json.loads(vmictl_ok(H1, "--socket", SOCK, "status", "--json").stdout)
         verbs = [s for s in st["sinks"] if s["name"] == "verbs"]
-        assert verbs and verbs[0]["devices"] == 0 and "no RDMA device" in verbs[0]["why"], st["sinks"]
+        assert verbs, st["sinks"]
+        hardware = verbs[0]["devices"] > 0
         text = vmictl_ok(H1, "--socket", SOCK, "status").stdout
-        assert "substrates: tcp, shm, verbs (no device: no RDMA device" in text, text
+        if hardware:
+            assert f"verbs ({verbs[0]['devices']} devices: " in text, text
+        else:
+            assert "no RDMA device" in verbs[0]["why"], st["sinks"]
+            assert "substrates: tcp, shm, verbs (no device: no RDMA device" in text, text
         port = PORTS["sink_layer"]
         addr = f"{H1_IP}:{port}"
         srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
@@ -204,7 +212,6 @@ def test_a_program_asking_for_verbs_gets_kernel_tcp_in_the_same_setup(procs, plu
         cli = procs.start(H2, python_prog("stream.py", "client", "--connect", addr, "--bytes",
                                           4 * MiB, "--seed", port, "--hold", "2"),
                           layer=True, env=env, name="stream-client")
-        import time
         deadline = time.monotonic() + 10
         ends = []
         while len(ends) < 2 and time.monotonic() < deadline:
@@ -218,5 +225,5 @@ def test_a_program_asking_for_verbs_gets_kernel_tcp_in_the_same_setup(procs, plu
         srv.wait(timeout=10)
     assert_same_stream(cli.last_json(), srv.last_json())
     lines = [ln for ln in cli.stderr().splitlines() if "VMI_SUBSTRATE=verbs" in ln]
-    assert len(lines) == 1 and "no RDMA device" in lines[0] and "kernel TCP" in lines[0], \
-        cli.stderr()[-2000:]
+    why = "do not run over sink plug-ins yet" if hardware else "no RDMA device"
+    assert len(lines) == 1 and why in lines[0] and "kernel TCP" in lines[0], cli.stderr()[-2000:]
