@@ -216,6 +216,7 @@ PORTS = {
     "stream_early_net0": 17944,
     "stream_early_local": 17945,
     "sink_layer": 17946,
+    "failover_heartbeats_lost": 17947,
     "sink_ctl": 17950,                  # to 17959
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"

@@ -17,7 +17,8 @@ Then what happens when no network works: connections wait (both networks down fo
 fail with ETIMEDOUT once VMI_GRACE has passed. A resume attack by someone who knows the GID
 but not the connection's secret fails and leaves the connection alone. iperf3 and
 redis-benchmark run across a failover. The last test covers new connections made while the
-chosen network is dead (to a listener on a wildcard address).
+chosen network is dead (to a listener on a wildcard address), and while heartbeats are lost
+but the network works (the connection must still be virtual).
 
 Faults go through the `faults` fixture (helpers.Faults), which undoes every link, bridge and
 `vmictl net` change when the test ends, passed or failed; killed agents are restarted by
@@ -36,7 +37,7 @@ import pytest
 from helpers import (AGENT_PORT, AGENT_RELINK_PORTS, BASELINE, DEAD_AFTER_MS, ETH0, ETH1, FAILOVER_TIMEOUT,
                      GRACE_ENV, H1, H1_IP, H1_IP1, H2, H2_IP, H2_IP1, LAYER_LOG, PORTS,
                      Watcher, assert_same_stream, assert_virtual, client_conns,
-                     failover_problems, ip_cmd, network_entry, paths_on, program_lines,
+                     failover_problems, in_netns, ip_cmd, network_entry, paths_on, program_lines,
                      python_prog, vmictl, vmictl_status, wait_conn, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="failover is the layer's and the agents' "
@@ -915,3 +916,54 @@ def test_new_connection_avoids_dead_network(procs, faults, how):
     srv_ends = [e for e in server_conns_seen(w, addr) if e.get("gid") in gids]
     assert srv_ends and all(e.get("network") == ETH1 for e in srv_ends), \
         f"the server end's link should run on {ETH1}: {srv_ends}"
+
+
+HEARTBEAT_TABLE = "vmit_noheartbeat"
+
+
+def test_a_connection_made_while_heartbeats_are_lost_is_still_virtual(procs):
+    """Heartbeats from the server's host stop reaching the client's (nftables drops UDP to the
+    agents' port there, on every network), so the client's agent calls every path toward the
+    server dead, while the networks and the agents' TCP port work. A new connection must
+    still be virtual: a path that only looks dead (a busy node misses a few heartbeats) must
+    not make connections plain for good, and over a path really dead the program's own
+    connect could not get through either."""
+    port = PORTS["failover_heartbeats_lost"]
+    addr = f"{SERVER_IP}:{port}"
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", 2,
+                                           "--hold", HOLD), port, layer=True,
+                       name="stream-server")
+
+    def client(name):
+        return procs.run(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes",
+                                             MiB, "--seed", port, "--hold", HOLD),
+                         layer=True, name=name, timeout=40)
+
+    # A first connection while everything works, so the agents watch the paths between them.
+    client("stream-client-warmup")
+    wait_status(CLIENT, lambda st: any(p.get("peer") == H2_IP and p.get("state") == "alive"
+                                       for p in st.get("paths") or []),
+                FAILOVER_TIMEOUT, f"the path {H1_IP} -> {H2_IP} alive")
+    rules = (f"table inet {HEARTBEAT_TABLE} {{\n chain in {{\n"
+             f"  type filter hook input priority 0; policy accept;\n"
+             f"  udp dport {AGENT_PORT} drop\n }}\n}}\n")
+    try:
+        r = in_netns(CLIENT, ["nft", "-f", "-"], input=rules)
+        assert r.returncode == 0, r.stderr
+        wait_status(CLIENT, lambda st: all(
+            any(p.get("peer") == ip and p.get("state") == "dead" for p in st.get("paths") or [])
+            for ip in (H2_IP, H2_IP1)), FAILOVER_TIMEOUT,
+            f"every path from {CLIENT} to {SERVER} dead")
+        with Watcher(CLIENT, SERVER) as w:
+            cli = client("stream-client")
+            srv.wait(timeout=10 + HOLD)
+        c = cli.last_json()
+        found = [r for r in srv.json_lines() if r.get("peer") == c["local"]]
+        assert len(found) == 1, f"the server's results for the new connection: {found}"
+        assert_same_stream(c, found[0])
+        assert_virtual(w, SERVER, addr, CLIENT, client_pid=cli.pid)
+    finally:
+        in_netns(CLIENT, ["nft", "delete", "table", "inet", HEARTBEAT_TABLE])
+    wait_status(CLIENT, lambda st: any(p.get("peer") == H2_IP and p.get("state") == "alive"
+                                       for p in st.get("paths") or []),
+                FAILOVER_TIMEOUT, f"the path {H1_IP} -> {H2_IP} alive again")
