@@ -82,17 +82,19 @@ fn vc_writev(vc: &Vc, fd: c_int, iov: &ProgIov, flags: c_int) -> Result<usize, I
 /// connects to the program's address, or to the one given (the same node at another
 /// address when the program's is on a dead network).
 pub fn connect(fd: c_int, dst: Option<SocketAddr>, real: impl FnOnce(Option<&RawAddr>) -> Real) -> Real {
-    let pending = dst.and_then(|dst| quietly(|| setup::before_connect(fd, dst)));
-    let via = pending
-        .as_ref()
-        .and_then(|p| p.via)
-        .map(|v| RawAddr::ip(&v, sys::tcp_family(fd) == Some(libc::AF_INET6)));
+    let before = dst.and_then(|dst| quietly(|| setup::before_connect(fd, dst)));
+    let via = match &before {
+        Some(setup::Before::Virtual(p)) => {
+            p.via.map(|v| RawAddr::ip(&v, sys::tcp_family(fd) == Some(libc::AF_INET6)))
+        }
+        _ => None,
+    };
     let r = real(via.as_ref());
     // (A blocking connect interrupted by a signal goes on in the kernel, as a non-blocking
     // one does.)
     let made = matches!(r, Ok(_) | Err(Errno(libc::EINPROGRESS | libc::EINTR)));
-    match pending {
-        Some(p) => {
+    match before {
+        Some(setup::Before::Virtual(p)) => {
             quietly(|| {
                 if made {
                     setup::after_connect(fd, p);
@@ -102,14 +104,8 @@ pub fn connect(fd: c_int, dst: Option<SocketAddr>, real: impl FnOnce(Option<&Raw
                 Some(())
             });
         }
-        None => {
-            if let Some(dst) = dst {
-                quietly(|| {
-                    setup::plain_connect(dst, made);
-                    Some(())
-                });
-            }
-        }
+        Some(setup::Before::Plain(dst)) if made => setup::plain_connect(dst),
+        _ => {}
     }
     r
 }

@@ -26,12 +26,22 @@ pub struct Pending {
     unbound: bool,
 }
 
+/// What the agent answered before a `connect`. (It lives on the stack for one call, as the
+/// bare `Pending` did: no box.)
+#[allow(clippy::large_enum_variant)]
+pub enum Before {
+    /// The connection is virtual: set up once the real `connect` is made.
+    Virtual(Pending),
+    /// `dst` is no listener under the layer: the connection stays plain.
+    Plain(SocketAddr),
+}
+
 /// Before the real `connect`: asks the agent whether `dst` is a listener under the layer and,
 /// if so, registers the connection. A socket the program did not bind is announced without
 /// its source port: the kernel picks the port at `connect` (per destination, as for any
 /// connection, so a node is not held to one port per connection in all), and
 /// [`after_connect`] tells the agent which one.
-pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
+pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 || !crate::sandbox::may_set_up() {
         return None;
     }
@@ -69,13 +79,21 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Pending> {
                 sink_asked(dst);
             }
             let unbound = local.port() == 0;
-            Some(Pending { gid, secret, peer_window: window, dst, peer_agents: addrs, via, shm, unbound })
+            Some(Before::Virtual(Pending {
+                gid,
+                secret,
+                peer_window: window,
+                dst,
+                peer_agents: addrs,
+                via,
+                shm,
+                unbound,
+            }))
         }
         Some(Msg::Plain) => {
             // Remembered only once the real `connect` is under way (`plain_connect`): a
             // client that tries before its server listens asks again on its next try.
-            PLAIN_ANSWER.with(|c| c.set(Some(dst)));
-            None
+            Some(Before::Plain(dst))
         }
         Some(other) => {
             log::debug(format_args!("agent answered {other:?} to a connect: plain TCP"));
@@ -112,18 +130,11 @@ fn sink_asked(dst: SocketAddr) {
     }
 }
 
-thread_local! {
-    /// The destination this thread's last [`before_connect`] heard "plain" for.
-    static PLAIN_ANSWER: std::cell::Cell<Option<SocketAddr>> = const { std::cell::Cell::new(None) };
-}
-
-/// After the real `connect` to `dst` of a socket that stays plain: if the agent said `dst`
-/// is no listener under the layer and the connection is made (or under way), that answer is
-/// kept a while, so that more connections there do not ask again. A refused one is not.
-pub fn plain_connect(dst: SocketAddr, made: bool) {
-    if PLAIN_ANSWER.with(|c| c.take()) == Some(dst) && made {
-        agent::remember_plain(dst);
-    }
+/// After the real `connect` to `dst`, which the agent said is no listener under the layer,
+/// was made (or is under way): that answer is kept a while, so that more connections there
+/// do not ask again. (A refused one is not kept.)
+pub fn plain_connect(dst: SocketAddr) {
+    agent::remember_plain(dst);
 }
 
 /// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
