@@ -352,6 +352,17 @@ pub fn fionread(fd: c_int) -> Option<c_int> {
     (r >= 0).then_some(n)
 }
 
+/// `SIOCOUTQNSD`: bytes of a TCP socket's send queue the kernel has not sent yet.
+pub const SIOCOUTQNSD: c_ulong = 0x894b;
+
+/// `ioctl(SIOCOUTQNSD)`: bytes queued on a TCP socket and not sent yet, or `None`.
+pub fn unsent(fd: c_int) -> Option<c_int> {
+    let mut n: c_int = 0;
+    // SAFETY: SIOCOUTQNSD writes one int.
+    let r = unsafe { real::ioctl(fd, SIOCOUTQNSD, &mut n as *mut c_int as c_ulong) };
+    (r >= 0).then_some(n)
+}
+
 /// `getsockopt` into a byte buffer: the length the kernel wrote, or `None`.
 pub fn getsockopt_bytes(fd: c_int, level: c_int, opt: c_int, buf: &mut [u8]) -> Option<usize> {
     let mut len = buf.len() as socklen_t;
