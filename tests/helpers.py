@@ -219,6 +219,8 @@ PORTS = {
     "failover_heartbeats_lost": 17947,
     "sink_ctl": 17950,                  # to 17959
     "sequential_closes": 17960,
+    "progress_native": 17961,
+    "progress_layer": 17962,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
