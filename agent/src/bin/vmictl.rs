@@ -802,6 +802,10 @@ fn operand(it: &mut impl Iterator<Item = String>, cmd: &str, what: &str) -> Stri
 }
 
 fn main() {
+    // Output into a pipe closed early (`vmictl status | head`) ends the program quietly, as
+    // it does any command-line tool, instead of a panic on the failed print.
+    // SAFETY: sets one signal's action back to the default, before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let mut socket = std::env::var("VMI_AGENT_SOCKET").unwrap_or_else(|_| DEFAULT_SOCKET.into());
     let mut json = false;
     let mut cmd: Option<Msg> = None;
