@@ -1043,7 +1043,16 @@ fn for_sandboxed_threads(v: &Vc) {
 fn give_up(v: &Vc, e: i32, why: &str) {
     let c = v.mem().conn();
     if c.broken.compare_exchange(0, e, AcqRel, Acquire).is_ok() {
-        log::warn(format_args!("virtual connection {:032x}: {why}; the program sees errno {e}", c.gid));
+        if crate::tcp_sink::peer_fin(v.mem()) || c.peer_eof.load(Acquire) != 0 {
+            // The peer had ended its stream: its program closed the connection, and a reset
+            // after that (this side wrote to it) is what native TCP gives too.
+            log::info(format_args!(
+                "virtual connection {:032x}: {why}, after the peer's end of stream (its program closed the connection); the program sees errno {e}",
+                c.gid
+            ));
+        } else {
+            log::warn(format_args!("virtual connection {:032x}: {why}; the program sees errno {e}", c.gid));
+        }
         if let Some(s) = v.slot() {
             s.set_error(e);
             s.set_relinking(false, false);
