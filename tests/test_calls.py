@@ -42,7 +42,8 @@ def run(procs, tmp_path, layer):
     with Watcher(H1, H2) as w:
         cli = procs.run(H2, ["strace", "-c", "-f", "-o", trace,
                              *python_prog("progress.py", "client", "--connect", addr,
-                                          "--messages", MESSAGES, "--size", 64)],
+                                          "--messages", MESSAGES, "--size", 64,
+                                          "--hold", 1)],
                         layer=layer, name=f"progress-client-{tag}", timeout=120)
     r = cli.last_json()
     assert r["bad"] == 0 and r["messages"] == MESSAGES, r

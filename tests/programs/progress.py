@@ -2,14 +2,15 @@
 """Request/response in the manner of an MPI progress engine, to count system calls.
 
     progress.py server --bind IP:PORT
-    progress.py client --connect IP:PORT [--messages N] [--size S]
+    progress.py client --connect IP:PORT [--messages N] [--size S] [--hold S]
 
 Every message is a 8-byte header (its body's length) and a body, written with one
 `writev` of two buffers; the receiver sets its socket non-blocking, polls with a zero
 time-out until it is readable (busy polling, as Open MPI's TCP transport does), then reads
 with `readv` into two buffers (a header of 8 bytes and a body buffer of 4 KiB) until the
 message is whole, stopping at EAGAIN. The server answers each message with one of the same
-size. The client checks every byte and prints one JSON line:
+size. The client checks every byte, keeps the connection open --hold seconds more (for an
+observer), and prints one JSON line:
 
     {"messages": N, "size": S, "bad": 0}
 """
@@ -21,6 +22,7 @@ import select
 import socket
 import struct
 import sys
+import time
 
 HEADER = 8
 
@@ -102,6 +104,7 @@ def client(args):
         s.setblocking(False)
         back = recv_msg(s, p, buf)
         bad += back != body[::-1]
+    time.sleep(args.hold)
     s.close()
     print(json.dumps({"messages": args.messages, "size": args.size, "bad": bad}), flush=True)
     return 1 if bad else 0
@@ -114,6 +117,7 @@ def main():
     ap.add_argument("--connect")
     ap.add_argument("--messages", type=int, default=2000)
     ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--hold", type=float, default=0)
     args = ap.parse_args()
     sys.exit(server(args) if args.role == "server" else client(args))
 
