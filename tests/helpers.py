@@ -221,6 +221,7 @@ PORTS = {
     "sequential_closes": 17960,
     "progress_native": 17961,
     "progress_layer": 17962,
+    "failover_exit_after_end": 17963,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -967,3 +967,52 @@ def test_a_connection_made_while_heartbeats_are_lost_is_still_virtual(procs):
     wait_status(CLIENT, lambda st: any(p.get("peer") == H2_IP and p.get("state") == "alive"
                                        for p in st.get("paths") or []),
                 FAILOVER_TIMEOUT, f"the path {H1_IP} -> {H2_IP} alive again")
+
+
+END_TABLE = "vmit_lostend"
+
+
+def test_end_of_stream_lost_with_its_process_still_reaches_the_reader(procs, faults, tmp_path):
+    """A writer sends 2 MiB, half-closes and leaves with `_exit` (no exit handlers: nothing of
+    the layer's runs after), while what its host sends on the connection's network is lost
+    (nftables drops it at the reader's host): the end of stream never arrives, and the
+    writer's kernel resets the socket it was in. The reader had every byte before it. Once
+    its network is taken down and the link is rebuilt over the other one, no process on the
+    writer's node holds the connection; the agent there answers with the stream's length and
+    a proof the writer's layer made with the connection's secret when its program ended the
+    stream, and the reader gets the end of stream after exactly the bytes sent (not the reset
+    it got before)."""
+    port = PORTS["failover_exit_after_end"]
+    addr = f"{SERVER_IP}:{port}"
+    go = tmp_path / "go"
+    n = 2 * MiB
+    srv = procs.server(SERVER, python_prog("exit_stream.py", "server", "--bind", addr,
+                                           "--bytes", n, "--go", go), port, layer=True,
+                       name="exit-stream-server")
+    rules = (f"table inet {END_TABLE} {{\n chain in {{\n"
+             f"  type filter hook input priority 0; policy accept;\n"
+             f"  ip saddr {SERVER_IP} tcp sport {port} drop\n }}\n}}\n")
+    try:
+        with Watcher(CLIENT, SERVER) as w:
+            cli = procs.start(CLIENT, python_prog("exit_stream.py", "client", "--connect", addr,
+                                                  "--bytes", n), layer=True,
+                              name="exit-stream-client")
+            deadline = time.monotonic() + FLOWING_TIMEOUT
+            while not any("got" in r for r in cli.json_lines()):
+                assert time.monotonic() < deadline, cli.failure("the stream never arrived")
+                time.sleep(0.02)
+            time.sleep(0.5)  # (the writer waits: snapshots of the connection)
+        assert_virtual(w, SERVER, addr, CLIENT, client_pid=cli.pid)
+        r = in_netns(CLIENT, ["nft", "-f", "-"], input=rules)
+        assert r.returncode == 0, r.stderr
+        go.write_text("go")
+        srv.wait(timeout=10)
+        # Now the reader's network goes: its layer rebuilds the link over the other one.
+        faults.link_down(CLIENT, ETH0)
+        cli.wait(timeout=30, check=False)
+    finally:
+        in_netns(CLIENT, ["nft", "delete", "table", "inet", END_TABLE])
+    c = cli.last_json()
+    assert "error" not in c and c.get("end") == "eof", c
+    assert c["recv_bytes"] == n, c
+    assert cli.returncode == 0, cli.returncode

@@ -46,7 +46,21 @@ pub struct Events {
     pub journal: Arc<Journal>,
     /// Failovers the processes reported, for the metrics.
     pub relinks: crate::relinks::Relinks,
+    /// Streams whose program ended them: (GID, the ending side is the connecting one) ->
+    /// (length, the layer's proof, since when). Kept for [`ENDED_TTL`], at most
+    /// [`ENDED_MAX`] at once.
+    ended: Mutex<HashMap<(u128, bool), EndedStream>>,
 }
+
+/// A stream's length, its layer's proof, and when it was told.
+type EndedStream = (u64, u128, std::time::Instant);
+
+/// How long the end of a stream is kept to answer a link rebuilt after its process is gone
+/// (a connection waits at most its grace period, 60 s by default, for a working network).
+const ENDED_TTL: Duration = Duration::from_secs(120);
+/// Ends of streams kept at once, at most (older ones go first; a node closing connections
+/// faster than this per two minutes keeps the newest).
+const ENDED_MAX: usize = 100_000;
 
 /// True once the peer's FIN arrived (TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING).
 fn peer_fin_received(fd: RawFd) -> bool {
@@ -188,6 +202,9 @@ impl Events {
                         }),
                     );
                 }
+                Ok((Msg::Ended { gid, at, from_active, mac }, _)) => {
+                    self.note_ended(gid, at, from_active, mac)
+                }
                 Ok((Msg::Release { gid }, _)) => {
                     let side = self.lock().get_mut(&id).and_then(|c| c.holds.remove(&gid));
                     if let Some(active) = side {
@@ -225,6 +242,30 @@ impl Events {
                 );
             }
         }
+    }
+
+    /// A process ended the stream of connection `gid` it sends (`from_active`: the
+    /// connecting side's) at `at`, with the proof `mac` (the agent cannot check it: it is
+    /// for the peer's layer).
+    pub fn note_ended(&self, gid: u128, at: u64, from_active: bool, mac: u128) {
+        let now = std::time::Instant::now();
+        let mut e = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        if e.len() >= ENDED_MAX {
+            e.retain(|_, v| now.duration_since(v.2) < ENDED_TTL);
+            if e.len() >= ENDED_MAX {
+                if let Some(oldest) = e.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| *k) {
+                    e.remove(&oldest);
+                }
+            }
+        }
+        e.insert((gid, from_active), (at, mac, now));
+    }
+
+    /// The end of the stream the side `from_active` of `gid` sends, if its program ended it
+    /// within [`ENDED_TTL`]: its length and proof.
+    pub fn ended(&self, gid: u128, from_active: bool) -> Option<(u64, u128)> {
+        let e = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        e.get(&(gid, from_active)).filter(|v| v.2.elapsed() < ENDED_TTL).map(|v| (v.0, v.1))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Chan>> {

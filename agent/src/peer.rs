@@ -256,13 +256,28 @@ fn serve_link(
                         debug!("resume of {gid:032x}: its process is moving; the dialer waits");
                         Msg::Error { reason: MOVED.into() }
                     }
-                    Resumed::Nobody => {
-                        info!(
-                            "connection {gid:032x}: new link from {} refused: no process on this node holds the connection (it closed, or its process exited); the other end's calls will fail",
-                            show(s.peer_addr().ok())
-                        );
-                        Msg::Error { reason: "no such connection".into() }
-                    }
+                    Resumed::Nobody => match agent.events.ended(gid, !from_active) {
+                        Some((at, mac)) => {
+                            // The process is gone, but its program had ended its stream: the
+                            // dialer, which has the secret, checks the proof and reads the
+                            // end if it has every byte before it. Nothing more comes here.
+                            info!(
+                                "connection {gid:032x}: new link from {}: no process here holds it any more, and its stream had ended after {at} bytes; the other end is told so",
+                                show(s.peer_addr().ok())
+                            );
+                            let _ =
+                                write_msg(&mut s, &Msg::Ended { gid, at, from_active: !from_active, mac });
+                            let _ = s.shutdown(std::net::Shutdown::Both);
+                            return Ok(());
+                        }
+                        None => {
+                            info!(
+                                "connection {gid:032x}: new link from {} refused: no process on this node holds the connection (it closed, or its process exited); the other end's calls will fail",
+                                show(s.peer_addr().ok())
+                            );
+                            Msg::Error { reason: "no such connection".into() }
+                        }
+                    },
                 }
             }
             other => {

@@ -356,12 +356,13 @@ pub fn shutdown(fd: c_int, how: c_int, real: impl FnOnce(c_int) -> Real) -> Real
     if send_side {
         // The end of stream travels as a Fin frame (the peer keeps acknowledging).
         quietly(|| Some(vc.end_stream(fd))).unwrap_or(Err(Errno(libc::EIO)))?;
-        if !sys::nonblocking(fd) {
-            quietly(|| {
+        quietly(|| {
+            crate::relink::ended(&vc);
+            if !sys::nonblocking(fd) {
                 crate::linger::until_sent(fd);
-                Some(())
-            });
-        }
+            }
+            Some(())
+        });
         if how == libc::SHUT_WR {
             return Ok(0);
         }

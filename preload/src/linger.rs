@@ -91,6 +91,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         } else {
             crate::sys::fd::shutdown(keep, libc::SHUT_WR);
         }
+        crate::relink::ended(&vc);
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
         if l.thread {

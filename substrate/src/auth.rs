@@ -144,6 +144,20 @@ pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     outer.finish()
 }
 
+/// The proof that the stream one side of connection `gid` sends (`from_active`: the side that
+/// connected) ended at offset `at`: HMAC-SHA256 keyed with the connection's secret, cut to
+/// 128 bits. A layer hands it to its agent when its program ends its stream; the agent
+/// answers a link rebuilt after the process is gone with it, and the dialing layer, which
+/// alone besides holds the secret, checks it. (Nothing else can make it: an end of stream
+/// from anyone else on the path would cut a stream short.)
+pub fn ended_mac(secret: u128, gid: u128, at: u64, from_active: bool) -> u128 {
+    let d = hmac_sha256(
+        &secret.to_le_bytes(),
+        &[b"vmi-ended", &gid.to_le_bytes(), &at.to_le_bytes(), &[from_active as u8]],
+    );
+    u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))
+}
+
 /// Which side of the resume handshake a proof is from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

@@ -126,6 +126,8 @@ pub(super) fn dial(v: &Vc) -> Option<u64> {
                 log::debug(format_args!("resume {:032x} via {peer}: {why}", c.gid));
                 return Some(250);
             }
+            // (The socket went under the program's descriptors.)
+            Err(Failure::Ended) => return None,
         }
     }
     Some(100)
@@ -181,12 +183,73 @@ pub(super) fn unspecified(p: &SocketAddr) -> std::net::IpAddr {
 pub(super) enum Failure {
     /// The connection cannot be rebuilt: give it up with this errno.
     Final(i32, String),
+    /// The peer's process is gone after its program ended its stream, and every byte of it
+    /// was delivered here: the connection reads its end from now on (done, nothing to
+    /// report).
+    Ended,
     /// Try another path, or again soon.
     Retry(String),
     /// The peer is being moved to another node: it dials once it is there.
     Wait(String),
 }
 use Failure::{Final, Retry, Wait};
+
+/// The peer's agent answered a resume with the end of the peer's stream (`at` bytes, proof
+/// `mac`): no process there holds the connection any more. With the proof right and every
+/// byte before the end delivered, the end is all that was lost (the peer's kernel reset the
+/// socket it was in when its process left): the program reads the end of stream, as
+/// natively after the peer's FIN, and what it sends goes nowhere (EPIPE, as natively to a
+/// peer that closed). Bytes missing before the end: a reset, as before.
+fn peer_ended(v: &Vc, fd: i32, at: u64, from_active: bool, mac: u128) -> Failure {
+    let c = v.mem().conn();
+    if !proofs_equal(mac, substrate::auth::ended_mac(c.secret, c.gid, at, from_active)) {
+        log::warn(format_args!(
+            "virtual connection {:032x}: an end of stream for it failed its proof (not made with the connection's secret); ignored",
+            c.gid
+        ));
+        return Retry("an end of stream without a valid proof".into());
+    }
+    kick(v);
+    let _tx = c.tx_lock.lock();
+    let _rx = c.rx_lock.lock();
+    if let Err(e) = v.leave_shm() {
+        return Final(libc::ECONNRESET, format!("cannot leave shared memory: {e}"));
+    }
+    let delivered = c.with_rx_held(|rx| rx.delivered);
+    if delivered != at {
+        return Final(
+            libc::ECONNRESET,
+            format!(
+                "the peer's process is gone; its stream had ended after {at} bytes, of which {} never arrived",
+                at.saturating_sub(delivered)
+            ),
+        );
+    }
+    let done = c.with_tx_held(|tx| {
+        c.with_rx_held(|rx| {
+            // Nothing of ours is read there any more: nothing to send again.
+            let sent = tx.next_seq;
+            tx.relink(sent, delivered).ok()?;
+            rx.relink(sent);
+            rx.fin = 1;
+            publish(v.mem(), tx, rx);
+            Some(())
+        })
+    });
+    if done.is_none() {
+        return Final(libc::ECONNRESET, "the stream's state does not allow its end here".into());
+    }
+    // What this side sends from now on meets a closed socket: an error, never another
+    // rebuild.
+    c.peer_eof.store(1, Release);
+    log::info(format_args!(
+        "virtual connection {:032x}: the peer's process is gone after ending its stream ({at} bytes, all delivered): the program reads the end",
+        c.gid
+    ));
+    // The agent's socket, which it closed after its answer, reads as ended.
+    install(v, fd);
+    Failure::Ended
+}
 
 /// Error reason an agent gives for a connection whose process is being moved away.
 pub const MOVED: &str = "moved";
@@ -209,6 +272,9 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<u64, Failure> {
     }
     let nonce_b = match recv_msg(fd) {
         Some(Msg::Challenge { nonce }) => nonce,
+        Some(Msg::Ended { gid, at, from_active, mac }) if gid == c.gid && from_active != (c.active != 0) => {
+            return Err(peer_ended(v, fd, at, from_active, mac));
+        }
         Some(Msg::Error { reason }) if reason == MOVED => {
             return Err(Wait("the peer is moving to another node; it will dial".into()))
         }

@@ -256,6 +256,26 @@ fn send_events(buf: &[u8]) {
     }
 }
 
+/// The program ended the stream it sends on `v` (its end is queued after its last byte):
+/// the agent keeps the stream's length with a proof made with the connection's secret. If
+/// this process is gone when the peer rebuilds a link (it left with `_exit` and its kernel
+/// reset the socket, the end still in it), the agent answers with that instead of "no such
+/// connection", and the peer's program reads the end of stream after the last byte instead
+/// of a reset. (Over shared memory the end travels in the ring: nothing to keep.)
+pub fn ended(v: &Vc) {
+    if v.shm_now().is_some() {
+        return;
+    }
+    let c = v.mem().conn();
+    let at = {
+        let mut g = c.tx_lock.lock();
+        c.with_tx(&mut g, |tx| tx.next_seq)
+    };
+    let from_active = c.active != 0;
+    let mac = substrate::auth::ended_mac(c.secret, c.gid, at, from_active);
+    send_event(&Msg::Ended { gid: c.gid, at, from_active, mac });
+}
+
 /// At exit: gives the socket of a closed connection to the agent, which keeps it until the
 /// peer closes too. True if the agent took it.
 pub fn hand_over_linger(gid: u128, fd: i32) -> bool {

@@ -466,6 +466,20 @@ pub enum Msg {
         /// The probe's words.
         why: String,
     },
+    /// Layer → agent (event channel): the program ended the stream it sends on connection
+    /// `gid` at offset `at`; agent → a layer rebuilding a link (instead of a challenge): no
+    /// process here holds the connection any more, and its stream had ended at `at`. The
+    /// proof is [`crate::auth::ended_mac`], made by the layer with the connection's secret.
+    Ended {
+        /// The connection.
+        gid: u128,
+        /// The stream's length.
+        at: u64,
+        /// The stream is the one the connecting side sends.
+        from_active: bool,
+        /// The proof.
+        mac: u128,
+    },
 }
 
 /// Why a message was refused.
@@ -681,6 +695,7 @@ impl Msg {
             Msg::Capture { .. } => "Capture",
             Msg::Sink { .. } => "Sink",
             Msg::SinkReply { .. } => "SinkReply",
+            Msg::Ended { .. } => "Ended",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -944,6 +959,13 @@ impl Msg {
                 w.u32(*devices as u32);
                 w.str(why);
             }
+            Msg::Ended { gid, at, from_active, mac } => {
+                w.u8(76);
+                w.u128(*gid);
+                w.u64(*at);
+                w.u8(*from_active as u8);
+                w.u128(*mac);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1089,6 +1111,7 @@ impl Msg {
             73 => Msg::Capture { gid: r.u128()?, duration_ms: r.u32()? },
             74 => Msg::Sink { name: r.str()? },
             75 => Msg::SinkReply { devices: r.u32()? as i32, why: r.str()? },
+            76 => Msg::Ended { gid: r.u128()?, at: r.u64()?, from_active: r.bool()?, mac: r.u128()? },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1208,6 +1231,7 @@ mod tests {
             Msg::Sink { name: "verbs".into() },
             Msg::SinkReply { devices: 0, why: "no RDMA device".into() },
             Msg::SinkReply { devices: -1, why: String::new() },
+            Msg::Ended { gid: 3 << 90 | 7, at: 52_953_088, from_active: false, mac: 0xfeed << 64 | 0xbeef },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
