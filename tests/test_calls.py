@@ -17,7 +17,7 @@ import pytest
 
 from helpers import BASELINE, H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog
 
-MESSAGES = 600
+MESSAGES = 2000
 RECEIVE = ("read", "readv", "recvfrom", "recvmsg")
 SEND = ("write", "writev", "sendto", "sendmsg")
 
