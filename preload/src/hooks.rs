@@ -39,10 +39,12 @@ fn vc_readv(vc: &Vc, fd: c_int, iov: &mut ProgIov, flags: c_int) -> Result<usize
     if live > 1 && (first_small || flags & libc::MSG_PEEK != 0) {
         // (A peek reads from the same place each call: it is never spread over calls.)
         let want = if flags & libc::MSG_PEEK != 0 { all.min(256 << 10) } else { all.min(GATHER) };
-        let mut small = [0u8; GATHER];
+        // (A stage zeroes only the bytes asked for, not all 4 KiB on every call.)
+        let mut raw = std::mem::MaybeUninit::<[u8; GATHER]>::uninit();
+        let mut stage = sys::fd::Stage::new(&mut raw);
         let mut big = Vec::new();
         let tmp: &mut [u8] = if want <= GATHER {
-            &mut small[..want]
+            stage.zeroed(want)
         } else {
             big.resize(want, 0);
             &mut big[..]
@@ -105,8 +107,10 @@ fn vc_writev(vc: &Vc, fd: c_int, iov: &ProgIov, flags: c_int) -> Result<usize, I
             return vc.send(fd, iov.buf(i), flags);
         }
         if len <= GATHER {
-            // (No allocation for a small message.)
-            let mut small = [0u8; GATHER];
+            // (No allocation for a small message, and only its bytes touched.)
+            let mut raw = std::mem::MaybeUninit::<[u8; GATHER]>::uninit();
+            let mut stage = sys::fd::Stage::new(&mut raw);
+            let small = stage.zeroed(len);
             let mut k = 0;
             for i in live() {
                 let b = iov.buf(i);
@@ -355,9 +359,12 @@ pub fn shutdown(fd: c_int, how: c_int, real: impl FnOnce(c_int) -> Real) -> Real
     }
     if send_side {
         // The end of stream travels as a Fin frame (the peer keeps acknowledging).
+        let told = vc.mem().conn().tx_shut.load(std::sync::atomic::Ordering::Acquire) != 0;
         quietly(|| Some(vc.end_stream(fd))).unwrap_or(Err(Errno(libc::EIO)))?;
         quietly(|| {
-            crate::relink::ended(&vc);
+            if !told {
+                crate::relink::ended(&vc);
+            }
             if !sys::nonblocking(fd) {
                 crate::linger::until_sent(fd);
             }

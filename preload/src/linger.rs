@@ -73,6 +73,8 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
     // put it where the kernel resets the connection on the peer's next ack. The end of stream
     // goes as a Fin frame instead, and the socket closes once the peer acknowledged all.
     let fin_mode = peer_fin(vc.mem());
+    // (A program that shut its side already told the agent where its stream ends.)
+    let told = vc.mem().conn().tx_shut.load(std::sync::atomic::Ordering::Acquire) != 0;
     if !fin_mode {
         vc.mem().conn().tx_shut.store(1, std::sync::atomic::Ordering::Release);
     }
@@ -91,7 +93,9 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         } else {
             crate::sys::fd::shutdown(keep, libc::SHUT_WR);
         }
-        crate::relink::ended(&vc);
+        if !told {
+            crate::relink::ended(&vc);
+        }
         let mut l = lock();
         l.socks.push((keep, vc, Instant::now() + LINGER));
         if l.thread {
