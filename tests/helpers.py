@@ -222,6 +222,7 @@ PORTS = {
     "progress_native": 17961,
     "progress_layer": 17962,
     "failover_exit_after_end": 17963,
+    "block_ports": 17964,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -74,3 +74,56 @@ def test_sequential_connections_share_one_closing_thread(procs, tmp_path):
     # The control thread, the closing thread, and a little room (never one per connection).
     assert len(clones) <= 4, f"{len(clones)} threads started for {SEQUENTIAL} connections:\n" + \
         "\n".join(clones[:10])
+
+
+# Connects n times, one connection after the other, and prints the local port of each (and,
+# per connection, whether the banner and the echo came back right); the last one is held a
+# second, for vmictl to see.
+PORTS_CLIENT = r"""
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = []
+for i in range(n):
+    s = socket.create_connection((host, port))
+    f = s.makefile("rb")
+    ok = bool(f.readline())
+    s.sendall(b"x\n")
+    ok = ok and f.readline() == b"x\n"
+    out.append("%d:%d" % (s.getsockname()[1], ok))
+    if i == n - 1:
+        time.sleep(1)
+    f.close()
+    s.close()
+print(" ".join(out), flush=True)
+"""
+
+BLOCK = range(59000, 61000)
+
+
+def test_layered_connections_take_their_source_port_from_the_nodes_block(procs):
+    """The agent reserves a block of source ports (its `setup-ports`, 59000-60999 by
+    default) and the layer binds each connection the program did not bind to one of them
+    before `connect`: the connection is announced with its port, so the accepting side's
+    agent finds it at once instead of waiting for the port to follow through both agents.
+    The kernel gives those ports to no socket that did not ask for one: a program without
+    the layer on the same node never gets one."""
+    port = PORTS["block_ports"]
+    addr = f"{H1_IP}:{port}"
+    reserved = procs.run(H2, ["cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"], layer=False,
+                         name="reserved").stdout()
+    assert "59000-60999" in reserved, reserved
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=True,
+                 name="banner-server")
+    n = 30
+    with Watcher(H1, H2) as w:
+        layered = procs.run(H2, [PYTHON, "-c", PORTS_CLIENT, H1_IP, port, n], layer=True,
+                            name="block-client", timeout=60).stdout().split()
+    plain = procs.run(H2, [PYTHON, "-c", PORTS_CLIENT, H1_IP, port, n], layer=False,
+                      name="plain-client", timeout=60).stdout().split()
+    assert len(layered) == n and all(x.endswith(":1") for x in layered), layered
+    assert len(plain) == n and all(x.endswith(":1") for x in plain), plain
+    ports = [int(x.split(":")[0]) for x in layered]
+    assert all(p in BLOCK for p in ports), ports
+    assert len(set(ports)) == n, f"a port used twice: {ports}"
+    assert not any(int(x.split(":")[0]) in BLOCK for x in plain), plain
+    assert_virtual(w, H1, addr, H2, min_conns=1)

@@ -35,7 +35,7 @@ pub const DEFAULT_BIND: &str = "0.0.0.0";
 
 /// The keys of the configuration file, each the name of a command-line flag without its
 /// `--`, in the order the documentation lists them.
-pub const KEYS: [&str; 23] = [
+pub const KEYS: [&str; 24] = [
     "key",
     "peers",
     "head",
@@ -46,6 +46,7 @@ pub const KEYS: [&str; 23] = [
     "socket",
     "port",
     "relink-ports",
+    "setup-ports",
     "bind",
     "node",
     "probe-interval",
@@ -154,6 +155,69 @@ impl<'de> Deserialize<'de> for DirectorySpec {
 }
 
 impl Serialize for DirectorySpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// The block of source ports the node's layers bind their connections to before `connect`
+/// (so that the connection is announced with its source port, and the accepting side finds
+/// it at once): none, or `first..=last`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetupPorts {
+    /// No block: connections are announced without their source port, which follows.
+    Off,
+    /// Ports `first` to `last`.
+    Range(u16, u16),
+}
+
+/// The default block: the top 2,000 ports of Linux's default ephemeral range, which the agent
+/// reserves (`ip_local_reserved_ports`) so that the kernel gives them to no other socket.
+pub const DEFAULT_SETUP_PORTS: SetupPorts = SetupPorts::Range(59000, 60999);
+
+impl SetupPorts {
+    /// First port and count (0: none).
+    pub fn block(self) -> (u16, u16) {
+        match self {
+            SetupPorts::Off => (0, 0),
+            SetupPorts::Range(a, b) => (a, b - a + 1),
+        }
+    }
+}
+
+impl FromStr for SetupPorts {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "off" {
+            return Ok(SetupPorts::Off);
+        }
+        let bad = || format!("{s:?}: FIRST-LAST (ports from 1024 to 65535, at most 32768 of them), or off");
+        let (a, b) = s.split_once('-').ok_or_else(bad)?;
+        let (a, b): (u16, u16) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
+        if a < 1024 || b < a || b - a >= 32768 {
+            return Err(bad());
+        }
+        Ok(SetupPorts::Range(a, b))
+    }
+}
+
+impl fmt::Display for SetupPorts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupPorts::Off => f.write_str("off"),
+            SetupPorts::Range(a, b) => write!(f, "{a}-{b}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SetupPorts {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for SetupPorts {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)
     }
@@ -340,6 +404,8 @@ pub struct Layer {
     pub port: Option<u16>,
     /// TCP ports for rebuilt links: `port` and the ones after it.
     pub relink_ports: Option<u16>,
+    /// Source ports of the node's layers.
+    pub setup_ports: Option<SetupPorts>,
     /// Address to listen on for other agents.
     pub bind: Option<IpAddr>,
     /// Name in reports.
@@ -395,6 +461,8 @@ pub struct Settings {
     pub port: u16,
     /// TCP ports `port` to `port + relink_ports - 1` take rebuilt links.
     pub relink_ports: u16,
+    /// The block of source ports the node's layers bind their connections to.
+    pub setup_ports: SetupPorts,
     /// Agent-to-agent address.
     pub bind: IpAddr,
     /// Name in reports (`None`: the node's first IPv4 address).
@@ -516,6 +584,7 @@ pub fn parse_args<I: IntoIterator<Item = String>>(args: I) -> Result<Cli, String
             "--socket" => l.socket = Some(val()?),
             "--port" => l.port = Some(value(&flag, &val()?)?),
             "--relink-ports" => l.relink_ports = Some(value(&flag, &val()?)?),
+            "--setup-ports" => l.setup_ports = Some(value(&flag, &val()?)?),
             "--bind" => l.bind = Some(value(&flag, &val()?)?),
             "--node" => l.node = Some(val()?),
             "--probe-interval" => l.probe_interval = Some(value(&flag, &val()?)?),
@@ -713,6 +782,8 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
     let (port, _) = pick("port", &cli.port, None, file, &f.port, crate::DEFAULT_PORT);
     let (relink_ports, rp_from) =
         pick("relink-ports", &cli.relink_ports, None, file, &f.relink_ports, DEFAULT_RELINK_PORTS);
+    let (setup_ports, _) =
+        pick("setup-ports", &cli.setup_ports, None, file, &f.setup_ports, DEFAULT_SETUP_PORTS);
     let (bind, _) = pick("bind", &cli.bind, None, file, &f.bind, DEFAULT_BIND.parse().expect("an address"));
     let node = cli.node.clone().or_else(|| f.node.clone());
     let (probe_interval, pi_from) =
@@ -823,6 +894,7 @@ pub fn resolve(cli: &Layer, env: impl Fn(&str) -> Option<String>, file: &File) -
         socket,
         port,
         relink_ports,
+        setup_ports,
         bind,
         node,
         probe_interval,
@@ -969,6 +1041,16 @@ log = "debug"
         // What --check-config prints reads back as the same settings.
         let again = file(&s.to_toml());
         assert_eq!(resolve(&Layer::default(), no_env, &again).unwrap(), s);
+        // Source ports of layered connections: a block by default, off, or FIRST-LAST.
+        assert_eq!(s.setup_ports, DEFAULT_SETUP_PORTS);
+        assert_eq!(s.setup_ports.block(), (59000, 2000));
+        let off = args(&["--setup-ports", "off"]).unwrap();
+        assert_eq!(resolve(&off.layer, no_env, &f).unwrap().setup_ports.block(), (0, 0));
+        let r = resolve(&Layer::default(), no_env, &file("setup-ports = \"40000-40099\"\n")).unwrap();
+        assert_eq!(r.setup_ports.block(), (40000, 100));
+        for bad in ["1-2", "5000-4000", "x", "4000-", "1024-65535", "60000"] {
+            assert!(args(&["--setup-ports", bad]).is_err(), "{bad}");
+        }
         // Relink ports: 1 by default, 1 to 64, and never past port 65535.
         assert_eq!(s.relink_ports, 1);
         let ok = args(&["--relink-ports", "4"]).unwrap();
@@ -1103,6 +1185,7 @@ log = "debug"
                 }
                 "directory" => format!("{k} = \"etcd://10.0.0.1:2379\""),
                 "bind" => format!("{k} = \"127.0.0.1\""),
+                "setup-ports" => format!("{k} = \"60000-60099\""),
                 "metrics" | "web" => format!("{k} = \"off\""),
                 _ => format!("{k} = \"x\""),
             };

@@ -58,6 +58,8 @@ pub struct Agent {
     /// The node's default chains (the `chain` setting's rules, as `Policy::to_text` writes
     /// them), told to each process in the answer to its `Hello`.
     pub chain: std::sync::OnceLock<String>,
+    /// The block of source ports the node's layers bind connections to (first, count).
+    pub setup_ports: std::sync::OnceLock<(u16, u16)>,
     /// The folder of device plug-ins (the `plugins` setting).
     pub plugins: std::sync::OnceLock<std::path::PathBuf>,
     /// The node's sink plug-ins and what their probes said.
@@ -120,6 +122,7 @@ impl Agent {
             journal,
             web: std::sync::OnceLock::new(),
             chain: std::sync::OnceLock::new(),
+            setup_ports: std::sync::OnceLock::new(),
             plugins: std::sync::OnceLock::new(),
             sinks: crate::sinks::Sinks::default(),
             next_client: AtomicU64::new(1),
@@ -780,10 +783,8 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Hello { pid, name } => {
                 info!("process {pid} ({name}) under the layer");
                 agent.procs.lock().unwrap_or_else(|e| e.into_inner()).hello(id, pid, name, passed);
-                match agent.chain.get() {
-                    Some(rules) => Msg::Policy { chain: rules.clone() },
-                    None => Msg::Ok,
-                }
+                let (first_port, ports) = agent.setup_ports.get().copied().unwrap_or((0, 0));
+                Msg::Welcome { chain: agent.chain.get().cloned().unwrap_or_default(), first_port, ports }
             }
             Msg::Listen { addr, window } => {
                 debug!("listener {addr} (client {id})");

@@ -18,6 +18,7 @@ const USAGE: &str = "usage: vmi-agent [--config FILE] [--key FILE] [--peers A,B.
                  [--grid NAME=HEADADDR@KEYFILE].. [--metrics ADDR:PORT|off]
                  [--web ADDR:PORT|PORT|off] [--web-token FILE]
                  [--socket NAME] [--port PORT] [--relink-ports N] [--bind ADDR] [--node NAME]
+                 [--setup-ports FIRST-LAST|off]
                  [--probe-interval MS] [--dead-after MS] [--sweep-every MS]
                  [--directory etcd://HOST:PORT,..] [--directory-ttl S]
                  [--directory-ca FILE [--directory-cert FILE --directory-key FILE]]
@@ -55,6 +56,13 @@ flags, each overriding the one before; every flag NAME is also a key NAME in the
                  links rebuilt between two nodes share the dialing node's ephemeral
                  ports (about 28,000 per destination port by default), so more ports let
                  more connections between two nodes move at once
+  --setup-ports FIRST-LAST  source ports the node's layers bind their connections to
+                 before connecting (setup-ports = \"FIRST-LAST\", or \"off\"; default
+                 59000-60999): a connection is then announced with its source port and the
+                 accepting side finds it at once. The agent reserves them
+                 (net.ipv4.ip_local_reserved_ports, added to what is there and left after
+                 it stops) so that the kernel gives them to no other connection; when all
+                 are taken, connections are announced without their port, as with off
   --bind ADDR    address to listen on for other agents (bind = \"ADDR\"; default 0.0.0.0)
   --peers A,B..  other nodes of the cluster (peers = [\"A\", \"B\"]; one address per node is
                  enough): probed from the start, so `vmictl --cluster status` and
@@ -312,6 +320,10 @@ fn run(args: Settings) {
     ));
     let peers: Vec<SocketAddr> = args.peers.iter().map(|ip| SocketAddr::new(*ip, args.port)).collect();
     agent.health.learn(&peers);
+    if let agent::config::SetupPorts::Range(first, last) = args.setup_ports {
+        agent::net::reserve_ports(first, last);
+        let _ = agent.setup_ports.set(args.setup_ports.block());
+    }
     let _ = agent.plugins.set(args.plugins.clone());
     agent.sinks.probe(&args.plugins);
     // (Names only: status shows the chains of plug-ins, which run in the programs alone.)

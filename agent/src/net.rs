@@ -74,6 +74,38 @@ pub fn source_for(dst: IpAddr) -> Option<IpAddr> {
     Some(s.local_addr().ok()?.ip())
 }
 
+/// Where the kernel keeps the ports it gives no socket of its own choice (per network
+/// namespace).
+const RESERVED_PORTS: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+
+/// Reserves ports `first` to `last` for the node's layers: the kernel gives them to no
+/// socket that did not ask for one of them, so a layer's `bind` there rarely finds one
+/// taken. Added to the ports reserved already (the kernel keeps a set: a range given twice
+/// is once in it). Left in place when the agent stops (an agent started again finds it
+/// there). Failure (no privilege) only makes the block shared with other sockets: logged.
+pub fn reserve_ports(first: u16, last: u16) {
+    let ours = format!("{first}-{last}");
+    let now = match std::fs::read_to_string(RESERVED_PORTS) {
+        Ok(t) => t.trim().to_string(),
+        Err(e) => {
+            tracing::info!("cannot read {RESERVED_PORTS}: {e}; the source ports {ours} of layered connections are not reserved");
+            return;
+        }
+    };
+    if now.split(',').any(|r| r.trim() == ours) {
+        return;
+    }
+    let new = if now.is_empty() { ours.clone() } else { format!("{now},{ours}") };
+    match std::fs::write(RESERVED_PORTS, new.as_bytes()) {
+        Ok(()) => tracing::info!(
+            "source ports {ours} reserved for layered connections (sysctl net.ipv4.ip_local_reserved_ports)"
+        ),
+        Err(e) => tracing::info!(
+            "cannot reserve the source ports {ours} of layered connections in {RESERVED_PORTS}: {e}; other sockets may take some of them (the layers then try others)"
+        ),
+    }
+}
+
 /// A name for the node: its first non-loopback IPv4 address, else the host name.
 pub fn node_name() -> String {
     if let Some(ip) = node_addrs().into_iter().find(|ip| ip.is_ipv4() && !ip.is_loopback()) {

@@ -9,7 +9,7 @@ use crate::{log, sys};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, Ordering::SeqCst};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use substrate::wire::agent::Msg;
 
@@ -216,13 +216,12 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
             st.said_hello = true;
         }
         Some(Msg::Policy { chain }) => {
-            match substrate::connection::chain::Policy::parse([chain.as_str()]) {
-                Ok(p) => set_policy(Some(p)),
-                Err(e) => {
-                    log::warn(format_args!("the node agent's default chains are not valid here ({e}): none"));
-                    set_policy(None);
-                }
-            }
+            take_policy(&chain);
+            st.said_hello = true;
+        }
+        Some(Msg::Welcome { chain, first_port, ports }) => {
+            take_policy(&chain);
+            PORT_BLOCK.store(u32::from(first_port) << 16 | u32::from(ports), Ordering::Relaxed);
             st.said_hello = true;
         }
         _ => return fail(st, now),
@@ -234,6 +233,36 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         }
     }
     Some(fd)
+}
+
+/// The node's default chains as the agent gave them (empty: none).
+fn take_policy(chain: &str) {
+    if chain.is_empty() {
+        set_policy(None);
+        return;
+    }
+    match substrate::connection::chain::Policy::parse([chain]) {
+        Ok(p) => set_policy(Some(p)),
+        Err(e) => {
+            log::warn(format_args!("the node agent's default chains are not valid here ({e}): none"));
+            set_policy(None);
+        }
+    }
+}
+
+/// The node's block of source ports for layered connections, from the agent's answer to our
+/// `Hello`: first port in the high 16 bits, count in the low ones (0: none).
+static PORT_BLOCK: AtomicU32 = AtomicU32::new(0);
+
+/// The node's block of source ports for layered connections: first port and count.
+pub fn port_block() -> Option<(u16, u16)> {
+    let mut b = PORT_BLOCK.load(Ordering::Relaxed);
+    if b == 0 {
+        // Not told yet (the first connection of the process), or the node has none.
+        hello();
+        b = PORT_BLOCK.load(Ordering::Relaxed);
+    }
+    ((b & 0xffff) != 0).then_some(((b >> 16) as u16, b as u16))
 }
 
 /// The node's default chains, from the agent's answer to our `Hello` (read with one load:

@@ -49,7 +49,12 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     if agent::known_down() || agent::known_plain(&dst) {
         return None;
     }
-    let local = sys::local_addr(fd)?;
+    let mut local = sys::local_addr(fd)?;
+    if local.port() == 0 && local.ip().is_unspecified() {
+        if let Some(bound) = bind_in_block(fd, local) {
+            local = bound;
+        }
+    }
     let gid = u128::from_le_bytes(sys::random16());
     let secret = u128::from_le_bytes(sys::random16());
     let m =
@@ -102,6 +107,62 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
         None => None,
     }
 }
+
+/// Where the next search of the node's port block starts (0: not chosen yet).
+static CURSOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Most ports of the block one `connect` tries.
+const BIND_TRIES: u32 = 16;
+
+/// Binds a socket the program did not bind to a free port of the node's block of source
+/// ports for layered connections (which the agent reserved, so that the kernel gives them to
+/// no other socket), so that the connection is announced with its source port: the
+/// accepting side's agent then finds it at once, where a connection announced without its
+/// port waits for the port to follow through both agents. A port some socket holds (in
+/// TIME_WAIT too: no `SO_REUSEADDR` here) is skipped; after [`BIND_TRIES`] taken ports, or
+/// no block, or a program that asked for address reuse (its `connect` could then meet a
+/// connection in TIME_WAIT with the same addresses), the socket stays unbound and is
+/// announced without its port. The address bound, or `None`.
+fn bind_in_block(fd: i32, unbound: SocketAddr) -> Option<SocketAddr> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (first, count) = agent::port_block()?;
+    if FULL_UNTIL.load(Relaxed) > sys::now_ns()
+        || !crate::sandbox::allows_nr(libc::SYS_bind)
+        || sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR) != Some(0)
+        || sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEPORT) != Some(0)
+    {
+        return None;
+    }
+    let count = u32::from(count);
+    // (Kept plus one: 0 is "not chosen yet".) Processes of the node start at different
+    // places of the block.
+    let at = match CURSOR.load(Relaxed) {
+        0 => u32::from_le_bytes(sys::random16()[..4].try_into().ok()?),
+        c => c - 1,
+    };
+    let v6 = unbound.is_ipv6();
+    for i in 0..BIND_TRIES {
+        let port = first as u32 + (at.wrapping_add(i) % count);
+        let a = SocketAddr::new(unbound.ip(), port as u16);
+        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&a, v6)) == 0 {
+            CURSOR.store(at.wrapping_add(i + 2), Relaxed);
+            return Some(a);
+        }
+        if sys::errno() != libc::EADDRINUSE {
+            return None;
+        }
+    }
+    CURSOR.store(at.wrapping_add(BIND_TRIES + 1), Relaxed);
+    // (Many connections at once can hold the whole block: not tried again for a while.)
+    FULL_UNTIL.store(sys::now_ns() + BLOCK_FULL_NS, Relaxed);
+    None
+}
+
+/// Until when (`sys::now_ns`) the block is taken to be full.
+static FULL_UNTIL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How long a block found full is not tried again.
+const BLOCK_FULL_NS: u64 = 100_000_000;
 
 /// `VMI_SUBSTRATE` named a sink plug-in: the first connection to another node asks the agent
 /// whether the node has devices for it (the agent probed its plug-ins at start; the program

@@ -480,6 +480,17 @@ pub enum Msg {
         /// The proof.
         mac: u128,
     },
+    /// Agent → the layer, the answer to its `Hello`: the node's default chains (as in
+    /// [`Msg::Policy`]; empty: none) and the block of source ports the node's layers bind
+    /// connections to before `connect` (`ports` from `first_port` on; 0: no block).
+    Welcome {
+        /// The node's default chains.
+        chain: String,
+        /// First port of the block.
+        first_port: u16,
+        /// How many ports.
+        ports: u16,
+    },
 }
 
 /// Why a message was refused.
@@ -528,6 +539,9 @@ struct W(Vec<u8>);
 impl W {
     fn u8(&mut self, v: u8) {
         self.0.push(v)
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes())
     }
     fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes())
@@ -696,6 +710,7 @@ impl Msg {
             Msg::Sink { .. } => "Sink",
             Msg::SinkReply { .. } => "SinkReply",
             Msg::Ended { .. } => "Ended",
+            Msg::Welcome { .. } => "Welcome",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -966,6 +981,12 @@ impl Msg {
                 w.u8(*from_active as u8);
                 w.u128(*mac);
             }
+            Msg::Welcome { chain, first_port, ports } => {
+                w.u8(77);
+                w.str(chain);
+                w.u16(*first_port);
+                w.u16(*ports);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1112,6 +1133,7 @@ impl Msg {
             74 => Msg::Sink { name: r.str()? },
             75 => Msg::SinkReply { devices: r.u32()? as i32, why: r.str()? },
             76 => Msg::Ended { gid: r.u128()?, at: r.u64()?, from_active: r.bool()?, mac: r.u128()? },
+            77 => Msg::Welcome { chain: r.str()?, first_port: r.u16()?, ports: r.u16()? },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1232,6 +1254,8 @@ mod tests {
             Msg::SinkReply { devices: 0, why: "no RDMA device".into() },
             Msg::SinkReply { devices: -1, why: String::new() },
             Msg::Ended { gid: 3 << 90 | 7, at: 52_953_088, from_active: false, mac: 0xfeed << 64 | 0xbeef },
+            Msg::Welcome { chain: String::new(), first_port: 59000, ports: 2000 },
+            Msg::Welcome { chain: "lz4".into(), first_port: 0, ports: 0 },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,
