@@ -222,7 +222,9 @@ PORTS = {
     "progress_native": 17961,
     "progress_layer": 17962,
     "failover_exit_after_end": 17963,
-    "block_ports": 17964,
+    "setup_block": 17964,
+    "setup_one_way": 17965,
+    "setup_restart": 17966,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -62,6 +62,30 @@ pub struct Forward {
     pub to: Vec<SocketAddr>,
 }
 
+/// Another node whose agent announces connections to a listener here one way
+/// ([`Directory::subscribe`]), each from a source port of its block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sub {
+    /// The listener's registered address.
+    pub listener: SocketAddr,
+    /// The destination the other node's connections go to (what it asked about).
+    pub dst: SocketAddr,
+    /// The other node's address (the one its agent's channel came from).
+    pub node: IpAddr,
+    /// Its block of source ports: first, count.
+    pub block: (u16, u16),
+}
+
+impl Sub {
+    fn covers(&self, peer: SocketAddr) -> bool {
+        let (first, count) = (u32::from(self.block.0), u32::from(self.block.1));
+        peer.ip() == self.node && (first..first + count).contains(&u32::from(peer.port()))
+    }
+}
+
+/// Most subscriptions kept (a node each per listener).
+pub const MAX_SUBS: usize = 65536;
+
 /// Listeners and expected connections.
 #[derive(Default, Debug)]
 pub struct Directory {
@@ -75,6 +99,7 @@ pub struct Directory {
     /// Connections announced lately to an address where nothing listened (the newest last):
     /// their programs may be trying again and again until a server listens.
     misses: std::collections::VecDeque<(SocketAddr, Instant)>,
+    subs: Vec<Sub>,
 }
 
 /// How long after a connection was announced to an address where nothing listened a new
@@ -222,16 +247,64 @@ impl Directory {
 
     /// A listener accepted `peer → local`: the expected connection if it was announced;
     /// [`Lookup::Wait`] while a connection to `local` announced without a port may still be
-    /// this one.
+    /// this one, or while `peer` is a source port of a node that announces its connections
+    /// to this listener one way (the announcement may still be on its way).
     pub fn accept(&mut self, local: SocketAddr, peer: SocketAddr) -> Lookup {
         if let Some(e) = self.expected.remove(&(peer, local)) {
             return Lookup::Found(e);
         }
-        if self.unbound.values().any(|(dst, _)| *dst == local) {
+        if self.unbound.values().any(|(dst, _)| *dst == local) || self.may_be_announced(local, peer) {
             Lookup::Wait
         } else {
             Lookup::Plain
         }
+    }
+
+    fn may_be_announced(&self, local: SocketAddr, peer: SocketAddr) -> bool {
+        if self.subs.is_empty() {
+            return false;
+        }
+        let Some(l) = self.listener_for(local) else { return false };
+        self.subs.iter().any(|s| s.listener == l.addr && s.covers(peer))
+    }
+
+    /// The agent of the node at `node` will announce its connections to `dst` one way, from
+    /// source ports of `block`: accepts of connections from there wait for their
+    /// announcements. False when no listener here takes `dst` (or too many are kept).
+    pub fn subscribe(&mut self, dst: SocketAddr, node: IpAddr, block: (u16, u16)) -> bool {
+        let Some(listener) = self.listener_for(dst).map(|l| l.addr) else { return false };
+        if block.1 == 0 || u32::from(block.0) + u32::from(block.1) > 65536 {
+            return false;
+        }
+        if let Some(s) = self.subs.iter_mut().find(|s| s.dst == dst && s.node == node) {
+            s.listener = listener;
+            s.block = block;
+            return true;
+        }
+        if self.subs.len() >= MAX_SUBS {
+            return false;
+        }
+        self.subs.push(Sub { listener, dst, node, block });
+        true
+    }
+
+    /// Subscriptions whose listener is gone (unregistered, or moved to another node): taken
+    /// out, for their nodes to be told.
+    pub fn gone_subs(&mut self) -> Vec<Sub> {
+        if self.subs.is_empty() {
+            return Vec::new();
+        }
+        let (listeners, forwards) = (&self.listeners, &self.forwards);
+        let (gone, kept) = std::mem::take(&mut self.subs).into_iter().partition(|s: &Sub| {
+            !listeners.iter().any(|l| l.addr == s.listener) || forwards.iter().any(|f| f.addr == s.listener)
+        });
+        self.subs = kept;
+        gone
+    }
+
+    /// Subscriptions, for reports.
+    pub fn subs(&self) -> &[Sub] {
+        &self.subs
     }
 
     /// Connections announced and not accepted yet.
@@ -286,6 +359,43 @@ mod tests {
         // Nothing waits any more: a plain connection is plain at once.
         assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:41001")), Lookup::Plain);
         assert_eq!(d.expected_count(), 0);
+    }
+
+    #[test]
+    fn a_subscribed_node_s_ports_wait_for_their_announcement_and_a_gone_listener_ends_it() {
+        let mut d = Directory::default();
+        let now = Instant::now();
+        let node: IpAddr = "10.0.0.2".parse().unwrap();
+        assert!(!d.subscribe(a("10.0.0.1:80"), node, (59000, 2000)), "no listener");
+        d.listen(a("0.0.0.0:80"), 77, 1);
+        assert!(!d.subscribe(a("10.0.0.1:80"), node, (65000, 2000)), "past port 65535");
+        assert!(d.subscribe(a("10.0.0.1:80"), node, (59000, 2000)));
+        assert!(d.subscribe(a("10.0.0.1:80"), node, (59000, 2000)), "again: one subscription");
+        assert_eq!(d.subs().len(), 1);
+        // From the node's block: may be announced yet; from elsewhere: plain at once.
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:59100")), Lookup::Wait);
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:41000")), Lookup::Plain);
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.3:59100")), Lookup::Plain);
+        assert_eq!(d.accept(a("10.0.0.1:81"), a("10.0.0.2:59100")), Lookup::Plain);
+        // The announcement comes: found.
+        d.expect(a("10.0.0.2:59100"), a("10.0.0.1:80"), ex(5, 6, 7, a("10.0.0.1:80"), now));
+        let Lookup::Found(e) = d.accept(a("10.0.0.1:80"), a("10.0.0.2:59100")) else { panic!("announced") };
+        assert_eq!(e.gid, 5);
+        // Another owner's listener on the address keeps it; the last one's end takes it out.
+        d.listen(a("0.0.0.0:80"), 77, 2);
+        d.unlisten(a("0.0.0.0:80"), 1);
+        assert!(d.gone_subs().is_empty());
+        d.drop_owner(2);
+        let gone = d.gone_subs();
+        assert_eq!(gone.len(), 1);
+        assert_eq!((gone[0].dst, gone[0].node), (a("10.0.0.1:80"), node));
+        assert_eq!(d.accept(a("10.0.0.1:80"), a("10.0.0.2:59100")), Lookup::Plain);
+        // A listener that moved away ends its subscriptions too.
+        d.listen(a("10.0.0.1:90"), 1, 3);
+        assert!(d.subscribe(a("10.0.0.1:90"), node, (59000, 2000)));
+        d.forward(a("10.0.0.1:90"), vec![a("10.0.0.9:7787")]);
+        assert_eq!(d.gone_subs().len(), 1);
+        assert!(d.subs().is_empty());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use crate::peer::PeerClient;
 use crate::status::Procs;
 use crate::wire::{read_msg_fd, write_msg};
 use crate::{net, status};
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsRawFd;
@@ -24,6 +25,26 @@ use tracing::{debug, info, warn};
 /// (the connecting layer sends it right after `connect`: well under a millisecond on one
 /// network). Only accepts at an address with such a connection in flight wait at all.
 pub const BOUND_WAIT: Duration = Duration::from_millis(500);
+
+/// A listener on another node, as this agent knows it.
+#[derive(Clone, Debug)]
+enum Known {
+    /// Subscribed, on the channel of this generation: connections to it are announced one
+    /// way and answered here at once with the listener's window and its node's agents.
+    Sub { window: u64, addrs: Vec<SocketAddr>, gen: u64 },
+    /// Its agent did not take the subscription: not asked again before this time.
+    Refused(Instant),
+}
+
+/// Most listeners on other nodes remembered.
+const MAX_KNOWN: usize = 4096;
+
+/// How long a refused subscription is not asked again.
+const REFUSED_FOR: Duration = Duration::from_secs(10);
+
+/// How long the agent of a listener that goes away waits for each subscribed agent to
+/// take the news (the listener's `close` waits meanwhile).
+const UNSUBSCRIBE_WAIT: Duration = Duration::from_millis(300);
 
 /// The agent's shared state.
 pub struct Agent {
@@ -60,6 +81,9 @@ pub struct Agent {
     pub chain: std::sync::OnceLock<String>,
     /// The block of source ports the node's layers bind connections to (first, count).
     pub setup_ports: std::sync::OnceLock<(u16, u16)>,
+    /// Listeners on other nodes this agent subscribed to (see [`Msg::Subscribe`]), by the
+    /// destination connections go to; and the ones whose agents refused.
+    remote: Mutex<HashMap<SocketAddr, Known>>,
     /// The folder of device plug-ins (the `plugins` setting).
     pub plugins: std::sync::OnceLock<std::path::PathBuf>,
     /// The node's sink plug-ins and what their probes said.
@@ -123,6 +147,7 @@ impl Agent {
             web: std::sync::OnceLock::new(),
             chain: std::sync::OnceLock::new(),
             setup_ports: std::sync::OnceLock::new(),
+            remote: Mutex::default(),
             plugins: std::sync::OnceLock::new(),
             sinks: crate::sinks::Sinks::default(),
             next_client: AtomicU64::new(1),
@@ -165,7 +190,7 @@ impl Agent {
                     let now = Instant::now();
                     if now >= deadline {
                         debug!(
-                            "{peer} -> {local}: a connection announced without its port is still waiting for it; this one is plain TCP"
+                            "{peer} -> {local}: no announcement came for it (a connection announced without its port is still waiting for it, or the connecting node announces one way from this source port); this one is plain TCP"
                         );
                         return None;
                     }
@@ -286,6 +311,12 @@ impl Agent {
             let agents = self.health.advertised();
             return self.expect_here(Announce { src, dst, gid, secret, window, aim: dst, agents });
         }
+        let in_block = self.in_block(src.port());
+        if in_block && budget == crate::peer::CONNECT_BUDGET {
+            if let Some(m) = self.announce_one_way(src, dst, gid, secret, window) {
+                return m;
+            }
+        }
         let m = Msg::Connect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
         match self.peers.ask_within(dst.ip(), self.port, &m, budget) {
             Ok(Msg::Virtual { gid, secret, window, addrs, alias }) => {
@@ -294,6 +325,9 @@ impl Agent {
                     self.ports.route(gid, SocketAddr::new(dst.ip(), self.port));
                 }
                 self.health.learn(&addrs);
+                if in_block && alias == NO_ADDR {
+                    self.subscribe(dst, window, &addrs);
+                }
                 Msg::Virtual { gid, secret, window, addrs, alias }
             }
             Ok(Msg::Plain) => Msg::Plain,
@@ -315,6 +349,151 @@ impl Agent {
                     dst.ip()
                 );
                 Msg::Plain
+            }
+        }
+    }
+}
+
+impl Agent {
+    /// For the status report: see `status::Report::setup`.
+    pub fn setup_json(&self) -> serde_json::Value {
+        let ports = match self.setup_ports.get() {
+            Some(&(first, n)) if n > 0 => format!("{first}-{}", u32::from(first) + u32::from(n) - 1),
+            _ => "off".into(),
+        };
+        let mut to: Vec<String> = self
+            .remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, k)| matches!(k, Known::Sub { .. }))
+            .map(|(d, _)| d.to_string())
+            .collect();
+        to.sort();
+        let from: Vec<serde_json::Value> = self
+            .dir
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .subs()
+            .iter()
+            .map(|s| serde_json::json!({ "listener": s.dst.to_string(), "node": s.node.to_string() }))
+            .collect();
+        serde_json::json!({ "ports": ports, "one_way_to": to, "one_way_from": from })
+    }
+
+    /// `port` is in the node's block of source ports for layered connections.
+    fn in_block(&self, port: u16) -> bool {
+        self.setup_ports.get().is_some_and(|&(first, n)| {
+            (u32::from(first)..u32::from(first) + u32::from(n)).contains(&u32::from(port))
+        })
+    }
+
+    /// A connection to a listener this agent subscribed to: announced to its agent one way,
+    /// and answered at once. `None` when there is no subscription (or its channel is gone:
+    /// the caller asks).
+    fn announce_one_way(
+        &self,
+        src: SocketAddr,
+        dst: SocketAddr,
+        gid: u128,
+        secret: u128,
+        window: u64,
+    ) -> Option<Msg> {
+        let known = self.remote.lock().unwrap_or_else(|e| e.into_inner()).get(&dst).cloned()?;
+        let Known::Sub { window: w, addrs, gen } = known else { return None };
+        let m = Msg::Expect { src, dst, gid, secret, window, aim: dst, agents: self.health.advertised() };
+        match self.peers.tell(dst.ip(), &m, gen) {
+            Ok(()) => Some(Msg::Virtual { gid, secret, window: w, addrs, alias: NO_ADDR }),
+            Err(e) => {
+                debug!("listener {dst}: {e}; asking its agent again");
+                self.remote.lock().unwrap_or_else(|e| e.into_inner()).remove(&dst);
+                None
+            }
+        }
+    }
+
+    /// After a connection to `dst` (a listener under the layer on another node) was set up
+    /// by asking: asks that node's agent to take this node's later connections there one
+    /// way (once; a refusal is not asked again for a while).
+    fn subscribe(&self, dst: SocketAddr, window: u64, addrs: &[SocketAddr]) {
+        let Some(&(first_port, ports)) = self.setup_ports.get() else { return };
+        {
+            let r = self.remote.lock().unwrap_or_else(|e| e.into_inner());
+            match r.get(&dst) {
+                Some(Known::Sub { .. }) => return,
+                Some(Known::Refused(until)) if Instant::now() < *until => return,
+                _ => {}
+            }
+        }
+        let m = Msg::Subscribe { listener: dst, first_port, ports };
+        let k = match self.peers.ask_within(dst.ip(), self.port, &m, crate::peer::CONNECT_BUDGET) {
+            Ok(Msg::Ok) => {
+                debug!("listener {dst}: connections there are announced one way from now on");
+                Known::Sub { window, addrs: addrs.to_vec(), gen: self.peers.generation(dst.ip()) }
+            }
+            other => {
+                debug!("listener {dst}: no subscription ({other:?}); its connections are asked about");
+                Known::Refused(Instant::now() + REFUSED_FOR)
+            }
+        };
+        let mut r = self.remote.lock().unwrap_or_else(|e| e.into_inner());
+        if r.len() >= MAX_KNOWN {
+            r.clear();
+        }
+        r.insert(dst, k);
+    }
+
+    /// The agent of the node at `from` says listener `dst` is gone: its connections are
+    /// asked about again.
+    pub fn unsubscribed(&self, dst: SocketAddr, from: Option<IpAddr>) {
+        if self.remote.lock().unwrap_or_else(|e| e.into_inner()).remove(&dst).is_some() {
+            debug!("listener {dst} is gone (said the agent at {from:?})");
+        }
+    }
+
+    /// Another node's agent subscribes to listener `dst` here (see [`Msg::Subscribe`]).
+    pub fn subscribed(&self, dst: SocketAddr, from: Option<IpAddr>, block: (u16, u16)) -> Msg {
+        let Some(node) = from.map(normalize) else { return Msg::Plain };
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        if self.dir.lock().unwrap_or_else(|e| e.into_inner()).subscribe(dst, node, block) {
+            debug!("the agent at {node} announces its connections to {dst} one way");
+            Msg::Ok
+        } else {
+            Msg::Plain
+        }
+    }
+
+    /// A connection announced one way by the agent at `from` (it subscribed to the
+    /// listener): expected here. If the listener is gone meanwhile, that agent is told.
+    pub fn expect_told(&self, a: Announce, from: Option<IpAddr>) {
+        let (gid, src, dst) = (a.gid, a.src, a.dst);
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        let a = Announce { src: SocketAddr::new(normalize(src.ip()), src.port()), dst, ..a };
+        match self.expect_local(a) {
+            Msg::Virtual { .. } => self.bound.notify_all(),
+            _ => {
+                warn!(
+                    "connection {gid:032x}: {src} -> {dst} was announced by the agent at {from:?}, but no listener under the layer takes it here any more (it closed a moment ago?)"
+                );
+                if let Some(ip) = from {
+                    let _ =
+                        self.peers.ask_within(ip, self.port, &Msg::Unlisten { addr: dst }, UNSUBSCRIBE_WAIT);
+                }
+            }
+        }
+    }
+
+    /// After listeners went away here: the agents subscribed to them are told, each within
+    /// [`UNSUBSCRIBE_WAIT`].
+    pub fn tell_gone(&self) {
+        let gone = self.dir.lock().unwrap_or_else(|e| e.into_inner()).gone_subs();
+        for s in gone {
+            match self.peers.ask_within(s.node, self.port, &Msg::Unlisten { addr: s.dst }, UNSUBSCRIBE_WAIT) {
+                Ok(_) => debug!("listener {}: the agent at {} was told it is gone", s.dst, s.node),
+                Err(e) => info!(
+                    "listener {}: cannot tell the agent at {} that it is gone ({e}); its programs' connections there may find it gone",
+                    s.dst, s.node
+                ),
             }
         }
     }
@@ -756,6 +935,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     d.drop_owner(id);
                     crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
                     drop(d);
+                    agent.tell_gone();
                     agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
                     agent.events.client_gone(id);
                 });
@@ -808,6 +988,10 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
                 d.unlisten(addr, id);
                 crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
+                drop(d);
+                // (Before the answer: the layer closes the listener after it, and no agent
+                // may announce a connection to a plain program listening there next.)
+                agent.tell_gone();
                 Msg::Ok
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
@@ -933,6 +1117,8 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     info!("listener {l} of process {pid} moved to the node at {to:?}");
                     d.forward(l, to.clone());
                 }
+                drop(d);
+                agent.tell_gone();
                 Msg::Ok
             }
             other => Msg::Error { reason: format!("unexpected message: {}", other.name()) },

@@ -44,12 +44,16 @@ pub struct PeerClient {
     key: ClusterKey,
     conns: Mutex<HashMap<IpAddr, Arc<Mutex<Option<Channel>>>>>,
     down: Mutex<HashMap<IpAddr, Instant>>,
+    /// How many channels were opened to each node so far: what went over an earlier one
+    /// (a subscription) is not known to the agent at the end of the current one, which may
+    /// have restarted.
+    gens: Mutex<HashMap<IpAddr, u64>>,
 }
 
 impl PeerClient {
     /// A client of the agents that share `key`.
     pub fn new(key: ClusterKey) -> Self {
-        PeerClient { key, conns: Mutex::default(), down: Mutex::default() }
+        PeerClient { key, conns: Mutex::default(), down: Mutex::default(), gens: Mutex::default() }
     }
 
     /// Sends `m` to the agent of the node at `ip` and returns its answer.
@@ -91,7 +95,10 @@ impl PeerClient {
                         Channel::dial(s, &self.key)
                     });
                 match opened {
-                    Ok(c) => *conn = Some(c),
+                    Ok(c) => {
+                        *conn = Some(c);
+                        *self.gens.lock().unwrap_or_else(|e| e.into_inner()).entry(ip).or_default() += 1;
+                    }
                     Err(e) => {
                         if e.kind() == io::ErrorKind::PermissionDenied {
                             warn!(
@@ -124,6 +131,33 @@ impl PeerClient {
 }
 
 impl PeerClient {
+    /// Which channel to the node at `ip` is the current one (see [`PeerClient::tell`]).
+    pub fn generation(&self, ip: IpAddr) -> u64 {
+        self.gens.lock().unwrap_or_else(|e| e.into_inner()).get(&ip).copied().unwrap_or(0)
+    }
+
+    /// Sends `m`, which is not answered, to the agent of the node at `ip` on the channel of
+    /// generation `gen` (the one a subscription was made on). Fails, sending nothing, when
+    /// that channel is gone or its other end closed it (that agent restarted, say): the
+    /// caller asks instead.
+    pub fn tell(&self, ip: IpAddr, m: &Msg, gen: u64) -> io::Result<()> {
+        let gone = || io::Error::new(io::ErrorKind::NotConnected, "the channel of the subscription is gone");
+        let slot = self.conns.lock().unwrap_or_else(|e| e.into_inner()).get(&ip).cloned().ok_or_else(gone)?;
+        let mut conn = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if self.generation(ip) != gen {
+            return Err(gone());
+        }
+        let c = conn.as_mut().ok_or_else(gone)?;
+        // Nothing is ever sent unasked on this channel: readable means closed or reset.
+        let mut p = libc::pollfd { fd: c.stream().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut p, 1, 0) } != 0 {
+            *conn = None;
+            return Err(gone());
+        }
+        write_msg(c, m).inspect_err(|_| *conn = None)
+    }
+
     /// Sends `m` once on a channel of its own and waits up to `wait` for the answer: for a
     /// command that must not run twice (a migration) and may take long. Never retried.
     pub fn ask_once(&self, ip: IpAddr, port: u16, m: &Msg, wait: Duration) -> io::Result<Msg> {
@@ -210,6 +244,21 @@ fn serve_agent(agent: &Agent, c: &mut Channel, from: Option<SocketAddr>) -> io::
             Msg::Connect { dst, .. } => Msg::Error { reason: format!("{dst} is not on this node") },
             Msg::Bound { ports } => {
                 agent.bound(ports);
+                Msg::Ok
+            }
+            Msg::Subscribe { listener, first_port, ports } if net::is_local(listener.ip()) => {
+                agent.subscribed(listener, from.map(|f| f.ip()), (first_port, ports))
+            }
+            Msg::Expect { src, dst, gid, secret, window, aim, agents } => {
+                // Not answered: the sender does not wait.
+                agent.expect_told(
+                    Announce { src, dst, gid, secret, window, aim, agents },
+                    from.map(|f| f.ip()),
+                );
+                continue;
+            }
+            Msg::Unlisten { addr } => {
+                agent.unsubscribed(addr, from.map(|f| f.ip()));
                 Msg::Ok
             }
             Msg::AsUser { uid, cmd } => crate::cluster::as_user(agent, uid, &cmd),

@@ -245,6 +245,9 @@ struct Report {
     directory: serde_json::Value,
     /// The node's sink plug-ins and what their probes said.
     sinks: Vec<crate::sinks::SinkInfo>,
+    /// How connections are set up: the block of source ports, the listeners on other nodes
+    /// this node announces its connections to one way, and the nodes that do so here.
+    setup: serde_json::Value,
 }
 
 /// The other nodes this node's processes have connections with now, by name (from the
@@ -362,6 +365,7 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
         web: agent.web.get().cloned().unwrap_or(serde_json::Value::Null),
         directory: crate::registry::status_json(),
         sinks: agent.sinks.all(),
+        setup: agent.setup_json(),
     })
     .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"))
 }

@@ -491,6 +491,38 @@ pub enum Msg {
         /// How many ports.
         ports: u16,
     },
+    /// Agent → agent: this node's layers will announce their connections to the listener
+    /// that takes `listener` with [`Msg::Expect`], without waiting for an answer, each
+    /// from a source port of the block given (`ports` from `first_port` on). Answered
+    /// [`Msg::Ok`] (the node will hold the accept of a connection from such a port until
+    /// its announcement comes, and tells the asking agent with [`Msg::Unlisten`] once the
+    /// listener is gone), or [`Msg::Plain`] (no listener under the layer takes it).
+    Subscribe {
+        /// The destination connections are made to.
+        listener: SocketAddr,
+        /// First port of the asking node's block.
+        first_port: u16,
+        /// How many ports.
+        ports: u16,
+    },
+    /// Agent → agent: a connection to a listener the sender subscribed to is on its way
+    /// (the fields of [`Msg::Connect`]). Never answered.
+    Expect {
+        /// Source address (its port from the sender's block).
+        src: SocketAddr,
+        /// Destination address.
+        dst: SocketAddr,
+        /// The connection's identity.
+        gid: u128,
+        /// Its secret.
+        secret: u128,
+        /// The connecting side's window.
+        window: u64,
+        /// As in [`Msg::Connect`].
+        aim: SocketAddr,
+        /// The connecting node's agent addresses.
+        agents: Vec<SocketAddr>,
+    },
 }
 
 /// Why a message was refused.
@@ -711,6 +743,8 @@ impl Msg {
             Msg::SinkReply { .. } => "SinkReply",
             Msg::Ended { .. } => "Ended",
             Msg::Welcome { .. } => "Welcome",
+            Msg::Subscribe { .. } => "Subscribe",
+            Msg::Expect { .. } => "Expect",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -987,6 +1021,22 @@ impl Msg {
                 w.u16(*first_port);
                 w.u16(*ports);
             }
+            Msg::Subscribe { listener, first_port, ports } => {
+                w.u8(78);
+                w.addr(listener);
+                w.u16(*first_port);
+                w.u16(*ports);
+            }
+            Msg::Expect { src, dst, gid, secret, window, aim, agents } => {
+                w.u8(79);
+                w.addr(src);
+                w.addr(dst);
+                w.u128(*gid);
+                w.u128(*secret);
+                w.u64(*window);
+                w.addr(aim);
+                w.addrs(agents);
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1134,6 +1184,16 @@ impl Msg {
             75 => Msg::SinkReply { devices: r.u32()? as i32, why: r.str()? },
             76 => Msg::Ended { gid: r.u128()?, at: r.u64()?, from_active: r.bool()?, mac: r.u128()? },
             77 => Msg::Welcome { chain: r.str()?, first_port: r.u16()?, ports: r.u16()? },
+            78 => Msg::Subscribe { listener: r.addr()?, first_port: r.u16()?, ports: r.u16()? },
+            79 => Msg::Expect {
+                src: r.addr()?,
+                dst: r.addr()?,
+                gid: r.u128()?,
+                secret: r.u128()?,
+                window: r.u64()?,
+                aim: r.addr()?,
+                agents: r.addrs()?,
+            },
             68 => Msg::Device { load: r.bool()?, name: r.str()?, gid: r.u128()?, pid: r.u32()? },
             64 => Msg::Relinked {
                 gid: r.u128()?,
@@ -1256,6 +1316,16 @@ mod tests {
             Msg::Ended { gid: 3 << 90 | 7, at: 52_953_088, from_active: false, mac: 0xfeed << 64 | 0xbeef },
             Msg::Welcome { chain: String::new(), first_port: 59000, ports: 2000 },
             Msg::Welcome { chain: "lz4".into(), first_port: 0, ports: 0 },
+            Msg::Subscribe { listener: b, first_port: 59000, ports: 2000 },
+            Msg::Expect {
+                src: a,
+                dst: b,
+                gid: 3 << 99 | 4,
+                secret: 9,
+                window: 1 << 21,
+                aim: b,
+                agents: vec![a, b],
+            },
             Msg::Relinked {
                 gid: 7 << 64 | 9,
                 stall_ms: 812,

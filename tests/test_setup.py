@@ -1,0 +1,138 @@
+"""Connection set-up: the source ports layers bind to, and connections announced one way
+between agents (with what ends that: a listener gone, an agent restarted)."""
+
+import time
+
+from helpers import (H1, H1_IP, H2, H2_IP, PORTS, PYTHON, Watcher, assert_virtual, python_prog,
+                     vmictl_status)
+
+# Connects n times, one connection after the other, and prints the local port of each (and,
+# per connection, whether the banner and the echo came back right); the last one is held a
+# second, for vmictl to see.
+PORTS_CLIENT = r"""
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = []
+for i in range(n):
+    s = socket.create_connection((host, port))
+    f = s.makefile("rb")
+    ok = bool(f.readline())
+    s.sendall(b"x\n")
+    ok = ok and f.readline() == b"x\n"
+    out.append("%d:%d" % (s.getsockname()[1], ok))
+    if i == n - 1:
+        time.sleep(1)
+    f.close()
+    s.close()
+print(" ".join(out), flush=True)
+"""
+
+BLOCK = range(59000, 61000)
+
+
+def test_layered_connections_take_their_source_port_from_the_nodes_block(procs):
+    """The agent reserves a block of source ports (its `setup-ports`, 59000-60999 by
+    default) and the layer binds each connection the program did not bind to one of them
+    before `connect`: the connection is announced with its port, so the accepting side's
+    agent finds it at once instead of waiting for the port to follow through both agents.
+    The kernel gives those ports to no socket that did not ask for one: a program without
+    the layer on the same node never gets one."""
+    port = PORTS["setup_block"]
+    addr = f"{H1_IP}:{port}"
+    reserved = procs.run(H2, ["cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"], layer=False,
+                         name="reserved").stdout()
+    assert "59000-60999" in reserved, reserved
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=True,
+                 name="banner-server")
+    n = 30
+    with Watcher(H1, H2) as w:
+        layered = procs.run(H2, [PYTHON, "-c", PORTS_CLIENT, H1_IP, port, n], layer=True,
+                            name="block-client", timeout=60).stdout().split()
+    plain = procs.run(H2, [PYTHON, "-c", PORTS_CLIENT, H1_IP, port, n], layer=False,
+                      name="plain-client", timeout=60).stdout().split()
+    assert len(layered) == n and all(x.endswith(":1") for x in layered), layered
+    assert len(plain) == n and all(x.endswith(":1") for x in plain), plain
+    ports = [int(x.split(":")[0]) for x in layered]
+    assert all(p in BLOCK for p in ports), ports
+    assert len(set(ports)) == n, f"a port used twice: {ports}"
+    assert not any(int(x.split(":")[0]) in BLOCK for x in plain), plain
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+
+
+def connect_n(procs, n, port, *, name):
+    """PORTS_CLIENT under the layer on H2 toward H1: the local ports, after checking that every
+    connection carried its banner and echo right."""
+    out = procs.run(H2, [PYTHON, "-c", PORTS_CLIENT, H1_IP, port, n], layer=True, name=name,
+                    timeout=60).stdout().split()
+    assert len(out) == n and all(x.endswith(":1") for x in out), f"{name}: {out}"
+    return out
+
+
+def wait_for(what, check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.1)
+
+
+def one_way(host):
+    return vmictl_status(host)["setup"]
+
+
+def test_later_connections_are_announced_one_way_and_a_listener_gone_ends_it(procs):
+    """After a first connection to a listener on another node (asked about, agent to agent,
+    as always), the connecting node's agent subscribes to it: later connections there are
+    announced one way and answered at once, and the listener's agent holds their accepts
+    until the announcement comes. When the listener goes away (here its process is killed),
+    its agent tells the subscribed one before anything else can listen there: a plain
+    server started on the same port next gets plain connections from the same layered
+    client, byte for byte right (with the subscription still in force the client's layer
+    would send it frames)."""
+    port = PORTS["setup_one_way"]
+    addr = f"{H1_IP}:{port}"
+    server = procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port,
+                          layer=True, name="layered-server")
+    with Watcher(H1, H2) as w:
+        connect_n(procs, 6, port, name="first-clients")
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    assert addr in one_way(H2)["one_way_to"], one_way(H2)
+    assert {"listener": addr, "node": H2_IP} in one_way(H1)["one_way_from"], one_way(H1)
+    assert one_way(H2)["ports"] == "59000-60999"
+    server.stop()
+    wait_for("the subscription ended on both nodes",
+             lambda: addr not in one_way(H2)["one_way_to"] and not one_way(H1)["one_way_from"])
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=False,
+                 name="plain-server")
+    connect_n(procs, 6, port, name="clients-of-the-plain-server")
+
+
+def test_an_agent_restarted_between_connections_is_asked_again(procs, agent_control):
+    """The agent a subscription was made with restarts (and knows nothing of it): the
+    subscribed agent sees the channel it was made on closed and asks again instead of
+    announcing one way into the void, so the connections that follow are right."""
+    port = PORTS["setup_restart"]
+    addr = f"{H1_IP}:{port}"
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=True,
+                 name="layered-server")
+    connect_n(procs, 4, port, name="before-restart")
+    assert addr in one_way(H2)["one_way_to"], one_way(H2)
+    agent_control.restart(H1)
+    connect_n(procs, 4, port, name="after-restart")
+    # The server's layer registers its listener with the new agent when it next asks it
+    # something (an accept, a second after the one that found the old agent gone): until
+    # then connections are plain, and right.
+    listed = lambda: addr in [x["addr"] for x in vmictl_status(H1)["listeners"]]  # noqa: E731
+    deadline = time.monotonic() + 15
+    while not listed() and time.monotonic() < deadline:
+        connect_n(procs, 1, port, name="until-registered")
+        time.sleep(0.3)
+    assert listed(), vmictl_status(H1)["listeners"]
+    # Then virtual, and one way again.
+    with Watcher(H1, H2) as w:
+        connect_n(procs, 4, port, name="later")
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    wait_for("subscribed again", lambda: {"listener": addr, "node": H2_IP} in one_way(H1)["one_way_from"])
