@@ -104,6 +104,15 @@ pub fn syscall(
     r
 }
 
+/// `_exit` and `_Exit`: no exit handler runs, so what the layer keeps back for the agent
+/// (the ends of streams) goes now. Nothing in a vfork child (its memory is its parent's).
+pub fn bare_exit() {
+    if crate::vforked() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(crate::relink::flush_ended_at_exit);
+}
+
 /// `pthread_exit`: the main thread's end is noted (the control thread ends with the
 /// program's last thread; see `lifetime`).
 pub fn pthread_exit() {

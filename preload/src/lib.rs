@@ -80,6 +80,7 @@ extern "C" fn after_fork_child() {
 /// The loader's destructor call (see `sys::entry`).
 extern "C" fn fini() {
     let _ = std::panic::catch_unwind(linger::at_exit);
+    let _ = std::panic::catch_unwind(relink::flush_ended_at_exit);
 }
 
 /// The loader's constructor call (see `sys::entry`).

@@ -191,6 +191,7 @@ type Guards = (
     std::sync::MutexGuard<'static, ()>,
     std::sync::MutexGuard<'static, ()>,
     std::sync::MutexGuard<'static, Vec<u128>>,
+    std::sync::MutexGuard<'static, Vec<u8>>,
 );
 
 thread_local! {
@@ -204,6 +205,7 @@ pub fn before_fork() {
         START.lock().unwrap_or_else(|e| e.into_inner()),
         EVT_WRITE.lock().unwrap_or_else(|e| e.into_inner()),
         RELEASED.lock().unwrap_or_else(|e| e.into_inner()),
+        ENDED.lock().unwrap_or_else(|e| e.into_inner()),
     );
     FORK_GUARD.with(|f| *f.borrow_mut() = Some(g));
 }
@@ -223,6 +225,8 @@ pub fn after_fork_child() {
     IN_WORK.store(false, SeqCst);
     EXECING.store(0, SeqCst);
     RELEASED.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    // (The parent tells them.)
+    ENDED.lock().unwrap_or_else(|e| e.into_inner()).clear();
     for role in [OWN_EVENTS, OWN_WAKE] {
         let fd = crate::ownfd::unprotect(role);
         if fd >= 0 {
@@ -273,7 +277,50 @@ pub fn ended(v: &Vc) {
     };
     let from_active = c.active != 0;
     let mac = substrate::auth::ended_mac(c.secret, c.gid, at, from_active);
-    send_event(&Msg::Ended { gid: c.gid, at, from_active, mac });
+    let m = Msg::Ended { gid: c.gid, at, from_active, mac }.encode();
+    let mut e = ENDED.lock().unwrap_or_else(|e| e.into_inner());
+    e.extend_from_slice(&m);
+    if e.len() >= ENDED_MAX {
+        let all = std::mem::take(&mut *e);
+        drop(e);
+        send_events(&all);
+    }
+}
+
+/// Ends of streams not told to the agent yet (encoded `Ended` messages). They matter only
+/// once this process is gone, so they go together: with the control thread's next round
+/// (within half a second), before an exec, and at exit, `_exit` included; a message to the
+/// agent for each closed connection cost a wake-up of the agent per connection. (A process
+/// killed by a signal within that half second loses them: its peer then gets a reset after
+/// the last byte, not the end, if the link fails before the end reached it.)
+static ENDED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+/// Most bytes of `ENDED` kept back (about 900 ends).
+const ENDED_MAX: usize = 64 << 10;
+
+/// Tells the agent the ends of streams kept back.
+pub fn flush_ended() {
+    let all = std::mem::take(&mut *ENDED.lock().unwrap_or_else(|e| e.into_inner()));
+    if !all.is_empty() {
+        send_events(&all);
+    }
+}
+
+/// The same from `_exit`, which may come from a thread that holds either lock (a signal
+/// handler): tried, never waited for.
+pub fn flush_ended_at_exit() {
+    let Ok(mut e) = ENDED.try_lock() else { return };
+    let all = std::mem::take(&mut *e);
+    drop(e);
+    if all.is_empty() {
+        return;
+    }
+    if let Ok(_g) = EVT_WRITE.try_lock() {
+        let fd = crate::ownfd::own_fd(OWN_EVENTS);
+        if fd >= 0 {
+            let _ = agent::write_all(fd, &all, None);
+        }
+    }
 }
 
 /// At exit: gives the socket of a closed connection to the agent, which keeps it until the
@@ -492,6 +539,7 @@ fn control_loop() -> Ending {
         }
         if EXECING.load(Relaxed) == 0 {
             flush_released();
+            flush_ended();
         }
         let wake_fd = crate::ownfd::own_fd(OWN_WAKE);
         let mut pfds = [
@@ -639,6 +687,8 @@ pub fn quiet_for_exec() -> ExecQuiet {
     if CONTROL_PID.load(Acquire) != sys::process::getpid() {
         return ExecQuiet(false);
     }
+    // (The new image does not know them.)
+    flush_ended();
     EXECING.fetch_add(1, SeqCst);
     // A handshake under way takes at most a few of its one-second time-outs.
     let deadline = sys::now_ms() + 3_000;

@@ -718,6 +718,20 @@ pub unsafe extern "C" fn pthread_exit(ret: *mut c_void) -> ! {
     unsafe { real::pthread_exit(ret) }
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn _exit(status: c_int) -> ! {
+    hooks_proc::bare_exit();
+    // SAFETY: forwarding.
+    unsafe { real::_exit(status) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn _Exit(status: c_int) -> ! {
+    hooks_proc::bare_exit();
+    // SAFETY: forwarding.
+    unsafe { real::_Exit(status) }
+}
+
 // The loader calls these (entry points from C, as the hooks are).
 #[used]
 #[link_section = ".init_array"]

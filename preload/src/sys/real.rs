@@ -28,6 +28,7 @@ macro_rules! real {
             /// # Safety
             /// Same contract as the libc function.
             #[inline]
+            #[allow(non_snake_case)]
             pub unsafe fn $name($($arg: $t),*) -> $r {
                 static P: AtomicUsize = AtomicUsize::new(0);
                 let mut p = P.load(Relaxed);
@@ -87,6 +88,8 @@ real! {
     fork: fn() -> libc::pid_t;
     prctl: fn(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int;
     pthread_exit: fn(ret: *mut c_void) -> !;
+    _exit: fn(status: c_int) -> !;
+    _Exit: fn(status: c_int) -> !;
     execve: fn(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
     execv: fn(path: *const c_char, argv: *const *const c_char) -> c_int;
     execvp: fn(file: *const c_char, argv: *const *const c_char) -> c_int;
