@@ -72,7 +72,7 @@ def test_hostile_peer(procs, case):
                                     "--seed", SEED + CASES.index(case), "--wait", ATTACK_WAIT),
                     layer=False, name=f"attack-{case}", timeout=20, check=False)
     a = atk.last_json()
-    assert a.get("hello_answer") == "Ok", f"the agent did not accept Hello: {a}"
+    assert a.get("hello_answer") == "Welcome", f"the agent did not accept Hello: {a}"
     assert a.get("connect_answer") == "Virtual", \
         f"the agent answered {a.get('connect_answer')} to Connect; the test needs Virtual: {a}"
     assert "error" not in a, f"the attacker failed: {a}"

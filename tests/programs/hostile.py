@@ -39,7 +39,7 @@ import time
 
 HELLO, LISTEN, UNLISTEN, CONNECT, ACCEPT, VIRTUAL, PLAIN, OK, ERROR = range(1, 10)
 TAG_NAMES = {1: "Hello", 2: "Listen", 3: "Unlisten", 4: "Connect", 5: "Accept", 6: "Virtual",
-             7: "Plain", 8: "Ok", 9: "Error", 10: "Status", 11: "StatusReply"}
+             7: "Plain", 8: "Ok", 9: "Error", 10: "Status", 11: "StatusReply", 77: "Welcome"}
 AGENT_SOCKET = "\0vmi-agent"
 WINDOW = 2 << 20
 
