@@ -5,8 +5,10 @@
  * themselves: the kernel's, plus (under the layer) the layer's framing, acknowledgements and
  * bookkeeping, or its shared-memory ring.
  *
- *   vc_calls [N]
+ *   vc_calls [N [SIZE]]
  *       N : round trips per message size (default 200000)
+ *       SIZE : only this message size (one of 64, 1024, 16384; the others print 0): for an
+ *              instruction count per round trip, run under callgrind with two N and subtract
  *
  * Listens on 127.0.0.1 (port chosen by the kernel), connects to itself and accepts. For each
  * message size S in 64, 1024 and 16384 bytes it times N round trips; one round trip is four
@@ -97,8 +99,9 @@ static void round_trips(int a, int b, size_t s, long n)
 int main(int argc, char **argv)
 {
     long n = argc > 1 ? atol(argv[1]) : 200000;
-    if (n < 1) {
-        fprintf(stderr, "usage: vc_calls [N]\n");
+    long only = argc > 2 ? atol(argv[2]) : 0;
+    if (n < 1 || (only != 0 && only != 64 && only != 1024 && only != 16384)) {
+        fprintf(stderr, "usage: vc_calls [N [64|1024|16384]]\n");
         return 2;
     }
     int l = socket(AF_INET, SOCK_STREAM, 0);
@@ -117,9 +120,11 @@ int main(int argc, char **argv)
     memset(out_buf, 'x', sizeof(out_buf));
 
     static const size_t sizes[] = {64, 1024, 16384};
-    double ns[3];
+    double ns[3] = {0, 0, 0};
     long warm = n / 20 > 1000 ? n / 20 : 1000;
     for (int k = 0; k < 3; k++) {
+        if (only != 0 && (long)sizes[k] != only)
+            continue;
         round_trips(a, b, sizes[k], warm);
         double t0 = now_ns();
         round_trips(a, b, sizes[k], n);

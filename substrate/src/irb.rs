@@ -265,6 +265,16 @@ impl Chain {
         self.devices.iter().map(|d| d.name()).collect()
     }
 
+    /// How many devices are attached.
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// No device is attached.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
     /// Puts `dev` at position `at` (0 = top) and sends it an attach IRB.
     pub fn attach(&mut self, at: usize, mut dev: Box<dyn Device>) -> IrbResult {
         let at = at.min(self.devices.len());
