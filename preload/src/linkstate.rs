@@ -190,5 +190,16 @@ pub fn poke() {
 /// Asks the control thread to walk the connections now: work a sandboxed program thread left
 /// to it (an acknowledgement to send, acknowledgements to read).
 pub fn poke_work() {
+    ATTEND_ALL.store(true, Release);
+    wake();
+}
+
+/// The control thread was woken only to tell the agent the ends of streams kept back (see
+/// `relink::ended`): no walk of the connections for that.
+pub(crate) static WOKEN_FOR_ENDS: AtomicBool = AtomicBool::new(false);
+
+/// Wakes the control thread for the ends of streams kept back.
+pub(crate) fn wake_for_ends() {
+    WOKEN_FOR_ENDS.store(true, Release);
     wake();
 }

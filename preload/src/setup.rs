@@ -119,8 +119,8 @@ const BIND_TRIES: u32 = 16;
 /// no other socket), so that the connection is announced with its source port: the
 /// accepting side's agent then finds it at once, where a connection announced without its
 /// port waits for the port to follow through both agents. A port some socket holds (in
-/// TIME_WAIT too: no `SO_REUSEADDR` here) is skipped; after [`BIND_TRIES`] taken ports, or
-/// no block, or a program that asked for address reuse (its `connect` could then meet a
+/// TIME_WAIT too: no `SO_REUSEADDR` here) is skipped for another, drawn at random; after
+/// [`BIND_TRIES`] taken ports, or no block, or a program that asked for address reuse (its `connect` could then meet a
 /// connection in TIME_WAIT with the same addresses), the socket stays unbound and is
 /// announced without its port. The address bound, or `None`.
 fn bind_in_block(fd: i32, unbound: SocketAddr) -> Option<SocketAddr> {
@@ -136,23 +136,30 @@ fn bind_in_block(fd: i32, unbound: SocketAddr) -> Option<SocketAddr> {
     let count = u32::from(count);
     // (Kept plus one: 0 is "not chosen yet".) Processes of the node start at different
     // places of the block.
-    let at = match CURSOR.load(Relaxed) {
+    let mut at = match CURSOR.load(Relaxed) {
         0 => u32::from_le_bytes(sys::random16()[..4].try_into().ok()?),
         c => c - 1,
     };
     let v6 = unbound.is_ipv6();
-    for i in 0..BIND_TRIES {
-        let port = first as u32 + (at.wrapping_add(i) % count);
+    for _ in 0..BIND_TRIES {
+        let port = first as u32 + at % count;
         let a = SocketAddr::new(unbound.ip(), port as u16);
         if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&a, v6)) == 0 {
-            CURSOR.store(at.wrapping_add(i + 2), Relaxed);
+            // The next connection takes the next port.
+            CURSOR.store(at.wrapping_add(2), Relaxed);
             return Some(a);
         }
         if sys::errno() != libc::EADDRINUSE {
             return None;
         }
+        // Taken: somewhere else in the block, not the next port (a process that connected
+        // many times holds a run of ports, in TIME_WAIT for a minute after they close).
+        at |= 1;
+        at ^= at << 13;
+        at ^= at >> 17;
+        at ^= at << 5;
     }
-    CURSOR.store(at.wrapping_add(BIND_TRIES + 1), Relaxed);
+    CURSOR.store(at.wrapping_add(1), Relaxed);
     // (Many connections at once can hold the whole block: not tried again for a while.)
     FULL_UNTIL.store(sys::now_ns() + BLOCK_FULL_NS, Relaxed);
     None

@@ -279,20 +279,35 @@ pub fn ended(v: &Vc) {
     let mac = substrate::auth::ended_mac(c.secret, c.gid, at, from_active);
     let m = Msg::Ended { gid: c.gid, at, from_active, mac }.encode();
     let mut e = ENDED.lock().unwrap_or_else(|e| e.into_inner());
+    let first = e.is_empty();
     e.extend_from_slice(&m);
     if e.len() >= ENDED_MAX {
         let all = std::mem::take(&mut *e);
         drop(e);
         send_events(&all);
+    } else if first {
+        drop(e);
+        // The control thread tells the agent within [`ENDED_DELAY_MS`], with every end that
+        // comes meanwhile: one wake-up for all of them.
+        ENDED_DUE.store(sys::now_ms() + ENDED_DELAY_MS, Relaxed);
+        crate::linkstate::wake_for_ends();
     }
 }
 
+/// How long an end of stream may wait to be told: well within the time the agent gives a
+/// process to claim a connection before it answers a rebuilt link with the end (500 ms).
+const ENDED_DELAY_MS: u64 = 50;
+
+/// When the ends kept back are due (`sys::now_ms`; 0: none kept).
+static ENDED_DUE: AtomicU64 = AtomicU64::new(0);
+
 /// Ends of streams not told to the agent yet (encoded `Ended` messages). They matter only
-/// once this process is gone, so they go together: with the control thread's next round
-/// (within half a second), before an exec, and at exit, `_exit` included; a message to the
-/// agent for each closed connection cost a wake-up of the agent per connection. (A process
-/// killed by a signal within that half second loses them: its peer then gets a reset after
-/// the last byte, not the end, if the link fails before the end reached it.)
+/// once this process no longer holds the connection, so they go together: at most
+/// [`ENDED_DELAY_MS`] after the first of them (the control thread writes every end that came
+/// meanwhile at once), before an exec, and at exit, `_exit` included; a message to the agent
+/// for each closed connection cost a wake-up of the agent per connection. (A process killed
+/// by a signal within those 50 ms loses them: its peer then gets a reset after the last
+/// byte, not the end, if the link fails before the end reached it.)
 static ENDED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 
 /// Most bytes of `ENDED` kept back (about 900 ends).
@@ -300,6 +315,7 @@ const ENDED_MAX: usize = 64 << 10;
 
 /// Tells the agent the ends of streams kept back.
 pub fn flush_ended() {
+    ENDED_DUE.store(0, Relaxed);
     let all = std::mem::take(&mut *ENDED.lock().unwrap_or_else(|e| e.into_inner()));
     if !all.is_empty() {
         send_events(&all);
@@ -539,7 +555,10 @@ fn control_loop() -> Ending {
         }
         if EXECING.load(Relaxed) == 0 {
             flush_released();
-            flush_ended();
+            let due = ENDED_DUE.load(Relaxed);
+            if due == 0 || due <= sys::now_ms() {
+                flush_ended();
+            }
         }
         let wake_fd = crate::ownfd::own_fd(OWN_WAKE);
         let mut pfds = [
@@ -563,7 +582,12 @@ fn control_loop() -> Ending {
         // thread (an event, a broken link) makes it walk the connections, plus a slow
         // sweep: with thousands of idle connections a walk costs milliseconds.
         let busy = timeout < 500 || w.thawing.is_some() || !w.last_wire.is_empty();
-        let r = wait_two(&mut pfds, timeout);
+        // (Ends of streams kept back are told when due; that alone is no work under way.)
+        let wait = match ENDED_DUE.load(Relaxed) {
+            0 => timeout,
+            due => timeout.min(due.saturating_sub(sys::now_ms()).max(1) as i32),
+        };
+        let r = wait_two(&mut pfds, wait);
         if r < 0 {
             let e = sys::errno();
             if e != libc::EINTR {
@@ -607,8 +631,11 @@ fn control_loop() -> Ending {
         let mut walk = false;
         let mut extra = Vec::new();
         if pfds[1].revents != 0 {
+            let for_ends = crate::linkstate::WOKEN_FOR_ENDS.swap(false, AcqRel);
             match attention() {
                 Some(gids) if !gids.is_empty() => extra = gids,
+                // (Nothing asked for a walk: the ends are told when due.)
+                Some(_) if for_ends => {}
                 _ => walk = true,
             }
         }
