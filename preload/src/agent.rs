@@ -288,6 +288,31 @@ pub fn hello() {
     let _ = ensure(&mut st, sys::now_ns());
 }
 
+/// The node agent went away and one answers again (the control thread opened its event
+/// channel anew): the request socket, if any, is the old agent's. A new one is opened now and
+/// the process introduces itself again, which registers its listeners with the new agent at
+/// once: otherwise only the process's next request would (an accept, a second after the one
+/// that found the old agent gone), and connections to its listeners would be plain TCP until
+/// then.
+pub fn agent_back() {
+    if QUIET.load(SeqCst) {
+        // (A checkpoint: `wake_up` introduces the process again.)
+        return;
+    }
+    let mut st = lock();
+    let fd = crate::ownfd::unprotect(OWN_AGENT);
+    if fd >= 0 {
+        sys::fd::close(fd);
+    }
+    st.said_hello = false;
+    st.down_until = 0;
+    if ensure(&mut st, sys::now_ns()).is_some() {
+        log::info(format_args!(
+            "the node agent is back: this process introduced itself and its listeners again"
+        ));
+    }
+}
+
 /// True while the process gets ready for (or goes through) a checkpoint: it holds no agent
 /// socket then, and requests wait.
 static QUIET: AtomicBool = AtomicBool::new(false);

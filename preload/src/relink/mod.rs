@@ -517,6 +517,9 @@ fn wait_two(pfds: &mut [libc::pollfd; 2], timeout: i32) -> i32 {
 }
 
 fn control_loop() -> Ending {
+    // The event channel closed under us (the agent went away): once it opens again, the
+    // process introduces itself to the new agent at once.
+    let mut agent_lost = false;
     let mut next_connect = 0u64;
     let mut connect_fails = 0u32;
     let mut wait_fails = 0u32;
@@ -538,6 +541,9 @@ fn control_loop() -> Ending {
                 Some(fd) => {
                     evt = fd;
                     connect_fails = 0;
+                    if std::mem::take(&mut agent_lost) {
+                        agent::agent_back();
+                    }
                 }
                 None => {
                     let e = sys::errno();
@@ -652,6 +658,7 @@ fn control_loop() -> Ending {
                     None => {
                         log::info(format_args!("event channel to the node agent closed; reconnecting"));
                         close_events();
+                        agent_lost = true;
                         next_connect = sys::now_ms() + 200;
                         walk = true;
                         break;
