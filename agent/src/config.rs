@@ -147,19 +147,6 @@ impl fmt::Display for DirectorySpec {
     }
 }
 
-impl<'de> Deserialize<'de> for DirectorySpec {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for DirectorySpec {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
 /// The block of source ports the node's layers bind their connections to before `connect`
 /// (so that the connection is announced with its source port, and the accepting side finds
 /// it at once): none, or `first..=last`.
@@ -210,19 +197,6 @@ impl fmt::Display for SetupPorts {
     }
 }
 
-impl<'de> Deserialize<'de> for SetupPorts {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for SetupPorts {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
 /// Where Prometheus metrics are served: nowhere, or at an address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metrics {
@@ -248,19 +222,6 @@ impl fmt::Display for Metrics {
             Metrics::Off => f.write_str("off"),
             Metrics::At(a) => write!(f, "{a}"),
         }
-    }
-}
-
-impl<'de> Deserialize<'de> for Metrics {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for Metrics {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
     }
 }
 
@@ -297,19 +258,6 @@ impl fmt::Display for Web {
             Web::Off => f.write_str("off"),
             Web::At(a) => write!(f, "{a}"),
         }
-    }
-}
-
-impl<'de> Deserialize<'de> for Web {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for Web {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
     }
 }
 
@@ -360,19 +308,6 @@ impl fmt::Display for GridMember {
             Some(p) => write!(f, "{}={}@{}", self.name, SocketAddr::new(self.head, p), self.key.display()),
             None => write!(f, "{}={}@{}", self.name, self.head, self.key.display()),
         }
-    }
-}
-
-impl<'de> Deserialize<'de> for GridMember {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-impl Serialize for GridMember {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
     }
 }
 
@@ -667,6 +602,26 @@ fn key_at(text: &str, at: usize) -> Option<String> {
     }
     None
 }
+
+/// Settings written as text (`FromStr` and `Display`) in the file and on the command line.
+macro_rules! serde_as_text {
+    ($($t:ty),*) => {$(
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                let s = String::deserialize(d)?;
+                s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+    )*};
+}
+
+serde_as_text!(DirectorySpec, SetupPorts, Metrics, Web, GridMember);
 
 /// The 1-based line of byte `at` of `text`.
 fn line_of(text: &str, at: usize) -> usize {

@@ -325,9 +325,6 @@ impl Agent {
                     self.ports.route(gid, SocketAddr::new(dst.ip(), self.port));
                 }
                 self.health.learn(&addrs);
-                if in_block && alias == NO_ADDR {
-                    self.subscribe(dst, window, &addrs);
-                }
                 Msg::Virtual { gid, secret, window, addrs, alias }
             }
             Ok(Msg::Plain) => Msg::Plain,
@@ -412,10 +409,15 @@ impl Agent {
         }
     }
 
-    /// After a connection to `dst` (a listener under the layer on another node) was set up
-    /// by asking: asks that node's agent to take this node's later connections there one
-    /// way (once; a refusal is not asked again for a while).
-    fn subscribe(&self, dst: SocketAddr, window: u64, addrs: &[SocketAddr]) {
+    /// After a connection from source port `port` to `dst` was set up: if `dst` is a
+    /// listener under the layer on another node and the port is of the block, asks that
+    /// node's agent to take this node's later connections there one way (once; a refusal is
+    /// not asked again for a while).
+    fn subscribe(&self, port: u16, dst: SocketAddr, window: u64, addrs: &[SocketAddr]) {
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        if !self.in_block(port) || net::is_local(dst.ip()) {
+            return;
+        }
         let Some(&(first_port, ports)) = self.setup_ports.get() else { return };
         {
             let r = self.remote.lock().unwrap_or_else(|e| e.into_inner());
@@ -1007,7 +1009,12 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                         serde_json::json!({ "gid": format!("{gid:032x}"), "side": "out", "peer": peer.to_string() }),
                     );
                 }
-                answer
+                write_msg(&mut s, &answer)?;
+                // (After the answer: the program's connect does not wait for it.)
+                if let Msg::Virtual { window, addrs, alias: NO_ADDR, .. } = &answer {
+                    agent.subscribe(src.port(), dst, *window, addrs);
+                }
+                continue;
             }
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());

@@ -215,10 +215,6 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
             set_policy(None);
             st.said_hello = true;
         }
-        Some(Msg::Policy { chain }) => {
-            take_policy(&chain);
-            st.said_hello = true;
-        }
         Some(Msg::Welcome { chain, first_port, ports }) => {
             take_policy(&chain);
             PORT_BLOCK.store(u32::from(first_port) << 16 | u32::from(ports), Ordering::Relaxed);
@@ -300,11 +296,7 @@ pub fn agent_back() {
         return;
     }
     let mut st = lock();
-    let fd = crate::ownfd::unprotect(OWN_AGENT);
-    if fd >= 0 {
-        sys::fd::close(fd);
-    }
-    st.said_hello = false;
+    close_socket(&mut st);
     st.down_until = 0;
     if ensure(&mut st, sys::now_ns()).is_some() {
         log::info(format_args!(
@@ -322,11 +314,7 @@ static QUIET: AtomicBool = AtomicBool::new(false);
 pub fn quiesce() {
     QUIET.store(true, SeqCst);
     let mut st = lock();
-    let fd = crate::ownfd::unprotect(OWN_AGENT);
-    if fd >= 0 {
-        sys::fd::close(fd);
-    }
-    st.said_hello = false;
+    close_socket(&mut st);
 }
 
 /// After a checkpoint (here or restored elsewhere): talk to the node agent again, which
@@ -389,12 +377,17 @@ pub fn tell(m: &Msg) {
     }
 }
 
-fn fail<T>(st: &mut State, now: u64) -> Option<T> {
+/// Closes the agent socket; the next request opens one and says hello again.
+fn close_socket(st: &mut State) {
     let fd = crate::ownfd::unprotect(OWN_AGENT);
     if fd >= 0 {
         sys::fd::close(fd);
     }
     st.said_hello = false;
+}
+
+fn fail<T>(st: &mut State, now: u64) -> Option<T> {
+    close_socket(st);
     st.down_until = now + RETRY_NS;
     log::warn(format_args!("the node agent stopped answering: plain TCP for new connections for now"));
     None

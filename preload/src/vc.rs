@@ -469,7 +469,7 @@ impl Vc {
                 if self.plain(chain) {
                     let r =
                         crate::tcp_sink::send(*self.mem, self.slot, fd, data, flags, Some((ctx - 1) as u32));
-                    self.count(r, true);
+                    self.count(r, IrbKind::Send);
                     return r;
                 }
                 Self::run(chain, Irb::send(data, flags).with_handle(fd as i64).with_ctx(ctx))
@@ -570,7 +570,7 @@ impl Vc {
                 let r = crate::tcp_sink::recv(*self.mem, self.slot, fd, buf, flags, &mut small, gen);
                 self.small_reads.store(small, Relaxed);
                 if flags & libc::MSG_PEEK == 0 {
-                    self.count(r, false);
+                    self.count(r, IrbKind::Receive);
                 }
                 return r;
             }
@@ -590,21 +590,9 @@ impl Vc {
 
     /// What the statistics counter does on the chain's way back, for a call that skipped it.
     #[inline]
-    fn count(&self, r: Result<usize, IrbError>, sent: bool) {
-        let (Ok(n), Some(s)) = (r, self.slot) else { return };
-        if n == 0 {
-            return;
-        }
-        let c = s.counters();
-        // (One writer per counter: the caller holds the send or the receive lock.)
-        let add =
-            |a: &std::sync::atomic::AtomicU64, v: u64| a.store(a.load(Relaxed).wrapping_add(v), Relaxed);
-        if sent {
-            add(&c.bytes_sent, n as u64);
-            add(&c.msgs_sent, 1);
-        } else {
-            add(&c.bytes_received, n as u64);
-            add(&c.msgs_received, 1);
+    fn count(&self, r: Result<usize, IrbError>, kind: IrbKind) {
+        if let Some(s) = self.slot {
+            s.counters().note(kind, &r);
         }
     }
 

@@ -19,6 +19,29 @@ pub struct Counters {
     pub msgs_received: AtomicU64,
 }
 
+impl Counters {
+    /// A call of `kind` completed with `result`: counted if it moved bytes. Each counter has
+    /// one writer (a connection's send chain under its send lock, its receive chain under
+    /// its receive lock, or a call that skips the chain under the same lock), so a plain add
+    /// is enough, and readers see whole values.
+    #[inline]
+    pub fn note(&self, kind: IrbKind, result: &IrbResult) {
+        let Ok(n) = *result else { return };
+        let add = |a: &AtomicU64, v: u64| a.store(a.load(Relaxed).wrapping_add(v), Relaxed);
+        match kind {
+            IrbKind::Send if n > 0 => {
+                add(&self.bytes_sent, n as u64);
+                add(&self.msgs_sent, 1);
+            }
+            IrbKind::Receive if n > 0 => {
+                add(&self.bytes_received, n as u64);
+                add(&self.msgs_received, 1);
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Counts traffic into `C`'s counters (an `Arc<Counters>`, or a reference into shared memory).
 pub struct CounterFilter<C> {
     counters: C,
@@ -41,22 +64,6 @@ impl<C: Deref<Target = Counters> + Send> Device for CounterFilter<C> {
     }
 
     fn on_complete(&mut self, kind: IrbKind, result: &IrbResult) {
-        let Ok(n) = *result else { return };
-        let c = &*self.counters;
-        // A chain is used by one caller at a time (a connection's send chain under its send
-        // lock, its receive chain under its receive lock), so each counter has one writer:
-        // a plain add is enough, and readers see whole values.
-        let add = |a: &AtomicU64, v: u64| a.store(a.load(Relaxed).wrapping_add(v), Relaxed);
-        match kind {
-            IrbKind::Send if n > 0 => {
-                add(&c.bytes_sent, n as u64);
-                add(&c.msgs_sent, 1);
-            }
-            IrbKind::Receive if n > 0 => {
-                add(&c.bytes_received, n as u64);
-                add(&c.msgs_received, 1);
-            }
-            _ => {}
-        }
+        self.counters.note(kind, result);
     }
 }

@@ -420,12 +420,6 @@ pub enum Msg {
         /// The process, or 0.
         pid: u32,
     },
-    /// Agent → the layer, the answer to its `Hello` when the node has default chains: the
-    /// rules (`connection::chain::Policy`, separated by `;`).
-    Policy {
-        /// The rules.
-        chain: String,
-    },
     /// Agent → `vmictl`: a `Device` command was passed to the layers of `conns` connections.
     DeviceReply {
         /// How many.
@@ -480,9 +474,10 @@ pub enum Msg {
         /// The proof.
         mac: u128,
     },
-    /// Agent → the layer, the answer to its `Hello`: the node's default chains (as in
-    /// [`Msg::Policy`]; empty: none) and the block of source ports the node's layers bind
-    /// connections to before `connect` (`ports` from `first_port` on; 0: no block).
+    /// Agent → the layer, the answer to its `Hello`: the node's default chains (the rules of
+    /// `connection::chain::Policy`, separated by `;`; empty: none) and the block of source
+    /// ports the node's layers bind connections to before `connect` (`ports` from
+    /// `first_port` on; 0: no block).
     Welcome {
         /// The node's default chains.
         chain: String,
@@ -735,7 +730,6 @@ impl Msg {
             Msg::Chain { .. } => "Chain",
             Msg::Device { .. } => "Device",
             Msg::DeviceReply { .. } => "DeviceReply",
-            Msg::Policy { .. } => "Policy",
             Msg::Profile { .. } => "Profile",
             Msg::ProfileReply { .. } => "ProfileReply",
             Msg::Capture { .. } => "Capture",
@@ -982,10 +976,6 @@ impl Msg {
                 w.u8(69);
                 w.u32(*conns);
             }
-            Msg::Policy { chain } => {
-                w.u8(70);
-                w.str(chain);
-            }
             Msg::Profile { gid } => {
                 w.u8(71);
                 w.u128(*gid);
@@ -1176,7 +1166,6 @@ impl Msg {
             65 => Msg::Migrate { pid: r.u32()?, to: r.str()? },
             67 => Msg::Chain { gid: r.u128()?, spec: r.str()? },
             69 => Msg::DeviceReply { conns: r.u32()? },
-            70 => Msg::Policy { chain: r.str()? },
             71 => Msg::Profile { gid: r.u128()? },
             72 => Msg::ProfileReply { json: r.str()? },
             73 => Msg::Capture { gid: r.u128()?, duration_ms: r.u32()? },
@@ -1306,7 +1295,6 @@ mod tests {
             Msg::Device { load: true, name: "lz4".into(), gid: 0, pid: 4242 },
             Msg::Device { load: false, name: "double".into(), gid: 9 << 64 | 1, pid: 0 },
             Msg::DeviceReply { conns: 12 },
-            Msg::Policy { chain: "lz4;10.78.1.0/24=zstd:1".into() },
             Msg::Profile { gid: 7 << 100 | 3 },
             Msg::ProfileReply { json: "{\"dirs\": {}}".into() },
             Msg::Capture { gid: 1, duration_ms: 10_000 },
@@ -1315,7 +1303,7 @@ mod tests {
             Msg::SinkReply { devices: -1, why: String::new() },
             Msg::Ended { gid: 3 << 90 | 7, at: 52_953_088, from_active: false, mac: 0xfeed << 64 | 0xbeef },
             Msg::Welcome { chain: String::new(), first_port: 59000, ports: 2000 },
-            Msg::Welcome { chain: "lz4".into(), first_port: 0, ports: 0 },
+            Msg::Welcome { chain: "lz4;10.78.1.0/24=zstd:1".into(), first_port: 0, ports: 0 },
             Msg::Subscribe { listener: b, first_port: 59000, ports: 2000 },
             Msg::Expect {
                 src: a,
