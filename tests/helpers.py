@@ -225,6 +225,10 @@ PORTS = {
     "setup_block": 17964,
     "setup_one_way": 17965,
     "setup_restart": 17966,
+    "splice_stream": 17967,
+    "splice_half": 17968,
+    "splice_sigpipe": 17969,
+    "splice_off": 17970,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())
@@ -1685,3 +1689,13 @@ def both_ways(gid, want, since_ms=0, timeout=5, hosts=(H1, H2)):
                         timeout, f"{host}'s end of {gid} on chain {want!r} both ways")
         at.append(c["chain"]["send_since_ms"])
     return (max(at) - since_ms) / 1000
+
+
+def strace_counts(path):
+    """{syscall: calls} from an `strace -c` summary."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", line)
+        if m and m.group(2) != "total":
+            out[m.group(2)] = int(m.group(1))
+    return out

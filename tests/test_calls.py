@@ -11,25 +11,15 @@ and then). Buffer by buffer, a two-buffer `readv` of a small message cost the la
 receive calls where the kernel takes one.
 """
 
-import re
 
 import pytest
 
-from helpers import BASELINE, H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog
+from helpers import (BASELINE, H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog,
+                     strace_counts)
 
 MESSAGES = 2000
 RECEIVE = ("read", "readv", "recvfrom", "recvmsg")
 SEND = ("write", "writev", "sendto", "sendmsg")
-
-
-def counts(path):
-    """{syscall: calls} from an `strace -c` summary."""
-    out = {}
-    for line in path.read_text().splitlines():
-        m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", line)
-        if m and m.group(2) != "total":
-            out[m.group(2)] = int(m.group(1))
-    return out
 
 
 def run(procs, tmp_path, layer):
@@ -49,7 +39,7 @@ def run(procs, tmp_path, layer):
     assert r["bad"] == 0 and r["messages"] == MESSAGES, r
     if layer:
         assert_virtual(w, H1, addr, H2, min_conns=1)
-    c = counts(trace)
+    c = strace_counts(trace)
     return sum(c.get(n, 0) for n in RECEIVE), sum(c.get(n, 0) for n in SEND), c
 
 

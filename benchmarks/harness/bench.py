@@ -59,6 +59,7 @@ QUICK_SIZES = [64, 512, 4096, 32768, 65000]
 # Goals the project sets itself (printed next to every result).
 TARGET_LATENCY_RATIO = 1.05      # layer median latency <= 105 % of native, every size
 TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
+TARGET_CPU_PER_GIB_RATIO = 1.10  # layer CPU time (both ends) per GiB moved <= 1.10 x native
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
 TARGET_NGINX_RATIO = 0.95        # layer nginx requests/s (wrk) >= 95 % of native
 TARGET_MPI_RATIO = 0.95          # MPI 1 MiB bandwidth and native/layer 8 B latency >= 0.95
@@ -675,8 +676,18 @@ def parse_iperf3(text: str) -> dict:
     if recv is None and sent is None:
         raise BenchError("iperf3 JSON has no end.sum_received")
     retr = end.get("sum_sent", {}).get("retransmits")
-    return {"gbps": (recv if recv is not None else sent) / 1e9,
-            "sent_gbps": (sent or 0) / 1e9, "retransmits": retr}
+    out = {"gbps": (recv if recv is not None else sent) / 1e9,
+           "sent_gbps": (sent or 0) / 1e9, "retransmits": retr}
+    # CPU time of both processes (every thread: the layer's too) per GiB moved. iperf3
+    # measures its own and its server's (user + system, from getrusage) as a percentage of
+    # one CPU over the test's wall time.
+    cpu = end.get("cpu_utilization_percent", {})
+    moved = end.get("sum_received", {})
+    if cpu.get("host_total") is not None and cpu.get("remote_total") is not None \
+            and moved.get("bytes") and moved.get("seconds"):
+        secs = (cpu["host_total"] + cpu["remote_total"]) / 100.0 * moved["seconds"]
+        out["cpu_s_per_gib"] = secs / (moved["bytes"] / 2**30)
+    return out
 
 
 def parse_wrk(text: str) -> dict:
@@ -1908,6 +1919,23 @@ class Report:
                 lay = [r["gbps"] for r in self.by("throughput", LAYER, lambda r, p=p: r["streams"] == p)]
                 add(f"iperf3_P{p}", f"iperf3 {p} stream{'s' if p > 1 else ''} (Gbit/s)", nat, lay,
                     TARGET_THROUGHPUT_RATIO)
+            for p in (1, 4):
+                nat = [r["cpu_s_per_gib"] for r in self.by("throughput", NATIVE,
+                                                            lambda r, p=p: r["streams"] == p)
+                       if r.get("cpu_s_per_gib") is not None]
+                lay = [r["cpu_s_per_gib"] for r in self.by("throughput", LAYER,
+                                                            lambda r, p=p: r["streams"] == p)
+                       if r.get("cpu_s_per_gib") is not None]
+                if not nat or not lay:
+                    continue
+                r = ratio(med(lay), med(nat))
+                v = verdict(r, TARGET_CPU_PER_GIB_RATIO, False)
+                summ[f"iperf3_P{p}_cpu"] = {"native": med(nat), "layer": med(lay), "ratio": r,
+                                            "target": TARGET_CPU_PER_GIB_RATIO, "verdict": v,
+                                            "native_reps": nat, "layer_reps": lay}
+                rows.append([f"iperf3 {p} stream{'s' if p > 1 else ''}: CPU s per GiB, both ends",
+                             fmt_spread(nat, 3), fmt_spread(lay, 3), fmt(r, 3),
+                             f"<= {TARGET_CPU_PER_GIB_RATIO:.2f}", v])
             rows += self.check_rows("throughput", len(hdr)) + self.error_rows("throughput", len(hdr))
         if self.b("redis"):
             for t in ("SET", "GET"):

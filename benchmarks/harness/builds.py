@@ -3,7 +3,7 @@
 round, and the layer's figures of each are put in one table (median and range).
 
     benchmarks/harness/builds.py --old DIR --new DIR [--rounds N]
-                                 [--only connrate,failover,calls,migration]
+                                 [--only connrate,failover,calls,throughput,migration]
                                  [--migration-mb 10] [--migration-reps 3] [--out DIR]
 
 DIR is a folder with libvmi_preload.so, vmi-agent, vmictl, vmi-migrate (a `target/release`
@@ -103,6 +103,12 @@ def figures(b, mig=None, scale=None):
         add(f"connrate {r['mode']} (conn/s)", r["conns_per_sec"])
     for r in b.get("failover", {}).get("runs", []):
         add(f"failover {r['kind']} {r['mode']} stall (ms)", r["stall_ms"])
+    for r in b.get("throughput", {}).get("runs", []):
+        add(f"iperf3 -P{r['streams']} {r['mode']} (Gbit/s)", r["gbps"])
+        add(f"iperf3 -P{r['streams']} {r['mode']} (CPU s per GiB, both ends)", r.get("cpu_s_per_gib"))
+    for r in b.get("mpi", {}).get("runs", []):
+        add(f"MPI 8 B {r['mode']} (us one way)", r["lat8_us"])
+        add(f"MPI 1 MiB {r['mode']} (Mbit/s)", r["bw1m_mbps"])
     for r in b.get("calls", {}).get("runs", []):
         for size in (64, 1024, 16384):
             if f"rt_{size}_ns" in r:

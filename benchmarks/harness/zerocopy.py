@@ -6,7 +6,12 @@ between two namespace hosts and over loopback, at several sizes. The modes alter
 each repetition; medians (min-max) of the sender's CPU time per GiB and of the rate, and how
 many zero-copy completions said the kernel copied after all.
 
-    sudo python3 benchmarks/harness/zerocopy.py [--reps 5] [--gib 2]
+    sudo python3 benchmarks/harness/zerocopy.py [--reps 5] [--gib 2] [--ring]
+
+With `--ring`, the ways the layer's send path could send from its replay ring instead: the
+buffer copied into an 8 MiB ring behind a 24-byte frame header, then sent with one `sendmsg`
+(the kernel's copy: what the layer does) or spliced from the ring with the header through the
+pipe, by `send` with MSG_MORE, or left out (the bound), at 128 KiB and 1 MiB.
 
 Hosts `vmizc1`, `vmizc2` (10.84.0.0/24), removed at the end, also on failure. No layer is
 involved: this measures what the layer's send path could build on.
@@ -30,6 +35,8 @@ NET0, NET1 = "10.84.0", "10.84.1"
 H1, H2 = f"{PREFIX}1", f"{PREFIX}2"
 MODES = ["plain", "zerocopy", "splice"]
 SIZES = [16384, 65536, 262144]
+RING_MODES = ["ring", "ring-pipe", "ring-send", "ring-bare"]
+RING_SIZES = [131072, 1048576]
 
 
 def ns(host, argv):
@@ -50,7 +57,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gib", type=int, default=2, help="GiB per run")
+    ap.add_argument("--ring", action="store_true", help="the replay-ring modes")
     a = ap.parse_args()
+    modes, sizes = (RING_MODES, RING_SIZES) if a.ring else (MODES, SIZES)
     tmp = Path(tempfile.mkdtemp(prefix="vmi-zc-"))
     probe = tmp / "zerocopy_probe"
     subprocess.run(["gcc", "-O2", "-Wall", "-o", probe, REPO / "benchmarks" / "programs" / "zerocopy_probe.c"],
@@ -67,9 +76,9 @@ def main():
                                         start_new_session=True))
         time.sleep(0.5)
         for rep in range(a.reps):
-            for size in SIZES:
+            for size in sizes:
                 count = (a.gib << 30) // size
-                for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
                     for path, (ip, port) in paths.items():
                         print(f"[zerocopy] rep {rep + 1}/{a.reps} {size} B {mode} {path}",
                               file=sys.stderr, flush=True)
@@ -84,7 +93,8 @@ def main():
                 os.killpg(s.pid, signal.SIGKILL)
             s.wait()
         topo("down")
-    print(f"## Sending without the kernel's copy, {time.strftime('%Y-%m-%d')}\n")
+    title = "A ring sent by reference" if a.ring else "Sending without the kernel's copy"
+    print(f"## {title}, {time.strftime('%Y-%m-%d')}\n")
     print("| path | size | mode | sender CPU s per GiB | Gbit/s | completions copied |")
     print("|---|---|---|---|---|---|")
     for (path, size, mode), runs in sorted(res.items()):

@@ -8,6 +8,15 @@
  *
  *   zerocopy_probe server IP PORT
  *   zerocopy_probe client IP PORT plain|zerocopy|splice SIZE COUNT
+ *   zerocopy_probe client IP PORT ring|ring-pipe|ring-send|ring-bare SIZE COUNT
+ *
+ * The ring modes send as the layer's send path would: each buffer is copied into an 8 MiB
+ * shared ring (MAP_SHARED, as the layer's connection memory), behind a 24-byte frame header,
+ * then "ring" sends header and ring bytes with one sendmsg (a second copy, by the kernel);
+ * the others splice the ring's pages in chunks that end at 64 KiB boundaries, with the header
+ * written into the pipe first ("ring-pipe"), sent by copy with MSG_MORE ("ring-send"), or
+ * left out ("ring-bare", not a real protocol: the bound of what splicing the ring can give).
+ * The buffers then start at ring offsets that are multiples of SIZE (page-aligned).
  *
  * The client prints one JSON object:
  *   {"mode": ..., "size": S, "bytes": B, "seconds": T, "cpu_s_per_gib": C,
@@ -28,8 +37,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -113,6 +124,80 @@ static void reap(int fd, long *done, long *copied, int wait)
     }
 }
 
+#define RING (8L << 20)
+#define CHUNK (64L << 10)
+
+/* One buffer the ring way (see the head of the file); returns 0, or -1 after perror. */
+static int ring_send(int fd, const char *mode, char *ring, long *cur, const char *src, long size,
+                     int pipefd[2])
+{
+    char head[24] = {(char)0xa7, 1};
+    long off = *cur % RING, first = size < RING - off ? size : RING - off;
+    memcpy(ring + off, src, first);
+    if (first < size)
+        memcpy(ring, src + first, size - first);
+    if (strcmp(mode, "ring") == 0) {
+        struct iovec v[3] = {{head, sizeof head}, {ring + off, first}, {ring, size - first}};
+        long want = sizeof head + size, done = 0;
+        while (done < want) {
+            struct msghdr m = {.msg_iov = v, .msg_iovlen = first < size ? 3 : 2};
+            ssize_t n = sendmsg(fd, &m, 0);
+            if (n < 0) {
+                perror("zerocopy_probe: sendmsg");
+                return -1;
+            }
+            done += n;
+            /* (A short write: go on from where it stopped.) */
+            for (int i = 0; i < 3 && n > 0; i++) {
+                long k = (long)v[i].iov_len < n ? (long)v[i].iov_len : n;
+                v[i].iov_base = (char *)v[i].iov_base + k;
+                v[i].iov_len -= k;
+                n -= k;
+            }
+        }
+        *cur += size;
+        return 0;
+    }
+    long in_pipe = 0;
+    if (strcmp(mode, "ring-pipe") == 0) {
+        if (write(pipefd[1], head, sizeof head) != sizeof head) {
+            perror("zerocopy_probe: write");
+            return -1;
+        }
+        in_pipe = sizeof head;
+    } else if (strcmp(mode, "ring-send") == 0) {
+        if (send(fd, head, sizeof head, MSG_MORE) != sizeof head) {
+            perror("zerocopy_probe: send");
+            return -1;
+        }
+    }
+    for (long at = 0; at < size;) {
+        long pos = (*cur + at) % RING, want = size - at, lim = CHUNK - pos % CHUNK;
+        if (want > lim)
+            want = lim;
+        if (pos + want > RING)
+            want = RING - pos;
+        struct iovec v = {ring + pos, want};
+        ssize_t m = vmsplice(pipefd[1], &v, 1, 0);
+        if (m < 0) {
+            perror("zerocopy_probe: vmsplice");
+            return -1;
+        }
+        at += m;
+        in_pipe += m;
+        while (in_pipe > 0) {
+            ssize_t k = splice(pipefd[0], NULL, fd, NULL, in_pipe, at < size ? SPLICE_F_MORE : 0);
+            if (k < 0) {
+                perror("zerocopy_probe: splice");
+                return -1;
+            }
+            in_pipe -= k;
+        }
+    }
+    *cur += size;
+    return 0;
+}
+
 static int client(const char *ip, int port, const char *mode, long size, long count)
 {
     struct sockaddr_in sa;
@@ -127,9 +212,9 @@ static int client(const char *ip, int port, const char *mode, long size, long co
         perror("zerocopy_probe: connect");
         return 1;
     }
-    int sp = strcmp(mode, "splice") == 0;
+    int sp = strcmp(mode, "splice") == 0, rg = strncmp(mode, "ring", 4) == 0;
     int pipefd[2] = {-1, -1};
-    if (sp && (pipe(pipefd) < 0 || fcntl(pipefd[1], F_SETPIPE_SZ, 1 << 20) < 0)) {
+    if ((sp || rg) && (pipe(pipefd) < 0 || fcntl(pipefd[1], F_SETPIPE_SZ, 1 << 20) < 0)) {
         perror("zerocopy_probe: pipe");
         return 1;
     }
@@ -138,7 +223,19 @@ static int client(const char *ip, int port, const char *mode, long size, long co
     long done = 0, copied = 0, sent_calls = 0;
     double t0 = now(), c0 = cpu();
     long bytes = 0;
+    char *ring = rg ? mmap(NULL, RING, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0) : NULL;
+    if (ring == MAP_FAILED) {
+        perror("zerocopy_probe: mmap");
+        return 1;
+    }
+    long cur = 0;
     for (long i = 0; i < count; i++) {
+        if (rg) {
+            if (ring_send(fd, mode, ring, &cur, buf, size, pipefd) < 0)
+                return 1;
+            bytes += size;
+            continue;
+        }
         long off = 0;
         while (sp && off < size) {
             struct iovec v = {buf + off, size - off};
@@ -199,6 +296,7 @@ int main(int argc, char **argv)
         return server(argv[2], atoi(argv[3]));
     if (argc == 7 && strcmp(argv[1], "client") == 0)
         return client(argv[2], atoi(argv[3]), argv[4], atol(argv[5]), atol(argv[6]));
-    fprintf(stderr, "usage: zerocopy_probe server IP PORT | client IP PORT plain|zerocopy SIZE COUNT\n");
+    fprintf(stderr, "usage: zerocopy_probe server IP PORT | client IP PORT "
+                    "plain|zerocopy|splice|ring|ring-pipe|ring-send|ring-bare SIZE COUNT\n");
     return 2;
 }

@@ -9,6 +9,7 @@
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SUBSTRATE` | the substrate asked for: `tcp` (kernel TCP, no shared memory), `shm` (shared memory on one node, kernel TCP between nodes), or the name of a sink plug-in (`verbs`: `libvmi_sink_verbs.so`, see `plugins/vmi_sink.h`) for connections to other nodes; a sink the node has no device for is left with one log line, and kernel TCP carries the connection | `shm` |
+//! | `VMI_SPLICE` | `1`: frames of 32 KiB and more go to the kernel from the replay ring by reference (`vmsplice`/`splice`: the program's bytes are copied once, into the ring); `0`: copied into the kernel as well (slower here on veth: see ARCHITECTURE.md) | `0` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
@@ -112,6 +113,13 @@ pub fn init() {
             _ => crate::log::warn(format_args!(
                 "VMI_SUBSTRATE={v} is not tcp, shm or the name of a sink plug-in; using the default"
             )),
+        }
+    }
+    if let Ok(v) = std::env::var("VMI_SPLICE") {
+        match v.trim() {
+            "0" | "" => {}
+            "1" => crate::sys::splice::turn_on(),
+            _ => crate::log::warn(format_args!("VMI_SPLICE={v} is neither 0 nor 1; using 0")),
         }
     }
     if let Ok(v) = std::env::var("VMI_SHM_SPIN_US") {

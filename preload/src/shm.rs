@@ -137,6 +137,10 @@ pub struct SharedConn {
     /// Highest stream offset that may be on the wire (set before each write), the bound for
     /// the peer's acknowledgements.
     pub wire_hi: AtomicU64,
+    /// End of the stream's bytes that went to the kernel by reference to the ring's pages
+    /// (`sys::splice`); ring space below it is reused only after the peer's acknowledgement,
+    /// or once the ring has new pages. Written under the tx lock.
+    pub spliced_hi: AtomicU64,
     /// 1 once the peer's FIN arrived: it sends no more acks.
     pub peer_eof: AtomicU32,
     /// Bumped each time a new physical link is installed (waiters sleep on it).
@@ -293,6 +297,7 @@ impl Mapping {
             ack_sent: AtomicU64::new(0),
             unacked: AtomicU64::new(0),
             wire_hi: AtomicU64::new(0),
+            spliced_hi: AtomicU64::new(0),
             peer_eof: AtomicU32::new(0),
             link_gen: AtomicU32::new(0),
             link_down: AtomicU32::new(0),

@@ -21,8 +21,8 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, ring_slices, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source, TxState, ANSWER,
-    MIRROR,
+    ack_due, ring_slices, ring_write_with, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
+    TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
@@ -571,6 +571,9 @@ pub fn send(
                 return Err(fail(mem, slot, fd, e));
             }
             if c.peer_eof.load(Acquire) != 0 {
+                if c.spliced_hi.load(Relaxed) > tx.acked && tx.acked < tx.next_seq {
+                    release_spliced(mem, tx, ring);
+                }
                 tx.peer_finished();
             }
             if let Err(e) = check_link(mem) {
@@ -655,7 +658,10 @@ pub fn send(
                     if let Some(p) = tx.plan_replay(delivered) {
                         let (p, made) =
                             make_payload(mem, tx, p, &[], ring).map_err(|e| fail(mem, slot, fd, e))?;
-                        let r = write_coded(fd, &p, &[], ring, &made, kflags);
+                        let r = match splice_plan(mem, fd, &p, &made, &[], tx, ring, kflags) {
+                            Some(r) => r,
+                            None => write_coded(fd, &p, &[], ring, &made, kflags),
+                        };
                         if r < 0 {
                             let e = sys::errno();
                             tx.commit(&p, 0, &[], ring);
@@ -684,6 +690,7 @@ pub fn send(
             }
             let (plan, made) = make_payload(mem, tx, plan, rest, ring).map_err(|e| fail(mem, slot, fd, e))?;
             let mut r;
+            let mut spliced = false;
             if let Some((before, op, spec)) = offer_first.take() {
                 r = write_after(fd, &spec, &plan, rest, ring, &made, kflags);
                 let off = op.header_len + op.payload;
@@ -708,6 +715,9 @@ pub fn send(
                     continue;
                 }
                 r -= off as isize;
+            } else if let Some(n) = splice_plan(mem, fd, &plan, &made, rest, tx, ring, kflags) {
+                r = n;
+                spliced = true;
             } else {
                 r = write_coded(fd, &plan, rest, ring, &made, kflags);
             }
@@ -720,7 +730,12 @@ pub fn send(
                 let err = physical_error(mem, e, true, flags, gen);
                 return if total > 0 { Ok(total) } else { Err(err) };
             }
-            total += tx.commit_with(&plan, r as usize, rest, ring, crate::sys::copy::to_ring);
+            total += if spliced {
+                // (The payload is in the ring already.)
+                tx.commit_with(&plan, r as usize, rest, ring, |_, _| {})
+            } else {
+                tx.commit_with(&plan, r as usize, rest, ring, crate::sys::copy::to_ring)
+            };
             publish_tx(mem, tx, slot);
             if tx.in_frame() {
                 // The kernel took part of the frame; the rest is in the ring. A blocking sender
@@ -742,6 +757,97 @@ pub fn send(
             }
         }
     })
+}
+
+/// Frames with at least this many payload bytes go to the kernel from the ring by reference
+/// (`sys::splice`), not by copy.
+const SPLICE_MIN: usize = 32 << 10;
+
+/// Sends a plain data frame's header and payload with the payload taken from the replay ring
+/// by reference: the program's bytes (`app`, for a new frame) are copied into the ring first,
+/// the only copy they get. `None` when the frame does not go that way (small, coded, the
+/// peer's layer cannot acknowledge any more, a sandbox, no pipe free): nothing was sent.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn splice_plan(
+    mem: ConnMem,
+    fd: c_int,
+    plan: &Plan,
+    made: &[u8],
+    app: &[u8],
+    tx: &TxState,
+    ring: &mut [u8],
+    flags: c_int,
+) -> Option<isize> {
+    if plan.payload < SPLICE_MIN || !made.is_empty() || !sys::splice::available() {
+        return None;
+    }
+    splice_slow(mem, fd, plan, app, tx, ring, flags)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn splice_slow(
+    mem: ConnMem,
+    fd: c_int,
+    plan: &Plan,
+    app: &[u8],
+    tx: &TxState,
+    ring: &mut [u8],
+    flags: c_int,
+) -> Option<isize> {
+    let c = mem.conn();
+    // After the peer's end of stream its layer acknowledges nothing, so the ring's space is
+    // reused at once: its pages must not be lent to the kernel then.
+    if c.peer_eof.load(Acquire) != 0 || sandbox::active() {
+        return None;
+    }
+    // `splice` can only say "do not wait" through the socket's own flag.
+    if flags & libc::MSG_DONTWAIT != 0 && !sys::nonblocking(fd) {
+        return None;
+    }
+    let at = match plan.source {
+        Source::App => tx.next_seq,
+        Source::Ring(seq) => seq,
+        _ => return None,
+    };
+    let pipe = sys::splice::take()?;
+    if plan.source == Source::App {
+        ring_write_with(ring, at, &app[..plan.payload], |d, s| d.copy_from_slice(s));
+    }
+    let hi = at + plan.payload as u64;
+    if hi > c.spliced_hi.load(Relaxed) {
+        c.spliced_hi.store(hi, Relaxed);
+    }
+    let (a, b) = ring_slices(ring, at, plan.payload);
+    sys::splice::send(&pipe, fd, plan.header_bytes(), [a, b], flags & libc::MSG_MORE != 0)
+}
+
+/// The peer's end of stream came while bytes spliced from the ring may still be in the
+/// kernel's hands (its layer will not acknowledge them now): the ring gets new pages before
+/// its space is reused, keeping the bytes not on the wire yet (the rest of a frame in
+/// progress).
+#[cold]
+fn release_spliced(mem: ConnMem, tx: &TxState, ring: &mut [u8]) {
+    let keep_len = (tx.next_seq - tx.wire_seq) as usize;
+    let keep = {
+        let (a, b) = ring_slices(ring, tx.wire_seq, keep_len);
+        [a, b].concat()
+    };
+    if !sys::splice::release_ring(ring) {
+        log::warn(format_args!(
+            "the replay ring's pages could not be replaced after the peer's end of stream; \
+             bytes the kernel still holds by reference may change"
+        ));
+    }
+    ring_write_with(ring, tx.wire_seq, &keep, |d, s| d.copy_from_slice(s));
+    mem.conn().spliced_hi.store(0, Relaxed);
+    log::info(format_args!(
+        "virtual connection {:032x}: the peer's socket ended with {} spliced bytes unacknowledged; \
+         the replay ring takes new pages",
+        mem.conn().gid,
+        tx.next_seq - tx.acked
+    ));
 }
 
 /// What reading acks at the head of the socket gave.

@@ -11,6 +11,7 @@ pub mod process;
 pub mod prog;
 pub mod real;
 pub mod shared;
+pub mod splice;
 
 use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_storage, socklen_t};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
