@@ -20,7 +20,7 @@ LAYERS = [
     ("base", {"config", "log", "error", "ownfd", "sandbox", "lifetime", "stats", "readiness",
               "agent", "shm", "sockswap", "tap", "tamper"}),
     ("sys", {"sys", "sys/fd", "sys/process", "sys/gate", "sys/shared", "sys/prog", "sys/real",
-             "sys/copy", "sys/cell", "sys/packet", "sys/plugin"}),
+             "sys/copy", "sys/cell", "sys/packet", "sys/plugin", "sys/splice"}),
 ]
 # No import circle is left: the sinks and the connection report to `linkstate` (below them),
 # which the control thread reads, and what only the control thread can do is handed down to

@@ -88,7 +88,15 @@ fn extra_fds() -> Vec<(i32, Arc<AtomicI32>)> {
 pub fn is_protected(fd: i32) -> bool {
     fd >= 0
         && (PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
-            || (EXTRA_N.load(Relaxed) > 0 && extra().iter().any(|p| p.load(Acquire) == fd)))
+            || (EXTRA_N.load(Relaxed) > 0 && extra().iter().any(|p| p.load(Acquire) == fd))
+            || is_pipe_pools(fd))
+}
+
+/// True if `fd` is one of the splicing pipes' (`sys::splice`, made only when asked for).
+fn is_pipe_pools(fd: i32) -> bool {
+    let mut hit = false;
+    crate::sys::splice::each_fd(|p| hit |= p.load(Acquire) == fd);
+    hit
 }
 
 /// The protected descriptors.
@@ -97,6 +105,12 @@ pub fn protected() -> Vec<i32> {
     if EXTRA_N.load(Relaxed) > 0 {
         v.extend(extra_fds().into_iter().map(|(f, _)| f).filter(|&f| f >= 0));
     }
+    crate::sys::splice::each_fd(|p| {
+        let f = p.load(Acquire);
+        if f >= 0 {
+            v.push(f);
+        }
+    });
     v
 }
 
@@ -114,5 +128,8 @@ pub fn evict(fd: i32) -> Option<(i32, i32)> {
             let _ = p.compare_exchange(fd, n, AcqRel, Relaxed);
         }
     }
+    crate::sys::splice::each_fd(|p| {
+        let _ = p.compare_exchange(fd, n, AcqRel, Relaxed);
+    });
     Some((fd, n))
 }

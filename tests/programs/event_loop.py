@@ -116,6 +116,8 @@ def main():
     ap.add_argument("--wait", choices=["epoll", "poll"], default="epoll")
     ap.add_argument("--server-thread", action="store_true")
     ap.add_argument("--edge", action="store_true")
+    ap.add_argument("--hold", type=float, default=0.3,
+                    help="seconds the connections stay open at the end (for vmictl to see them)")
     a = ap.parse_args()
     host, _, port = a.bind.rpartition(":")
     ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -173,6 +175,7 @@ def main():
                     out["ok"] = out["ok"] and got[i] == request(i, rnd, a.size)
                     answered += 1
     out["bells"] = sum(bytes_received(s) for s in clients + servers)
+    time.sleep(a.hold)
     for s in clients + servers:
         s.close()
     print(json.dumps(out), flush=True)

@@ -16,7 +16,7 @@
 use super::process;
 use libc::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering::*};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 /// Pipes per process: calls that find every one in use send as before (with the copy).
 const PIPES: usize = 4;
@@ -30,15 +30,15 @@ struct Slot {
     busy: AtomicBool,
     /// The process that made the pipe (0: none yet).
     pid: AtomicI32,
-    r: Arc<AtomicI32>,
-    w: Arc<AtomicI32>,
+    r: AtomicI32,
+    w: AtomicI32,
     /// Payload bytes one chunk may have, from the pipe's size.
     chunk: AtomicUsize,
 }
 
 struct Pool {
     slots: [Slot; PIPES],
-    null: Arc<AtomicI32>,
+    null: AtomicI32,
     null_pid: AtomicI32,
 }
 
@@ -48,25 +48,39 @@ static POOL: OnceLock<Pool> = OnceLock::new();
 static OFF: AtomicBool = AtomicBool::new(true);
 
 fn pool() -> &'static Pool {
-    POOL.get_or_init(|| {
-        let p = Pool {
-            slots: std::array::from_fn(|_| Slot {
-                busy: AtomicBool::new(false),
-                pid: AtomicI32::new(0),
-                r: Arc::new(AtomicI32::new(-1)),
-                w: Arc::new(AtomicI32::new(-1)),
-                chunk: AtomicUsize::new(0),
-            }),
-            null: Arc::new(AtomicI32::new(-1)),
-            null_pid: AtomicI32::new(0),
-        };
-        for s in &p.slots {
-            crate::ownfd::protect_slot(&s.r);
-            crate::ownfd::protect_slot(&s.w);
-        }
-        crate::ownfd::protect_slot(&p.null);
-        p
+    POOL.get_or_init(|| Pool {
+        slots: std::array::from_fn(|_| Slot {
+            busy: AtomicBool::new(false),
+            pid: AtomicI32::new(0),
+            r: AtomicI32::new(-1),
+            w: AtomicI32::new(-1),
+            chunk: AtomicUsize::new(0),
+        }),
+        null: AtomicI32::new(-1),
+        null_pid: AtomicI32::new(0),
     })
+}
+
+/// Calls `f` on each place that names one of the pool's descriptors (the layer keeps them
+/// from a program that closes every descriptor, and moves them out of the way of `dup2`).
+pub fn each_fd(mut f: impl FnMut(&'static AtomicI32)) {
+    if let Some(p) = POOL.get() {
+        for s in &p.slots {
+            f(&s.r);
+            f(&s.w);
+        }
+        f(&p.null);
+    }
+}
+
+/// `fd` moved to a high number, close-on-exec.
+fn high(fd: c_int) -> c_int {
+    let n = super::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700);
+    if n < 0 {
+        return fd;
+    }
+    super::fd::close(fd);
+    n
 }
 
 /// Splice in this process (`VMI_SPLICE=1`).
@@ -150,8 +164,8 @@ fn remake(slot: &Slot, pid: i32) -> bool {
     // (A power of two, so that chunks can end at multiples of it.)
     let chunk = (pages * PAGE).min(CHUNK);
     slot.chunk.store(1 << (usize::BITS - 1 - chunk.leading_zeros()), Relaxed);
-    slot.r.store(crate::ownfd::move_high(fds[0]), Release);
-    slot.w.store(crate::ownfd::move_high(fds[1]), Release);
+    slot.r.store(high(fds[0]), Release);
+    slot.w.store(high(fds[1]), Release);
     slot.pid.store(pid, Relaxed);
     true
 }
@@ -168,7 +182,7 @@ fn null_fd() -> c_int {
     if fd < 0 {
         let n = super::fd::open(c"/dev/null", libc::O_WRONLY | libc::O_CLOEXEC);
         if n >= 0 {
-            fd = crate::ownfd::move_high(n);
+            fd = high(n);
             if pool.null.compare_exchange(-1, fd, AcqRel, Acquire).is_err() {
                 super::fd::close(fd);
                 fd = pool.null.load(Acquire);
