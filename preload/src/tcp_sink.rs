@@ -1538,10 +1538,11 @@ impl Scratch {
         let v = SCRATCH.try_with(|p| p.try_borrow_mut().ok().and_then(|mut p| p.pop())).ok().flatten();
         Scratch(v.unwrap_or_default())
     }
-}
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
+    /// Gives the buffer back to this thread (out of line: a plain frame's send never comes
+    /// here).
+    #[inline(never)]
+    fn keep(&mut self) {
         let mut v = std::mem::take(&mut self.0);
         // (Kept: a few, of at most a frame and its chain's overhead.)
         if v.capacity() == 0 || v.capacity() > 2 * MAX_PAYLOAD as usize {
@@ -1555,6 +1556,17 @@ impl Drop for Scratch {
                 }
             }
         });
+    }
+}
+
+impl Drop for Scratch {
+    #[inline]
+    fn drop(&mut self) {
+        if self.0.capacity() == 0 {
+            // (A plain frame's: nothing to give back.)
+            return;
+        }
+        self.keep();
     }
 }
 

@@ -592,6 +592,12 @@ impl RxState {
             } else if self.coded_len > 0 {
                 // A coded frame's payload is read whole by the sink, never in place.
                 return Err(ProtoError::CodedInPlace);
+            } else if self.header_len == 0 && len - cur >= HEADER_LEN {
+                // A whole header here (the common case): decoded where it lies, which checks
+                // everything `check_partial` would.
+                self.header.copy_from_slice(&app[cur..cur + HEADER_LEN]);
+                cur += HEADER_LEN;
+                self.finish_header(out)?;
             } else {
                 let at = self.header_len as usize;
                 let take = (len - cur).min(HEADER_LEN - at);
