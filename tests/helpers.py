@@ -229,6 +229,7 @@ PORTS = {
     "splice_half": 17968,
     "splice_sigpipe": 17969,
     "splice_off": 17970,
+    "quick_acks": 17971,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -14,8 +14,8 @@ receive calls where the kernel takes one.
 
 import pytest
 
-from helpers import (BASELINE, H1, H1_IP, H2, PORTS, Watcher, assert_virtual, python_prog,
-                     strace_counts)
+from helpers import (BASELINE, H1, H1_IP, H2, PORTS, PYTHON, Watcher, assert_virtual,
+                     python_prog, strace_counts)
 
 MESSAGES = 2000
 RECEIVE = ("read", "readv", "recvfrom", "recvmsg")
@@ -53,3 +53,57 @@ def test_mpi_style_progress_adds_no_system_calls(procs, tmp_path):
     slack = MESSAGES // 20
     assert l_recv <= n_recv + slack, f"receive calls: {l_recv} under the layer, {n_recv} natively\n{detail}"
     assert l_send <= n_send + slack, f"send calls: {l_send} under the layer, {n_send} natively\n{detail}"
+
+
+# Sends BYTES in writes of 128 KiB, then waits for the peer's end.
+BULK_SEND = r"""
+import socket, sys
+ls = socket.create_server((sys.argv[1], int(sys.argv[2])))
+c, _ = ls.accept()
+b = bytes(128 << 10)
+for _ in range(int(sys.argv[3]) // len(b)):
+    c.sendall(b)
+c.shutdown(socket.SHUT_WR)
+while c.recv(65536):
+    pass
+"""
+
+# Reads to the end (then holds the connection 0.6 s); every 4 MiB notes whether its socket is in the kernel's interactive
+# ("pingpong") mode, where TCP_QUICKACK reads 0.
+BULK_RECV = r"""
+import json, socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = bytearray(1 << 20)
+got, mark, quick = 0, 4 << 20, []
+while True:
+    k = s.recv_into(buf)
+    if not k:
+        break
+    got += k
+    if got >= mark:
+        mark += 4 << 20
+        quick.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK))
+time.sleep(0.6)  # (held open for vmictl to see)
+print(json.dumps({"bytes": got, "quick": quick}), flush=True)
+"""
+
+
+def test_a_bulk_receivers_acknowledgements_leave_its_socket_out_of_interactive_mode(procs):
+    """A receiver that only reads sends the layer's acknowledgements alone, and data going back
+    makes the kernel take the connection for an interactive one: it then holds back its own
+    ACKs of the sender's segments, hoping to carry them on a reply that never comes, and the
+    sender waits on them (iperf3 with four streams: about half its rate). After each such
+    acknowledgement the layer puts the socket back in quick-ACK mode; measured here as the
+    kernel reports it, with TCP_QUICKACK read by the receiving program every 4 MiB."""
+    port = PORTS["quick_acks"]
+    addr = f"{H1_IP}:{port}"
+    nbytes = 96 << 20
+    procs.server(H1, [PYTHON, "-c", BULK_SEND, H1_IP, port, nbytes], port, layer=True,
+                 name="bulk-send")
+    with Watcher(H1, H2) as w:
+        cli = procs.run(H2, [PYTHON, "-c", BULK_RECV, H1_IP, port], layer=True,
+                        name="bulk-recv", timeout=120)
+    r = cli.last_json()
+    assert r["bytes"] == nbytes, r
+    assert len(r["quick"]) >= 20 and sum(r["quick"]) >= len(r["quick"]) - 2, r
+    assert_virtual(w, H1, addr, H2, min_conns=1)
