@@ -10,35 +10,19 @@ import time
 
 from helpers import H1, H1_IP, H2, PORTS, PYTHON, Watcher, assert_virtual, strace_counts
 
-# "send HOST PORT BYTES CHUNK [READ_AFTER]": accepts one connection, sends BYTES random bytes
-# in writes of CHUNK (every chunk different, so ring space reused too early shows), then ends
-# its side; a thread reads what the peer sends until its end (after READ_AFTER seconds);
-# prints the count and the SHA-256 of what it sent.
+# "send HOST PORT BYTES CHUNK": accepts one connection, sends BYTES random bytes in writes of
+# CHUNK (every chunk different, so ring space reused too early shows), then ends its side and
+# waits for the peer's end; prints the count and the SHA-256 of what it sent.
 # "recv HOST PORT [HALF_AT SLEEP]": reads to the end and prints the count and the SHA-256;
 # with HALF_AT, ends its own sending side after HALF_AT bytes and sleeps SLEEP seconds
 # before reading on.
 BULK = r"""
-import hashlib, json, os, socket, sys, threading, time
+import hashlib, json, os, socket, sys, time
 mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "send":
     n, chunk = int(sys.argv[4]), int(sys.argv[5])
-    read_after = float(sys.argv[6]) if len(sys.argv) > 6 else None
     ls = socket.create_server((host, port))
     c, _ = ls.accept()
-    took = [0]
-    def drain():
-        if read_after:
-            time.sleep(read_after)
-        try:
-            while True:
-                b = c.recv(1 << 20)
-                if not b:
-                    break
-                took[0] += len(b)
-        except OSError:
-            pass
-    reader = threading.Thread(target=drain)
-    reader.start()
     h = hashlib.sha256()
     sent = 0
     while sent < n:
@@ -47,7 +31,8 @@ if mode == "send":
         h.update(b)
         sent += len(b)
     c.shutdown(socket.SHUT_WR)
-    reader.join()
+    while c.recv(65536):
+        pass
     print(json.dumps({"bytes": sent, "sha": h.hexdigest()}), flush=True)
 else:
     half = int(sys.argv[4]) if len(sys.argv) > 4 else -1

@@ -89,11 +89,11 @@ pub fn is_protected(fd: i32) -> bool {
     fd >= 0
         && (PROTECTED.iter().any(|p| p.load(Relaxed) == fd)
             || (EXTRA_N.load(Relaxed) > 0 && extra().iter().any(|p| p.load(Acquire) == fd))
-            || is_pipe_pools(fd))
+            || is_splice_pipe(fd))
 }
 
 /// True if `fd` is one of the splicing pipes' (`sys::splice`, made only when asked for).
-fn is_pipe_pools(fd: i32) -> bool {
+fn is_splice_pipe(fd: i32) -> bool {
     let mut hit = false;
     crate::sys::splice::each_fd(|p| hit |= p.load(Acquire) == fd);
     hit

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, ring_slices, ring_write_with, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
+    ack_due, ring_slices, ring_write, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
     TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
@@ -828,7 +828,7 @@ fn splice_slow(
     };
     let pipe = sys::splice::take()?;
     if plan.source == Source::App {
-        ring_write_with(ring, at, &app[..plan.payload], |d, s| d.copy_from_slice(s));
+        ring_write(ring, at, &app[..plan.payload]);
     }
     let hi = at + plan.payload as u64;
     if hi > c.spliced_hi.load(Relaxed) {
@@ -855,7 +855,7 @@ fn release_spliced(mem: ConnMem, tx: &TxState, ring: &mut [u8]) {
              bytes the kernel still holds by reference may change"
         ));
     }
-    ring_write_with(ring, tx.wire_seq, &keep, |d, s| d.copy_from_slice(s));
+    ring_write(ring, tx.wire_seq, &keep);
     mem.conn().spliced_hi.store(0, Relaxed);
     log::info(format_args!(
         "virtual connection {:032x}: the peer's socket ended with {} spliced bytes unacknowledged; \

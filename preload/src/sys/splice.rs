@@ -20,7 +20,8 @@ use std::sync::OnceLock;
 
 /// Pipes per process: calls that find every one in use send as before (with the copy).
 const PIPES: usize = 4;
-/// Pipe size asked for: a chunk of 64 KiB at any alignment (17 pages) and a header page.
+/// Pipe size asked for: room for a chunk of 64 KiB (16 pages, chunks end at 64 KiB
+/// boundaries of memory) and some to spare.
 const PIPE_BYTES: usize = 128 << 10;
 /// Most payload bytes one `vmsplice` puts in the pipe.
 const CHUNK: usize = 64 << 10;
@@ -153,7 +154,7 @@ fn remake(slot: &Slot, pid: i32) -> bool {
     let _ = unsafe { libc::syscall(libc::SYS_fcntl, fds[1], libc::F_SETPIPE_SZ, PIPE_BYTES) };
     // SAFETY: as above.
     let size = unsafe { libc::syscall(libc::SYS_fcntl, fds[1], libc::F_GETPIPE_SZ, 0) };
-    // Room for the header's page and a chunk at any alignment (two pages more than it covers).
+    // Room for a chunk and three pages to spare (a pipe made smaller than asked for).
     let pages = (size.max(0) as usize / PAGE).saturating_sub(3);
     if pages == 0 {
         super::fd::close(fds[0]);
@@ -266,10 +267,8 @@ pub fn send(p: &Pipe, fd: c_int, head: &[u8], parts: [&[u8]; 2], more: bool) -> 
     let old = block_sigpipe()?;
     let mut taken = 0usize;
     let mut err = 0;
-    let mut tried = false;
     let total: usize = parts.iter().map(|x| x.len()).sum();
     let mut at = 0usize; // payload bytes put into the pipe so far
-    let mut in_pipe = 0usize;
     if !head.is_empty() {
         // The header by copy, as the start of the socket's next packet: a small fragment of
         // a page of its own among the ring's pages makes the kernel cut the stream into
@@ -285,11 +284,11 @@ pub fn send(p: &Pipe, fd: c_int, head: &[u8], parts: [&[u8]; 2], more: bool) -> 
             return Some(n);
         }
     }
-    loop {
-        // The next chunk of the payload, in at most three pieces of the two parts.
+    while at < total {
+        // The next chunk of the payload, in at most two pieces of the two parts.
         // Chunks end at multiples of the chunk size in memory: a chunk then spans whole
-        // pages only (16 at most, with the header 17: one packet's worth of fragments), where
-        // an unaligned one would span 17 and the kernel would cut a small packet off each.
+        // pages only (16 at most: one packet's worth of fragments), where an unaligned one
+        // would span 17 and the kernel would cut a small packet off each.
         let next = piece_at(&parts, at).map_or(0, |p| p as usize);
         let want = (total - at).min(p.chunk - next % p.chunk);
         let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
@@ -309,30 +308,23 @@ pub fn send(p: &Pipe, fd: c_int, head: &[u8], parts: [&[u8]; 2], more: bool) -> 
             iov[n_iov] = libc::iovec { iov_base: piece.as_ptr() as *mut c_void, iov_len: piece.len() };
             n_iov += 1;
         }
-        if n_iov > 0 {
-            // SAFETY: every iovec points into memory the caller lends for this call.
-            let m = unsafe { libc::vmsplice(p.w, iov.as_ptr(), n_iov, libc::SPLICE_F_NONBLOCK) };
-            if m < 0 {
-                if !tried && taken == 0 {
-                    if matches!(super::errno(), libc::ENOSYS | libc::EPERM | libc::EINVAL) {
-                        OFF.store(true, Relaxed);
-                    }
-                    drain(p, in_pipe);
-                    unblock_sigpipe(&old, false);
-                    return None;
+        // SAFETY: every iovec points into memory the caller lends for this call.
+        let m = unsafe { libc::vmsplice(p.w, iov.as_ptr(), n_iov, libc::SPLICE_F_NONBLOCK) };
+        if m <= 0 {
+            // (The pipe is empty here: every chunk before went whole.)
+            if taken == 0 {
+                if m < 0 && matches!(super::errno(), libc::ENOSYS | libc::EPERM | libc::EINVAL) {
+                    OFF.store(true, Relaxed);
                 }
-                // (Later chunks: what went stays sent; the caller sends the rest its way.)
-                drain(p, in_pipe);
-                break;
+                unblock_sigpipe(&old, false);
+                return None;
             }
-            at += m as usize;
-            in_pipe += m as usize;
-        }
-        if in_pipe == 0 {
+            // (Later: what went stays sent; the caller sends the rest its way.)
             break;
         }
+        let in_pipe = m as usize;
+        at += in_pipe;
         let flags = if more || at < total { libc::SPLICE_F_MORE } else { 0 };
-        tried = true;
         // SAFETY: null offsets; descriptors only.
         let k = unsafe { libc::splice(p.r, std::ptr::null_mut(), fd, std::ptr::null_mut(), in_pipe, flags) };
         if k < 0 {
@@ -344,10 +336,6 @@ pub fn send(p: &Pipe, fd: c_int, head: &[u8], parts: [&[u8]; 2], more: bool) -> 
         if (k as usize) < in_pipe {
             // The socket is full (or a signal came): the rest goes again from the ring.
             drain(p, in_pipe - k as usize);
-            break;
-        }
-        in_pipe = 0;
-        if at == total {
             break;
         }
     }
