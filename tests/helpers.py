@@ -230,6 +230,8 @@ PORTS = {
     "splice_sigpipe": 17969,
     "splice_off": 17970,
     "quick_acks": 17971,
+    "setup_reuse": 17972,
+    "setup_reuse_fork": 17973,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

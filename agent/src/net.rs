@@ -59,8 +59,40 @@ pub fn is_local(ip: IpAddr) -> bool {
     ip.is_loopback() || ip.is_unspecified() || cached_addrs().contains(&ip)
 }
 
-/// The source address the kernel would use toward `dst`.
+/// How long [`source_for`] keeps an answer: a node making thousands of connections a
+/// second asks the kernel about each destination a few times a second, not once per
+/// connection, while a route that changes (a network going down) is seen within this time.
+const SOURCE_TTL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Most destinations whose source address is kept.
+const SOURCE_KEPT: usize = 256;
+
+static SOURCES: std::sync::Mutex<Vec<(IpAddr, std::time::Instant, IpAddr)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The source address the kernel would use toward `dst` (asked at most every
+/// [`SOURCE_TTL`] per destination).
 pub fn source_for(dst: IpAddr) -> Option<IpAddr> {
+    let now = std::time::Instant::now();
+    {
+        let kept = SOURCES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, _, src)) =
+            kept.iter().find(|(d, t, _)| *d == dst && now.duration_since(*t) < SOURCE_TTL)
+        {
+            return Some(src);
+        }
+    }
+    let src = source_for_now(dst)?;
+    let mut kept = SOURCES.lock().unwrap_or_else(|e| e.into_inner());
+    kept.retain(|(d, t, _)| *d != dst && now.duration_since(*t) < SOURCE_TTL);
+    if kept.len() < SOURCE_KEPT {
+        kept.push((dst, now, src));
+    }
+    Some(src)
+}
+
+/// [`source_for`], asking the kernel.
+fn source_for_now(dst: IpAddr) -> Option<IpAddr> {
     if dst.is_loopback() || dst.is_unspecified() {
         return Some(if dst.is_ipv4() {
             IpAddr::V4(Ipv4Addr::LOCALHOST)

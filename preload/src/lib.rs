@@ -70,6 +70,7 @@ extern "C" fn after_fork_parent() {
 extern "C" fn after_fork_child() {
     sys::process::forget_pid();
     sys::splice::after_fork_child();
+    sys::shared::after_fork_child();
     lifetime::init_main_thread();
     fdtable::after_fork_child();
     linger::after_fork_child();

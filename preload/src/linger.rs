@@ -380,12 +380,18 @@ pub fn after_fork_parent() {
     FORK_GUARD.with(|f| f.borrow_mut().take());
 }
 
-/// fork, child side: the lingering sockets are the parent's business.
+/// fork, child side: the lingering sockets are the parent's business. Their connections
+/// are let go of without running what a process does when it lets go of one: the fork did
+/// not count the child among their holders (only the program's descriptors are), so that
+/// would take the parent's count down and tell the agent the parent let go, and it would
+/// wait on locks the fork handlers still hold. (Their memory stays mapped in the child,
+/// unused.)
 pub fn after_fork_child() {
     FORK_GUARD.with(|f| {
         if let Some((_b, mut g)) = f.borrow_mut().take() {
-            for (fd, _, _) in g.socks.drain(..) {
+            for (fd, vc, _) in g.socks.drain(..) {
                 crate::sys::fd::close(fd);
+                std::mem::forget(vc);
             }
             g.thread = false;
         }

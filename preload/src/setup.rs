@@ -55,8 +55,9 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
             local = bound;
         }
     }
-    let gid = u128::from_le_bytes(sys::random16());
-    let secret = u128::from_le_bytes(sys::random16());
+    let r = sys::random32();
+    let gid = u128::from_le_bytes(r[..16].try_into().ok()?);
+    let secret = u128::from_le_bytes(r[16..].try_into().ok()?);
     let m =
         Msg::Connect { src: local, dst, gid, secret, window: config::window(), aim: dst, agents: Vec::new() };
     match agent::request(&m) {

@@ -264,7 +264,28 @@ pub struct ConnMem(HeadRing<SharedConn>);
 /// allows (see `SharedMap`).
 pub struct Mapping {
     view: ConnMem,
-    _map: crate::sys::shared::SharedMap,
+    /// (Taken only in `drop`.)
+    map: Option<crate::sys::shared::SharedMap>,
+}
+
+/// A connection that wrote more than this into its replay ring leaves its mapping to be
+/// unmapped rather than kept for the next connection (the pages it touched would stay).
+const SPARE_MAX_WRITTEN: u64 = 1 << 20;
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let Some(map) = self.map.take() else { return };
+        let c = self.view.conn();
+        // Kept for the next connection only when no process holds this one any more (a
+        // fork child or an exec'd image could still use it otherwise) and it touched little
+        // of its ring.
+        if c.procs.load(Acquire) == 0
+            && c.exec_holds.load(Acquire) == 0
+            && c.wire_hi.load(Acquire) <= SPARE_MAX_WRITTEN
+        {
+            map.spare();
+        }
+    }
 }
 
 impl std::ops::Deref for Mapping {
@@ -286,7 +307,7 @@ impl Mapping {
         peer_agents: &[std::net::SocketAddr],
     ) -> Option<Mapping> {
         let len = HEAD + ring;
-        let map = crate::sys::shared::SharedMap::anonymous(len)?;
+        let map = crate::sys::shared::SharedMap::anonymous_reused(len)?;
         let sc = SharedConn {
             tx_lock: FutexLock::new(),
             rx_lock: FutexLock::new(),
@@ -342,7 +363,7 @@ impl Mapping {
             shares: Default::default(),
         };
         let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
-        Some(Mapping { view, _map: map })
+        Some(Mapping { view, map: Some(map) })
     }
 }
 

@@ -278,9 +278,7 @@ pub fn passed_fd(msg: &libc::msghdr) -> Option<c_int> {
 
 /// Family of a TCP socket (AF_INET or AF_INET6), or `None` if `fd` is anything else.
 pub fn tcp_family(fd: c_int) -> Option<c_int> {
-    if sockopt_int(fd, libc::SOL_SOCKET, libc::SO_TYPE)? != libc::SOCK_STREAM {
-        return None;
-    }
+    // (A TCP socket is always of type SOCK_STREAM: the protocol says both.)
     if sockopt_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
         return None;
     }
@@ -291,6 +289,25 @@ pub fn tcp_family(fd: c_int) -> Option<c_int> {
 /// True if the descriptor is in non-blocking mode.
 pub fn nonblocking(fd: c_int) -> bool {
     gate::nonblocking(fd)
+}
+
+/// 32 random bytes from the kernel, in one call.
+pub fn random32() -> [u8; 32] {
+    let mut b = [0u8; 32];
+    let mut got = 0;
+    while got < 32 {
+        // SAFETY: writes into the rest of `b`.
+        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr() as *mut _, 32 - got, 0) };
+        if r > 0 {
+            got += r as usize;
+        } else if errno() != libc::EINTR {
+            let (x, y) = (random16(), random16());
+            b[..16].copy_from_slice(&x);
+            b[16..].copy_from_slice(&y);
+            return b;
+        }
+    }
+    b
 }
 
 /// 16 random bytes from the kernel.

@@ -4,7 +4,8 @@
 
 use libc::c_int;
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize};
 use std::sync::Arc;
 use substrate::shmring::{Ring, RingError};
 
@@ -59,6 +60,42 @@ impl SharedMap {
             )
         };
         (p != libc::MAP_FAILED).then_some(SharedMap { base: p as *mut u8, len, owned: true })
+    }
+
+    /// Like [`SharedMap::anonymous`], but takes a mapping of the same length that
+    /// [`SharedMap::spare`] kept, when there is one: a short connection then costs no
+    /// `mmap`, no `munmap` (whose flush of the other threads' TLBs is the dear part) and no
+    /// page faults. The memory holds what its last user left: the caller writes every byte
+    /// it reads before reading it.
+    pub fn anonymous_reused(len: usize) -> Option<SharedMap> {
+        if SPARE_LEN.load(Relaxed) == len {
+            for s in &SPARES {
+                let p = s.swap(std::ptr::null_mut(), Acquire);
+                if !p.is_null() {
+                    return Some(SharedMap { base: p, len, owned: true });
+                }
+            }
+        }
+        SharedMap::anonymous(len)
+    }
+
+    /// Keeps this mapping (anonymous, owned, no longer seen by any process) for the next
+    /// [`SharedMap::anonymous_reused`] of its length, or unmaps it when [`SPARE_COUNT`] are
+    /// kept already or the kept ones have another length.
+    pub fn spare(self) {
+        let len = self.len;
+        if !self.owned
+            || (SPARE_LEN.load(Relaxed) != len
+                && SPARE_LEN.compare_exchange(0, len, Relaxed, Relaxed).is_err())
+        {
+            return;
+        }
+        for s in &SPARES {
+            if s.compare_exchange(std::ptr::null_mut(), self.base, Release, Relaxed).is_ok() {
+                std::mem::forget(self);
+                return;
+            }
+        }
     }
 
     /// The first byte's address (for a layout placed there by its owner).
@@ -161,6 +198,27 @@ impl SharedMap {
                 0,
             )
         };
+    }
+}
+
+/// How many mappings [`SharedMap::spare`] keeps.
+pub const SPARE_COUNT: usize = 4;
+
+/// The kept mappings (null: none), all of length [`SPARE_LEN`].
+static SPARES: [AtomicPtr<u8>; SPARE_COUNT] = [const { AtomicPtr::new(std::ptr::null_mut()) }; SPARE_COUNT];
+
+/// The length of every kept mapping (0: none kept yet); set by the first one kept.
+static SPARE_LEN: AtomicUsize = AtomicUsize::new(0);
+
+/// fork, child side: the kept mappings are shared with the parent, which may hand them to
+/// a connection of its own at any time; the child lets go of them.
+pub fn after_fork_child() {
+    let len = SPARE_LEN.load(Relaxed);
+    for s in &SPARES {
+        let p = s.swap(std::ptr::null_mut(), Acquire);
+        if !p.is_null() {
+            drop(SharedMap { base: p, len, owned: true });
+        }
     }
 }
 
