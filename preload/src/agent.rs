@@ -139,9 +139,17 @@ pub(crate) fn read_exact(fd: i32, b: &mut [u8]) -> bool {
 }
 
 /// As [`read_exact`], waiting `extra` more receive timeouts (a second each) for the data.
-fn read_patiently(fd: i32, mut b: &mut [u8], mut extra: u32) -> bool {
-    while !b.is_empty() {
-        let r = sys::fd::recv(fd, b, 0);
+fn read_patiently(fd: i32, b: &mut [u8], extra: u32) -> bool {
+    let n = b.len();
+    read_at_least(fd, b, n, extra) == Some(n)
+}
+
+/// Reads at least `min` bytes into `b` (more if they come in the same receive, up to its
+/// length), waiting `extra` more receive timeouts for them; how many came.
+fn read_at_least(fd: i32, b: &mut [u8], min: usize, mut extra: u32) -> Option<usize> {
+    let mut got = 0;
+    while got < min {
+        let r = sys::fd::recv(fd, &mut b[got..], 0);
         if r < 0 && sys::errno() == libc::EINTR {
             continue;
         }
@@ -150,11 +158,11 @@ fn read_patiently(fd: i32, mut b: &mut [u8], mut extra: u32) -> bool {
             continue;
         }
         if r <= 0 {
-            return false;
+            return None;
         }
-        b = &mut b[r as usize..];
+        got += r as usize;
     }
-    true
+    Some(got)
 }
 
 fn exchange(fd: i32, m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
@@ -166,16 +174,32 @@ fn exchange(fd: i32, m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
         Msg::Connect { .. } => (substrate::wire::agent::CONNECT_WAIT_MS / 1000).saturating_sub(1) as u32,
         _ => 0,
     };
-    let mut pre = [0u8; 4];
-    if !read_patiently(fd, &mut pre, extra) {
-        return None;
-    }
-    let n = Msg::body_len(pre).ok()?;
-    let mut body = vec![0u8; n];
-    if !read_exact(fd, &mut body) {
-        return None;
-    }
-    match Msg::decode(&body) {
+    // An answer comes whole in one receive as a rule: read as much as fits here at once,
+    // the rest (a long answer) after. The agent answers only what is asked, so nothing
+    // after the answer can be in the socket.
+    let mut first = [0u8; 512];
+    let got = read_at_least(fd, &mut first, 4, extra)?;
+    let n = Msg::body_len(first[..4].try_into().ok()?).ok()?;
+    let have = got - 4;
+    let mut big = Vec::new();
+    let body: &[u8] = if n <= first.len() - 4 {
+        if have < n && !read_exact(fd, &mut first[got..4 + n]) {
+            return None;
+        }
+        if have > n {
+            log::warn(format_args!("agent sent {} bytes after its answer", have - n));
+            return None;
+        }
+        &first[4..4 + n]
+    } else {
+        big.extend_from_slice(&first[4..got]);
+        big.resize(n, 0);
+        if !read_exact(fd, &mut big[have..]) {
+            return None;
+        }
+        &big
+    };
+    match Msg::decode(body) {
         Ok(m) => Some(m),
         Err(e) => {
             log::warn(format_args!("agent sent a malformed answer: {e}"));
