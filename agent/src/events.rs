@@ -210,11 +210,7 @@ impl Events {
                     if let Some(active) = side {
                         crate::registry::release(gid, active, true);
                     }
-                    self.journal.record(
-                        "closed",
-                        Some(pid),
-                        serde_json::json!({ "gid": format!("{gid:032x}") }),
-                    );
+                    self.journal.record_closed(pid, gid, None);
                 }
                 Ok((other, _)) => {
                     warn!("process {pid} sent {other:?} on its event channel; closing it");
@@ -235,11 +231,7 @@ impl Events {
                 matches!(self.frozen.lock().unwrap_or_else(|e| e.into_inner()).get(&pid), Some(None));
             for (gid, active) in &c.holds {
                 crate::registry::release(*gid, *active, !moving);
-                self.journal.record(
-                    "closed",
-                    Some(pid),
-                    serde_json::json!({ "gid": format!("{gid:032x}"), "reason": "its process ended" }),
-                );
+                self.journal.record_closed(pid, *gid, Some("its process ended"));
             }
         }
     }

@@ -998,18 +998,18 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Connect { src, dst, gid, secret, window, .. } => {
                 let answer = agent.connect(src, dst, gid, secret, window);
+                let mut made = None;
                 if let (Msg::Virtual { alias, gid, .. }, Some(pid)) = (&answer, agent.pid_of(id)) {
                     let gid = *gid;
                     agent.events.hold(id, pid, gid, true);
                     crate::registry::hold(gid, true, pid);
-                    let peer = if *alias != NO_ADDR { *alias } else { dst };
-                    agent.journal.record(
-                        "connection",
-                        Some(pid),
-                        serde_json::json!({ "gid": format!("{gid:032x}"), "side": "out", "peer": peer.to_string() }),
-                    );
+                    made = Some((pid, gid, if *alias != NO_ADDR { *alias } else { dst }));
                 }
                 write_msg(&mut s, &answer)?;
+                // (Recorded after the answer: the program's connect does not wait for it.)
+                if let Some((pid, gid, peer)) = made {
+                    agent.journal.record_connection(pid, gid, "out", None, peer);
+                }
                 // (After the answer: the program's connect does not wait for it.)
                 if let Msg::Virtual { window, addrs, alias: NO_ADDR, .. } = &answer {
                     agent.subscribe(src.port(), dst, *window, addrs);
@@ -1023,11 +1023,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
                     agent.events.hold(id, pid, e.gid, false);
                     crate::registry::hold(e.gid, false, pid);
-                    agent.journal.record(
-                        "connection",
-                        Some(pid),
-                        serde_json::json!({ "gid": format!("{:032x}", e.gid), "side": "in", "local": local.to_string(), "peer": peer.to_string() }),
-                    );
+                    agent.journal.record_connection(pid, e.gid, "in", Some(local), peer);
                 }
                 match found {
                     Some(e) => Msg::Virtual {

@@ -751,7 +751,10 @@ impl Msg {
 
     /// Encodes the message with its length prefix.
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = W(vec![0; 4]);
+        // (Room for the messages of every connection's set-up at once: no growing.)
+        let mut v = Vec::with_capacity(160);
+        v.extend_from_slice(&[0; 4]);
+        let mut w = W(v);
         match self {
             Msg::Hello { pid, name } => {
                 w.u8(1);
