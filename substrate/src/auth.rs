@@ -1,5 +1,5 @@
-//! Authentication of a connection's ends when a link is rebuilt: SHA-256 (FIPS 180-4),
-//! HMAC-SHA256 (RFC 2104), and the proofs of the resume handshake.
+//! Authentication of a connection's ends when a link is rebuilt: SHA-256 and HMAC-SHA256
+//! (ring's), and the proofs of the resume handshake.
 //!
 //! When a virtual connection is first made, its two layers learn a 128-bit secret from
 //! their agents. Resuming it later over a new physical link is a challenge-response on that
@@ -15,133 +15,24 @@
 //!  checks mac_b; both replay from what the other delivered
 //! ```
 
-const K: [u32; 64] = [
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
-];
-
-/// An incremental SHA-256.
-#[derive(Clone)]
-pub struct Sha256 {
-    h: [u32; 8],
-    block: [u8; 64],
-    fill: usize,
-    total: u64,
-}
-
-impl Default for Sha256 {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Sha256 {
-    /// A fresh hash.
-    pub fn new() -> Self {
-        Sha256 {
-            h: [
-                0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab,
-                0x5be0cd19,
-            ],
-            block: [0; 64],
-            fill: 0,
-            total: 0,
-        }
-    }
-
-    fn compress(h: &mut [u32; 8], b: &[u8; 64]) {
-        let mut w = [0u32; 64];
-        for (i, c) in b.chunks_exact(4).enumerate() {
-            w[i] = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
-        }
-        for i in 16..64 {
-            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
-            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
-            w[i] = w[i - 16].wrapping_add(s0).wrapping_add(w[i - 7]).wrapping_add(s1);
-        }
-        let [mut a, mut bb, mut c, mut d, mut e, mut f, mut g, mut hh] = *h;
-        for i in 0..64 {
-            let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
-            let ch = (e & f) ^ (!e & g);
-            let t1 = hh.wrapping_add(s1).wrapping_add(ch).wrapping_add(K[i]).wrapping_add(w[i]);
-            let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
-            let maj = (a & bb) ^ (a & c) ^ (bb & c);
-            let t2 = s0.wrapping_add(maj);
-            hh = g;
-            g = f;
-            f = e;
-            e = d.wrapping_add(t1);
-            d = c;
-            c = bb;
-            bb = a;
-            a = t1.wrapping_add(t2);
-        }
-        for (x, y) in h.iter_mut().zip([a, bb, c, d, e, f, g, hh]) {
-            *x = x.wrapping_add(y);
-        }
-    }
-
-    /// Adds bytes.
-    pub fn update(&mut self, mut data: &[u8]) {
-        self.total += data.len() as u64;
-        while !data.is_empty() {
-            let n = (64 - self.fill).min(data.len());
-            self.block[self.fill..self.fill + n].copy_from_slice(&data[..n]);
-            self.fill += n;
-            data = &data[n..];
-            if self.fill == 64 {
-                Self::compress(&mut self.h, &self.block);
-                self.fill = 0;
-            }
-        }
-    }
-
-    /// The digest.
-    pub fn finish(mut self) -> [u8; 32] {
-        let bits = self.total.wrapping_mul(8);
-        self.update(&[0x80]);
-        while self.fill != 56 {
-            self.update(&[0]);
-        }
-        self.update(&bits.to_be_bytes());
-        let mut out = [0u8; 32];
-        for (o, v) in out.chunks_exact_mut(4).zip(self.h) {
-            o.copy_from_slice(&v.to_be_bytes());
-        }
-        out
-    }
-}
-
-/// SHA-256 of `data`.
+/// SHA-256 of `data` (ring's, which uses the CPU's SHA extensions where it has them).
 pub fn sha256(data: &[u8]) -> [u8; 32] {
-    let mut h = Sha256::new();
-    h.update(data);
-    h.finish()
+    let d = ring::digest::digest(&ring::digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
 }
 
-/// HMAC-SHA256 of the concatenation of `parts`, keyed with `key`.
+/// HMAC-SHA256 of the concatenation of `parts`, keyed with `key` (ring's).
 pub fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&sha256(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha256::new();
-    inner.update(&k.map(|b| b ^ 0x36));
+    let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    let mut c = ring::hmac::Context::with_key(&k);
     for p in parts {
-        inner.update(p);
+        c.update(p);
     }
-    let mut outer = Sha256::new();
-    outer.update(&k.map(|b| b ^ 0x5c));
-    outer.update(&inner.finish());
-    outer.finish()
+    let mut out = [0u8; 32];
+    out.copy_from_slice(c.sign().as_ref());
+    out
 }
 
 /// The proof that the stream one side of connection `gid` sends (`from_active`: the side that
@@ -220,11 +111,10 @@ mod tests {
             hex(&sha256(b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq")),
             "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"
         );
-        let mut h = Sha256::new();
-        for _ in 0..1000 {
-            h.update(&[b'a'; 1000]);
-        }
-        assert_eq!(hex(&h.finish()), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+        assert_eq!(
+            hex(&sha256(&vec![b'a'; 1_000_000])),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"
+        );
     }
 
     #[test]
