@@ -49,11 +49,21 @@ pub struct Events {
     /// Streams whose program ended them: (GID, the ending side is the connecting one) ->
     /// (length, the layer's proof, since when). Kept for [`ENDED_TTL`], at most
     /// [`ENDED_MAX`] at once.
-    ended: Mutex<HashMap<(u128, bool), EndedStream>>,
+    ended: Mutex<Ended>,
 }
 
-/// A stream's length, its layer's proof, and when it was told.
-type EndedStream = (u64, u128, std::time::Instant);
+/// The ends of streams kept, and the order they came in (oldest first) so that the oldest
+/// go first at constant cost: a node closing connections fast keeps [`ENDED_MAX`] and
+/// replaces one per new end.
+#[derive(Default)]
+struct Ended {
+    by_stream: HashMap<(u128, bool), EndedStream>,
+    order: std::collections::VecDeque<((u128, bool), std::time::Instant, u64)>,
+    told: u64,
+}
+
+/// A stream's length, its layer's proof, when it was told, and the number of that telling.
+type EndedStream = (u64, u128, std::time::Instant, u64);
 
 /// How long the end of a stream is kept to answer a link rebuilt after its process is gone
 /// (a connection waits at most its grace period, 60 s by default, for a working network).
@@ -242,22 +252,28 @@ impl Events {
     pub fn note_ended(&self, gid: u128, at: u64, from_active: bool, mac: u128) {
         let now = std::time::Instant::now();
         let mut e = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        if e.len() >= ENDED_MAX {
-            e.retain(|_, v| now.duration_since(v.2) < ENDED_TTL);
-            if e.len() >= ENDED_MAX {
-                if let Some(oldest) = e.iter().min_by_key(|(_, v)| v.2).map(|(k, _)| *k) {
-                    e.remove(&oldest);
-                }
+        let Ended { by_stream, order, told } = &mut *e;
+        // The oldest go while they are too old or too many. (An entry of `order` whose
+        // stream was told again later is not the one kept: it removes only its own telling.)
+        while let Some(&(k, t, n)) = order.front() {
+            if now.duration_since(t) < ENDED_TTL && order.len() < ENDED_MAX {
+                break;
+            }
+            order.pop_front();
+            if by_stream.get(&k).is_some_and(|v| v.3 == n) {
+                by_stream.remove(&k);
             }
         }
-        e.insert((gid, from_active), (at, mac, now));
+        *told += 1;
+        by_stream.insert((gid, from_active), (at, mac, now, *told));
+        order.push_back(((gid, from_active), now, *told));
     }
 
     /// The end of the stream the side `from_active` of `gid` sends, if its program ended it
     /// within [`ENDED_TTL`]: its length and proof.
     pub fn ended(&self, gid: u128, from_active: bool) -> Option<(u64, u128)> {
         let e = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-        e.get(&(gid, from_active)).filter(|v| v.2.elapsed() < ENDED_TTL).map(|v| (v.0, v.1))
+        e.by_stream.get(&(gid, from_active)).filter(|v| v.2.elapsed() < ENDED_TTL).map(|v| (v.0, v.1))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Chan>> {
@@ -466,5 +482,35 @@ impl Events {
     /// Number of GIDs held by processes of this node (for reports).
     pub fn held(&self) -> usize {
         self.lock().values().map(|c| c.holds.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ends_of_streams_are_kept_up_to_the_bound_oldest_out_first() {
+        let ev = Events::new(Arc::new(Journal::default()));
+        for g in 0..(ENDED_MAX as u128 + 10) {
+            ev.note_ended(g, g as u64, true, g);
+        }
+        let e = ev.ended.lock().unwrap();
+        assert_eq!(e.by_stream.len(), ENDED_MAX);
+        assert_eq!(e.order.len(), ENDED_MAX);
+        drop(e);
+        assert_eq!(ev.ended(0, true), None, "the oldest went first");
+        assert_eq!(ev.ended(9, true), None);
+        assert_eq!(ev.ended(10, true), Some((10, 10)));
+        let last = ENDED_MAX as u128 + 9;
+        assert_eq!(ev.ended(last, true), Some((last as u64, last)));
+        assert_eq!(ev.ended(last, false), None, "the other side's stream was not told");
+        // Told again: the newer end is the one kept, and the older entry's turn in the
+        // order does not take it away.
+        ev.note_ended(10, 99, true, 7);
+        for g in 0..5u128 {
+            ev.note_ended(1_000_000 + g, 0, true, 0);
+        }
+        assert_eq!(ev.ended(10, true), Some((99, 7)));
     }
 }
