@@ -55,7 +55,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
             local = bound;
         }
     }
-    let r = sys::random32();
+    let r: [u8; 32] = sys::random();
     let gid = u128::from_le_bytes(r[..16].try_into().ok()?);
     let secret = u128::from_le_bytes(r[16..].try_into().ok()?);
     let m =

@@ -291,19 +291,22 @@ pub fn nonblocking(fd: c_int) -> bool {
     gate::nonblocking(fd)
 }
 
-/// 32 random bytes from the kernel, in one call.
-pub fn random32() -> [u8; 32] {
-    let mut b = [0u8; 32];
+/// `N` random bytes from the kernel (one call as a rule).
+pub fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
     let mut got = 0;
-    while got < 32 {
+    while got < N {
         // SAFETY: writes into the rest of `b`.
-        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr() as *mut _, 32 - got, 0) };
+        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr() as *mut _, N - got, 0) };
         if r > 0 {
             got += r as usize;
         } else if errno() != libc::EINTR {
-            let (x, y) = (random16(), random16());
-            b[..16].copy_from_slice(&x);
-            b[16..].copy_from_slice(&y);
+            // Fall back to time and address entropy; GIDs stay unique, if less secret.
+            let t = now_ns() as u128 ^ ((&b as *const _ as usize as u128) << 64);
+            for (i, c) in b.chunks_mut(16).enumerate() {
+                let v = (t ^ ((i as u128) << 32)).to_le_bytes();
+                c.copy_from_slice(&v[..c.len()]);
+            }
             return b;
         }
     }
@@ -312,20 +315,7 @@ pub fn random32() -> [u8; 32] {
 
 /// 16 random bytes from the kernel.
 pub fn random16() -> [u8; 16] {
-    let mut b = [0u8; 16];
-    let mut got = 0;
-    while got < 16 {
-        // SAFETY: writes into the rest of `b`.
-        let r = unsafe { libc::getrandom(b[got..].as_mut_ptr() as *mut _, 16 - got, 0) };
-        if r > 0 {
-            got += r as usize;
-        } else if errno() != libc::EINTR {
-            // Fall back to time and address entropy; GIDs stay unique, if less secret.
-            let t = now_ns() as u128 ^ ((&b as *const _ as usize as u128) << 64);
-            return t.to_le_bytes();
-        }
-    }
-    b
+    random()
 }
 
 /// Monotonic time in nanoseconds.
