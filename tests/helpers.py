@@ -232,6 +232,7 @@ PORTS = {
     "quick_acks": 17971,
     "setup_reuse": 17972,
     "setup_reuse_fork": 17973,
+    "setup_table": 17974,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -3,8 +3,9 @@ between agents (with what ends that: a listener gone, an agent restarted)."""
 
 import time
 
-from helpers import (H1, H1_IP, H2, H2_IP, PORTS, PYTHON, Watcher, assert_virtual, python_prog,
-                     strace_counts, vmictl_status)
+from helpers import (H1, H1_IP, H2, H2_IP, H3, H3_IP, PORTS, PYTHON, Watcher, assert_virtual,
+                     extra_agent, metric, python_prog, scrape_metrics, strace_counts,
+                     vmictl_status)
 
 # Connects n times, one connection after the other, and prints for each its local port,
 # whether the banner and the echo came back right, and how long the banner took (ms, the
@@ -214,3 +215,44 @@ def test_short_connections_reuse_their_memory_and_a_fork_child_never_shares_it(p
                         name="reuse-fork", timeout=120).stdout()
     assert out.split() == ["0"], out
     assert_virtual(w, H1, addr, H2, min_conns=1)
+
+
+def test_accepts_take_announced_connections_from_the_table_shared_with_the_agent(procs, tmp_path):
+    """A layered server takes each connection announced to its listener from the table it
+    shares with its agent (a sealed memfd handed over with the listener), without asking the
+    agent and waiting for its answer: 60 short connections from another host, every echo
+    right, and the agent counts them as taken from the table
+    (`vmi_accepts_total{how="table"}`); a connection whose SYN overtook its announcement is
+    asked about, as before. The connections are virtual at both ends, with one GID."""
+    maddr = "127.0.0.1:19788"
+    port = PORTS["setup_table"]
+    addr = f"{H3_IP}:{port}"
+    with extra_agent(H3, tmp_path, "agent-table", args=["--metrics", maddr]):
+        procs.server(H3, python_prog("echo_server.py", "--bind", addr), port, layer=True,
+                     name="echo-table")
+        out = procs.run(H1, [PYTHON, "-c", REUSE_CLIENT, H3_IP, port, 60, "once"], layer=True,
+                        name="table-client", timeout=120).stdout()
+        assert out.split() == ["0"], out
+        text = scrape_metrics(H3, maddr)
+        taken = metric(text, "vmi_accepts_total", how="table")
+        asked = metric(text, "vmi_accepts_total", how="asked")
+        assert taken + asked >= 60 and taken >= 40, (taken, asked)
+        with Watcher(H1, H3) as w:
+            procs.run(H1, [PYTHON, "-c", HOLD_CLIENT, H3_IP, port], layer=True,
+                      name="table-hold", timeout=30)
+        assert_virtual(w, H3, addr, H1, min_conns=1)
+        # (That one too came from the table, or was asked about: counted either way.)
+        text = scrape_metrics(H3, maddr)
+        assert metric(text, "vmi_accepts_total", how="table") + \
+            metric(text, "vmi_accepts_total", how="asked") >= taken + asked + 1, text
+
+
+# One connection, an echo, held three seconds (for vmictl to see), closed.
+HOLD_CLIENT = r"""
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+s.sendall(b"hold")
+assert s.recv(4) == b"hold"
+time.sleep(3)
+s.close()
+"""

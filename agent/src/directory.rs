@@ -260,6 +260,17 @@ impl Directory {
         }
     }
 
+    /// The listener's process took `peer → local` (GID `gid`) from its table: the
+    /// directory forgets it. False when it was not here (expired, or a newer announcement
+    /// of the same addresses replaced it, which then stays).
+    pub fn taken(&mut self, local: SocketAddr, peer: SocketAddr, gid: u128) -> bool {
+        if self.expected.get(&(peer, local)).is_some_and(|e| e.gid == gid) {
+            self.expected.remove(&(peer, local));
+            return true;
+        }
+        false
+    }
+
     fn may_be_announced(&self, local: SocketAddr, peer: SocketAddr) -> bool {
         if self.subs.is_empty() {
             return false;

@@ -26,6 +26,7 @@
 //! * [`notify`]: readiness for systemd (`Type=notify`).
 //! * [`wire`]: reading and writing agent messages on a stream.
 
+pub mod accepts;
 pub mod cluster;
 pub mod config;
 pub mod directory;

@@ -88,6 +88,8 @@ pub struct Agent {
     pub plugins: std::sync::OnceLock<std::path::PathBuf>,
     /// The node's sink plug-ins and what their probes said.
     pub sinks: crate::sinks::Sinks,
+    /// The processes' tables of announced connections (see `crate::accepts`).
+    pub accepts: crate::accepts::Tables,
     next_client: AtomicU64,
 }
 
@@ -150,6 +152,7 @@ impl Agent {
             remote: Mutex::default(),
             plugins: std::sync::OnceLock::new(),
             sinks: crate::sinks::Sinks::default(),
+            accepts: crate::accepts::Tables::default(),
             next_client: AtomicU64::new(1),
         }
     }
@@ -210,9 +213,28 @@ impl Agent {
         let Announce { src, dst, gid, secret, window, aim, agents } = a;
         let mut d = self.dir.lock().unwrap_or_else(|e| e.into_inner());
         let e = crate::directory::Expected { gid, secret, window, at: Instant::now(), aim, agents };
+        let table_entry = (src.port() != 0).then(|| substrate::accepts::Entry {
+            src,
+            dst,
+            gid,
+            secret,
+            window,
+            alias: (e.aim != dst).then_some(e.aim),
+            agents: if e.agents.is_empty() { self.health.advertised() } else { e.agents.clone() },
+            expires_ns: 0,
+        });
         match d.expect(src, dst, e) {
             Some(w) => {
                 debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
+                // The listener's process finds it in its table, without asking.
+                if let (Some(mut te), Some(owner)) = (table_entry, d.listener_for(dst).map(|l| l.owner)) {
+                    let now = crate::accepts::now_ns();
+                    // (A little before the directory forgets it: never taken from the table
+                    // once the directory would say "plain".)
+                    te.expires_ns =
+                        now + (crate::directory::PENDING_TTL - Duration::from_secs(1)).as_nanos() as u64;
+                    self.accepts.put(owner, &te, now);
+                }
                 Msg::Virtual { gid, secret, window: w, addrs: self.health.advertised(), alias: NO_ADDR }
             }
             None => Msg::Plain,
@@ -940,6 +962,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     agent.tell_gone();
                     agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
                     agent.events.client_gone(id);
+                    agent.accepts.detach(id);
                 });
             }
             Err(e) => warn!("accepting a local client: {e} (too many open files? see LimitNOFILE)"),
@@ -970,6 +993,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             }
             Msg::Listen { addr, window } => {
                 debug!("listener {addr} (client {id})");
+                if let Some(fd) = &passed {
+                    agent.accepts.attach(id, agent.pid_of(id), fd);
+                }
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
                 let hold = d.listen(addr, window, id);
                 crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
@@ -1020,6 +1046,19 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
                 let found = agent.accepted(local, peer);
+                if let Some(e) = &found {
+                    agent.accepts.count(false);
+                    // Given out here: no process may take it from a table as well.
+                    let owner = agent
+                        .dir
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .listener_for(local)
+                        .map(|l| l.owner);
+                    for o in owner.into_iter().chain([id]) {
+                        agent.accepts.clear(o, peer, local, e.gid);
+                    }
+                }
                 if let (Some(e), Some(pid)) = (&found, agent.pid_of(id)) {
                     agent.events.hold(id, pid, e.gid, false);
                     crate::registry::hold(e.gid, false, pid);
@@ -1037,6 +1076,22 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                     },
                     None => Msg::Plain,
                 }
+            }
+            Msg::Accepted { local, peer, gid } => {
+                // Not answered: the layer took the connection from its table.
+                let local = SocketAddr::new(normalize(local.ip()), local.port());
+                let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
+                let known = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).taken(local, peer, gid);
+                if !known {
+                    debug!("connection {gid:032x}: {peer} -> {local} taken from a table, no longer in the directory");
+                }
+                agent.accepts.count(true);
+                if let Some(pid) = agent.pid_of(id) {
+                    agent.events.hold(id, pid, gid, false);
+                    crate::registry::hold(gid, false, pid);
+                    agent.journal.record_connection(pid, gid, "in", Some(local), peer);
+                }
+                continue;
             }
             m @ (Msg::Status
             | Msg::Net { .. }

@@ -96,6 +96,15 @@ pub fn render(agent: &Agent) -> String {
     }
     reg.register("refused", "What the agent refused since it started, by kind", refused);
     agent.events.relinks.register(&mut reg);
+    let accepts = Family::<Labels, Counter>::default();
+    for (how, n) in [("table", &agent.accepts.taken), ("asked", &agent.accepts.asked)] {
+        accepts.get_or_create(&labels(&[("how", how)])).inc_by(n.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    reg.register(
+        "accepts",
+        "Virtual connections accepted since the agent started, by how the accepting process learnt it (table: from the table it shares with the agent, no question asked; asked: a question to the agent)",
+        accepts,
+    );
 
     let mut out = String::new();
     if let Err(e) = encode(&mut out, &reg) {

@@ -22,8 +22,15 @@ unsafe impl Send for Table {}
 unsafe impl Sync for Table {}
 
 impl Table {
-    /// Maps a table from its memfd; `None` if it is not one.
+    /// Maps a table from its memfd; `None` if it is not one, or if its process could still
+    /// shrink it (a read past its end would kill the agent with SIGBUS).
     pub fn map(fd: &OwnedFd) -> Option<Table> {
+        // SAFETY: F_GET_SEALS takes no argument; fails on anything but a memfd.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            tracing::warn!("a statistics table that is not a memfd sealed against shrinking is refused");
+            return None;
+        }
         // SAFETY: zeroed stat is valid; fstat fills it.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: valid fd and pointer.

@@ -248,7 +248,8 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
     }
     // First contact, or the agent restarted: it must know every listener we have.
     for addr in ABOVE.get().map_or_else(Vec::new, |a| (a.listener_addrs)()) {
-        if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, None).is_none() {
+        let table = crate::accepts::fd();
+        if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, table).is_none() {
             return fail(st, now);
         }
     }
@@ -367,6 +368,11 @@ fn lock_awake() -> MutexGuard<'static, State> {
 
 /// Sends `m` to the node agent and returns its answer; `None` if there is no agent.
 pub fn request(m: &Msg) -> Option<Msg> {
+    request_passing(m, None)
+}
+
+/// As [`request`], handing the agent descriptor `pass_fd` with the message.
+fn request_passing(m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
     if !crate::sandbox::may_set_up() {
         return None;
     }
@@ -374,7 +380,7 @@ pub fn request(m: &Msg) -> Option<Msg> {
         let mut st = lock_awake();
         let now = sys::now_ns();
         let fd = ensure(&mut st, now)?;
-        match exchange(fd, m, None) {
+        match exchange(fd, m, pass_fd) {
             Some(a) => Some(a),
             None => fail(&mut st, now),
         }
@@ -459,7 +465,8 @@ pub fn known_down() -> bool {
 
 /// Tells the agent about a listener; true if it took note.
 pub fn register_listener(addr: std::net::SocketAddr) -> bool {
-    match request(&Msg::Listen { addr, window: crate::config::window() }) {
+    // (With the table of connections announced to this process's listeners.)
+    match request_passing(&Msg::Listen { addr, window: crate::config::window() }, crate::accepts::fd()) {
         Some(Msg::Ok) => {
             log::debug(format_args!("listener {addr} registered"));
             true

@@ -23,6 +23,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod accepts;
 pub mod agent;
 pub mod config;
 pub mod error;

@@ -335,9 +335,22 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
         return;
     }
     let (Some(local), Some(peer)) = (sys::local_addr(fd), sys::peer_addr(fd)) else { return };
-    let Some(Msg::Virtual { gid, secret, window, addrs, alias }) =
-        agent::request(&Msg::Accept { local, peer })
-    else {
+    // Announced to this process's listener: in the table the agent shares with us (nothing
+    // to wait for; the agent hears of it after), or else asked.
+    let answer = match crate::accepts::take(local, peer) {
+        Some(e) => {
+            agent::tell(&Msg::Accepted { local, peer, gid: e.gid });
+            Some(Msg::Virtual {
+                gid: e.gid,
+                secret: e.secret,
+                window: e.window,
+                addrs: e.agents,
+                alias: e.alias.unwrap_or(substrate::wire::agent::NO_ADDR),
+            })
+        }
+        None => agent::request(&Msg::Accept { local, peer }),
+    };
+    let Some(Msg::Virtual { gid, secret, window, addrs, alias }) = answer else {
         return;
     };
     // The connecting program asked for another address of this node (its network was down):

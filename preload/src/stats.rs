@@ -23,7 +23,13 @@ pub struct Table {
 static TABLE: OnceLock<Option<Table>> = OnceLock::new();
 
 fn create() -> Option<Table> {
-    let (map, fd) = SharedMap::memfd(c"vmi-stats", TABLE_BYTES, libc::MFD_CLOEXEC)?;
+    let (map, fd) = SharedMap::memfd(c"vmi-stats", TABLE_BYTES, libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)?;
+    // The agent maps it and must never find it shorter than it was (its reads would fault).
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    if sys::fd::fcntl(fd, libc::F_ADD_SEALS, seals as libc::c_ulong) != 0 {
+        sys::fd::close(fd);
+        return None;
+    }
     let fd = crate::ownfd::move_high(fd);
     map.u64(0).store(TABLE_MAGIC, Relaxed);
     map.u32(8).store(TABLE_SLOTS as u32, Relaxed);

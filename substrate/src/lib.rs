@@ -36,6 +36,7 @@
 
 #![warn(missing_docs)]
 
+pub mod accepts;
 pub mod auth;
 pub mod connection;
 pub mod devices;

@@ -81,7 +81,7 @@ pub fn shutdown(fd: c_int, how: c_int) -> c_int {
 }
 
 /// `fcntl` with an integer argument (`F_GETFD`, `F_SETFD`, `F_GETFL`, `F_SETFL`,
-/// `F_DUPFD`, `F_DUPFD_CLOEXEC`); other commands, which take pointers, are refused with -1
+/// `F_DUPFD`, `F_DUPFD_CLOEXEC`, `F_ADD_SEALS`); other commands, which take pointers, are refused with -1
 /// and `EINVAL`.
 pub fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     match cmd {
@@ -90,7 +90,8 @@ pub fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
         | libc::F_GETFL
         | libc::F_SETFL
         | libc::F_DUPFD
-        | libc::F_DUPFD_CLOEXEC => {
+        | libc::F_DUPFD_CLOEXEC
+        | libc::F_ADD_SEALS => {
             // SAFETY: these commands take an integer, not a pointer.
             unsafe { real::fcntl(fd, cmd, arg) }
         }

@@ -69,6 +69,17 @@ pub enum Msg {
         /// The peer's address.
         peer: SocketAddr,
     },
+    /// Layer → agent, not answered: a listener accepted the connection `gid` from `peer`,
+    /// found in the process's table of announced connections (`crate::accepts`) rather than
+    /// asked about with [`Msg::Accept`].
+    Accepted {
+        /// The accepted socket's local address.
+        local: SocketAddr,
+        /// The peer's address.
+        peer: SocketAddr,
+        /// The connection's GID, as the table gave it.
+        gid: u128,
+    },
     /// Answer: the connection is virtual.
     Virtual {
         /// Its identity.
@@ -690,6 +701,7 @@ impl Msg {
             Msg::Unlisten { .. } => "Unlisten",
             Msg::Connect { .. } => "Connect",
             Msg::Accept { .. } => "Accept",
+            Msg::Accepted { .. } => "Accepted",
             Msg::Virtual { .. } => "Virtual",
             Msg::Plain => "Plain",
             Msg::Ok => "Ok",
@@ -784,6 +796,12 @@ impl Msg {
                 w.u8(5);
                 w.addr(local);
                 w.addr(peer);
+            }
+            Msg::Accepted { local, peer, gid } => {
+                w.u8(80);
+                w.addr(local);
+                w.addr(peer);
+                w.u128(*gid);
             }
             Msg::Virtual { gid, secret, window, addrs, alias } => {
                 w.u8(6);
@@ -1177,6 +1195,7 @@ impl Msg {
             76 => Msg::Ended { gid: r.u128()?, at: r.u64()?, from_active: r.bool()?, mac: r.u128()? },
             77 => Msg::Welcome { chain: r.str()?, first_port: r.u16()?, ports: r.u16()? },
             78 => Msg::Subscribe { listener: r.addr()?, first_port: r.u16()?, ports: r.u16()? },
+            80 => Msg::Accepted { local: r.addr()?, peer: r.addr()?, gid: r.u128()? },
             79 => Msg::Expect {
                 src: r.addr()?,
                 dst: r.addr()?,
@@ -1247,6 +1266,7 @@ mod tests {
                 agents: vec![a],
             },
             Msg::Accept { local: b, peer: a },
+            Msg::Accepted { local: a, peer: b, gid: 0x5555 },
             Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b], alias: a },
             Msg::Resume { gid: 1, nonce: 2, from_active: true },
             Msg::Challenge { nonce: 3 },
