@@ -17,8 +17,8 @@ LAYERS = [
     ("sockets", {"fdtable", "ready", "exec", "linger", "setup"}),
     ("glue", {"vc", "relink"}),
     ("devices", {"tcp_sink", "shm_sink", "linkstate"}),
-    ("base", {"config", "log", "error", "ownfd", "sandbox", "lifetime", "stats", "readiness",
-              "agent", "shm", "sockswap", "tap", "tamper"}),
+    ("base", {"accepts", "config", "log", "error", "ownfd", "sandbox", "lifetime", "stats",
+              "readiness", "agent", "shm", "sockswap", "tap", "tamper"}),
     ("sys", {"sys", "sys/fd", "sys/process", "sys/gate", "sys/shared", "sys/prog", "sys/real",
              "sys/copy", "sys/cell", "sys/packet", "sys/plugin", "sys/splice"}),
 ]
