@@ -970,8 +970,20 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
     }
 }
 
+/// Waits until `fd` has something to read (or an error or hang-up to report). A thread asleep
+/// in a blocking `recv` on a Unix socket is woken whenever the peer frees memory this socket
+/// sent (the socket's "room to write" wake-up): each time a layer read one of our answers, the
+/// thread that had sent it woke, found nothing to read and slept again, a wake-up of another
+/// CPU per request. `poll` for input alone is not woken by those.
+fn wait_readable(fd: i32) {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd. (EINTR and other errors: the read that follows reports.)
+    unsafe { libc::poll(&mut p, 1, -1) };
+}
+
 fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
     loop {
+        wait_readable(s.as_raw_fd());
         let (m, passed) = match read_msg_fd(s.as_raw_fd()) {
             Ok(x) => x,
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {

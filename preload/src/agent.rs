@@ -178,6 +178,11 @@ fn exchange(fd: i32, m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
     // the rest (a long answer) after. The agent answers only what is asked, so nothing
     // after the answer can be in the socket.
     let mut first = [0u8; 512];
+    // Waited for with `poll`, not in `recv`: a thread asleep in a blocking `recv` on a Unix
+    // socket is woken as well when the peer frees memory this socket sent (the agent reading
+    // our request wakes us, for nothing, before its answer does), one more wake-up per
+    // request. (The receive below still has its own time-out.)
+    sys::wait_fd(fd, libc::POLLIN, 1000 * (extra as i32 + 1));
     let got = read_at_least(fd, &mut first, 4, extra)?;
     let n = Msg::body_len(first[..4].try_into().ok()?).ok()?;
     let have = got - 4;
