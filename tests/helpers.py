@@ -233,6 +233,7 @@ PORTS = {
     "setup_reuse": 17972,
     "setup_reuse_fork": 17973,
     "setup_table": 17974,
+    "setup_owner": 17975,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

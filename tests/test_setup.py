@@ -1,11 +1,12 @@
 """Connection set-up: the source ports layers bind to, and connections announced one way
 between agents (with what ends that: a listener gone, an agent restarted)."""
 
+import json
 import time
 
-from helpers import (H1, H1_IP, H2, H2_IP, H3, H3_IP, PORTS, PYTHON, Watcher, assert_virtual,
-                     extra_agent, metric, python_prog, scrape_metrics, strace_counts,
-                     vmictl_status)
+from helpers import (H1, H1_IP, H2, H2_IP, H3, H3_IP, PORTS, PROGRAMS, PYTHON, Watcher,
+                     as_nobody, assert_virtual, extra_agent, metric, public_copies, python_prog,
+                     scrape_metrics, strace_counts, vmictl_status)
 
 # Connects n times, one connection after the other, and prints for each its local port,
 # whether the banner and the echo came back right, and how long the banner took (ms, the
@@ -256,3 +257,65 @@ assert s.recv(4) == b"hold"
 time.sleep(3)
 s.close()
 """
+
+
+# Listens, waits for argv[3] seconds before it accepts one connection, echoes four bytes,
+# holds the connection two seconds.
+SLOW_ACCEPT = r"""
+import socket, sys, time
+l = socket.socket()
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind((sys.argv[1], int(sys.argv[2])))
+l.listen(4)
+print("listening", flush=True)
+time.sleep(float(sys.argv[3]))
+c, _ = l.accept()
+c.sendall(c.recv(4))
+time.sleep(2)
+"""
+
+# Connects, prints its source port, sends four bytes and reads the echo.
+PORT_CLIENT = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+print(s.getsockname()[1], flush=True)
+s.sendall(b"ping")
+assert s.recv(4) == b"ping"
+print("echoed", flush=True)
+"""
+
+
+def test_only_a_holder_of_the_accepted_socket_learns_the_connection(procs):
+    """An announced connection's identity and secret wait in the agent for the listener's
+    accept; the agent gives them out only to a process that hands over the accepted socket
+    itself (proof that it holds that connection). Asked without it, by another user or by
+    root, the agent answers "plain" (and counts a refusal), and the connection stays for
+    its listener, whose accept still finds it: virtual at both ends."""
+    port = PORTS["setup_owner"]
+    addr = f"{H1_IP}:{port}"
+    srv = procs.start(H1, [PYTHON, "-c", SLOW_ACCEPT, H1_IP, port, 4], layer=True,
+                      name="slow-accept")
+    with Watcher(H1, H2) as w:
+        deadline = time.monotonic() + 10
+        while "listening" not in srv.stdout():
+            assert time.monotonic() < deadline and srv.alive(), srv.stderr()
+            time.sleep(0.05)
+        cli = procs.start(H2, [PYTHON, "-c", PORT_CLIENT, H1_IP, port], layer=True,
+                          name="port-client")
+        while not cli.stdout().strip():
+            assert time.monotonic() < deadline and cli.alive(), cli.stderr()
+            time.sleep(0.05)
+        src = f"{H2_IP}:{int(cli.stdout().split()[0])}"
+        ask = ["local-accept", "--local", addr, "--peer", src]
+        with public_copies(PROGRAMS / "stranger.py", PROGRAMS / "hostile.py") as d:
+            r = as_nobody(H1, ["/usr/bin/python3", d / "stranger.py", *ask])
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["answer"] == 7, r.stdout
+        r = procs.run(H1, python_prog("stranger.py", *ask), layer=False, name="root-ask",
+                      timeout=20)
+        assert json.loads(r.stdout())["answer"] == 7, r.stdout()
+        cli.wait(timeout=30)
+        assert "echoed" in cli.stdout(), cli.stdout()
+        srv.wait(timeout=30)
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    assert vmictl_status(H1)["mesh"]["refused"]["local"] >= 2

@@ -154,6 +154,27 @@ fn inode(fd: &OwnedFd) -> Option<u64> {
     (unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0).then_some(st.st_ino)
 }
 
+/// The local and peer addresses (the peer's `None` when not connected) of a TCP socket a
+/// process handed over, as proof that it holds that socket; `None` for anything that is not
+/// a TCP socket (a UDP socket may be bound to the same port number, and even connected to
+/// the same peer).
+pub fn tcp_names(fd: OwnedFd) -> Option<(SocketAddr, Option<SocketAddr>)> {
+    let int_opt = |opt: i32| {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: valid descriptor, pointer and length.
+        let r =
+            unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, opt, (&raw mut v).cast(), &mut len) };
+        (r == 0).then_some(v)
+    };
+    if int_opt(libc::SO_TYPE)? != libc::SOCK_STREAM || int_opt(libc::SO_PROTOCOL)? != libc::IPPROTO_TCP {
+        return None;
+    }
+    let s = std::net::TcpStream::from(fd);
+    let local = s.local_addr().ok()?;
+    Some((local, s.peer_addr().ok()))
+}
+
 /// CLOCK_MONOTONIC in nanoseconds (the clock the tables' expiry times are on).
 pub fn now_ns() -> u64 {
     // SAFETY: zeroed timespec filled by the kernel.
@@ -223,6 +244,20 @@ mod tests {
             agents: vec![],
             expires_ns: u64::MAX,
         }
+    }
+
+    #[test]
+    fn only_a_tcp_socket_proves_an_address() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let c = std::net::TcpStream::connect(a).unwrap();
+        let (s, _) = l.accept().unwrap();
+        assert_eq!(tcp_names(OwnedFd::from(l.try_clone().unwrap())), Some((a, None)));
+        assert_eq!(tcp_names(OwnedFd::from(s)), Some((a, Some(c.local_addr().unwrap()))));
+        // A UDP socket on the same port number, even connected to the same peer, is not it.
+        let u = std::net::UdpSocket::bind(a).unwrap();
+        u.connect(c.local_addr().unwrap()).unwrap();
+        assert_eq!(tcp_names(OwnedFd::from(u)), None);
     }
 
     #[test]

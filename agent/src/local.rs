@@ -90,6 +90,9 @@ pub struct Agent {
     pub sinks: crate::sinks::Sinks,
     /// The processes' tables of announced connections (see `crate::accepts`).
     pub accepts: crate::accepts::Tables,
+    /// Listener registrations (client, address) whose process proved it holds a TCP socket
+    /// bound there: only those get connections written into their process's table.
+    proven: Mutex<std::collections::HashSet<(u64, SocketAddr)>>,
     next_client: AtomicU64,
 }
 
@@ -153,6 +156,7 @@ impl Agent {
             plugins: std::sync::OnceLock::new(),
             sinks: crate::sinks::Sinks::default(),
             accepts: crate::accepts::Tables::default(),
+            proven: Mutex::default(),
             next_client: AtomicU64::new(1),
         }
     }
@@ -227,7 +231,12 @@ impl Agent {
             Some(w) => {
                 debug!("expecting virtual connection {gid:032x}: {src} -> {dst}");
                 // The listener's process finds it in its table, without asking.
-                if let (Some(mut te), Some(owner)) = (table_entry, d.listener_for(dst).map(|l| l.owner)) {
+                let owner = d
+                    .listener_for(dst)
+                    .map(|l| (l.owner, l.addr))
+                    .filter(|k| self.proven.lock().unwrap_or_else(|e| e.into_inner()).contains(k))
+                    .map(|(o, _)| o);
+                if let (Some(mut te), Some(owner)) = (table_entry, owner) {
                     let now = crate::accepts::now_ns();
                     // (A little before the directory forgets it: never taken from the table
                     // once the directory would say "plain".)
@@ -963,6 +972,7 @@ pub fn serve(agent: Arc<Agent>, listener: UnixListener) {
                     agent.procs.lock().unwrap_or_else(|e| e.into_inner()).gone(id);
                     agent.events.client_gone(id);
                     agent.accepts.detach(id);
+                    agent.proven.lock().unwrap_or_else(|e| e.into_inner()).retain(|k| k.0 != id);
                 });
             }
             Err(e) => warn!("accepting a local client: {e} (too many open files? see LimitNOFILE)"),
@@ -1003,10 +1013,21 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 let (first_port, ports) = agent.setup_ports.get().copied().unwrap_or((0, 0));
                 Msg::Welcome { chain: agent.chain.get().cloned().unwrap_or_default(), first_port, ports }
             }
-            Msg::Listen { addr, window } => {
-                debug!("listener {addr} (client {id})");
+            Msg::Table => {
+                // Not answered.
                 if let Some(fd) = &passed {
                     agent.accepts.attach(id, agent.pid_of(id), fd);
+                }
+                continue;
+            }
+            Msg::Listen { addr, window } => {
+                debug!("listener {addr} (client {id})");
+                // The listening socket rides along: a process that holds a TCP socket bound
+                // to the address may have that listener's connections written in its table.
+                let key = SocketAddr::new(normalize(addr.ip()), addr.port());
+                let proof = passed.and_then(crate::accepts::tcp_names).map(|(l, _)| l);
+                if proof.is_some_and(|l| SocketAddr::new(normalize(l.ip()), l.port()) == key) {
+                    agent.proven.lock().unwrap_or_else(|e| e.into_inner()).insert((id, addr));
                 }
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
                 let hold = d.listen(addr, window, id);
@@ -1025,6 +1046,7 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 continue;
             }
             Msg::Unlisten { addr } => {
+                agent.proven.lock().unwrap_or_else(|e| e.into_inner()).remove(&(id, addr));
                 let mut d = agent.dir.lock().unwrap_or_else(|e| e.into_inner());
                 d.unlisten(addr, id);
                 crate::registry::listeners(d.listeners().iter().map(|l| l.addr));
@@ -1057,6 +1079,21 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
+                // Only a process holding the accepted socket learns the connection's identity
+                // and secret: the socket rides along, and must be that connection.
+                let n = |a: SocketAddr| SocketAddr::new(normalize(a.ip()), a.port());
+                let holds = passed
+                    .and_then(crate::accepts::tcp_names)
+                    .is_some_and(|(l, p)| n(l) == local && p.map(n) == Some(peer));
+                if !holds {
+                    agent.refusals.note(Refused::Local, || {
+                        format!(
+                            "local client {id} asked about the connection {peer} -> {local} without holding its socket; answered plain"
+                        )
+                    });
+                    write_msg(&mut s, &Msg::Plain)?;
+                    continue;
+                }
                 let found = agent.accepted(local, peer);
                 if let Some(e) = &found {
                     agent.accepts.count(false);

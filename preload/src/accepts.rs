@@ -1,6 +1,7 @@
 //! This process's table of connections announced to its listeners (layout and rules in
 //! `substrate::accepts`): a sealed memfd, made with the first listener and handed to the
-//! node agent with every listener's registration; the agent writes each connection announced
+//! node agent (`Msg::Table`) before that listener's registration, and again after every new
+//! hello (a restarted agent, a forked child); the agent writes each connection announced
 //! to one of them, and `setup::after_accept` takes it from here instead of asking the agent
 //! and waiting (then tells the agent, one way, `Msg::Accepted`). Shared with forked children
 //! (a shared mapping), gone at `exec` (close-on-exec; the new image asks until it has one).
@@ -45,6 +46,13 @@ fn create() -> Option<SharedMap> {
 /// when no memfd could be made.
 pub fn fd() -> Option<i32> {
     TABLE.get_or_init(create).as_ref()?;
+    let fd = ownfd::own_fd(OWN_ACCEPTS);
+    (fd >= 0).then_some(fd)
+}
+
+/// The table's descriptor if the table was made already (never makes it).
+pub fn existing_fd() -> Option<i32> {
+    TABLE.get()?.as_ref()?;
     let fd = ownfd::own_fd(OWN_ACCEPTS);
     (fd >= 0).then_some(fd)
 }

@@ -38,8 +38,9 @@ pub fn socket_name() -> &'static str {
 
 /// What this module asks of the layers above it, registered at start.
 pub struct Above {
-    /// The addresses of this process's listeners under the layer (the agent must know each).
-    pub listener_addrs: fn() -> Vec<std::net::SocketAddr>,
+    /// This process's listeners under the layer, one descriptor per address (the agent
+    /// must know each).
+    pub listeners: fn() -> Vec<(i32, std::net::SocketAddr)>,
     /// Runs after each exchange with the agent: the process's control thread must run from
     /// then on (the agent reaches the process on its event channel, e.g. before a checkpoint).
     pub after_contact: fn(),
@@ -251,10 +252,17 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         }
         _ => return fail(st, now),
     }
-    // First contact, or the agent restarted: it must know every listener we have.
-    for addr in ABOVE.get().map_or_else(Vec::new, |a| (a.listener_addrs)()) {
-        let table = crate::accepts::fd();
-        if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, table).is_none() {
+    // A table of announced connections made in an earlier session (the agent restarted, or
+    // this is a forked child) goes to this one.
+    if let Some(t) = crate::accepts::existing_fd() {
+        if !write_all(fd, &Msg::Table.encode(), Some(t)) {
+            return fail(st, now);
+        }
+    }
+    // First contact, or the agent restarted: it must know every listener we have (each
+    // with its socket, the proof that we hold it).
+    for (sock, addr) in ABOVE.get().map_or_else(Vec::new, |a| (a.listeners)()) {
+        if exchange(fd, &Msg::Listen { addr, window: crate::config::window() }, Some(sock)).is_none() {
             return fail(st, now);
         }
     }
@@ -377,7 +385,7 @@ pub fn request(m: &Msg) -> Option<Msg> {
 }
 
 /// As [`request`], handing the agent descriptor `pass_fd` with the message.
-fn request_passing(m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
+pub fn request_passing(m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
     if !crate::sandbox::may_set_up() {
         return None;
     }
@@ -401,13 +409,18 @@ fn request_passing(m: &Msg, pass_fd: Option<i32>) -> Option<Msg> {
 
 /// Sends `m` to the node agent without waiting: for messages the agent does not answer.
 pub fn tell(m: &Msg) {
+    tell_passing(m, None)
+}
+
+/// As [`tell`], handing the agent descriptor `pass_fd` with the message.
+fn tell_passing(m: &Msg, pass_fd: Option<i32>) {
     if !crate::sandbox::may_set_up() {
         return;
     }
     let mut st = lock_awake();
     let now = sys::now_ns();
     let Some(fd) = ensure(&mut st, now) else { return };
-    if !write_all(fd, &m.encode(), None) {
+    if !write_all(fd, &m.encode(), pass_fd) {
         let _: Option<()> = fail(&mut st, now);
     }
 }
@@ -469,9 +482,16 @@ pub fn known_down() -> bool {
 }
 
 /// Tells the agent about a listener; true if it took note.
-pub fn register_listener(addr: std::net::SocketAddr) -> bool {
-    // (With the table of connections announced to this process's listeners.)
-    match request_passing(&Msg::Listen { addr, window: crate::config::window() }, crate::accepts::fd()) {
+pub fn register_listener(addr: std::net::SocketAddr, sock: Option<i32>) -> bool {
+    // The first listener makes the table of announced connections; it goes to the agent
+    // before the registration (later sessions get it right after their hello).
+    if crate::accepts::existing_fd().is_none() {
+        if let Some(t) = crate::accepts::fd() {
+            tell_passing(&Msg::Table, Some(t));
+        }
+    }
+    // (With the listening socket: the proof that this process holds it.)
+    match request_passing(&Msg::Listen { addr, window: crate::config::window() }, sock) {
         Some(Msg::Ok) => {
             log::debug(format_args!("listener {addr} registered"));
             true

@@ -94,7 +94,7 @@ extern "C" fn init() {
         linkstate::init(linkstate::Control { start: relink::ensure_control, released: relink::released });
         agent::init(
             config::agent_socket(),
-            agent::Above { listener_addrs: vc::listener_addrs, after_contact: relink::ensure_control },
+            agent::Above { listeners: vc::listeners_once, after_contact: relink::ensure_control },
         );
         lifetime::init_main_thread();
         sandbox::init();

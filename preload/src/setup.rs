@@ -295,7 +295,7 @@ pub fn before_listen(fd: i32) -> Option<SocketAddr> {
         // Not bound: `listen` picks the port.
         return None;
     }
-    agent::register_listener(addr).then_some(addr)
+    agent::register_listener(addr, Some(fd)).then_some(addr)
 }
 
 /// After a successful `listen`: the socket is a listener of the layer's from now on; it is
@@ -309,7 +309,7 @@ pub fn after_listen(fd: i32, registered: Option<SocketAddr>) {
     // next reaches an agent (a restarted one included).
     fdtable::insert(fd, Entry::Listener(Arc::new(Listener { addr })));
     if registered != Some(addr) {
-        agent::register_listener(addr);
+        agent::register_listener(addr, Some(fd));
     }
 }
 
@@ -348,7 +348,8 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
                 alias: e.alias.unwrap_or(substrate::wire::agent::NO_ADDR),
             })
         }
-        None => agent::request(&Msg::Accept { local, peer }),
+        // (With the accepted socket: only a process holding it may learn the connection.)
+        None => agent::request_passing(&Msg::Accept { local, peer }, Some(fd)),
     };
     let Some(Msg::Virtual { gid, secret, window, addrs, alias }) = answer else {
         return;

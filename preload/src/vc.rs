@@ -57,10 +57,11 @@ pub fn listeners() -> Vec<(i32, SocketAddr)> {
     DESCRIPTORS.get().map_or_else(Vec::new, |d| (d.listeners)())
 }
 
-/// The addresses of this process's listeners, once each.
-pub fn listener_addrs() -> Vec<SocketAddr> {
-    let mut v: Vec<SocketAddr> = listeners().into_iter().map(|(_, a)| a).collect();
-    v.dedup();
+/// This process's listeners, one descriptor per address.
+pub fn listeners_once() -> Vec<(i32, SocketAddr)> {
+    let mut v = listeners();
+    v.sort_by_key(|&(_, a)| a);
+    v.dedup_by_key(|&mut (_, a)| a);
     v
 }
 

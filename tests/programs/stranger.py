@@ -4,6 +4,7 @@
     stranger.py clear-connect --target IP:PORT --src IP:PORT --dst IP:PORT [--seed N]
     stranger.py forge --target IP:PORT --count N [--bind IP:PORT]
     stranger.py replay --target IP:PORT --pcap FILE --from-ip IP [--rounds R] [--bind IP:PORT]
+    stranger.py local-accept --local IP:PORT --peer IP:PORT
 
 Run it WITHOUT the layer.
 
@@ -17,6 +18,11 @@ forge          sends --count heartbeat datagrams to --target that no cluster key
 replay         sends again, --rounds times at 10 ms spacing, every UDP payload of the pcap
                file that came from --from-ip to the agents' port (heartbeats recorded
                earlier). {"sent": N, "distinct": D}
+local-accept   asks the node's agent (its local socket, @vmi-agent), as whatever user runs
+               it, about a connection from --peer accepted at --local, as an accepting
+               layer would (Accept, tag 5) but without the accepted socket, and reports the
+               answer's tag: {"answer": 6} (Virtual: the agent gave out the connection's
+               identity and secret), 7 (Plain), or "closed".
 
 Agent messages (substrate/src/wire/agent.rs): a little-endian u32 body length, then a tag
 byte and the fields; Connect is tag 4 {src, dst: address, gid, secret: u128, window: u64,
@@ -36,7 +42,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hostile import agent_msg, enc_addr, enc_str, enc_u128  # noqa: E402
 
-CONNECT, ERROR, PROBE = 4, 9, 24
+CONNECT, ACCEPT, ERROR, PROBE = 4, 5, 9, 24
 
 
 def parse_addr(text):
@@ -69,6 +75,19 @@ def clear_connect(a):
     if reply[0] == ERROR:
         ln = struct.unpack("<I", reply[1:5])[0]
         return {"answer": "Error", "reason": reply[5:5 + ln].decode(errors="replace")}
+    return {"answer": reply[0]}
+
+
+def local_accept(a):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect("\0vmi-agent")
+    s.sendall(agent_msg(ACCEPT, enc_addr(*a.local) + enc_addr(*a.peer)))
+    try:
+        n = struct.unpack("<I", recv_exact(s, 4))[0]
+        reply = recv_exact(s, n)
+    except (EOFError, ConnectionError, socket.timeout):
+        return {"answer": "closed"}
     return {"answer": reply[0]}
 
 
@@ -154,8 +173,12 @@ def main():
     r.add_argument("--from-ip", required=True)
     r.add_argument("--rounds", type=int, default=1)
     r.add_argument("--bind", type=parse_addr)
+    la = sub.add_parser("local-accept")
+    la.add_argument("--local", type=parse_addr, required=True)
+    la.add_argument("--peer", type=parse_addr, required=True)
     a = ap.parse_args()
-    out = {"clear-connect": clear_connect, "forge": forge, "replay": replay}[a.cmd](a)
+    out = {"clear-connect": clear_connect, "forge": forge, "replay": replay,
+           "local-accept": local_accept}[a.cmd](a)
     print(json.dumps(out), flush=True)
 
 

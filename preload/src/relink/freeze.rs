@@ -173,8 +173,10 @@ pub(super) fn thaw(
     let everywhere = crate::relink::relisten::after_thaw(placeheld);
     FROZEN.store(0, SeqCst);
     agent::wake_up();
+    let socks = crate::vc::listeners();
     for addr in everywhere {
-        agent::register_listener(addr);
+        let sock = socks.iter().find(|&&(_, a)| a == addr).map(|&(f, _)| f);
+        agent::register_listener(addr, sock);
     }
     log::info(format_args!(
         "thawed {}: {} connections to rebuild",

@@ -80,6 +80,9 @@ pub enum Msg {
         /// The connection's GID, as the table gave it.
         gid: u128,
     },
+    /// Layer → agent, not answered: the process's table of announced connections
+    /// (`crate::accepts`) rides with this message as a passed descriptor.
+    Table,
     /// Answer: the connection is virtual.
     Virtual {
         /// Its identity.
@@ -702,6 +705,7 @@ impl Msg {
             Msg::Connect { .. } => "Connect",
             Msg::Accept { .. } => "Accept",
             Msg::Accepted { .. } => "Accepted",
+            Msg::Table => "Table",
             Msg::Virtual { .. } => "Virtual",
             Msg::Plain => "Plain",
             Msg::Ok => "Ok",
@@ -797,6 +801,7 @@ impl Msg {
                 w.addr(local);
                 w.addr(peer);
             }
+            Msg::Table => w.u8(81),
             Msg::Accepted { local, peer, gid } => {
                 w.u8(80);
                 w.addr(local);
@@ -1196,6 +1201,7 @@ impl Msg {
             77 => Msg::Welcome { chain: r.str()?, first_port: r.u16()?, ports: r.u16()? },
             78 => Msg::Subscribe { listener: r.addr()?, first_port: r.u16()?, ports: r.u16()? },
             80 => Msg::Accepted { local: r.addr()?, peer: r.addr()?, gid: r.u128()? },
+            81 => Msg::Table,
             79 => Msg::Expect {
                 src: r.addr()?,
                 dst: r.addr()?,
@@ -1267,6 +1273,7 @@ mod tests {
             },
             Msg::Accept { local: b, peer: a },
             Msg::Accepted { local: a, peer: b, gid: 0x5555 },
+            Msg::Table,
             Msg::Virtual { gid: 1, secret: 2, window: 3, addrs: vec![a, b], alias: a },
             Msg::Resume { gid: 1, nonce: 2, from_active: true },
             Msg::Challenge { nonce: 3 },
