@@ -78,7 +78,9 @@ def test_events_follow_a_failover(procs, faults):
     # was handed it; the dialer stood still from its failure to the rebuilt link.
     fo = {e["side"]: e for h in mine for e in mine[h] if e["kind"] == "failover"}
     assert set(fo) == {"dialer", "holder"}, mine
-    assert 0 < fo["dialer"]["stall_ms"] < 15000, fo
+    # (In whole milliseconds since the process marked its link down: a link rebuilt within
+    # the same millisecond reads 0.)
+    assert 0 <= fo["dialer"]["stall_ms"] < 15000, fo
     assert fo["dialer"]["local"].split(":")[0] != "0.0.0.0", fo
     assert any(e["kind"] == "closed" for e in mine[H1]), mine[H1]
     paths = [(e["peer"], e["state"]) for e in seen[H1] if e["kind"] == "path"]
