@@ -38,27 +38,11 @@ impl AcceptMap {
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err("not a memfd sealed against shrinking");
         }
-        // SAFETY: zeroed stat is valid; fstat fills it.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: valid fd and pointer.
-        if unsafe { libc::fstat(raw, &mut st) } != 0 || (st.st_size as usize) < TABLE_BYTES {
+        let Some(st) = fstat(fd).filter(|st| st.st_size as usize >= TABLE_BYTES) else {
             return Err("smaller than a table");
-        }
-        // SAFETY: maps TABLE_BYTES of the sealed memfd, shared, read-write.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                TABLE_BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                raw,
-                0,
-            )
         };
-        if p == libc::MAP_FAILED {
-            return Err("cannot be mapped");
-        }
-        let m = AcceptMap { base: p as *mut AtomicU64, inode: st.st_ino };
+        let Some(p) = map_rw(fd) else { return Err("cannot be mapped") };
+        let m = AcceptMap { base: p, inode: st.st_ino };
         if !accepts::valid(m.words()) {
             return Err("not a table of this build's layout");
         }
@@ -148,10 +132,30 @@ impl Tables {
 }
 
 fn inode(fd: &OwnedFd) -> Option<u64> {
+    fstat(fd).map(|st| st.st_ino)
+}
+
+fn fstat(fd: &OwnedFd) -> Option<libc::stat> {
     // SAFETY: zeroed stat is valid; fstat fills it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid fd and pointer.
-    (unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0).then_some(st.st_ino)
+    (unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0).then_some(st)
+}
+
+/// TABLE_BYTES of `fd` mapped shared, read-write (the caller checked its size).
+fn map_rw(fd: &OwnedFd) -> Option<*mut AtomicU64> {
+    // SAFETY: maps TABLE_BYTES of the memfd, shared, read-write; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            TABLE_BYTES,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as *mut AtomicU64)
 }
 
 /// The local and peer addresses (the peer's `None` when not connected) of a TCP socket a
@@ -216,19 +220,7 @@ mod tests {
         // The layer's side: it writes the header before it hands the table over.
         let m = AcceptMap::map(fd);
         assert!(m.is_err(), "a table without its header was taken");
-        // SAFETY: maps our own memfd of TABLE_BYTES.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                TABLE_BYTES,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        let m = AcceptMap { base: p as *mut AtomicU64, inode: 0 };
+        let m = AcceptMap { base: map_rw(fd).expect("mapped"), inode: 0 };
         assert!(accepts::init(m.words()));
         m
     }

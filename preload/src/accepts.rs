@@ -45,9 +45,8 @@ fn create() -> Option<SharedMap> {
 /// The table's descriptor, to hand to the agent with a listener (made on first use); `None`
 /// when no memfd could be made.
 pub fn fd() -> Option<i32> {
-    TABLE.get_or_init(create).as_ref()?;
-    let fd = ownfd::own_fd(OWN_ACCEPTS);
-    (fd >= 0).then_some(fd)
+    TABLE.get_or_init(create);
+    existing_fd()
 }
 
 /// The table's descriptor if the table was made already (never makes it).
