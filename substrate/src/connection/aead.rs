@@ -25,7 +25,7 @@
 //! secret ([`seal_share`]), so an attacker on the path cannot put its own share in place of
 //! one; the secret authenticates the exchange and takes no part in the key.
 
-use super::chain::{DecodeError, Filter};
+use super::filter::{DecodeError, Filter};
 use curve25519_dalek::montgomery::MontgomeryPoint;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
 

@@ -34,6 +34,7 @@
 
 pub mod aead;
 pub mod chain;
+pub mod filter;
 mod link;
 
 pub use chain::{Chain, DecodeError, Doubler, Filter};

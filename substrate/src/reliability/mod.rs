@@ -65,7 +65,7 @@ pub enum ProtoError {
     /// A coded frame whose payload the chain could not decode.
     Undecodable,
     /// A sealed record refused: forged, altered, sealed under another key, or replayed.
-    Record(crate::connection::DecodeError),
+    Record(crate::connection::filter::DecodeError),
     /// A key share of a chain offer or answer whose tag is wrong.
     ShareForged,
     /// A stream sealed by a keyed chain got a control frame that ends it or changes its
