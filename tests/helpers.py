@@ -234,6 +234,7 @@ PORTS = {
     "setup_reuse_fork": 17973,
     "setup_table": 17974,
     "setup_owner": 17975,
+    "gather_writev": 17976,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -12,6 +12,8 @@ receive calls where the kernel takes one.
 """
 
 
+import re
+
 import pytest
 
 from helpers import (BASELINE, H1, H1_IP, H2, PORTS, PYTHON, Watcher, assert_virtual,
@@ -110,3 +112,44 @@ def test_a_bulk_receivers_acknowledgements_leave_its_socket_out_of_interactive_m
     # a loaded machine.)
     assert len(r["quick"]) >= 20 and sum(r["quick"]) >= 3 * len(r["quick"]) // 4, r
     assert_virtual(w, H1, addr, H2, min_conns=1)
+
+
+LARGE = 300 << 10
+FRAME_HEADER = 24
+
+
+@pytest.mark.skipif(BASELINE, reason="counts the layer's frames")
+def test_a_writev_of_a_header_and_a_large_body_goes_as_one_frame_in_one_call(procs, tmp_path):
+    """Open MPI writes each message as one `writev` of its header and its body. The layer
+    sends the buffers of such a call as one frame, gathered by the kernel from the program's
+    own buffers (and copied once, into the replay ring): one system call, as natively. Before,
+    a call of more than 256 KiB went buffer by buffer, a frame and a system call each (the
+    8-byte header a frame of its own), and smaller ones were first copied into one buffer.
+    Counted from an `strace` of the client's sends: every message one call that carries its
+    frame whole, and no frame of a header alone."""
+    port = PORTS["gather_writev"]
+    addr = f"{H1_IP}:{port}"
+    messages = 40
+    procs.server(H1, python_prog("progress.py", "server", "--bind", addr), port, layer=True,
+                 name="gather-server")
+    trace = tmp_path / "sends.strace"
+    with Watcher(H1, H2) as w:
+        cli = procs.run(H2, ["strace", "-f", "-e", "trace=sendto,sendmsg,writev,write",
+                             "-e", "abbrev=all", "-o", trace,
+                             *python_prog("progress.py", "client", "--connect", addr,
+                                          "--messages", messages, "--size", LARGE,
+                                          "--hold", 1)],
+                        layer=True, name="gather-client", timeout=120)
+    r = cli.last_json()
+    assert r["bad"] == 0 and r["messages"] == messages, r
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    whole = 8 + LARGE + FRAME_HEADER
+    sent = []
+    for line in trace.read_text().splitlines():
+        m = re.search(r"\b(sendto|sendmsg|writev|write)\(.*\)\s*=\s*(\d+)\s*$", line)
+        if m:
+            sent.append((m.group(1), int(m.group(2))))
+    detail = f"{len(sent)} sends; sizes: {sorted(set(n for _, n in sent))[:20]}"
+    assert sum(1 for _, n in sent if n == whole) == messages, detail
+    # (A header alone would be a frame of 8 payload bytes.)
+    assert not any(n == 8 + FRAME_HEADER for _, n in sent), detail

@@ -21,6 +21,7 @@ use libc::{c_int, c_uint, c_ulong, off_t};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use substrate::irb::IrbError;
+use substrate::reliability::Gather;
 
 /// Bytes a vectored read takes first into a buffer of the layer's and spreads over the
 /// program's buffers, when there are several and the first is smaller (a message header and
@@ -95,17 +96,23 @@ fn vc_readv(vc: &Vc, fd: c_int, iov: &mut ProgIov, flags: c_int) -> Result<usize
     Ok(total)
 }
 
-/// writev semantics over a virtual connection: small vectors are gathered into one send,
-/// large ones go buffer by buffer and stop at a short send.
+/// writev semantics over a virtual connection: up to six buffers go as one send (one frame
+/// on kernel TCP); more are gathered into one buffer when small, and go buffer by buffer,
+/// stopping at a short send, when large.
 fn vc_writev(vc: &Vc, fd: c_int, iov: &ProgIov, flags: c_int) -> Result<usize, IrbError> {
     // (The program's buffers that are not empty, walked without a list: no allocation.)
     let live = || (0..iov.len()).filter(|&i| iov.len_of(i) > 0);
     let count = live().count();
     let len: usize = live().map(|i| iov.len_of(i)).sum();
-    if count <= 1 || len <= 256 << 10 {
-        if let (1, Some(i)) = (count, live().next()) {
-            return vc.send(fd, iov.buf(i), flags);
-        }
+    if let (1, Some(i)) = (count, live().next()) {
+        return vc.send(fd, iov.buf(i), flags);
+    }
+    // A few buffers (a message's header and body): one frame, in one system call, and no
+    // copy of the program's bytes but the replay ring's.
+    if let Some(g) = Gather::new(live().map(|i| iov.buf(i))) {
+        return vc.send_gather(fd, g, flags);
+    }
+    if len <= 256 << 10 {
         if len <= GATHER {
             // (No allocation for a small message, and only its bytes touched.)
             let mut raw = std::mem::MaybeUninit::<[u8; GATHER]>::uninit();

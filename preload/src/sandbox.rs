@@ -47,7 +47,7 @@ const CONTROL_FRAME_MAX: usize = 64;
 /// Pieces up to this many bytes in all are gathered on the stack for a one-buffer call.
 const STACK_GATHER: usize = 4096 + 64;
 
-/// Sends the concatenation of `parts` (at most `sys::fd::MAX_PARTS`, 3) on socket `fd` with the first form the
+/// Sends the concatenation of `parts` (at most `sys::fd::MAX_PARTS`) on socket `fd` with the first form the
 /// sandbox allows: `sendmsg` or `sendto` (with `MSG_NOSIGNAL`, then the flags as given),
 /// then, when the call may block as the socket's mode says (no `MSG_DONTWAIT` asked for, or
 /// the socket is non-blocking anyway, or a control frame alone), `writev` and `write`.

@@ -21,8 +21,8 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, ring_slices, ring_write, Blocked, OfferError, Plan, ProtoError, ReadPlan, RxState, Source,
-    TxState, ANSWER, MIRROR,
+    ack_due, ring_slices, ring_write, Blocked, Gather, OfferError, Plan, ProtoError, ReadPlan, RxState,
+    Source, TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
@@ -56,7 +56,7 @@ impl Device for TcpSink {
         let flags = irb.flags;
         let gen = call_gen(&irb);
         let r = match (irb.kind(), &mut irb.buf) {
-            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, d, flags, gen),
+            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, Gather::one(d), flags, gen),
             (IrbKind::Receive, Buf::In(b)) => {
                 recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads, gen)
             }
@@ -190,40 +190,68 @@ fn note_peer_eof(mem: ConnMem) {
 const FLAT_SEND: usize = 4096;
 
 /// Writes what `plan` says, with one system call. Returns the kernel's answer.
-fn write_plan(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], flags: c_int) -> isize {
+fn write_plan(fd: c_int, plan: &Plan, app: Gather<'_>, ring: &[u8], flags: c_int) -> isize {
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
-    let (a, b) = match plan.source {
-        Source::App => (&app[..plan.payload], &[][..]),
-        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-        // (Coded frames, offers and answers with a key share go through `write_coded`.)
-        Source::Coded { .. } | Source::Spec { .. } | Source::Share { .. } => (&[][..], &[][..]),
-    };
-    let parts = [plan.header_bytes(), a, b];
+    let (parts, live) = frame_parts(&[], plan, app, ring, &[]);
+    let parts = &parts[..live];
     if sandbox::active() {
-        return sandboxed_send(fd, &parts, flags);
+        return sandboxed_send(fd, parts, flags);
     }
-    let live = parts.iter().filter(|p| !p.is_empty()).count();
     if live <= 1 {
-        let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
-        return sys::fd::send(fd, one, flags);
+        return sys::fd::send(fd, parts.first().copied().unwrap_or_default(), flags);
     }
     if plan.payload <= FLAT_SEND {
-        // A header, and a payload of at most FLAT_SEND in one or two pieces.
-        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, &parts, flags);
+        // A header, and a payload of at most FLAT_SEND in one or more pieces.
+        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, parts, flags);
     }
-    let mut live_parts = [&[][..]; 3];
-    for (v, p) in live_parts.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
-        *v = p;
+    sys::fd::send_parts(fd, parts, flags)
+}
+
+/// Most parts of one frame's write: an offer before it, its header, and its payload from
+/// the program's buffers (or two pieces of the ring, or one coded buffer).
+const WRITE_PARTS: usize = 2 + substrate::reliability::GATHER_PARTS;
+
+/// The parts of one write, in order and none empty, and how many: `before` (a whole chain
+/// offer, or nothing), the frame's header, and its payload (from `app`, the ring or `made`,
+/// as the plan says).
+fn frame_parts<'a>(
+    before: &'a [u8],
+    plan: &'a Plan,
+    app: Gather<'a>,
+    ring: &'a [u8],
+    made: &'a [u8],
+) -> ([&'a [u8]; WRITE_PARTS], usize) {
+    let mut out = [&[][..]; WRITE_PARTS];
+    let mut n = 0;
+    let mut put = |p: &'a [u8]| {
+        if !p.is_empty() && n < WRITE_PARTS {
+            out[n] = p;
+            n += 1;
+        }
+    };
+    put(before);
+    put(plan.header_bytes());
+    match plan.source {
+        Source::App => app.take(plan.payload).parts().iter().for_each(|p| put(p)),
+        Source::Ring(seq) => {
+            let (a, b) = ring_slices(ring, seq, plan.payload);
+            put(a);
+            put(b);
+        }
+        Source::Coded { skip, .. } | Source::Spec { skip, .. } | Source::Share { skip } => {
+            let at = (skip as usize).min(made.len());
+            put(&made[at..(at + plan.payload).min(made.len())]);
+        }
     }
-    sys::fd::send_parts(fd, &live_parts[..live], flags)
+    (out, n)
 }
 
 /// [`write_plan`] for any plan: `made` is the whole payload of a coded frame or of an offer
 /// (empty for the others: then it is `write_plan`).
 #[inline]
-fn write_coded(fd: c_int, plan: &Plan, app: &[u8], ring: &[u8], made: &[u8], flags: c_int) -> isize {
+fn write_coded(fd: c_int, plan: &Plan, app: Gather<'_>, ring: &[u8], made: &[u8], flags: c_int) -> isize {
     if made.is_empty() {
         return write_plan(fd, plan, app, ring, flags);
     }
@@ -240,7 +268,7 @@ fn write_after(
     fd: c_int,
     before: &[u8],
     plan: &Plan,
-    app: &[u8],
+    app: Gather<'_>,
     ring: &[u8],
     made: &[u8],
     flags: c_int,
@@ -248,25 +276,11 @@ fn write_after(
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
-    let (a, b) = match plan.source {
-        Source::App => (&app[..plan.payload], &[][..]),
-        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
-        Source::Coded { skip, .. } | Source::Spec { skip, .. } | Source::Share { skip } => {
-            let at = (skip as usize).min(made.len());
-            (&made[at..(at + plan.payload).min(made.len())], &[][..])
-        }
-    };
-    let parts = [before, plan.header_bytes(), a, b];
+    let (parts, live) = frame_parts(before, plan, app, ring, made);
     if sandbox::active() {
-        return sandboxed_send(fd, &parts, flags);
+        return sandboxed_send(fd, &parts[..live], flags);
     }
-    let mut live = [&[][..]; 4];
-    let mut n = 0;
-    for p in parts.iter().filter(|p| !p.is_empty()) {
-        live[n] = p;
-        n += 1;
-    }
-    sys::fd::send_parts(fd, &live[..n], flags)
+    sys::fd::send_parts(fd, &parts[..live], flags)
 }
 
 /// A send under a sandbox: the first form of the call its filters allow. With none, a call
@@ -390,14 +404,14 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
                 None => return false,
             },
         };
-        let (plan, made) = match make_payload(mem, tx, plan, &[], ring) {
+        let (plan, made) = match make_payload(mem, tx, plan, Gather::EMPTY, ring) {
             Ok(p) => p,
             Err(e) => {
                 let _ = fail(mem, slot, fd, e);
                 return true;
             }
         };
-        let r = write_coded(fd, &plan, &[], ring, &made, libc::MSG_DONTWAIT);
+        let r = write_coded(fd, &plan, Gather::EMPTY, ring, &made, libc::MSG_DONTWAIT);
         if r < 0 {
             let e = sys::errno();
             tx.commit(&plan, 0, &[], ring);
@@ -472,8 +486,9 @@ fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
         };
         loop {
             // (A sealed stream's Fin carries its tag.)
-            let (part, made) = make_payload(mem, tx, plan, &[], ring).map_err(|_| Errno(libc::ECONNRESET))?;
-            let r = write_coded(fd, &part, &[], ring, &made, 0);
+            let (part, made) =
+                make_payload(mem, tx, plan, Gather::EMPTY, ring).map_err(|_| Errno(libc::ECONNRESET))?;
+            let r = write_coded(fd, &part, Gather::EMPTY, ring, &made, 0);
             if r < 0 {
                 let e = sys::errno();
                 if e == libc::EAGAIN {
@@ -517,7 +532,7 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
             return;
         }
         let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
-        let r = write_plan(fd, &plan, &[], ring, libc::MSG_DONTWAIT);
+        let r = write_plan(fd, &plan, Gather::EMPTY, ring, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
         publish_tx(mem, tx, slot);
         if r > 0 && kind == FrameKind::Ack {
@@ -554,7 +569,7 @@ pub fn send(
     mem: ConnMem,
     slot: Option<Slot>,
     fd: c_int,
-    data: &[u8],
+    data: Gather<'_>,
     flags: c_int,
     gen: Option<u32>,
 ) -> Result<usize, IrbError> {
@@ -609,7 +624,7 @@ pub fn send(
             if total == data.len() && !tx.in_frame() {
                 return Ok(total);
             }
-            let rest = &data[total..];
+            let rest = data.skip(total);
             let delivered = c.delivered.load(Acquire);
             if tx.chain_cur != 0 && tx.offer_no == 0 && !tx.in_frame() {
                 rekey_if_due(mem, tx);
@@ -671,11 +686,11 @@ pub fn send(
                 Err(Blocked::Replaying) => {
                     // A rebuilt link: what the peer did not deliver goes first.
                     if let Some(p) = tx.plan_replay(delivered) {
-                        let (p, made) =
-                            make_payload(mem, tx, p, &[], ring).map_err(|e| fail(mem, slot, fd, e))?;
-                        let r = match splice_plan(mem, fd, &p, &made, &[], tx, ring, kflags) {
+                        let (p, made) = make_payload(mem, tx, p, Gather::EMPTY, ring)
+                            .map_err(|e| fail(mem, slot, fd, e))?;
+                        let r = match splice_plan(mem, fd, &p, &made, Gather::EMPTY, tx, ring, kflags) {
                             Some(r) => r,
-                            None => write_coded(fd, &p, &[], ring, &made, kflags),
+                            None => write_coded(fd, &p, Gather::EMPTY, ring, &made, kflags),
                         };
                         if r < 0 {
                             let e = sys::errno();
@@ -738,7 +753,7 @@ pub fn send(
             }
             if r < 0 {
                 let e = sys::errno();
-                tx.commit(&plan, 0, rest, ring);
+                tx.commit_gather(&plan, 0, rest, ring, |d, s| d.copy_from_slice(s));
                 if e == libc::EAGAIN || e == libc::EINTR {
                     return if total > 0 { Ok(total) } else { Err(errno_result(e)) };
                 }
@@ -747,9 +762,9 @@ pub fn send(
             }
             total += if spliced {
                 // (The payload is in the ring already.)
-                tx.commit_with(&plan, r as usize, rest, ring, |_, _| {})
+                tx.commit_gather(&plan, r as usize, rest, ring, |_, _| {})
             } else {
-                tx.commit_with(&plan, r as usize, rest, ring, crate::sys::copy::to_ring)
+                tx.commit_gather(&plan, r as usize, rest, ring, crate::sys::copy::to_ring)
             };
             publish_tx(mem, tx, slot);
             if tx.in_frame() {
@@ -789,7 +804,7 @@ fn splice_plan(
     fd: c_int,
     plan: &Plan,
     made: &[u8],
-    app: &[u8],
+    app: Gather<'_>,
     tx: &TxState,
     ring: &mut [u8],
     flags: c_int,
@@ -806,7 +821,7 @@ fn splice_slow(
     mem: ConnMem,
     fd: c_int,
     plan: &Plan,
-    app: &[u8],
+    app: Gather<'_>,
     tx: &TxState,
     ring: &mut [u8],
     flags: c_int,
@@ -828,7 +843,11 @@ fn splice_slow(
     };
     let pipe = sys::splice::take()?;
     if plan.source == Source::App {
-        ring_write(ring, at, &app[..plan.payload]);
+        let mut seq = at;
+        for p in app.take(plan.payload).parts() {
+            ring_write(ring, seq, p);
+            seq += p.len() as u64;
+        }
     }
     let hi = at + plan.payload as u64;
     if hi > c.spliced_hi.load(Relaxed) {
@@ -1326,6 +1345,24 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
             if rx.fin != 0 {
                 return Truth::Readable;
             }
+            // Looked at first, not taken: a data frame with payload stays where it is, for the
+            // program's read to take whole (its header and payload in one call); a lone
+            // acknowledgement with nothing behind it is taken, and then there is nothing to read.
+            let mut lone_ack = false;
+            if !took {
+                let mut peek = [0u8; HEADER_LEN + 1];
+                let r = sock_recv(fd, &mut peek, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+                if r > 0 && rx.data_ahead(&peek[..r as usize]) {
+                    return Truth::Readable;
+                }
+                if r < 0 && matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
+                    return Truth::Spurious;
+                }
+                lone_ack = r == HEADER_LEN as isize
+                    && peek[1] == FrameKind::Ack as u8
+                    && rx.header_len == 0
+                    && rx.ctl_rem == 0;
+            }
             let r = sock_recv(fd, rx.header_slot(), libc::MSG_DONTWAIT);
             if r < 0 {
                 return if matches!(sys::errno(), libc::EAGAIN | libc::EINTR) {
@@ -1349,6 +1386,10 @@ pub fn truth(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> Truth {
             fin_check(mem, fd, fin_before, rx);
             answer_if_owed(mem, slot, fd);
             ensure_rcvbuf(mem, fd);
+            if lone_ack && r == HEADER_LEN as isize {
+                // (Bytes that came since wake the program's wait again.)
+                return Truth::Spurious;
+            }
         }
     })
 }
@@ -1452,13 +1493,22 @@ fn make_payload(
     mem: ConnMem,
     tx: &mut TxState,
     plan: Plan,
-    app: &[u8],
+    app: Gather<'_>,
     ring: &[u8],
 ) -> Result<(Plan, Scratch), ProtoError> {
     if tx.frame_chain().is_none() && matches!(plan.source, Source::App | Source::Ring(_)) {
         return Ok((plan, Scratch::default()));
     }
-    make_coded(mem, tx, plan, app, ring)
+    match app.parts() {
+        [] => make_coded(mem, tx, plan, &[], ring),
+        [one] => make_coded(mem, tx, plan, one, ring),
+        _ => {
+            // (Coded frames from a gathered write: the program's bytes in one buffer first.)
+            let mut flat = vec![0; app.len()];
+            app.copy_to(&mut flat);
+            make_coded(mem, tx, plan, &flat, ring)
+        }
+    }
 }
 
 #[cold]
@@ -1760,7 +1810,7 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
         let share = Some(c.share(crate::shm::SHARE_OWED)).filter(|s| *s != [0; 32] && owed & 0x100 != 0);
         if let Some(p) = tx.plan_answer(owed as u8, owed & 0x100 != 0, c.delivered.load(Acquire), share) {
             let made = tx.control_payload(p.source);
-            let r = write_coded(fd, &p, &[], ring, &made, libc::MSG_DONTWAIT);
+            let r = write_coded(fd, &p, Gather::EMPTY, ring, &made, libc::MSG_DONTWAIT);
             tx.commit(&p, r.max(0) as usize, &[], ring);
             publish_tx(mem, tx, slot);
             if r > 0 && c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed).is_ok() && owed & MIRROR != 0

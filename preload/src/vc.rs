@@ -10,6 +10,10 @@ use crate::stats::{Slot, SlotInfo};
 use crate::sys::Errno;
 use crate::tcp_sink::TcpSink;
 use std::net::SocketAddr;
+use substrate::reliability::Gather;
+
+/// Gathered bytes up to this many go through the other devices from a buffer on the stack.
+const STAGED: usize = 4096;
 use std::sync::atomic::{AtomicI32, AtomicU32, Ordering::*};
 use std::sync::Arc;
 use substrate::devices::CounterFilter;
@@ -462,6 +466,14 @@ impl Vc {
 
     /// Sends application bytes through the send chain.
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
+        self.send_gather(fd, Gather::one(data), flags)
+    }
+
+    /// [`send`](Self::send) of the bytes of several of the program's buffers in order (a
+    /// `writev`'s): on kernel TCP with no filters they go as one frame, in one system call,
+    /// with no copy other than the replay ring's; elsewhere they are gathered into one
+    /// buffer first.
+    pub fn send_gather(&self, fd: i32, data: Gather<'_>, flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
         let r = self.with_link(fd, flags, |ctx| {
@@ -473,12 +485,39 @@ impl Vc {
                     self.count(r, IrbKind::Send);
                     return r;
                 }
-                Self::run(chain, Irb::send(data, flags).with_handle(fd as i64).with_ctx(ctx))
+                let mut run =
+                    |b: &[u8]| Self::run(chain, Irb::send(b, flags).with_handle(fd as i64).with_ctx(ctx));
+                match data.parts() {
+                    [] => run(&[]),
+                    [one] => run(one),
+                    _ if data.len() <= STAGED => {
+                        // (No allocation for a small message.)
+                        let mut raw = std::mem::MaybeUninit::<[u8; STAGED]>::uninit();
+                        let mut stage = crate::sys::fd::Stage::new(&mut raw);
+                        let flat = stage.zeroed(data.len());
+                        data.copy_to(flat);
+                        run(flat)
+                    }
+                    _ => {
+                        let mut flat = vec![0; data.len()];
+                        data.copy_to(&mut flat);
+                        run(&flat)
+                    }
+                }
             })
         });
         if self.tapped.load(Relaxed) {
             if let Ok(n) = r {
-                self.tap(crate::tap::SEND, &data[..n.min(data.len())]);
+                // (One message for the taps, as the program wrote it.)
+                let sent = data.take(n);
+                match sent.parts() {
+                    [one] => self.tap(crate::tap::SEND, one),
+                    _ => {
+                        let mut flat = vec![0; sent.len()];
+                        sent.copy_to(&mut flat);
+                        self.tap(crate::tap::SEND, &flat);
+                    }
+                }
             }
         }
         r

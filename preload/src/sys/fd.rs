@@ -8,10 +8,10 @@ use libc::{c_int, c_ulong, c_void, iovec, pollfd, sockaddr, sockaddr_storage, so
 use std::ffi::CStr;
 use std::net::SocketAddr;
 
-/// Most buffer parts one gathered or scattered call takes (a frame header and the two
-/// pieces of a payload that wraps around the ring, or a payload, a header and more payload;
-/// a chain offer before a data frame's three).
-pub const MAX_PARTS: usize = 4;
+/// Most buffer parts one gathered or scattered call takes (a chain offer, a frame header and
+/// the payload gathered from up to six of the program's buffers; or a header and the two
+/// pieces of a payload that wraps around the ring).
+pub const MAX_PARTS: usize = 8;
 
 /// A socket address owned by the layer, ready for `bind` or `connect`.
 #[derive(Clone, Copy)]

@@ -462,6 +462,30 @@ impl RxState {
         }
     }
 
+    /// True when `peeked`, the first bytes waiting on the link (looked at, not taken), begin
+    /// with a plain data frame at this side's stream position and at least one byte of its
+    /// payload: the program's next read gets bytes, so the link is readable for it without
+    /// taking anything off it first. False whenever anything else could be the case (a
+    /// control frame first, a coded frame, a header in pieces, a rebuilt link's first frame,
+    /// a frame this side would refuse): then the frames are taken one by one.
+    pub fn data_ahead(&self, peeked: &[u8]) -> bool {
+        let Some(head) = peeked.get(..HEADER_LEN) else { return false };
+        if peeked.len() == HEADER_LEN
+            || self.header_len != 0
+            || self.ctl_rem != 0
+            || self.frame_rem != 0
+            || self.coded_len != 0
+            || self.fin != 0
+            || self.expect_resync != 0
+            || self.has_resync != 0
+            || self.sealed_no != 0
+        {
+            return false;
+        }
+        let Ok(h) = FrameHeader::decode(head.try_into().expect("a header's length")) else { return false };
+        h.kind == FrameKind::Data && h.chain == 0 && h.len > 0 && h.seq == self.delivered
+    }
+
     /// A read of header bytes only (used to take ack frames without touching payload).
     pub fn header_only_plan(&self) -> ReadPlan {
         ReadPlan::HeaderFirst { header: self.slot_len(), app_max: 0 }
@@ -956,6 +980,42 @@ mod tests {
             got_all.extend_from_slice(&app[..r?.payload]);
         }
         Ok(got_all)
+    }
+
+    #[test]
+    fn only_a_plain_data_frame_at_the_stream_position_with_payload_is_data_ahead() {
+        let rx = RxState::new();
+        let data = wire(&[(FrameHeader::data(3, 0, 0), b"abc")]);
+        assert!(rx.data_ahead(&data[..HEADER_LEN + 1]));
+        assert!(rx.data_ahead(&data));
+        // Its header alone, or a part of it: no byte for the program yet.
+        assert!(!rx.data_ahead(&data[..HEADER_LEN]));
+        assert!(!rx.data_ahead(&data[..HEADER_LEN - 1]));
+        assert!(!rx.data_ahead(&[]));
+        // A control frame first (even with data behind it).
+        let ack =
+            wire(&[(FrameHeader::control(FrameKind::Ack, 0, 0), b""), (FrameHeader::data(3, 0, 0), b"abc")]);
+        assert!(!rx.data_ahead(&ack));
+        // Another stream position, a coded frame, garbage.
+        assert!(!rx.data_ahead(&wire(&[(FrameHeader::data(3, 7, 0), b"abc")])));
+        let mut coded = FrameHeader::data(3, 0, 0);
+        coded.chain = 1;
+        assert!(!rx.data_ahead(&wire(&[(coded, b"abc")])));
+        let mut bad = data.clone();
+        bad[0] ^= 1;
+        assert!(!rx.data_ahead(&bad));
+        // A side in the middle of something: a header in pieces, a rebuilt link.
+        let mut mid = RxState::new();
+        let _ = mid.read_from(mid.plan_read(10), &data[..5], &mut [0u8; 10]);
+        assert!(!mid.data_ahead(&data[5..]));
+        let mut relinked = RxState::new();
+        relinked.expect_resync = 1;
+        assert!(!relinked.data_ahead(&data));
+        // After the stream's end.
+        let mut ended = RxState::new();
+        let fin = wire(&[(FrameHeader::control(FrameKind::Fin, 0, 0), b"")]);
+        let _ = ended.read_from(ended.plan_read(10), &fin, &mut [0u8; 10]);
+        assert!(ended.fin != 0 && !ended.data_ahead(&data));
     }
 
     #[test]

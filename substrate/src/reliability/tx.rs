@@ -858,6 +858,19 @@ impl TxState {
         ring: &mut [u8],
         copy: impl Fn(&mut [u8], &[u8]),
     ) -> usize {
+        self.commit_gather(plan, written, Gather::one(app), ring, copy)
+    }
+
+    /// [`commit_with`](Self::commit_with) for a payload gathered from several of the
+    /// application's buffers (a `writev`'s), in order.
+    pub fn commit_gather(
+        &mut self,
+        plan: &Plan,
+        written: usize,
+        app: Gather<'_>,
+        ring: &mut [u8],
+        copy: impl Fn(&mut [u8], &[u8]),
+    ) -> usize {
         debug_assert_eq!(ring.len() as u64, self.window);
         if written == 0 && self.owed_header_off == 0 {
             // Nothing of a new frame reached the wire: forget it, so the next plan may differ.
@@ -881,7 +894,7 @@ impl TxState {
                 // the ring), and what the link did not take yet goes out from the ring. A
                 // frame is never left waiting for the application's next call (which may
                 // never come), so the peer never sits in the middle of a frame.
-                ring_write_with(ring, self.next_seq, &app[..plan.payload], copy);
+                app.take(plan.payload).to_ring(ring, self.next_seq, &copy);
                 self.next_seq += plan.payload as u64;
                 self.wire_seq += pw as u64;
                 if plan.payload > 0 {
@@ -902,7 +915,7 @@ impl TxState {
                     self.tail_chain = chain as u32;
                     // As for a plain frame: the raw bytes are accepted whole, and what the
                     // link did not take yet is coded again from the ring.
-                    ring_write_with(ring, self.next_seq, &app[..raw_len], copy);
+                    app.take(raw_len).to_ring(ring, self.next_seq, &copy);
                     self.next_seq += raw_len as u64;
                     raw_len
                 } else {
@@ -1022,6 +1035,115 @@ pub fn ring_write_with(ring: &mut [u8], seq: u64, data: &[u8], copy: impl Fn(&mu
     }
 }
 
+/// Most buffers one [`Gather`] holds.
+pub const GATHER_PARTS: usize = 6;
+
+/// The application's bytes for one send, gathered from up to [`GATHER_PARTS`] buffers in
+/// order (the buffers of a `writev`), so that one frame carries them without a copy
+/// into one buffer first. Empty buffers are left out.
+#[derive(Clone, Copy, Debug)]
+pub struct Gather<'a> {
+    parts: [&'a [u8]; GATHER_PARTS],
+    n: usize,
+    len: usize,
+}
+
+impl Gather<'static> {
+    /// No bytes.
+    pub const EMPTY: Gather<'static> = Gather { parts: [&[]; GATHER_PARTS], n: 0, len: 0 };
+}
+
+impl<'a> Gather<'a> {
+    /// One buffer.
+    pub fn one(b: &'a [u8]) -> Self {
+        let mut parts = [&[][..]; GATHER_PARTS];
+        let n = usize::from(!b.is_empty());
+        if n == 1 {
+            parts[0] = b;
+        }
+        Gather { parts, n, len: b.len() }
+    }
+
+    /// The buffers that are not empty, in order; `None` when there are more than
+    /// [`GATHER_PARTS`] of them.
+    pub fn new<I: IntoIterator<Item = &'a [u8]>>(bufs: I) -> Option<Self> {
+        let mut g = Gather { parts: [&[][..]; GATHER_PARTS], n: 0, len: 0 };
+        for b in bufs.into_iter().filter(|b| !b.is_empty()) {
+            if g.n == GATHER_PARTS {
+                return None;
+            }
+            g.parts[g.n] = b;
+            g.n += 1;
+            g.len += b.len();
+        }
+        Some(g)
+    }
+
+    /// Bytes in all.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffers, in order (none empty).
+    pub fn parts(&self) -> &[&'a [u8]] {
+        &self.parts[..self.n]
+    }
+
+    /// The bytes from `k` on (all of them gone when `k >= len`).
+    pub fn skip(&self, mut k: usize) -> Self {
+        let mut g = Gather { parts: [&[][..]; GATHER_PARTS], n: 0, len: 0 };
+        for p in self.parts() {
+            if k >= p.len() {
+                k -= p.len();
+                continue;
+            }
+            g.parts[g.n] = &p[k..];
+            g.len += p.len() - k;
+            g.n += 1;
+            k = 0;
+        }
+        g
+    }
+
+    /// The first `k` bytes (all of them when `k >= len`).
+    pub fn take(&self, mut k: usize) -> Self {
+        let mut g = Gather { parts: [&[][..]; GATHER_PARTS], n: 0, len: 0 };
+        for p in self.parts() {
+            if k == 0 {
+                break;
+            }
+            let t = k.min(p.len());
+            g.parts[g.n] = &p[..t];
+            g.n += 1;
+            g.len += t;
+            k -= t;
+        }
+        g
+    }
+
+    /// Copies the bytes into `out`, which must be exactly [`len`](Self::len) long.
+    pub fn copy_to(&self, out: &mut [u8]) {
+        let mut at = 0;
+        for p in self.parts() {
+            out[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+    }
+
+    /// Writes the bytes into `ring` at stream offset `seq` with `copy`.
+    fn to_ring(self, ring: &mut [u8], mut seq: u64, copy: &impl Fn(&mut [u8], &[u8])) {
+        for p in self.parts() {
+            ring_write_with(ring, seq, p, copy);
+            seq += p.len() as u64;
+        }
+    }
+}
+
 /// The ring's bytes for stream offsets `[seq, seq + len)`, as at most two slices.
 pub fn ring_slices(ring: &[u8], seq: u64, len: usize) -> (&[u8], &[u8]) {
     let cap = ring.len();
@@ -1033,6 +1155,49 @@ pub fn ring_slices(ring: &[u8], seq: u64, len: usize) -> (&[u8], &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gather_skips_takes_and_copies_across_its_buffers() {
+        let (a, b, c) = (&[1u8, 2, 3][..], &[][..], &[4u8, 5, 6, 7][..]);
+        let g = Gather::new([a, b, c]).expect("three buffers fit");
+        assert_eq!((g.len(), g.parts().len()), (7, 2));
+        let flat = |g: Gather<'_>| {
+            let mut v = vec![0; g.len()];
+            g.copy_to(&mut v);
+            v
+        };
+        for k in 0..=8 {
+            let all: Vec<u8> = (1..=7).collect();
+            assert_eq!(flat(g.skip(k)), all[k.min(7)..], "skip {k}");
+            assert_eq!(flat(g.take(k)), all[..k.min(7)], "take {k}");
+            assert_eq!(flat(g.skip(k).take(2)), all[k.min(7)..(k + 2).min(7)], "skip {k} take 2");
+            assert!(g.skip(k).parts().iter().all(|p| !p.is_empty()));
+        }
+        assert!(Gather::new(std::iter::repeat_n(a, GATHER_PARTS + 1)).is_none());
+        assert!(Gather::new(std::iter::repeat_n(a, GATHER_PARTS)).is_some());
+        assert!(Gather::one(&[]).is_empty() && Gather::one(&[]).parts().is_empty());
+    }
+
+    #[test]
+    fn a_gathered_frame_goes_into_the_ring_as_one_flat_buffer_would() {
+        let big: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let bufs: [&[u8]; 3] = [&[9; 5], &big, &[3; 11]];
+        let flat: Vec<u8> = bufs.concat();
+        // A ring of 4096 bytes that the frame wraps around.
+        let (mut t1, mut t2) = (TxState::new(4096), TxState::new(4096));
+        let (mut r1, mut r2) = (vec![0u8; 4096], vec![0u8; 4096]);
+        for t in [&mut t1, &mut t2] {
+            t.next_seq = 3000;
+            t.wire_seq = 3000;
+            t.acked = 3000;
+        }
+        let p1 = t1.plan_send(flat.len(), 0, false).expect("window open");
+        let p2 = t2.plan_send(flat.len(), 0, false).expect("window open");
+        let n1 = t1.commit(&p1, p1.header_len + p1.payload, &flat, &mut r1);
+        let g = Gather::new(bufs).expect("fits");
+        let n2 = t2.commit_gather(&p2, p2.header_len + p2.payload, g, &mut r2, |d, s| d.copy_from_slice(s));
+        assert_eq!((n1, r1, t1.next_seq), (n2, r2, t2.next_seq));
+    }
 
     #[test]
     fn partial_writes_keep_the_frame_and_the_window() {
