@@ -13,7 +13,7 @@
 //! waiting for the rest of its time-out.
 //!
 //! The check costs nothing on the paths where such frames cannot be there: a connection on
-//! TCP whose peer cannot owe it an acknowledgement alone (less than a quarter of the window
+//! TCP whose peer cannot owe it an acknowledgement alone (less than an eighth of the window
 //! unacknowledged, acknowledgements riding on data) and no rebuilt link since the last check
 //! is reported as the kernel says. On shared memory the ring is looked at (no system call when
 //! bytes are there).

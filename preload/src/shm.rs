@@ -212,7 +212,8 @@ pub struct SharedConn {
     pub gid: u128,
     /// Its secret.
     pub secret: u128,
-    /// The peer's window (its acks come every quarter of ours; ours every quarter of it).
+    /// The peer's window (an ack of ours goes alone at five eighths of it; the peer's at five
+    /// eighths of ours).
     pub peer_window: u64,
     /// Send half (under `tx_lock`), lent with the replay ring.
     tx: LendCell<TxState>,

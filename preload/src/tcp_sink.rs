@@ -5,8 +5,8 @@
 //! Calls run in the program's thread (no progress thread): a send writes header and payload
 //! with one system call (`send` of a stack copy for small frames, `sendmsg` otherwise), a
 //! receive reads with one call laid out by [`RxState::plan_read`] (`read` into a stack buffer
-//! for small reads, `readv` straight into the program's buffer otherwise). Acknowledgements ride on data; an ack goes alone only when a
-//! quarter of the peer's window waits for one. A sender whose window is full first reads
+//! for small reads, `readv` straight into the program's buffer otherwise). Acknowledgements ride on data; an ack goes alone only when
+//! five eighths of the peer's window wait for one. A sender whose window is full first reads
 //! ack frames waiting at the head of its socket; if data from the peer stands in front of
 //! them, it uses the spare room of its ring instead of waiting for the program to read, so
 //! the layer never deadlocks a program that native TCP would not.
@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    ack_due, ring_slices, ring_write, Blocked, Gather, OfferError, Plan, ProtoError, ReadPlan, RxState,
+    lone_ack_due, ring_slices, ring_write, Blocked, Gather, OfferError, Plan, ProtoError, ReadPlan, RxState,
     Source, TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
@@ -947,7 +947,8 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
 /// A sender with a full window reads a header off its socket under a sandbox: without
 /// waiting where it may; else, when no control thread can do it, with the plain read its
 /// program's call implies, which waits for the peer's next frame (an acknowledgement comes
-/// every quarter window), as the program's write itself would wait for room.
+/// before five eighths of a window are unacknowledged), as the program's write itself would
+/// wait for room.
 #[cold]
 fn harvest_read(fd: c_int, slot: &mut [u8], may_block: &mut bool) -> isize {
     if let Some(r) = sandbox::recv_into(fd, slot, libc::MSG_DONTWAIT) {
@@ -985,7 +986,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
     }
 }
 
-/// Sends an ack alone if a quarter of the peer's window waits for one. The caller holds
+/// Sends an ack alone if five eighths of the peer's window wait for one. The caller holds
 /// the rx lock.
 #[inline]
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
@@ -994,7 +995,7 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
         answer_if_owed(mem, slot, fd);
         ensure_rcvbuf(mem, fd);
     }
-    if !ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
+    if !lone_ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
     send_control(mem, slot, fd, FrameKind::Ack);
@@ -1293,7 +1294,8 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
 /// True when the layer's own frames may be what makes the socket readable: a rebuilt link
 /// since `checked_gen` (its first frame), our end of stream sent (the peer acknowledges it
 /// alone), or enough of our stream unacknowledged that the peer may send an ack alone (it
-/// does at a quarter of our window; an eighth leaves a margin). Otherwise acks ride on
+/// does at five eighths of our window, and a layer before 2026-11-28 at a quarter; an
+/// eighth leaves a margin). Otherwise acks ride on
 /// data and every readable report is payload or the end.
 #[inline]
 pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {

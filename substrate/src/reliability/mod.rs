@@ -135,3 +135,35 @@ impl std::error::Error for ProtoError {}
 pub fn ack_due(delivered: u64, ack_sent: u64, peer_window: u64) -> bool {
     delivered - ack_sent.min(delivered) >= peer_window / 4
 }
+
+/// [`ack_due`] for the kernel-TCP data path: five eighths of the peer's window delivered but
+/// not acknowledged. Later than a quarter, so that a request/response program whose messages
+/// are up to half the window (an MPI rank's 1 MiB messages with the 2 MiB default) sends no
+/// acknowledgement alone at all: its answer carries it. A bulk sender still hears back with
+/// three eighths of its window left, and a sender whose window is full always does (the
+/// receiver gets to five eighths of it before it runs dry).
+pub fn lone_ack_due(delivered: u64, ack_sent: u64, peer_window: u64) -> bool {
+    delivered - ack_sent.min(delivered) >= peer_window / 8 * 5
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_acknowledgement_goes_alone_late_but_always_before_a_full_window() {
+        let w = 2 << 20;
+        // A message of half the window, its header and its frame's: not yet.
+        assert!(!lone_ack_due((1 << 20) + 32, 0, w));
+        assert!(!lone_ack_due(5 << 20, (4 << 20) - 64, w));
+        assert!(lone_ack_due(w / 8 * 5, 0, w));
+        // Whatever was acknowledged last, a receiver that read a full window owes one.
+        for sent in [0u64, 1, 4096, 1 << 20, 7 << 30] {
+            for win in [4096u64, 65536, 2 << 20, 16 << 20] {
+                assert!(lone_ack_due(sent + win, sent, win), "{sent} {win}");
+            }
+        }
+        // (An acknowledgement beyond what was delivered, after a resync: nothing owed.)
+        assert!(!lone_ack_due(10, 20, w));
+    }
+}
