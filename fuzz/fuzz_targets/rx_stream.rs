@@ -1,7 +1,8 @@
 //! A hostile peer's byte stream, read in chunks of fuzzer-chosen sizes through the receive
 //! half, with chain offers taken and coded frames decoded as the kernel-TCP sink does: it
-//! never panics, never delivers more payload than arrived, and once it reports an error the
-//! connection is over.
+//! never panics, never delivers more payload than arrived, once it reports an error the
+//! connection is over, and bytes `RxState::data_ahead` calls a data frame give the next read
+//! payload.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use substrate::connection::chain::Chain;
@@ -51,6 +52,9 @@ fuzz_target!(|data: &[u8]| {
             }
             continue;
         }
+        // What the readiness check relies on: bytes it calls a data frame ahead give the
+        // program's next read payload (or end the connection), whatever the read's size.
+        let ahead = rx.data_ahead(&link[pos..]);
         let mut app = vec![0u8; n];
         let plan = rx.plan_read(n);
         let (got, r) = rx.read_from(plan, &link[pos..], &mut app);
@@ -58,6 +62,7 @@ fuzz_target!(|data: &[u8]| {
         match r {
             Ok(r) => {
                 assert!(r.payload <= got);
+                assert!(!ahead || r.payload > 0, "a data frame ahead, and a read that gave nothing");
                 delivered += r.payload;
             }
             Err(_) => return,
