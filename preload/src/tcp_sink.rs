@@ -21,8 +21,8 @@ use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
 use substrate::reliability::{
-    lone_ack_due, ring_slices, ring_write, Blocked, Gather, OfferError, Plan, ProtoError, ReadPlan, RxState,
-    Source, TxState, ANSWER, MIRROR,
+    lone_ack_due, ring_slices, ring_write, AppBytes, Blocked, OfferError, Plan, ProtoError, ReadPlan,
+    RxState, Source, TxState, ANSWER, MIRROR,
 };
 use substrate::wire::frame::{FrameKind, HEADER_LEN, MAX_PAYLOAD};
 
@@ -56,7 +56,7 @@ impl Device for TcpSink {
         let flags = irb.flags;
         let gen = call_gen(&irb);
         let r = match (irb.kind(), &mut irb.buf) {
-            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, Gather::one(d), flags, gen),
+            (IrbKind::Send, Buf::Out(d)) => send(self.mem, self.slot, fd, &d[..], flags, gen),
             (IrbKind::Receive, Buf::In(b)) => {
                 recv(self.mem, self.slot, fd, b, flags, &mut self.small_reads, gen)
             }
@@ -189,21 +189,54 @@ fn note_peer_eof(mem: ConnMem) {
 /// 1,370-1,540 ns at 1 KiB).
 const FLAT_SEND: usize = 4096;
 
+/// No bytes of the program's (replays, control frames).
+const NO_APP: &[u8] = &[];
+
 /// Writes what `plan` says, with one system call. Returns the kernel's answer.
-fn write_plan(fd: c_int, plan: &Plan, app: Gather<'_>, ring: &[u8], flags: c_int) -> isize {
+#[inline]
+fn write_plan<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], flags: c_int) -> isize {
+    if plan.source == Source::App && app.parts().len() > 1 {
+        return write_gathered(fd, plan, app, ring, flags);
+    }
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
+    let flags = flags | libc::MSG_NOSIGNAL;
+    let (a, b) = match plan.source {
+        Source::App => (app.parts().first().map_or(&[][..], |p| &p[..plan.payload.min(p.len())]), &[][..]),
+        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+        // (Coded frames, offers and answers with a key share go through `write_coded`.)
+        Source::Coded { .. } | Source::Spec { .. } | Source::Share { .. } => (&[][..], &[][..]),
+    };
+    let parts = [plan.header_bytes(), a, b];
+    if sandbox::active() {
+        return sandboxed_send(fd, &parts, flags);
+    }
+    let live = parts.iter().filter(|p| !p.is_empty()).count();
+    if live <= 1 {
+        let one = parts.iter().find(|p| !p.is_empty()).copied().unwrap_or_default();
+        return sys::fd::send(fd, one, flags);
+    }
+    if plan.payload <= FLAT_SEND {
+        // A header, and a payload of at most FLAT_SEND in one or two pieces.
+        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, &parts, flags);
+    }
+    let mut live_parts = [&[][..]; 3];
+    for (v, p) in live_parts.iter_mut().zip(parts.iter().filter(|p| !p.is_empty())) {
+        *v = p;
+    }
+    sys::fd::send_parts(fd, &live_parts[..live], flags)
+}
+
+/// [`write_plan`] of a new frame whose payload comes from several of the program's buffers.
+#[inline(never)]
+fn write_gathered<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], flags: c_int) -> isize {
     let flags = flags | libc::MSG_NOSIGNAL;
     let (parts, live) = frame_parts(&[], plan, app, ring, &[]);
     let parts = &parts[..live];
     if sandbox::active() {
         return sandboxed_send(fd, parts, flags);
     }
-    if live <= 1 {
-        return sys::fd::send(fd, parts.first().copied().unwrap_or_default(), flags);
-    }
     if plan.payload <= FLAT_SEND {
-        // A header, and a payload of at most FLAT_SEND in one or more pieces.
         return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, parts, flags);
     }
     sys::fd::send_parts(fd, parts, flags)
@@ -216,16 +249,16 @@ const WRITE_PARTS: usize = 2 + substrate::reliability::GATHER_PARTS;
 /// The parts of one write, in order and none empty, and how many: `before` (a whole chain
 /// offer, or nothing), the frame's header, and its payload (from `app`, the ring or `made`,
 /// as the plan says).
-fn frame_parts<'a>(
-    before: &'a [u8],
-    plan: &'a Plan,
-    app: Gather<'a>,
-    ring: &'a [u8],
-    made: &'a [u8],
-) -> ([&'a [u8]; WRITE_PARTS], usize) {
+fn frame_parts<'s, 'a: 's>(
+    before: &'s [u8],
+    plan: &'s Plan,
+    app: impl AppBytes<'a>,
+    ring: &'s [u8],
+    made: &'s [u8],
+) -> ([&'s [u8]; WRITE_PARTS], usize) {
     let mut out = [&[][..]; WRITE_PARTS];
     let mut n = 0;
-    let mut put = |p: &'a [u8]| {
+    let mut put = |p: &'s [u8]| {
         if !p.is_empty() && n < WRITE_PARTS {
             out[n] = p;
             n += 1;
@@ -234,7 +267,10 @@ fn frame_parts<'a>(
     put(before);
     put(plan.header_bytes());
     match plan.source {
-        Source::App => app.take(plan.payload).parts().iter().for_each(|p| put(p)),
+        Source::App => {
+            let app = app.take(plan.payload);
+            app.parts().iter().for_each(|p| put(p))
+        }
         Source::Ring(seq) => {
             let (a, b) = ring_slices(ring, seq, plan.payload);
             put(a);
@@ -251,7 +287,14 @@ fn frame_parts<'a>(
 /// [`write_plan`] for any plan: `made` is the whole payload of a coded frame or of an offer
 /// (empty for the others: then it is `write_plan`).
 #[inline]
-fn write_coded(fd: c_int, plan: &Plan, app: Gather<'_>, ring: &[u8], made: &[u8], flags: c_int) -> isize {
+fn write_coded<'a>(
+    fd: c_int,
+    plan: &Plan,
+    app: impl AppBytes<'a>,
+    ring: &[u8],
+    made: &[u8],
+    flags: c_int,
+) -> isize {
     if made.is_empty() {
         return write_plan(fd, plan, app, ring, flags);
     }
@@ -264,11 +307,11 @@ fn write_coded(fd: c_int, plan: &Plan, app: Gather<'_>, ring: &[u8], made: &[u8]
 /// [`write_coded`] with `before` (a whole chain offer) written first, by the same call.
 #[cold]
 #[inline(never)]
-fn write_after(
+fn write_after<'a>(
     fd: c_int,
     before: &[u8],
     plan: &Plan,
-    app: Gather<'_>,
+    app: impl AppBytes<'a>,
     ring: &[u8],
     made: &[u8],
     flags: c_int,
@@ -404,14 +447,14 @@ fn replay_now(mem: ConnMem, slot: Option<Slot>, fd: c_int) -> bool {
                 None => return false,
             },
         };
-        let (plan, made) = match make_payload(mem, tx, plan, Gather::EMPTY, ring) {
+        let (plan, made) = match make_payload(mem, tx, plan, NO_APP, ring) {
             Ok(p) => p,
             Err(e) => {
                 let _ = fail(mem, slot, fd, e);
                 return true;
             }
         };
-        let r = write_coded(fd, &plan, Gather::EMPTY, ring, &made, libc::MSG_DONTWAIT);
+        let r = write_coded(fd, &plan, NO_APP, ring, &made, libc::MSG_DONTWAIT);
         if r < 0 {
             let e = sys::errno();
             tx.commit(&plan, 0, &[], ring);
@@ -487,8 +530,8 @@ fn fin_held(mem: ConnMem, fd: c_int) -> Result<c_int, Errno> {
         loop {
             // (A sealed stream's Fin carries its tag.)
             let (part, made) =
-                make_payload(mem, tx, plan, Gather::EMPTY, ring).map_err(|_| Errno(libc::ECONNRESET))?;
-            let r = write_coded(fd, &part, Gather::EMPTY, ring, &made, 0);
+                make_payload(mem, tx, plan, NO_APP, ring).map_err(|_| Errno(libc::ECONNRESET))?;
+            let r = write_coded(fd, &part, NO_APP, ring, &made, 0);
             if r < 0 {
                 let e = sys::errno();
                 if e == libc::EAGAIN {
@@ -532,7 +575,7 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
             return;
         }
         let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
-        let r = write_plan(fd, &plan, Gather::EMPTY, ring, libc::MSG_DONTWAIT);
+        let r = write_plan(fd, &plan, NO_APP, ring, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
         publish_tx(mem, tx, slot);
         if r > 0 && kind == FrameKind::Ack {
@@ -565,11 +608,11 @@ pub fn harvest_acks(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
 }
 
 /// The send path. The caller holds the tx lock.
-pub fn send(
+pub fn send<'a>(
     mem: ConnMem,
     slot: Option<Slot>,
     fd: c_int,
-    data: Gather<'_>,
+    data: impl AppBytes<'a>,
     flags: c_int,
     gen: Option<u32>,
 ) -> Result<usize, IrbError> {
@@ -686,11 +729,11 @@ pub fn send(
                 Err(Blocked::Replaying) => {
                     // A rebuilt link: what the peer did not deliver goes first.
                     if let Some(p) = tx.plan_replay(delivered) {
-                        let (p, made) = make_payload(mem, tx, p, Gather::EMPTY, ring)
-                            .map_err(|e| fail(mem, slot, fd, e))?;
-                        let r = match splice_plan(mem, fd, &p, &made, Gather::EMPTY, tx, ring, kflags) {
+                        let (p, made) =
+                            make_payload(mem, tx, p, NO_APP, ring).map_err(|e| fail(mem, slot, fd, e))?;
+                        let r = match splice_plan(mem, fd, &p, &made, NO_APP, tx, ring, kflags) {
                             Some(r) => r,
-                            None => write_coded(fd, &p, Gather::EMPTY, ring, &made, kflags),
+                            None => write_coded(fd, &p, NO_APP, ring, &made, kflags),
                         };
                         if r < 0 {
                             let e = sys::errno();
@@ -799,12 +842,12 @@ const SPLICE_MIN: usize = 32 << 10;
 /// peer's layer cannot acknowledge any more, a sandbox, no pipe free): nothing was sent.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn splice_plan(
+fn splice_plan<'a>(
     mem: ConnMem,
     fd: c_int,
     plan: &Plan,
     made: &[u8],
-    app: Gather<'_>,
+    app: impl AppBytes<'a>,
     tx: &TxState,
     ring: &mut [u8],
     flags: c_int,
@@ -817,11 +860,11 @@ fn splice_plan(
 
 #[allow(clippy::too_many_arguments)]
 #[inline(never)]
-fn splice_slow(
+fn splice_slow<'a>(
     mem: ConnMem,
     fd: c_int,
     plan: &Plan,
-    app: Gather<'_>,
+    app: impl AppBytes<'a>,
     tx: &TxState,
     ring: &mut [u8],
     flags: c_int,
@@ -1491,11 +1534,11 @@ pub fn chain_spec(ids: u32) -> String {
 /// coded frame or offer in progress again (from the ring). Returns the plan to write and
 /// the payload it names (empty for plain frames).
 #[inline]
-fn make_payload(
+fn make_payload<'a>(
     mem: ConnMem,
     tx: &mut TxState,
     plan: Plan,
-    app: Gather<'_>,
+    app: impl AppBytes<'a>,
     ring: &[u8],
 ) -> Result<(Plan, Scratch), ProtoError> {
     if tx.frame_chain().is_none() && matches!(plan.source, Source::App | Source::Ring(_)) {
@@ -1506,8 +1549,7 @@ fn make_payload(
         [one] => make_coded(mem, tx, plan, one, ring),
         _ => {
             // (Coded frames from a gathered write: the program's bytes in one buffer first.)
-            let mut flat = vec![0; app.len()];
-            app.copy_to(&mut flat);
+            let flat: Vec<u8> = app.parts().concat();
             make_coded(mem, tx, plan, &flat, ring)
         }
     }
@@ -1812,7 +1854,7 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
         let share = Some(c.share(crate::shm::SHARE_OWED)).filter(|s| *s != [0; 32] && owed & 0x100 != 0);
         if let Some(p) = tx.plan_answer(owed as u8, owed & 0x100 != 0, c.delivered.load(Acquire), share) {
             let made = tx.control_payload(p.source);
-            let r = write_coded(fd, &p, Gather::EMPTY, ring, &made, libc::MSG_DONTWAIT);
+            let r = write_coded(fd, &p, NO_APP, ring, &made, libc::MSG_DONTWAIT);
             tx.commit(&p, r.max(0) as usize, &[], ring);
             publish_tx(mem, tx, slot);
             if r > 0 && c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed).is_ok() && owed & MIRROR != 0

@@ -10,7 +10,7 @@ use crate::stats::{Slot, SlotInfo};
 use crate::sys::Errno;
 use crate::tcp_sink::TcpSink;
 use std::net::SocketAddr;
-use substrate::reliability::Gather;
+use substrate::reliability::{AppBytes, Gather};
 
 /// Gathered bytes up to this many go through the other devices from a buffer on the stack.
 const STAGED: usize = 4096;
@@ -466,7 +466,7 @@ impl Vc {
 
     /// Sends application bytes through the send chain.
     pub fn send(&self, fd: i32, data: &[u8], flags: i32) -> Result<usize, IrbError> {
-        self.send_gather(fd, Gather::one(data), flags)
+        self.send_bytes(fd, data, flags)
     }
 
     /// [`send`](Self::send) of the bytes of several of the program's buffers in order (a
@@ -474,6 +474,11 @@ impl Vc {
     /// with no copy other than the replay ring's; elsewhere they are gathered into one
     /// buffer first.
     pub fn send_gather(&self, fd: i32, data: Gather<'_>, flags: i32) -> Result<usize, IrbError> {
+        self.send_bytes(fd, data, flags)
+    }
+
+    #[inline]
+    fn send_bytes<'a>(&self, fd: i32, data: impl AppBytes<'a>, flags: i32) -> Result<usize, IrbError> {
         self.note_user();
         let c = self.mem.conn();
         let r = self.with_link(fd, flags, |ctx| {
@@ -490,19 +495,19 @@ impl Vc {
                 match data.parts() {
                     [] => run(&[]),
                     [one] => run(one),
-                    _ if data.len() <= STAGED => {
+                    parts if data.len() <= STAGED => {
                         // (No allocation for a small message.)
                         let mut raw = std::mem::MaybeUninit::<[u8; STAGED]>::uninit();
                         let mut stage = crate::sys::fd::Stage::new(&mut raw);
                         let flat = stage.zeroed(data.len());
-                        data.copy_to(flat);
+                        let mut at = 0;
+                        for p in parts {
+                            flat[at..at + p.len()].copy_from_slice(p);
+                            at += p.len();
+                        }
                         run(flat)
                     }
-                    _ => {
-                        let mut flat = vec![0; data.len()];
-                        data.copy_to(&mut flat);
-                        run(&flat)
-                    }
+                    parts => run(&parts.concat()),
                 }
             })
         });
@@ -512,11 +517,7 @@ impl Vc {
                 let sent = data.take(n);
                 match sent.parts() {
                     [one] => self.tap(crate::tap::SEND, one),
-                    _ => {
-                        let mut flat = vec![0; sent.len()];
-                        sent.copy_to(&mut flat);
-                        self.tap(crate::tap::SEND, &flat);
-                    }
+                    parts => self.tap(crate::tap::SEND, &parts.concat()),
                 }
             }
         }

@@ -18,8 +18,8 @@ pub mod tx;
 
 pub use rx::{Ingested, ReadPlan, RxState, ANSWER, MIRROR, TAKEN};
 pub use tx::{
-    offer_spec, ring_slices, ring_write, ring_write_with, Blocked, Gather, OfferError, Plan, Source, TxState,
-    GATHER_PARTS,
+    offer_spec, ring_slices, ring_write, ring_write_with, AppBytes, Blocked, Gather, OfferError, Plan,
+    Source, TxState, GATHER_PARTS,
 };
 
 use crate::wire::frame::FrameError;

@@ -858,16 +858,16 @@ impl TxState {
         ring: &mut [u8],
         copy: impl Fn(&mut [u8], &[u8]),
     ) -> usize {
-        self.commit_gather(plan, written, Gather::one(app), ring, copy)
+        self.commit_gather(plan, written, app, ring, copy)
     }
 
-    /// [`commit_with`](Self::commit_with) for a payload gathered from several of the
-    /// application's buffers (a `writev`'s), in order.
-    pub fn commit_gather(
+    /// [`commit_with`](Self::commit_with) for the application's bytes in one buffer or
+    /// gathered from several (a `writev`'s, see [`Gather`]), in order.
+    pub fn commit_gather<'a>(
         &mut self,
         plan: &Plan,
         written: usize,
-        app: Gather<'_>,
+        app: impl AppBytes<'a>,
         ring: &mut [u8],
         copy: impl Fn(&mut [u8], &[u8]),
     ) -> usize {
@@ -894,7 +894,7 @@ impl TxState {
                 // the ring), and what the link did not take yet goes out from the ring. A
                 // frame is never left waiting for the application's next call (which may
                 // never come), so the peer never sits in the middle of a frame.
-                app.take(plan.payload).to_ring(ring, self.next_seq, &copy);
+                to_ring(app.take(plan.payload), ring, self.next_seq, &copy);
                 self.next_seq += plan.payload as u64;
                 self.wire_seq += pw as u64;
                 if plan.payload > 0 {
@@ -915,7 +915,7 @@ impl TxState {
                     self.tail_chain = chain as u32;
                     // As for a plain frame: the raw bytes are accepted whole, and what the
                     // link did not take yet is coded again from the ring.
-                    app.take(raw_len).to_ring(ring, self.next_seq, &copy);
+                    to_ring(app.take(raw_len), ring, self.next_seq, &copy);
                     self.next_seq += raw_len as u64;
                     raw_len
                 } else {
@@ -1055,6 +1055,7 @@ impl Gather<'static> {
 
 impl<'a> Gather<'a> {
     /// One buffer.
+    #[inline]
     pub fn one(b: &'a [u8]) -> Self {
         let mut parts = [&[][..]; GATHER_PARTS];
         let n = usize::from(!b.is_empty());
@@ -1080,22 +1081,29 @@ impl<'a> Gather<'a> {
     }
 
     /// Bytes in all.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// True when there are no bytes.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// The buffers, in order (none empty).
+    #[inline]
     pub fn parts(&self) -> &[&'a [u8]] {
         &self.parts[..self.n]
     }
 
     /// The bytes from `k` on (all of them gone when `k >= len`).
+    #[inline]
     pub fn skip(&self, mut k: usize) -> Self {
+        if k == 0 {
+            return *self;
+        }
         let mut g = Gather { parts: [&[][..]; GATHER_PARTS], n: 0, len: 0 };
         for p in self.parts() {
             if k >= p.len() {
@@ -1111,7 +1119,11 @@ impl<'a> Gather<'a> {
     }
 
     /// The first `k` bytes (all of them when `k >= len`).
+    #[inline]
     pub fn take(&self, mut k: usize) -> Self {
+        if k >= self.len {
+            return *self;
+        }
         let mut g = Gather { parts: [&[][..]; GATHER_PARTS], n: 0, len: 0 };
         for p in self.parts() {
             if k == 0 {
@@ -1134,13 +1146,69 @@ impl<'a> Gather<'a> {
             at += p.len();
         }
     }
+}
 
-    /// Writes the bytes into `ring` at stream offset `seq` with `copy`.
-    fn to_ring(self, ring: &mut [u8], mut seq: u64, copy: &impl Fn(&mut [u8], &[u8])) {
-        for p in self.parts() {
-            ring_write_with(ring, seq, p, copy);
-            seq += p.len() as u64;
-        }
+/// The application's bytes for one send: one buffer (`&[u8]`), or a [`Gather`] of several.
+/// The send path is written once over this, and the one-buffer case costs what a slice does.
+pub trait AppBytes<'a>: Copy {
+    /// Bytes in all.
+    fn len(&self) -> usize;
+    /// True when there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The bytes from `k` on.
+    fn skip(&self, k: usize) -> Self;
+    /// The first `k` bytes.
+    fn take(&self, k: usize) -> Self;
+    /// The buffers in order (a single one may be empty).
+    fn parts(&self) -> &[&'a [u8]];
+}
+
+impl<'a> AppBytes<'a> for &'a [u8] {
+    #[inline]
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    #[inline]
+    fn skip(&self, k: usize) -> Self {
+        &self[k.min(<[u8]>::len(self))..]
+    }
+    #[inline]
+    fn take(&self, k: usize) -> Self {
+        &self[..k.min(<[u8]>::len(self))]
+    }
+    #[inline]
+    fn parts(&self) -> &[&'a [u8]] {
+        std::slice::from_ref(self)
+    }
+}
+
+impl<'a> AppBytes<'a> for Gather<'a> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.len
+    }
+    #[inline]
+    fn skip(&self, k: usize) -> Self {
+        Gather::skip(self, k)
+    }
+    #[inline]
+    fn take(&self, k: usize) -> Self {
+        Gather::take(self, k)
+    }
+    #[inline]
+    fn parts(&self) -> &[&'a [u8]] {
+        Gather::parts(self)
+    }
+}
+
+/// Writes `app`'s bytes into `ring` at stream offset `seq` with `copy`.
+#[inline]
+fn to_ring<'a>(app: impl AppBytes<'a>, ring: &mut [u8], mut seq: u64, copy: &impl Fn(&mut [u8], &[u8])) {
+    for p in app.parts() {
+        ring_write_with(ring, seq, p, copy);
+        seq += p.len() as u64;
     }
 }
 
