@@ -102,16 +102,15 @@ fn vc_readv(vc: &Vc, fd: c_int, iov: &mut ProgIov, flags: c_int) -> Result<usize
 fn vc_writev(vc: &Vc, fd: c_int, iov: &ProgIov, flags: c_int) -> Result<usize, IrbError> {
     // (The program's buffers that are not empty, walked without a list: no allocation.)
     let live = || (0..iov.len()).filter(|&i| iov.len_of(i) > 0);
-    let count = live().count();
-    let len: usize = live().map(|i| iov.len_of(i)).sum();
-    if let (1, Some(i)) = (count, live().next()) {
-        return vc.send(fd, iov.buf(i), flags);
-    }
     // A few buffers (a message's header and body): one frame, in one system call, and no
     // copy of the program's bytes but the replay ring's.
     if let Some(g) = Gather::new(live().map(|i| iov.buf(i))) {
-        return vc.send_gather(fd, g, flags);
+        return match g.parts() {
+            [one] => vc.send(fd, one, flags),
+            _ => vc.send_gather(fd, g, flags),
+        };
     }
+    let len: usize = live().map(|i| iov.len_of(i)).sum();
     if len <= 256 << 10 {
         if len <= GATHER {
             // (No allocation for a small message, and only its bytes touched.)

@@ -196,7 +196,7 @@ const NO_APP: &[u8] = &[];
 #[inline]
 fn write_plan<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], flags: c_int) -> isize {
     if plan.source == Source::App && app.parts().len() > 1 {
-        return write_gathered(fd, plan, app, ring, flags);
+        return write_after(fd, &[], plan, app, ring, &[], flags);
     }
     // Never a SIGPIPE from the physical socket: a failed link is not the program's business
     // (the layer raises SIGPIPE itself when the program's connection really ended).
@@ -225,21 +225,6 @@ fn write_plan<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], f
         *v = p;
     }
     sys::fd::send_parts(fd, &live_parts[..live], flags)
-}
-
-/// [`write_plan`] of a new frame whose payload comes from several of the program's buffers.
-#[inline(never)]
-fn write_gathered<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], flags: c_int) -> isize {
-    let flags = flags | libc::MSG_NOSIGNAL;
-    let (parts, live) = frame_parts(&[], plan, app, ring, &[]);
-    let parts = &parts[..live];
-    if sandbox::active() {
-        return sandboxed_send(fd, parts, flags);
-    }
-    if plan.payload <= FLAT_SEND {
-        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, parts, flags);
-    }
-    sys::fd::send_parts(fd, parts, flags)
 }
 
 /// Most parts of one frame's write: an offer before it, its header, and its payload from
@@ -304,8 +289,8 @@ fn write_coded<'a>(
     write_after(fd, &[], plan, app, ring, made, flags)
 }
 
-/// [`write_coded`] with `before` (a whole chain offer) written first, by the same call.
-#[cold]
+/// [`write_coded`] with `before` (a whole chain offer) written first, by the same call; also
+/// a new frame whose payload is gathered from several of the program's buffers.
 #[inline(never)]
 fn write_after<'a>(
     fd: c_int,
@@ -320,10 +305,14 @@ fn write_after<'a>(
     // (the layer raises SIGPIPE itself when the program's connection really ended).
     let flags = flags | libc::MSG_NOSIGNAL;
     let (parts, live) = frame_parts(before, plan, app, ring, made);
+    let parts = &parts[..live];
     if sandbox::active() {
-        return sandboxed_send(fd, &parts[..live], flags);
+        return sandboxed_send(fd, parts, flags);
     }
-    sys::fd::send_parts(fd, &parts[..live], flags)
+    if parts.iter().map(|p| p.len()).sum::<usize>() <= FLAT_SEND + HEADER_LEN {
+        return sys::fd::send_flat::<{ FLAT_SEND + HEADER_LEN }>(fd, parts, flags);
+    }
+    sys::fd::send_parts(fd, parts, flags)
 }
 
 /// A send under a sandbox: the first form of the call its filters allow. With none, a call

@@ -1048,23 +1048,8 @@ pub struct Gather<'a> {
     len: usize,
 }
 
-impl Gather<'static> {
-    /// No bytes.
-    pub const EMPTY: Gather<'static> = Gather { parts: [&[]; GATHER_PARTS], n: 0, len: 0 };
-}
-
 impl<'a> Gather<'a> {
     /// One buffer.
-    #[inline]
-    pub fn one(b: &'a [u8]) -> Self {
-        let mut parts = [&[][..]; GATHER_PARTS];
-        let n = usize::from(!b.is_empty());
-        if n == 1 {
-            parts[0] = b;
-        }
-        Gather { parts, n, len: b.len() }
-    }
-
     /// The buffers that are not empty, in order; `None` when there are more than
     /// [`GATHER_PARTS`] of them.
     pub fn new<I: IntoIterator<Item = &'a [u8]>>(bufs: I) -> Option<Self> {
@@ -1136,15 +1121,6 @@ impl<'a> Gather<'a> {
             k -= t;
         }
         g
-    }
-
-    /// Copies the bytes into `out`, which must be exactly [`len`](Self::len) long.
-    pub fn copy_to(&self, out: &mut [u8]) {
-        let mut at = 0;
-        for p in self.parts() {
-            out[at..at + p.len()].copy_from_slice(p);
-            at += p.len();
-        }
     }
 }
 
@@ -1229,11 +1205,7 @@ mod tests {
         let (a, b, c) = (&[1u8, 2, 3][..], &[][..], &[4u8, 5, 6, 7][..]);
         let g = Gather::new([a, b, c]).expect("three buffers fit");
         assert_eq!((g.len(), g.parts().len()), (7, 2));
-        let flat = |g: Gather<'_>| {
-            let mut v = vec![0; g.len()];
-            g.copy_to(&mut v);
-            v
-        };
+        let flat = |g: Gather<'_>| g.parts().concat();
         for k in 0..=8 {
             let all: Vec<u8> = (1..=7).collect();
             assert_eq!(flat(g.skip(k)), all[k.min(7)..], "skip {k}");
@@ -1243,7 +1215,8 @@ mod tests {
         }
         assert!(Gather::new(std::iter::repeat_n(a, GATHER_PARTS + 1)).is_none());
         assert!(Gather::new(std::iter::repeat_n(a, GATHER_PARTS)).is_some());
-        assert!(Gather::one(&[]).is_empty() && Gather::one(&[]).parts().is_empty());
+        let none = Gather::new([&[][..], &[][..]]).expect("empty buffers take no place");
+        assert!(none.is_empty() && none.parts().is_empty());
     }
 
     #[test]
