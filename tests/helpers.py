@@ -325,6 +325,14 @@ def kill_all_groups():
         kill_group(pgid, signal.SIGKILL)
 
 
+def process_gone(pid):
+    """True once PID has exited (a zombie counts): it may vanish between any two looks."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 class HarnessError(AssertionError):
     """A program misbehaved (exit status, timeout, unparsable output)."""
 

@@ -372,8 +372,7 @@ def finished(group, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         group.proc.poll()
-        st = Path(f"/proc/{pid}/stat")
-        gone = not st.exists() or st.read_text().split(") ")[-1].startswith("Z")
+        gone = helpers.process_gone(pid)
         lines = [x for x in group.output().splitlines() if x.startswith("{")]
         if gone and lines:
             return json.loads(lines[-1])

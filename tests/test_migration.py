@@ -26,7 +26,7 @@ import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H1_IP, H2, H2_IP, H3, H3_IP1, MIGRATE_BIN, PORTS,
                      PROGRAMS, VMICTL_BIN, assert_same_stream, extra_agent, host_argv, link_down,
-                     link_up, python_prog, vmictl, vmictl_as_nobody, vmictl_status, wait_status)
+                     link_up, process_gone, python_prog, vmictl, vmictl_as_nobody, vmictl_status, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="migration is the layer's work")
 
@@ -79,8 +79,7 @@ def result(proc, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = [l for l in proc.stdout().splitlines() if l.startswith("{")]
-        gone = not Path(f"/proc/{proc.pid}").exists() or \
-            Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[-1].startswith("Z")
+        gone = process_gone(proc.pid)
         if lines and gone:
             return json.loads(lines[-1])
         proc.popen.poll()
