@@ -235,6 +235,7 @@ PORTS = {
     "setup_table": 17974,
     "setup_owner": 17975,
     "gather_writev": 17976,
+    "two_frames": 17977,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

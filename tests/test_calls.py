@@ -170,3 +170,40 @@ def test_a_writev_of_a_header_and_a_large_body_goes_as_one_frame_in_one_call(pro
     assert sum(1 for _, n in sent if n == whole) == messages, detail
     # (A header alone would be a frame of 8 payload bytes.)
     assert not any(n == 8 + FRAME_HEADER for _, n in sent), detail
+
+
+MAX_PAYLOAD = 1 << 20
+
+
+def test_a_write_of_more_than_one_frame_goes_in_one_call(procs, tmp_path):
+    """A frame carries at most 1 MiB, so a 1 MiB message and its 8-byte header (one `writev`,
+    as Open MPI writes them) need two frames. Both go with one system call: before, the second,
+    eight bytes, went with a call of its own after the first (and as a TCP segment of its own,
+    a wake-up of the reader's progress loop per message). Counted from an `strace` of the
+    client's sends: every message one call that carries both frames whole."""
+    port = PORTS["two_frames"]
+    addr = f"{H1_IP}:{port}"
+    messages = 12
+    procs.server(H1, python_prog("progress.py", "server", "--bind", addr), port, layer=True,
+                 name="two-frames-server")
+    trace = tmp_path / "sends.strace"
+    with Watcher(H1, H2) as w:
+        cli = procs.run(H2, ["strace", "-f", "-e", "trace=sendto,sendmsg,writev,write",
+                             "-e", "abbrev=all", "-o", trace,
+                             *python_prog("progress.py", "client", "--connect", addr,
+                                          "--messages", messages, "--size", MAX_PAYLOAD,
+                                          "--hold", 1)],
+                        layer=True, name="two-frames-client", timeout=180)
+    r = cli.last_json()
+    assert r["bad"] == 0 and r["messages"] == messages, r
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    whole = 8 + MAX_PAYLOAD + 2 * FRAME_HEADER
+    sent = []
+    for line in trace.read_text().splitlines():
+        m = re.search(r"\b(sendto|sendmsg|writev|write)\(.*\)\s*=\s*(\d+)\s*$", line)
+        if m:
+            sent.append((m.group(1), int(m.group(2))))
+    detail = f"{len(sent)} sends; sizes: {sorted(set(n for _, n in sent))[:20]}"
+    assert sum(1 for _, n in sent if n == whole) == messages, detail
+    # (The second frame alone: 8 payload bytes.)
+    assert not any(n == 8 + FRAME_HEADER for _, n in sent), detail

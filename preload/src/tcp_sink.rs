@@ -315,6 +315,84 @@ fn write_after<'a>(
     sys::fd::send_parts(fd, parts, flags)
 }
 
+/// The second of two frames one write sends with one call.
+struct Second {
+    /// The sender's state before the first frame was counted as written.
+    before: TxState,
+    /// The program's bytes the first frame carries.
+    first_app: usize,
+    /// The second frame.
+    plan: Plan,
+}
+
+/// When the program's write needs more than the new plain frame `plan` (a frame carries at
+/// most `MAX_PAYLOAD` bytes: a 1 MiB message with the few bytes of a header the program
+/// writes with it needs two), the next frame, planned with the first counted as written
+/// whole (its payload copied into the ring); `None`, with `tx` as it was, otherwise.
+#[inline]
+fn plan_second<'a>(
+    tx: &mut TxState,
+    plan: &Plan,
+    made: &[u8],
+    app: impl AppBytes<'a>,
+    delivered: u64,
+    ring: &mut [u8],
+) -> Option<Second> {
+    if plan.payload >= app.len()
+        || !made.is_empty()
+        || plan.source != Source::App
+        || plan.header_len != HEADER_LEN
+        || sandbox::active()
+    {
+        return None;
+    }
+    two_frames(tx, plan, app, delivered, ring)
+}
+
+#[cold]
+#[inline(never)]
+fn two_frames<'a>(
+    tx: &mut TxState,
+    plan: &Plan,
+    app: impl AppBytes<'a>,
+    delivered: u64,
+    ring: &mut [u8],
+) -> Option<Second> {
+    let before = *tx;
+    let first_app =
+        tx.commit_gather(plan, plan.header_len + plan.payload, app, ring, crate::sys::copy::to_ring);
+    let next = app.skip(first_app);
+    match tx.plan_send(next.len(), delivered, false) {
+        Ok(p) if p.source == Source::App && p.header_len == HEADER_LEN && tx.frame_chain().is_none() => {
+            Some(Second { before, first_app, plan: p })
+        }
+        _ => {
+            *tx = before;
+            None
+        }
+    }
+}
+
+/// Two new plain frames of the program's bytes, `first` then `second`, with one call.
+#[inline(never)]
+fn write_two<'a>(
+    fd: c_int,
+    first: &Plan,
+    app: impl AppBytes<'a>,
+    second: &Plan,
+    app2: impl AppBytes<'a>,
+    flags: c_int,
+) -> isize {
+    let flags = flags | libc::MSG_NOSIGNAL;
+    let (a, n) = frame_parts(&[], first, app, &[], &[]);
+    let (b, m) = frame_parts(&[], second, app2, &[], &[]);
+    let mut parts = [&[][..]; 2 * WRITE_PARTS];
+    parts[..n].copy_from_slice(&a[..n]);
+    parts[n..n + m].copy_from_slice(&b[..m]);
+    // (At most `sys::fd::MAX_PARTS` go: the kernel's count then covers a prefix of the two.)
+    sys::fd::send_parts(fd, &parts[..n + m], flags)
+}
+
 /// A send under a sandbox: the first form of the call its filters allow. With none, a call
 /// that must not block says `EAGAIN` (the control thread, free of the filter, does it later);
 /// a blocking one fails with `EPERM` and a log line (the program's own call would have been
@@ -780,6 +858,43 @@ pub fn send<'a>(
             } else if let Some(n) = splice_plan(mem, fd, &plan, &made, rest, tx, ring, kflags) {
                 r = n;
                 spliced = true;
+            } else if let Some(two) = plan_second(tx, &plan, &made, rest, delivered, ring) {
+                // The write needs more than one frame: the next goes by the same call.
+                let hi = tx.next_seq + two.plan.payload as u64;
+                if hi > c.wire_hi.load(Relaxed) {
+                    c.wire_hi.store(hi, Release);
+                }
+                let rest2 = rest.skip(two.first_app);
+                r = write_two(fd, &plan, rest, &two.plan, rest2, kflags);
+                let first = plan.header_len + plan.payload;
+                if r >= first as isize {
+                    // (The first frame's payload went into the ring when it was counted.)
+                    total += two.first_app;
+                    total += tx.commit_gather(
+                        &two.plan,
+                        r as usize - first,
+                        rest2,
+                        ring,
+                        crate::sys::copy::to_ring,
+                    );
+                    publish_tx(mem, tx, slot);
+                    if tx.in_frame() {
+                        if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                            linkstate::owed_later();
+                            return Ok(total);
+                        }
+                        continue;
+                    }
+                    if total == data.len() {
+                        return Ok(total);
+                    }
+                    if (r as usize) < first + two.plan.header_len + two.plan.payload {
+                        return Ok(total);
+                    }
+                    continue;
+                }
+                // Not even the first frame went whole: as if it had been written alone.
+                *tx = two.before;
             } else {
                 r = write_coded(fd, &plan, rest, ring, &made, kflags);
             }

@@ -9,9 +9,10 @@ use std::ffi::CStr;
 use std::net::SocketAddr;
 
 /// Most buffer parts one gathered or scattered call takes (a chain offer, a frame header and
-/// the payload gathered from up to six of the program's buffers; or a header and the two
-/// pieces of a payload that wraps around the ring).
-pub const MAX_PARTS: usize = 8;
+/// the payload gathered from up to six of the program's buffers; a header and the two pieces
+/// of a payload that wraps around the ring; or two frames, each a header and its payload,
+/// from the program's buffers). A call given more sends a prefix of them.
+pub const MAX_PARTS: usize = 10;
 
 /// A socket address owned by the layer, ready for `bind` or `connect`.
 #[derive(Clone, Copy)]
