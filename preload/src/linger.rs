@@ -85,6 +85,16 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         vc.abort(fd);
         return reset(fd);
     }
+    if !fin_mode && nothing_left(&vc) {
+        // The peer's FIN arrived, nothing waits to be read and nothing of ours to be sent:
+        // no byte can arrive after this close, so the kernel's own close (a FIN) ends it as
+        // the lingering below would, without a descriptor kept, a shutdown and a last read.
+        let r = sys::cvt(sys::fd::close(fd));
+        if !told {
+            crate::relink::ended(&vc);
+        }
+        return r;
+    }
     let keep = sys::fd::fcntl(fd, libc::F_DUPFD_CLOEXEC, 700);
     let r = sys::cvt(sys::fd::close(fd));
     if keep >= 0 {
@@ -130,6 +140,19 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         }
     }
     r
+}
+
+/// True when a connection on TCP has nothing left to linger for: the peer's FIN arrived on
+/// the socket (its program closed; no frame can follow) and nothing of ours waits to go (the
+/// rest of a frame, a Fin frame owed, a replay). (Unread payload was looked at before.)
+fn nothing_left(vc: &Vc) -> bool {
+    use std::sync::atomic::Ordering::Acquire;
+    let c = vc.mem().conn();
+    if c.peer_eof.load(Acquire) == 0 || c.fin_owed.load(Acquire) != 0 || vc.shm_now().is_some() {
+        return false;
+    }
+    let Some(mut g) = c.tx_lock.try_lock() else { return false };
+    c.with_tx(&mut g, |tx| !tx.in_frame() && !tx.replaying())
 }
 
 /// How long a blocking `shutdown(SHUT_WR)` waits for its end of stream to leave this host.

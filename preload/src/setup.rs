@@ -386,8 +386,11 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     match Vc::new(s) {
         Some(vc) => {
             log::info(format_args!("virtual connection {gid:032x}: {local} <- {peer}"));
-            if let (true, Some(sl), Some(l)) = (renamed, vc.slot(), sys::local_addr(fd)) {
-                sl.set_link(&l, &peer);
+            // (Only then: the address is asked of the kernel.)
+            if renamed {
+                if let (Some(sl), Some(l)) = (vc.slot(), sys::local_addr(fd)) {
+                    sl.set_link(&l, &peer);
+                }
             }
             offer_configured_chain(&vc, fd, peer.ip());
             fdtable::insert(fd, Entry::Vc(Arc::new(vc)));
