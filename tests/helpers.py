@@ -236,6 +236,7 @@ PORTS = {
     "setup_owner": 17975,
     "gather_writev": 17976,
     "two_frames": 17977,
+    "shm_withdrawn_moves": 17978,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -315,6 +315,28 @@ def test_send_before_the_peer_accepts(procs, nonblocking):
     assert "shared memory not used: the program sends" in p.stderr(), p.stderr()[-2000:]
 
 
+def test_a_withdrawn_offer_moves_onto_shared_memory_later(procs):
+    """A client sends before its server accepts (test_send_before_the_peer_accepts: the offer
+    is withdrawn and TCP takes the bytes), then the two talk on. Once the server holds the
+    connection, the layer moves it onto shared memory by itself (MPI ranks on one node
+    connect like this), with no byte lost or changed on the way."""
+    port = PORTS["shm_withdrawn_moves"]
+    addr = f"{H1_IP}:{port}"
+    procs.server(H1, python_prog("late_accept.py", "server", "--bind", addr, "--accept-after", 0.5),
+                 port, layer=True, name="late-accept-server", env=ON)
+    cli = procs.start(H1, python_prog("late_accept.py", "client", "--connect", addr, "--seconds", 5),
+                      layer=True, name="late-accept-client", env={**ON, "VMI_LOG": "info"})
+    wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
+                "both ends moved onto shared memory by the layer itself")
+    cli.wait(timeout=30)
+    r = cli.last_json()
+    assert "error" not in r and r["same"] and r["echoed"] == 3000, r
+    assert r["rounds"] > 100 and r["bad"] == 0, r
+    err = cli.stderr()
+    assert "shared memory not used: the program sends" in err, err[-2000:]
+    assert "onto shared memory now (its offer was withdrawn at set-up" in err, err[-2000:]
+
+
 def test_nonblocking_message_stream_through_moves(procs):
     """Framed messages both ways over non-blocking sockets (asyncio), every message checked,
     while the operator moves the connection to TCP, back to shared memory and to TCP again."""

@@ -301,6 +301,95 @@ const ENDED_DELAY_MS: u64 = 50;
 /// When the ends kept back are due (`sys::now_ms`; 0: none kept).
 static ENDED_DUE: AtomicU64 = AtomicU64::new(0);
 
+/// When the connections whose shared-memory offer was withdrawn at set-up are looked at
+/// next (`sys::now_ms`; 0: none waits).
+static SHM_LATER_DUE: AtomicU64 = AtomicU64::new(0);
+/// How long after a withdrawal the move onto shared memory is first tried: by then the
+/// peer's program has accepted, as a rule (MPI ranks and UCX accept right after their first
+/// sends).
+const SHM_LATER_MS: u64 = 200;
+/// Tries of that move, each twice as long after the one before.
+const SHM_LATER_TRIES: u32 = 5;
+
+/// A connection of this process withdrew its shared-memory offer (its program sent before
+/// the peer's program accepted): the control thread moves it onto shared memory later.
+pub fn shm_later() {
+    due_at(&SHM_LATER_DUE, sys::now_ms() + SHM_LATER_MS);
+}
+
+/// Makes `due` at most `at`.
+fn due_at(due: &AtomicU64, at: u64) {
+    let _ = due.fetch_update(Relaxed, Relaxed, |d| (d == 0 || d > at).then_some(at));
+}
+
+/// Moves the connections whose offer was withdrawn onto shared memory, once due: through the
+/// agent, as `vmictl move GID shm` does, so that both ends are told (the agent checks that
+/// both are on this node). A connection that cannot move now (the peer's program has not
+/// accepted it yet) is tried again later, [`SHM_LATER_TRIES`] times in all.
+fn shm_later_due(now: u64) {
+    let due = SHM_LATER_DUE.load(Relaxed);
+    if due == 0 || now < due {
+        return;
+    }
+    SHM_LATER_DUE.store(0, Relaxed);
+    for v in crate::vc::connections() {
+        let Some(l) = v.shm() else { continue };
+        if !l.withdrawn_waits() {
+            continue;
+        }
+        let c = v.mem().conn();
+        let gid = c.gid;
+        if c.link_down.load(Acquire) != 0 {
+            // (A failover under way: after it.)
+            due_at(&SHM_LATER_DUE, now + SHM_LATER_MS);
+            continue;
+        }
+        let not_now = if v.shm_now().is_some() {
+            Some("on shared memory already")
+        } else if c.broken.load(Acquire) != 0 || c.peer_eof.load(Acquire) != 0 || c.tx_shut.load(Acquire) != 0
+        {
+            Some("ending")
+        } else if !shm_wanted(&v) {
+            Some("shared memory is off here, or the connection is shared or filtered")
+        } else if !crate::shm_sink::same_node(&c.peer_agents()) {
+            Some("the peer is on another node")
+        } else {
+            None
+        };
+        if let Some(why) = not_now {
+            l.withdrawn_done();
+            log::debug(format_args!("virtual connection {gid:032x}: not moved onto shared memory ({why})"));
+            continue;
+        }
+        let tries = l.withdrawn_try() + 1;
+        match agent::request(&Msg::Move { gid, shm: true }) {
+            Some(Msg::Ok) => {
+                l.withdrawn_done();
+                log::info(format_args!(
+                    "virtual connection {gid:032x}: onto shared memory now (its offer was withdrawn at set-up: the program sent before the peer's program accepted)"
+                ));
+            }
+            answer if tries < SHM_LATER_TRIES => {
+                log::debug(format_args!(
+                    "virtual connection {gid:032x}: not moved onto shared memory yet (the agent answered {answer:?})"
+                ));
+                due_at(&SHM_LATER_DUE, now + (SHM_LATER_MS << tries));
+            }
+            answer => {
+                l.withdrawn_done();
+                let why = match answer {
+                    Some(Msg::Error { reason }) => reason,
+                    Some(other) => format!("the agent answered {other:?}"),
+                    None => "no agent answered".to_string(),
+                };
+                log::info(format_args!(
+                    "virtual connection {gid:032x} stays on TCP after {tries} tries to move it onto shared memory: {why}"
+                ));
+            }
+        }
+    }
+}
+
 /// Ends of streams not told to the agent yet (encoded `Ended` messages). They matter only
 /// once this process no longer holds the connection, so they go together: at most
 /// [`ENDED_DELAY_MS`] after the first of them (the control thread writes every end that came
@@ -565,6 +654,7 @@ fn control_loop() -> Ending {
             if due == 0 || due <= sys::now_ms() {
                 flush_ended();
             }
+            shm_later_due(sys::now_ms());
         }
         let wake_fd = crate::ownfd::own_fd(OWN_WAKE);
         let mut pfds = [
@@ -589,10 +679,10 @@ fn control_loop() -> Ending {
         // sweep: with thousands of idle connections a walk costs milliseconds.
         let busy = timeout < 500 || w.thawing.is_some() || !w.last_wire.is_empty();
         // (Ends of streams kept back are told when due; that alone is no work under way.)
-        let wait = match ENDED_DUE.load(Relaxed) {
-            0 => timeout,
-            due => timeout.min(due.saturating_sub(sys::now_ms()).max(1) as i32),
-        };
+        let wait = [ENDED_DUE.load(Relaxed), SHM_LATER_DUE.load(Relaxed)]
+            .into_iter()
+            .filter(|&due| due != 0)
+            .fold(timeout, |t, due| t.min(due.saturating_sub(sys::now_ms()).clamp(1, 60_000) as i32));
         let r = wait_two(&mut pfds, wait);
         if r < 0 {
             let e = sys::errno();
@@ -965,7 +1055,10 @@ fn move_conn(gid: u128, shm: bool) {
         return;
     }
     // A new link, negotiated again: shared memory, since both ends are here.
-    link_broken(v.mem(), "moving to shared memory, as the operator asked");
+    link_broken(
+        v.mem(),
+        "moving to shared memory, as asked (by an operator, or after an offer withdrawn at set-up)",
+    );
     kick(&v);
 }
 

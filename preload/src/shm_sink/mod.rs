@@ -99,11 +99,31 @@ pub struct ShmLink {
     /// When the offer was made (ms, `sys::now_ms`; connecting side only): a send still
     /// without an answer `OFFER_WAIT_MS` later withdraws it.
     offered_ms: u64,
+    /// The offer was withdrawn (the program sent before its peer accepted): the connection
+    /// moves onto shared memory later, by itself (`relink::shm_later`); the tries so far.
+    withdrew: AtomicBool,
+    tries: AtomicU32,
 }
 
 impl ShmLink {
     fn head(&self) -> &Head {
         self.map.atomics(0)
+    }
+
+    /// True while a connection whose offer was withdrawn at set-up waits to be moved onto
+    /// shared memory; `tries` counts the tries (the caller stops when it says so).
+    pub fn withdrawn_waits(&self) -> bool {
+        self.withdrew.load(Acquire)
+    }
+
+    /// One more try of that move; how many there were before it.
+    pub fn withdrawn_try(&self) -> u32 {
+        self.tries.fetch_add(1, AcqRel)
+    }
+
+    /// The move was asked for, or will never be: no more tries.
+    pub fn withdrawn_done(&self) {
+        self.withdrew.store(false, Release);
     }
 
     /// What carries the bytes now.

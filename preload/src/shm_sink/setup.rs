@@ -146,6 +146,8 @@ impl ShmLink {
             eof: AtomicBool::new(false),
             bases,
             epoch: AtomicU32::new(0),
+            withdrew: AtomicBool::new(false),
+            tries: AtomicU32::new(0),
         })
     }
 
@@ -240,6 +242,8 @@ impl ShmLink {
             eof: AtomicBool::new(false),
             bases,
             epoch: AtomicU32::new(0),
+            withdrew: AtomicBool::new(false),
+            tries: AtomicU32::new(0),
         })
     }
 
@@ -257,6 +261,9 @@ impl ShmLink {
             sys::fd::unlink(p);
         }
         self.mode.store(2, Release);
+        if self.active && !self.withdrew.swap(true, AcqRel) {
+            crate::relink::shm_later();
+        }
     }
 
     /// `withdraw`: the caller is about to send; once `OFFER_WAIT_MS` passed since the offer
@@ -406,6 +413,8 @@ impl ShmLink {
             eof: AtomicBool::new(false),
             bases,
             epoch: AtomicU32::new(0),
+            withdrew: AtomicBool::new(false),
+            tries: AtomicU32::new(0),
         })
     }
 }
