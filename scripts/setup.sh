@@ -15,6 +15,8 @@ APT_PACKAGES=(
     sockperf
     redis-server
     redis-tools
+    memcached
+    libmemcached-tools
     socat
     netcat-openbsd
     iproute2
@@ -70,7 +72,13 @@ if command -v systemctl >/dev/null 2>&1; then
     systemctl disable redis-server >/dev/null 2>&1 || true
 fi
 service redis-server stop >/dev/null 2>&1 || true
-# Likewise nginx on port 80 and the cluster PostgreSQL makes (the tests make their own).
+# Likewise memcached on 127.0.0.1:11211,
+if command -v systemctl >/dev/null 2>&1; then
+    systemctl stop memcached >/dev/null 2>&1 || true
+    systemctl disable memcached >/dev/null 2>&1 || true
+fi
+service memcached stop >/dev/null 2>&1 || true
+# nginx on port 80 and the cluster PostgreSQL makes (the tests make their own).
 if command -v systemctl >/dev/null 2>&1; then
     systemctl stop nginx >/dev/null 2>&1 || true
     systemctl disable nginx >/dev/null 2>&1 || true

@@ -237,6 +237,8 @@ PORTS = {
     "gather_writev": 17976,
     "two_frames": 17977,
     "shm_withdrawn_moves": 17978,
+    "memcached": 17979,
+    "memcached_values": 17980,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

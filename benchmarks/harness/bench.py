@@ -62,6 +62,7 @@ TARGET_THROUGHPUT_RATIO = 0.95   # layer iperf3 throughput >= 95 % of native
 TARGET_CPU_PER_GIB_RATIO = 1.10  # layer CPU time (both ends) per GiB moved <= 1.10 x native
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
 TARGET_NGINX_RATIO = 0.95        # layer nginx requests/s (wrk) >= 95 % of native
+TARGET_MEMCACHED_RATIO = 0.95    # layer memcached operations/s (memcaslap) >= 95 % of native
 TARGET_MPI_RATIO = 0.95          # MPI 1 MiB bandwidth and native/layer 8 B latency >= 0.95
 TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
 TARGET_NONTCP_RATIO = 1.05       # calls on descriptors the layer does not manage: <= 105 %
@@ -75,16 +76,18 @@ LOCAL_TARGET_LATENCY_64B = 0.10   # layer p50 at 64 B <= 1/10 of loopback TCP
 LOCAL_TARGET_LATENCY = 1.0        # and never slower at any other size
 LOCAL_TARGET_THROUGHPUT = 2.0     # iperf3 >= 2 x loopback TCP
 LOCAL_TARGET_NGINX = 1.3          # nginx requests/s (wrk) >= 1.3 x loopback TCP
+LOCAL_TARGET_REQUESTS = 1.5       # redis and memcached operations/s >= 1.5 x loopback TCP
 TARGET_IDLE_CPU_PCT = 0.5         # CPU used by a process holding idle connections (percent)
 TARGET_FAILOVER_SILENT_MS = 100.0  # longest receive stall after a silent path failure (and
                                    # the layer no worse than MPTCP for either kind of failure)
 
-BENCHMARKS = ["latency", "throughput", "redis", "nginx", "connrate", "idle", "nontcp", "calls", "hockney",
+BENCHMARKS = ["latency", "throughput", "redis", "memcached", "nginx", "connrate", "idle", "nontcp", "calls", "hockney",
               "irb", "mpi", "failover"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
     "redis-benchmark": "redis",
+    "memcaslap": "memcached", "memcache": "memcached",
     "wrk": "nginx", "http": "nginx",
     "conn": "connrate", "connections": "connrate",
     "rss": "idle", "memory": "idle", "idle_conns": "idle",
@@ -705,6 +708,18 @@ def parse_wrk(text: str) -> dict:
     return out
 
 
+def parse_memcaslap(text: str) -> dict:
+    """memcaslap's last line: "Run time: 3.0s Ops: 234748 TPS: 78243 Net_rate: 87.5M/s"."""
+    m = re.search(r"Run time: ([0-9.]+)s Ops: (\d+) TPS: (\d+)", text)
+    if not m:
+        raise BenchError("no result in memcaslap output: " + text.strip()[-200:])
+    out = {"seconds": float(m.group(1)), "ops": int(m.group(2)), "tps": int(m.group(3))}
+    failed = re.search(r"^verify_failed: (\d+)", text, re.M)
+    if failed and int(failed.group(1)) != 0:
+        raise BenchError(f"memcaslap: {failed.group(1)} values failed verification")
+    return out
+
+
 def parse_redis_csv(text: str) -> dict:
     out: dict[str, dict] = {}
     for line in text.splitlines():
@@ -1117,6 +1132,36 @@ class Harness:
                         "--bind", self.server.ip, "--port", str(port), "--daemonize", "no",
                         "--dir", str(self.logs)], port, tag, body)
                     b["runs"].append({"mode": mode, "rep": rep, "tests": res})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
+    # ---------------------------------------------------------------- 3a. memcached
+    def b_memcached(self) -> None:
+        """memcached (four worker threads, epoll) under memcaslap's default mix (nine gets to
+        a set, 1 KiB values and more), 50 connections from two threads, operations/s; a
+        tenth of the values got back verified."""
+        name = "memcached"
+        a = self.args
+        secs = 3 if a.quick else 8
+        b = self.bench(name)
+        b["params"] = {"seconds": secs, "connections": 50, "client_threads": 2, "server_threads": 4}
+        for rep in range(a.reps):
+            for mode in self.order(rep):
+                tag = f"{mode}-r{rep}"
+                port = self.next_port()
+                log(f"memcached {mode} rep {rep + 1}/{a.reps}")
+                try:
+                    def body() -> dict:
+                        r = self.client_run(name, mode, [
+                            "memcaslap", "-s", f"{self.server.ip}:{port}", "-t", f"{secs}s", "-c", "50",
+                            "-T", "2", "--verify=0.1"], timeout=secs + 60, tag=tag)
+                        if r.rc != 0:
+                            raise BenchError(f"memcaslap rc={r.rc}: {(r.stderr or r.stdout).strip()[-200:]}")
+                        return parse_memcaslap(r.stdout)
+                    res = self.with_server(name, mode, [
+                        "memcached", "-u", "root", "-l", self.server.ip, "-p", str(port), "-U", "0",
+                        "-t", "4", "-m", "256"], port, tag, body)
+                    b["runs"].append({"mode": mode, "rep": rep, **res})
                 except BenchError as e:
                     self.error(name, f"{mode} rep {rep + 1}", str(e))
 
@@ -1680,7 +1725,7 @@ class Harness:
                     self.results["problems"].append(f"agents did not start: {e}")
                     log(f"agents did not start ({e}); layered runs will be error rows")
             order = [("latency", self.b_latency), ("throughput", self.b_throughput),
-                     ("redis", self.b_redis), ("nginx", self.b_nginx),
+                     ("redis", self.b_redis), ("memcached", self.b_memcached), ("nginx", self.b_nginx),
                      ("connrate", self.b_connrate),
                      ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("calls", self.b_calls),
                      ("irb", self.b_irb), ("mpi", self.b_mpi),
@@ -1719,7 +1764,7 @@ class Harness:
     def missing_tools(bname: str) -> list[str]:
         need = {"latency": ["sockperf"], "throughput": ["iperf3"],
                 "redis": ["redis-server", "redis-benchmark"], "failover": ["tc"],
-                "nginx": ["nginx", "wrk"],
+                "nginx": ["nginx", "wrk"], "memcached": ["memcached", "memcaslap"],
                 "mpi": ["mpirun.openmpi", "NPopenmpi"]}.get(bname, [])
         return [t for t in need if shutil.which(t) is None]
 
@@ -1944,6 +1989,12 @@ class Report:
                 add(f"redis_{t}", f"redis-benchmark {t} (ops/s, 50 clients)", nat, lay,
                     TARGET_REDIS_RATIO, 0)
             rows += self.check_rows("redis", len(hdr)) + self.error_rows("redis", len(hdr))
+        if self.b("memcached"):
+            nat = [r["tps"] for r in self.by("memcached", NATIVE)]
+            lay = [r["tps"] for r in self.by("memcached", LAYER)]
+            add("memcached", "memcached + memcaslap (operations/s, 50 connections)", nat, lay,
+                TARGET_MEMCACHED_RATIO, 0)
+            rows += self.check_rows("memcached", len(hdr)) + self.error_rows("memcached", len(hdr))
         if self.b("nginx"):
             nat = [r["rps"] for r in self.by("nginx", NATIVE)]
             lay = [r["rps"] for r in self.by("nginx", LAYER)]
@@ -2426,7 +2477,7 @@ def plots(h: Harness, summary: dict, out: Path) -> list[str]:
         ax = axes[1]
         keys = [k for k in rates]
         labels = {"iperf3_P1": "iperf3 x1", "iperf3_P4": "iperf3 x4", "redis_SET": "redis SET",
-                  "redis_GET": "redis GET", "connrate": "conn/s"}
+                  "redis_GET": "redis GET", "memcached": "memcached", "connrate": "conn/s"}
         vals = [rates[k]["ratio"] for k in keys]
         if any(v is not None for v in vals):
             ax.bar(range(len(keys)), [v or 0 for v in vals], color=colors[LAYER])
@@ -2638,9 +2689,11 @@ def main(argv: list[str]) -> int:
     if args.local:
         # One host: the layer carries the bytes through shared memory and must beat loopback.
         global LOCAL_MODE, TARGET_THROUGHPUT_RATIO, TARGET_NGINX_RATIO
+        global TARGET_REDIS_RATIO, TARGET_MEMCACHED_RATIO
         LOCAL_MODE = True
         TARGET_THROUGHPUT_RATIO = LOCAL_TARGET_THROUGHPUT
         TARGET_NGINX_RATIO = LOCAL_TARGET_NGINX
+        TARGET_REDIS_RATIO = TARGET_MEMCACHED_RATIO = LOCAL_TARGET_REQUESTS
     h = Harness(args)
     if not args.native_only:
         missing = [k for k in ("preload", "vmi-agent", "vmictl") if not h.bins[k].exists()]
