@@ -315,62 +315,54 @@ fn write_after<'a>(
     sys::fd::send_parts(fd, parts, flags)
 }
 
-/// The second of two frames one write sends with one call.
-struct Second {
-    /// The sender's state before the first frame was counted as written.
-    before: TxState,
-    /// The program's bytes the first frame carries.
-    first_app: usize,
-    /// The second frame.
-    plan: Plan,
-}
-
-/// When the program's write needs more than the new plain frame `plan` (a frame carries at
-/// most `MAX_PAYLOAD` bytes: a 1 MiB message with the few bytes of a header the program
-/// writes with it needs two), the next frame, planned with the first counted as written
-/// whole (its payload copied into the ring); `None`, with `tx` as it was, otherwise.
-#[inline]
-fn plan_second<'a>(
+/// A write that needs more than the new plain frame `plan` (a frame carries at most
+/// `MAX_PAYLOAD` bytes: a 1 MiB message with the few bytes of a header the program writes
+/// with it needs two): the next frame is planned with the first counted as written whole
+/// (its payload copied into the ring), and both go with one call. Returns the kernel's
+/// answer, and when it took all of the first frame, the program's bytes the two frames
+/// carry and the bytes offered (both counted in `tx`); otherwise `tx` is as it was, and the
+/// answer is the first frame's alone. Only a plain frame of the program's bytes goes so.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn send_two<'a>(
+    c: &crate::shm::SharedConn,
+    fd: c_int,
     tx: &mut TxState,
     plan: &Plan,
     made: &[u8],
     app: impl AppBytes<'a>,
     delivered: u64,
     ring: &mut [u8],
-) -> Option<Second> {
-    if plan.payload >= app.len()
-        || !made.is_empty()
-        || plan.source != Source::App
-        || plan.header_len != HEADER_LEN
-        || sandbox::active()
-    {
-        return None;
+    flags: c_int,
+) -> (isize, Option<(usize, usize)>) {
+    if !made.is_empty() || plan.source != Source::App || plan.header_len != HEADER_LEN || sandbox::active() {
+        return (write_coded(fd, plan, app, ring, made, flags), None);
     }
-    two_frames(tx, plan, app, delivered, ring)
-}
-
-#[cold]
-#[inline(never)]
-fn two_frames<'a>(
-    tx: &mut TxState,
-    plan: &Plan,
-    app: impl AppBytes<'a>,
-    delivered: u64,
-    ring: &mut [u8],
-) -> Option<Second> {
     let before = *tx;
     let first_app =
         tx.commit_gather(plan, plan.header_len + plan.payload, app, ring, crate::sys::copy::to_ring);
-    let next = app.skip(first_app);
-    match tx.plan_send(next.len(), delivered, false) {
-        Ok(p) if p.source == Source::App && p.header_len == HEADER_LEN && tx.frame_chain().is_none() => {
-            Some(Second { before, first_app, plan: p })
-        }
+    let rest = app.skip(first_app);
+    let second = match tx.plan_send(rest.len(), delivered, false) {
+        Ok(p) if p.source == Source::App && p.header_len == HEADER_LEN && tx.frame_chain().is_none() => p,
         _ => {
             *tx = before;
-            None
+            return (write_coded(fd, plan, app, ring, made, flags), None);
         }
+    };
+    let hi = tx.next_seq + second.payload as u64;
+    if hi > c.wire_hi.load(Relaxed) {
+        c.wire_hi.store(hi, Release);
     }
+    let r = write_two(fd, plan, app, &second, rest, flags);
+    let first = plan.header_len + plan.payload;
+    if r < first as isize {
+        // Not even the first frame went whole: as if it had been written alone.
+        *tx = before;
+        return (r, None);
+    }
+    let more = tx.commit_gather(&second, r as usize - first, rest, ring, crate::sys::copy::to_ring);
+    (r, Some((first_app + more, first + second.header_len + second.payload)))
 }
 
 /// Two new plain frames of the program's bytes, `first` then `second`, with one call.
@@ -831,6 +823,9 @@ pub fn send<'a>(
             let (plan, made) = make_payload(mem, tx, plan, rest, ring).map_err(|e| fail(mem, slot, fd, e))?;
             let mut r;
             let mut spliced = false;
+            // Two frames written by one call: the program's bytes both carry, and the bytes
+            // offered to the kernel.
+            let mut two = None;
             if let Some((before, op, spec)) = offer_first.take() {
                 r = write_after(fd, &spec, &plan, rest, ring, &made, kflags);
                 let off = op.header_len + op.payload;
@@ -858,43 +853,9 @@ pub fn send<'a>(
             } else if let Some(n) = splice_plan(mem, fd, &plan, &made, rest, tx, ring, kflags) {
                 r = n;
                 spliced = true;
-            } else if let Some(two) = plan_second(tx, &plan, &made, rest, delivered, ring) {
-                // The write needs more than one frame: the next goes by the same call.
-                let hi = tx.next_seq + two.plan.payload as u64;
-                if hi > c.wire_hi.load(Relaxed) {
-                    c.wire_hi.store(hi, Release);
-                }
-                let rest2 = rest.skip(two.first_app);
-                r = write_two(fd, &plan, rest, &two.plan, rest2, kflags);
-                let first = plan.header_len + plan.payload;
-                if r >= first as isize {
-                    // (The first frame's payload went into the ring when it was counted.)
-                    total += two.first_app;
-                    total += tx.commit_gather(
-                        &two.plan,
-                        r as usize - first,
-                        rest2,
-                        ring,
-                        crate::sys::copy::to_ring,
-                    );
-                    publish_tx(mem, tx, slot);
-                    if tx.in_frame() {
-                        if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
-                            linkstate::owed_later();
-                            return Ok(total);
-                        }
-                        continue;
-                    }
-                    if total == data.len() {
-                        return Ok(total);
-                    }
-                    if (r as usize) < first + two.plan.header_len + two.plan.payload {
-                        return Ok(total);
-                    }
-                    continue;
-                }
-                // Not even the first frame went whole: as if it had been written alone.
-                *tx = two.before;
+            } else if plan.payload < rest.len() {
+                // The write needs more than this frame: the next may go by the same call.
+                (r, two) = send_two(c, fd, tx, &plan, &made, rest, delivered, ring, kflags);
             } else {
                 r = write_coded(fd, &plan, rest, ring, &made, kflags);
             }
@@ -907,7 +868,10 @@ pub fn send<'a>(
                 let err = physical_error(mem, e, true, flags, gen);
                 return if total > 0 { Ok(total) } else { Err(err) };
             }
-            total += if spliced {
+            total += if let Some((app, _)) = two {
+                // (Both frames counted already.)
+                app
+            } else if spliced {
                 // (The payload is in the ring already.)
                 tx.commit_gather(&plan, r as usize, rest, ring, |_, _| {})
             } else {
@@ -927,7 +891,8 @@ pub fn send<'a>(
             if total == data.len() {
                 return Ok(total);
             }
-            if (r as usize) < plan.header_len + plan.payload && total > 0 {
+            if (r as usize) < two.map_or(plan.header_len + plan.payload, |(_, offered)| offered) && total > 0
+            {
                 // (A coded frame's payload counts coded bytes: any shortfall is one.)
                 // The kernel took less than offered (signal, or a full non-blocking buffer).
                 return Ok(total);
