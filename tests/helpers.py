@@ -239,6 +239,7 @@ PORTS = {
     "shm_withdrawn_moves": 17978,
     "memcached": 17979,
     "memcached_values": 17980,
+    "shm_self_fork_moves": 17981,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -337,6 +337,27 @@ def test_a_withdrawn_offer_moves_onto_shared_memory_later(procs):
     assert "onto shared memory now (its offer was withdrawn at set-up" in err, err[-2000:]
 
 
+def test_both_ends_in_one_process_then_one_each_after_fork(procs):
+    """A process connects to its own listener and sends before it accepts (its offer is
+    withdrawn), then forks: the child closes its copy of the connecting end and accepts, so
+    each process holds one end of the one connection. The node's agent must keep the child's
+    end when the child lets the other go (it keeps sides, not just the GID): the layer's move
+    onto shared memory, which needs both ends held here, happens, and the two talk on with no
+    byte lost."""
+    port = PORTS["shm_self_fork_moves"]
+    addr = f"{H1_IP}:{port}"
+    p = procs.start(H1, python_prog("self_connect.py", "--bind", addr, "--bytes", 3000, "--fork",
+                                    "--then-seconds", 5),
+                    layer=True, name="self-connect-fork", env={**ON, "VMI_LOG": "info"})
+    wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
+                "both ends (one per process) moved onto shared memory")
+    p.wait(timeout=30)
+    r = p.last_json()
+    assert "error" not in r and r["same"] and r["echoed"] == 3000, r
+    assert r["rounds"] > 100 and r["bad"] == 0, r
+    assert "onto shared memory now" in p.stderr(), p.stderr()[-2000:]
+
+
 def test_nonblocking_message_stream_through_moves(procs):
     """Framed messages both ways over non-blocking sockets (asyncio), every message checked,
     while the operator moves the connection to TCP, back to shared memory and to TCP again."""

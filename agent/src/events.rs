@@ -20,8 +20,69 @@ use tracing::{debug, info, warn};
 struct Chan {
     pid: u32,
     out: UnixStream,
-    /// Connections this process holds, with its side (true: it connected).
-    holds: HashMap<u128, bool>,
+    /// Connections this process holds, with its sides.
+    holds: Holds,
+}
+
+/// The connections a process holds, each with the sides it holds: one as a rule, both for a
+/// process connected to its own listener (one GID, two ends), whose child may keep one end
+/// and let the other go.
+#[derive(Default)]
+struct Holds(HashMap<u128, u8>);
+
+/// The bit of a side in [`Holds`] (true: the connecting side's end).
+fn side_bit(active: bool) -> u8 {
+    if active {
+        2
+    } else {
+        1
+    }
+}
+
+impl Holds {
+    fn insert(&mut self, gid: u128, active: bool) {
+        *self.0.entry(gid).or_default() |= side_bit(active);
+    }
+
+    /// Lets side `active` of `gid` go; true if it was held.
+    fn remove_side(&mut self, gid: u128, active: bool) -> bool {
+        let Some(bits) = self.0.get_mut(&gid) else { return false };
+        let had = *bits & side_bit(active) != 0;
+        *bits &= !side_bit(active);
+        if *bits == 0 {
+            self.0.remove(&gid);
+        }
+        had
+    }
+
+    /// Lets every side of `gid` go; the sides that were held.
+    fn remove_all(&mut self, gid: u128) -> Vec<bool> {
+        let bits = self.0.remove(&gid).unwrap_or(0);
+        [false, true].into_iter().filter(|&a| bits & side_bit(a) != 0).collect()
+    }
+
+    fn has(&self, gid: u128) -> bool {
+        self.0.contains_key(&gid)
+    }
+
+    fn has_side(&self, gid: u128, active: bool) -> bool {
+        self.0.get(&gid).is_some_and(|b| b & side_bit(active) != 0)
+    }
+
+    fn gids(&self) -> impl Iterator<Item = u128> + '_ {
+        self.0.keys().copied()
+    }
+
+    /// Every (GID, side) held.
+    fn sides(&self) -> impl Iterator<Item = (u128, bool)> + '_ {
+        self.0.iter().flat_map(|(&g, &b)| {
+            [false, true].into_iter().filter(move |&a| b & side_bit(a) != 0).map(move |a| (g, a))
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 /// How long a connection of a process that was frozen for a checkpoint is answered
@@ -163,7 +224,7 @@ impl Events {
         let _ = out.set_write_timeout(Some(Duration::from_millis(200)));
         {
             let mut chans = self.lock();
-            let mut holds = HashMap::new();
+            let mut holds = Holds::default();
             self.early.lock().unwrap_or_else(|e| e.into_inner()).retain(|&(_, p, gid, active)| {
                 if p == pid {
                     holds.insert(gid, active);
@@ -216,8 +277,15 @@ impl Events {
                     self.note_ended(gid, at, from_active, mac)
                 }
                 Ok((Msg::Release { gid }, _)) => {
-                    let side = self.lock().get_mut(&id).and_then(|c| c.holds.remove(&gid));
-                    if let Some(active) = side {
+                    let sides = self.lock().get_mut(&id).map(|c| c.holds.remove_all(gid)).unwrap_or_default();
+                    for active in sides {
+                        crate::registry::release(gid, active, true);
+                    }
+                    self.journal.record_closed(pid, gid, None);
+                }
+                Ok((Msg::ReleaseSide { gid, active }, _)) => {
+                    let had = self.lock().get_mut(&id).is_some_and(|c| c.holds.remove_side(gid, active));
+                    if had {
                         crate::registry::release(gid, active, true);
                     }
                     self.journal.record_closed(pid, gid, None);
@@ -239,9 +307,9 @@ impl Events {
             // Frozen for a checkpoint: the node it is restored on takes its records over.
             let moving =
                 matches!(self.frozen.lock().unwrap_or_else(|e| e.into_inner()).get(&pid), Some(None));
-            for (gid, active) in &c.holds {
-                crate::registry::release(*gid, *active, !moving);
-                self.journal.record_closed(pid, *gid, Some("its process ended"));
+            for (gid, active) in c.holds.sides() {
+                crate::registry::release(gid, active, !moving);
+                self.journal.record_closed(pid, gid, Some("its process ended"));
             }
         }
     }
@@ -325,7 +393,7 @@ impl Events {
     pub fn handover(&self, gid: u128, nonce: u128, from_active: bool, fd: RawFd) -> bool {
         let body = Msg::Handover { gid, nonce }.encode();
         let chans = self.lock();
-        for c in chans.values().filter(|c| c.holds.get(&gid) == Some(&!from_active)) {
+        for c in chans.values().filter(|c| c.holds.has_side(gid, !from_active)) {
             match send_with_fd(&c.out, &body, Some(fd)) {
                 Ok(()) => {
                     debug!("link for {gid:032x} handed to process {}", c.pid);
@@ -364,8 +432,8 @@ impl Events {
             let now = std::time::Instant::now();
             let mut moving = self.moving();
             for c in &mine {
-                for g in c.holds.keys() {
-                    moving.insert(*g, (pid, now));
+                for g in c.holds.gids() {
+                    moving.insert(g, (pid, now));
                 }
             }
             drop(moving);
@@ -420,21 +488,18 @@ impl Events {
     /// holding it.
     pub fn held_by(&self, pid: Option<u32>) -> Vec<(u128, Vec<u32>)> {
         let chans = self.lock();
-        let mut gids: Vec<u128> = chans
-            .values()
-            .filter(|c| pid.is_none_or(|p| c.pid == p))
-            .flat_map(|c| c.holds.keys().copied())
-            .collect();
+        let mut gids: Vec<u128> =
+            chans.values().filter(|c| pid.is_none_or(|p| c.pid == p)).flat_map(|c| c.holds.gids()).collect();
         gids.sort_unstable();
         gids.dedup();
         gids.into_iter()
-            .map(|g| (g, chans.values().filter(|c| c.holds.contains_key(&g)).map(|c| c.pid).collect()))
+            .map(|g| (g, chans.values().filter(|c| c.holds.has(g)).map(|c| c.pid).collect()))
             .collect()
     }
 
     /// Processes here holding `gid`.
     pub fn holders(&self, gid: u128) -> Vec<u32> {
-        self.lock().values().filter(|c| c.holds.contains_key(&gid)).map(|c| c.pid).collect()
+        self.lock().values().filter(|c| c.holds.has(gid)).map(|c| c.pid).collect()
     }
 
     /// Tells every process holding `gid` to move it to shared memory or to TCP. False if
@@ -448,7 +513,7 @@ impl Events {
     pub fn tell_one_with_fd(&self, gid: u128, m: &Msg, fd: RawFd) -> Option<u32> {
         let body = m.encode();
         let chans = self.lock();
-        for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
+        for c in chans.values().filter(|c| c.holds.has(gid)) {
             match send_with_fd(&c.out, &body, Some(fd)) {
                 Ok(()) => return Some(c.pid),
                 Err(e) => info!(
@@ -466,7 +531,7 @@ impl Events {
         let body = m.encode();
         let chans = self.lock();
         let mut told = false;
-        for c in chans.values().filter(|c| c.holds.contains_key(&gid)) {
+        for c in chans.values().filter(|c| c.holds.has(gid)) {
             match send_with_fd(&c.out, &body, None) {
                 Ok(()) => told = true,
                 Err(e) => info!(
@@ -488,6 +553,30 @@ impl Events {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_holding_both_ends_keeps_one_when_it_lets_the_other_go() {
+        let mut h = Holds::default();
+        h.insert(7, true);
+        h.insert(7, false);
+        h.insert(9, false);
+        assert_eq!(h.len(), 2);
+        let mut sides: Vec<(u128, bool)> = h.sides().collect();
+        sides.sort_unstable();
+        assert_eq!(sides, vec![(7, false), (7, true), (9, false)]);
+        // A forked child lets the connecting end go and keeps the accepted one.
+        assert!(h.remove_side(7, true));
+        assert!(h.has(7) && h.has_side(7, false) && !h.has_side(7, true));
+        assert!(!h.remove_side(7, true), "a side let go twice");
+        assert!(h.remove_side(7, false));
+        assert!(!h.has(7));
+        // An older layer's Release lets every side go.
+        h.insert(9, true);
+        let mut gone = h.remove_all(9);
+        gone.sort_unstable();
+        assert_eq!(gone, vec![false, true]);
+        assert_eq!(h.len(), 0);
+    }
 
     #[test]
     fn ends_of_streams_are_kept_up_to_the_bound_oldest_out_first() {

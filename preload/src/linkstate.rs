@@ -17,7 +17,7 @@ pub struct Control {
     pub start: fn(),
     /// This process let go of a connection: its GID, and whether other processes still hold
     /// it (`relink::released`).
-    pub released: fn(u128, bool),
+    pub released: fn(u128, bool, bool),
 }
 
 static CONTROL: OnceLock<Control> = OnceLock::new();
@@ -40,9 +40,9 @@ pub fn ensure_control() {
 
 /// This process let go of connection `gid` (`others_hold`: other processes still hold it):
 /// the agent hears it (see `relink::released`).
-pub fn released(gid: u128, others_hold: bool) {
+pub fn released(gid: u128, active: bool, others_hold: bool) {
     if let Some(c) = CONTROL.get() {
-        (c.released)(gid, others_hold);
+        (c.released)(gid, active, others_hold);
     }
 }
 

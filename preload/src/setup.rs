@@ -241,7 +241,7 @@ pub fn after_connect(fd: i32, p: Pending) {
                 "cannot map memory for virtual connection {:032x}; the peer expects frames, closing",
                 p.gid
             ));
-            crate::relink::released(p.gid, false);
+            crate::relink::released(p.gid, true, false);
         }
     }
 }
@@ -280,7 +280,7 @@ pub fn connect_failed(p: Pending) {
         let none = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
         agent::tell(&Msg::Bound { ports: vec![(p.gid, none)] });
     }
-    crate::relink::released(p.gid, false);
+    crate::relink::released(p.gid, true, false);
 }
 
 /// Before `listen` on a socket already bound to an address: registers the listener with
@@ -398,7 +398,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
         }
         None => {
             log::error(format_args!("cannot map memory for virtual connection {gid:032x}; closing it"));
-            crate::relink::released(gid, false);
+            crate::relink::released(gid, false, false);
             crate::sys::fd::shutdown(fd, libc::SHUT_RDWR);
         }
     }

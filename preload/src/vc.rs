@@ -1071,7 +1071,8 @@ impl Drop for Vc {
     fn drop(&mut self) {
         // This process no longer holds it: the agent must not hand it new links here.
         let before = self.release();
-        linkstate::released(self.mem.conn().gid, before > 1);
+        let c = self.mem.conn();
+        linkstate::released(c.gid, c.active != 0, before > 1);
         // The last process to let go frees the statistics slot (holders that exec'd list the
         // connection in their new image's table).
         if before.saturating_sub(1) <= self.mem.conn().exec_holds.load(Acquire)

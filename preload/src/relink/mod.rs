@@ -142,20 +142,20 @@ pub fn held() {
 }
 
 /// Connections this process let go of for good, not told to the agent yet.
-static RELEASED: Mutex<Vec<u128>> = Mutex::new(Vec::new());
+static RELEASED: Mutex<Vec<(u128, bool)>> = Mutex::new(Vec::new());
 
 /// This process let go of a connection. If other processes hold it too (after fork), the
 /// agent hears it now: a link rebuilt for it must go to one of them. Otherwise nobody holds
 /// it any more and there is no hurry: the control thread tells the agent with its next round
 /// (within half a second), many at once; a link offered here meanwhile is answered "no such
 /// connection", which is the truth.
-pub fn released(gid: u128, others_hold: bool) {
+pub fn released(gid: u128, active: bool, others_hold: bool) {
     if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
-        send_event(&Msg::Release { gid });
+        send_event(&Msg::ReleaseSide { gid, active });
         return;
     }
     let mut r = RELEASED.lock().unwrap_or_else(|e| e.into_inner());
-    r.push(gid);
+    r.push((gid, active));
     if !crate::sandbox::allows_nr(libc::SYS_sendmsg) {
         // The control thread tells the agent.
         drop(r);
@@ -177,10 +177,10 @@ fn flush_released() {
     }
 }
 
-fn tell_released(gids: Vec<u128>) {
-    let mut buf = Vec::with_capacity(gids.len() * 24);
-    for gid in gids {
-        buf.extend_from_slice(&Msg::Release { gid }.encode());
+fn tell_released(ends: Vec<(u128, bool)>) {
+    let mut buf = Vec::with_capacity(ends.len() * 26);
+    for (gid, active) in ends {
+        buf.extend_from_slice(&Msg::ReleaseSide { gid, active }.encode());
     }
     send_events(&buf);
 }
@@ -190,7 +190,7 @@ static EVT_WRITE: Mutex<()> = Mutex::new(());
 type Guards = (
     std::sync::MutexGuard<'static, ()>,
     std::sync::MutexGuard<'static, ()>,
-    std::sync::MutexGuard<'static, Vec<u128>>,
+    std::sync::MutexGuard<'static, Vec<(u128, bool)>>,
     std::sync::MutexGuard<'static, Vec<u8>>,
 );
 

@@ -172,10 +172,19 @@ pub enum Msg {
         /// True when this process's side connected.
         active: bool,
     },
-    /// Layer → agent (event channel): this process no longer holds `gid`.
+    /// Layer → agent (event channel): this process no longer holds `gid` (either side; a
+    /// layer before 2026-11-28 says only this).
     Release {
         /// The connection.
         gid: u128,
+    },
+    /// Layer → agent (event channel): this process no longer holds side `active` of `gid`
+    /// (a process connected to its own listener holds both ends, each with its side).
+    ReleaseSide {
+        /// The connection.
+        gid: u128,
+        /// True for the connecting side's end.
+        active: bool,
     },
     /// Agent → layer (event channel): the network path from `local` to `peer` (IPs; ports
     /// are 0) stopped working, or works again (`up`).
@@ -719,6 +728,7 @@ impl Msg {
             Msg::Events { .. } => "Events",
             Msg::Hold { .. } => "Hold",
             Msg::Release { .. } => "Release",
+            Msg::ReleaseSide { .. } => "ReleaseSide",
             Msg::Path { .. } => "Path",
             Msg::Handover { .. } => "Handover",
             Msg::Paths { .. } => "Paths",
@@ -864,6 +874,11 @@ impl Msg {
             Msg::Release { gid } => {
                 w.u8(18);
                 w.u128(*gid);
+            }
+            Msg::ReleaseSide { gid, active } => {
+                w.u8(82);
+                w.u128(*gid);
+                w.u8(*active as u8);
             }
             Msg::Path { local, peer, up } => {
                 w.u8(19);
@@ -1140,6 +1155,7 @@ impl Msg {
             16 => Msg::Events { pid: r.u32()? },
             17 => Msg::Hold { gid: r.u128()?, active: r.bool()? },
             18 => Msg::Release { gid: r.u128()? },
+            82 => Msg::ReleaseSide { gid: r.u128()?, active: r.bool()? },
             19 => Msg::Path { local: r.addr()?, peer: r.addr()?, up: r.bool()? },
             20 => Msg::Handover { gid: r.u128()?, nonce: r.u128()? },
             21 => Msg::Paths { peers: r.addrs()?, gid: r.u128()? },
@@ -1282,6 +1298,7 @@ mod tests {
             Msg::Events { pid: 8 },
             Msg::Hold { gid: 9, active: false },
             Msg::Release { gid: 10 },
+            Msg::ReleaseSide { gid: 10, active: true },
             Msg::Path { local: a, peer: b, up: true },
             Msg::Handover { gid: 11, nonce: 12 },
             Msg::Paths { peers: vec![a], gid: 0x1234 },
