@@ -22,6 +22,26 @@ pub struct Control {
 
 static CONTROL: OnceLock<Control> = OnceLock::new();
 
+/// When the connections whose shared-memory offer was withdrawn at set-up are looked at
+/// next by the control thread (`sys::now_ms`; 0: none waits).
+pub static SHM_LATER_DUE: AtomicU64 = AtomicU64::new(0);
+/// How long after a withdrawal the move onto shared memory is first tried: by then the
+/// peer's program has accepted, as a rule (MPI ranks and UCX accept right after their first
+/// sends).
+pub const SHM_LATER_MS: u64 = 200;
+
+/// A connection of this process withdrew its shared-memory offer (its program sent before
+/// the peer's program accepted): the control thread moves it onto shared memory later
+/// (`relink::shm_later_due`).
+pub fn shm_later() {
+    due_at(&SHM_LATER_DUE, sys::now_ms() + SHM_LATER_MS);
+}
+
+/// Makes `due` at most `at` (0 counts as no time set).
+pub fn due_at(due: &AtomicU64, at: u64) {
+    let _ = due.fetch_update(Relaxed, Relaxed, |d| (d == 0 || d > at).then_some(at));
+}
+
 /// Hands down what the control thread does (once, at start).
 pub fn init(c: Control) {
     let _ = CONTROL.set(c);

@@ -25,8 +25,9 @@
 //! socket under the program's descriptors (with `crate::sockswap`, which also carries the
 //! program's epoll registrations across the swap). `freeze`: checkpoints.
 
+use crate::linkstate;
 use crate::linkstate::{attention, wake, ALIVE, CONTROL_PID, OWED, REPLAYING};
-use crate::linkstate::{control_running, link_broken};
+use crate::linkstate::{control_running, link_broken, SHM_LATER_DUE, SHM_LATER_MS};
 use crate::ownfd::{OWN_EVENTS, OWN_WAKE};
 use crate::shm::ConnMem;
 use crate::shm_sink::ShmLink;
@@ -301,26 +302,9 @@ const ENDED_DELAY_MS: u64 = 50;
 /// When the ends kept back are due (`sys::now_ms`; 0: none kept).
 static ENDED_DUE: AtomicU64 = AtomicU64::new(0);
 
-/// When the connections whose shared-memory offer was withdrawn at set-up are looked at
-/// next (`sys::now_ms`; 0: none waits).
-static SHM_LATER_DUE: AtomicU64 = AtomicU64::new(0);
-/// How long after a withdrawal the move onto shared memory is first tried: by then the
-/// peer's program has accepted, as a rule (MPI ranks and UCX accept right after their first
-/// sends).
-const SHM_LATER_MS: u64 = 200;
-/// Tries of that move, each twice as long after the one before.
+/// Tries of the move onto shared memory after a withdrawn offer (`linkstate::shm_later`),
+/// each twice as long after the one before.
 const SHM_LATER_TRIES: u32 = 5;
-
-/// A connection of this process withdrew its shared-memory offer (its program sent before
-/// the peer's program accepted): the control thread moves it onto shared memory later.
-pub fn shm_later() {
-    due_at(&SHM_LATER_DUE, sys::now_ms() + SHM_LATER_MS);
-}
-
-/// Makes `due` at most `at`.
-fn due_at(due: &AtomicU64, at: u64) {
-    let _ = due.fetch_update(Relaxed, Relaxed, |d| (d == 0 || d > at).then_some(at));
-}
 
 /// Moves the connections whose offer was withdrawn onto shared memory, once due: through the
 /// agent, as `vmictl move GID shm` does, so that both ends are told (the agent checks that
@@ -332,6 +316,7 @@ fn shm_later_due(now: u64) {
         return;
     }
     SHM_LATER_DUE.store(0, Relaxed);
+    let due_at = |at| linkstate::due_at(&SHM_LATER_DUE, at);
     for v in crate::vc::connections() {
         let Some(l) = v.shm() else { continue };
         if !l.withdrawn_waits() {
@@ -341,7 +326,7 @@ fn shm_later_due(now: u64) {
         let gid = c.gid;
         if c.link_down.load(Acquire) != 0 {
             // (A failover under way: after it.)
-            due_at(&SHM_LATER_DUE, now + SHM_LATER_MS);
+            due_at(now + SHM_LATER_MS);
             continue;
         }
         let not_now = if v.shm_now().is_some() {
@@ -373,7 +358,7 @@ fn shm_later_due(now: u64) {
                 log::debug(format_args!(
                     "virtual connection {gid:032x}: not moved onto shared memory yet (the agent answered {answer:?})"
                 ));
-                due_at(&SHM_LATER_DUE, now + (SHM_LATER_MS << tries));
+                due_at(now + (SHM_LATER_MS << tries));
             }
             answer => {
                 l.withdrawn_done();

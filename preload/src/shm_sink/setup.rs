@@ -262,7 +262,7 @@ impl ShmLink {
         }
         self.mode.store(2, Release);
         if self.active && !self.withdrew.swap(true, AcqRel) {
-            crate::relink::shm_later();
+            linkstate::shm_later();
         }
     }
 
