@@ -315,6 +315,18 @@ def test_send_before_the_peer_accepts(procs, nonblocking):
     assert "shared memory not used: the program sends" in p.stderr(), p.stderr()[-2000:]
 
 
+def moved_then_checked(proc, addr, what):
+    """Waits until both ends of the connection to addr are on shared memory, then for the
+    program (3,000 bytes echoed, then checked 4 KiB round trips) to end with every byte
+    right; returns its standard error."""
+    wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT, what)
+    proc.wait(timeout=30)
+    r = proc.last_json()
+    assert "error" not in r and r["same"] and r["echoed"] == 3000, r
+    assert r["rounds"] > 100 and r["bad"] == 0, r
+    return proc.stderr()
+
+
 def test_a_withdrawn_offer_moves_onto_shared_memory_later(procs):
     """A client sends before its server accepts (test_send_before_the_peer_accepts: the offer
     is withdrawn and TCP takes the bytes), then the two talk on. Once the server holds the
@@ -326,13 +338,7 @@ def test_a_withdrawn_offer_moves_onto_shared_memory_later(procs):
                  port, layer=True, name="late-accept-server", env=ON)
     cli = procs.start(H1, python_prog("late_accept.py", "client", "--connect", addr, "--seconds", 5),
                       layer=True, name="late-accept-client", env={**ON, "VMI_LOG": "info"})
-    wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
-                "both ends moved onto shared memory by the layer itself")
-    cli.wait(timeout=30)
-    r = cli.last_json()
-    assert "error" not in r and r["same"] and r["echoed"] == 3000, r
-    assert r["rounds"] > 100 and r["bad"] == 0, r
-    err = cli.stderr()
+    err = moved_then_checked(cli, addr, "both ends moved onto shared memory by the layer itself")
     assert "shared memory not used: the program sends" in err, err[-2000:]
     assert "onto shared memory now (its offer was withdrawn at set-up" in err, err[-2000:]
 
@@ -349,13 +355,8 @@ def test_both_ends_in_one_process_then_one_each_after_fork(procs):
     p = procs.start(H1, python_prog("self_connect.py", "--bind", addr, "--bytes", 3000, "--fork",
                                     "--then-seconds", 5),
                     layer=True, name="self-connect-fork", env={**ON, "VMI_LOG": "info"})
-    wait_status(H1, both_ends_on(addr, "shm"), MOVE_TIMEOUT,
-                "both ends (one per process) moved onto shared memory")
-    p.wait(timeout=30)
-    r = p.last_json()
-    assert "error" not in r and r["same"] and r["echoed"] == 3000, r
-    assert r["rounds"] > 100 and r["bad"] == 0, r
-    assert "onto shared memory now" in p.stderr(), p.stderr()[-2000:]
+    err = moved_then_checked(p, addr, "both ends (one per process) moved onto shared memory")
+    assert "onto shared memory now" in err, err[-2000:]
 
 
 def test_nonblocking_message_stream_through_moves(procs):

@@ -315,6 +315,16 @@ fn write_after<'a>(
     sys::fd::send_parts(fd, parts, flags)
 }
 
+/// The highest stream offset put on the wire is now at least `hi`. Only the send half
+/// (under its lock) writes it, before the bytes can reach the peer: a load and a store, no
+/// read-modify-write.
+#[inline]
+fn raise_wire_hi(c: &crate::shm::SharedConn, hi: u64) {
+    if hi > c.wire_hi.load(Relaxed) {
+        c.wire_hi.store(hi, Release);
+    }
+}
+
 /// A write that needs more than the new plain frame `plan` (a frame carries at most
 /// `MAX_PAYLOAD` bytes: a 1 MiB message with the few bytes of a header the program writes
 /// with it needs two): the next frame is planned with the first counted as written whole
@@ -350,10 +360,7 @@ fn send_two<'a>(
             return (write_coded(fd, plan, app, ring, made, flags), None);
         }
     };
-    let hi = tx.next_seq + second.payload as u64;
-    if hi > c.wire_hi.load(Relaxed) {
-        c.wire_hi.store(hi, Release);
-    }
+    raise_wire_hi(c, tx.next_seq + second.payload as u64);
     let r = write_two(fd, plan, app, &second, rest, flags);
     let first = plan.header_len + plan.payload;
     if r < first as isize {
@@ -815,11 +822,7 @@ pub fn send<'a>(
                 }
                 Err(_) => return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) },
             };
-            // Only the send half (under its lock) writes it; set before the bytes can reach the peer.
-            let hi = tx.next_seq + plan.payload as u64;
-            if hi > c.wire_hi.load(Relaxed) {
-                c.wire_hi.store(hi, Release);
-            }
+            raise_wire_hi(c, tx.next_seq + plan.payload as u64);
             let (plan, made) = make_payload(mem, tx, plan, rest, ring).map_err(|e| fail(mem, slot, fd, e))?;
             let mut r;
             let mut spliced = false;
