@@ -44,6 +44,7 @@ SCENARIOS = [
     "names",
     "epipe",
     "sigpipe",
+    "close_at_once",
 ]
 
 # Scenarios in which another process (a forked child) uses the client's connection.

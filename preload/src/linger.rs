@@ -85,10 +85,12 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         vc.abort(fd);
         return reset(fd);
     }
-    if !fin_mode && nothing_left(&vc) {
+    if !fin_mode && (nothing_left(&vc) || sent_nothing(&vc)) {
         // The peer's FIN arrived, nothing waits to be read and nothing of ours to be sent:
         // no byte can arrive after this close, so the kernel's own close (a FIN) ends it as
         // the lingering below would, without a descriptor kept, a shutdown and a last read.
+        // Or this side never sent anything: no acknowledgement can come, and what else may
+        // still arrive (the peer's data) resets the connection as it would natively.
         let r = sys::cvt(sys::fd::close(fd));
         if !told {
             crate::relink::ended(&vc);
@@ -153,6 +155,20 @@ fn nothing_left(vc: &Vc) -> bool {
     }
     let Some(mut g) = c.tx_lock.try_lock() else { return false };
     c.with_tx(&mut g, |tx| !tx.in_frame() && !tx.replaying())
+}
+
+/// True when a connection on TCP never sent a byte or a chain offer of ours (a server that
+/// accepts and closes, a port check): the peer's layer has nothing to acknowledge, so nothing
+/// but the peer's own data can follow our FIN, and that resets the connection natively too.
+/// (Unread payload was looked at before.)
+fn sent_nothing(vc: &Vc) -> bool {
+    use std::sync::atomic::Ordering::Acquire;
+    let c = vc.mem().conn();
+    if c.fin_owed.load(Acquire) != 0 || vc.shm_now().is_some() {
+        return false;
+    }
+    let Some(mut g) = c.tx_lock.try_lock() else { return false };
+    c.with_tx(&mut g, |tx| tx.sent_nothing())
 }
 
 /// How long a blocking `shutdown(SHUT_WR)` waits for its end of stream to leave this host.

@@ -1425,6 +1425,31 @@ static void c_epipe(int fd)
     close(fd);
 }
 
+/* The server closes at once, having sent and read nothing (a port check, a refused client):
+ * the client reads the end of stream, and its writes then fail as native TCP's do. */
+static void s_close_at_once(int fd)
+{
+    STEP("close at once, stay alive");
+    close(fd);
+    sleep_ms(2500);
+}
+
+static void c_close_at_once(int fd)
+{
+    char b[8];
+    STEP("read the peer's end of stream");
+    ssize_t r = read(fd, b, sizeof b);
+    CHECK(r == 0, "read returned %zd (%s), expected end of stream", r,
+          r < 0 ? errname(errno) : "data");
+    STEP("write until an error (SIGPIPE ignored)");
+    int ok = write_until_error(fd);
+    CHECK(ok >= 0, "100 writes over 2 s after the peer closed all succeeded; native TCP fails "
+          "the second one with EPIPE");
+    CHECK(errno == EPIPE, "write failed with %s after %d successful writes, expected EPIPE",
+          errname(errno), ok);
+    close(fd);
+}
+
 static void c_sigpipe(int fd)
 {
     wait_peer_close(fd);
@@ -1486,6 +1511,7 @@ static const struct scenario SCENARIOS[] = {
     {"names", s_names, c_names, 0},
     {"epipe", s_close_then_live, c_epipe, 0},
     {"sigpipe", s_close_then_live, c_sigpipe, 0},
+    {"close_at_once", s_close_at_once, c_close_at_once, 0},
 };
 
 static void parse_addr(const char *text, struct sockaddr_in *a)

@@ -722,6 +722,17 @@ impl TxState {
         (self.owed_header_off as usize) < HEADER_LEN || self.owed_payload > 0
     }
 
+    /// True when this side never put a byte of its stream or a chain offer on any link: the
+    /// peer's layer has nothing of ours to acknowledge or answer. (Acknowledgements of the
+    /// peer's bytes may have gone; they are answered by nothing.)
+    pub fn sent_nothing(&self) -> bool {
+        self.next_seq == 0
+            && self.wire_seq == 0
+            && self.last_no == 0
+            && self.offer_no == 0
+            && !self.in_frame()
+    }
+
     /// True while replayed bytes remain to be written.
     pub fn replaying(&self) -> bool {
         self.wire_seq < self.next_seq
