@@ -119,6 +119,40 @@ def test_later_connections_are_announced_one_way_and_a_listener_gone_ends_it(pro
     connect_n(procs, 6, port, name="clients-of-the-plain-server")
 
 
+TICKETS = range(60000, 61000)
+
+
+def test_later_connections_use_tickets_and_ask_nobody(procs, tmp_path):
+    """Once a listener on another node is subscribed to, the connecting process gets
+    tickets for it: source ports of the upper half of the block, each with a GID and a
+    secret its agent announced to the listener's agent ahead. A `connect` with a ticket binds
+    its port and is virtual without a word to the agent before it (the agent hears after
+    the SYN left, one way): 80 short connections, every banner and echo right (a connection
+    virtual at one end only would show frames as data), most from ticket ports, and the
+    layer waited for its agent (`poll`) only a few times, where it used to wait once per
+    connection. The agent counts the tickets out."""
+    port = PORTS["setup_tickets"]
+    addr = f"{H1_IP}:{port}"
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=True,
+                 name="ticket-server")
+    n = 80
+    trace = tmp_path / "tickets.strace"
+    with Watcher(H1, H2) as w:
+        out = procs.run(H2, ["strace", "-f", "-e", "trace=poll", "-o", trace, PYTHON, "-c",
+                             PORTS_CLIENT, H1_IP, port, n], layer=True, name="ticket-client",
+                        timeout=60).stdout().split()
+    assert len(out) == n and all(x.split(":")[1] == "1" for x in out), out
+    ports = [int(x.split(":")[0]) for x in out]
+    ticketed = [p for p in ports if p in TICKETS]
+    assert len(ticketed) >= n - 5, f"only {len(ticketed)} of {n} from ticket ports: {ports}"
+    assert len(set(ticketed)) == len(ticketed), f"a ticket port used twice: {ports}"
+    # (The layer's socket to its agent is descriptor 700; its control thread polls others.)
+    polls = trace.read_text().count("poll([{fd=700, events=POLLIN}], 1,")
+    assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
+    assert_virtual(w, H1, addr, H2, min_conns=1)
+    assert one_way(H2)["tickets_out"] > 0, one_way(H2)
+
+
 def test_an_agent_restarted_between_connections_is_asked_again(procs, agent_control):
     """The agent a subscription was made with restarts (and knows nothing of it): the
     server's layer registers its listener with the new agent as soon as it finds it, and the

@@ -111,6 +111,9 @@ pub struct Events {
     /// (length, the layer's proof, since when). Kept for [`ENDED_TTL`], at most
     /// [`ENDED_MAX`] at once.
     ended: Mutex<Ended>,
+    /// The node's ticket ports and the tickets out (see `crate::tickets`): a connection
+    /// made with one gives its port back when released, a process that ends its used ones.
+    pub tickets: Mutex<crate::tickets::Pool>,
 }
 
 /// The ends of streams kept, and the order they came in (oldest first) so that the oldest
@@ -277,6 +280,7 @@ impl Events {
                     self.note_ended(gid, at, from_active, mac)
                 }
                 Ok((Msg::Release { gid }, _)) => {
+                    self.tickets.lock().unwrap_or_else(|e| e.into_inner()).back(u64::from(pid), gid);
                     let sides = self.lock().get_mut(&id).map(|c| c.holds.remove_all(gid)).unwrap_or_default();
                     for active in sides {
                         crate::registry::release(gid, active, true);
@@ -284,6 +288,9 @@ impl Events {
                     self.journal.record_closed(pid, gid, None);
                 }
                 Ok((Msg::ReleaseSide { gid, active }, _)) => {
+                    if active {
+                        self.tickets.lock().unwrap_or_else(|e| e.into_inner()).back(u64::from(pid), gid);
+                    }
                     let had = self.lock().get_mut(&id).is_some_and(|c| c.holds.remove_side(gid, active));
                     if had {
                         crate::registry::release(gid, active, true);
@@ -303,6 +310,7 @@ impl Events {
             }
         }
         let gone = self.lock().remove(&id);
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner()).gone(u64::from(pid));
         if let Some(c) = gone {
             // Frozen for a checkpoint: the node it is restored on takes its records over.
             let moving =

@@ -48,6 +48,7 @@ pub mod relinks;
 pub mod sinks;
 pub mod status;
 pub mod sweep;
+pub mod tickets;
 pub mod web;
 pub mod wire;
 

@@ -338,6 +338,12 @@ impl Agent {
         let src_ip = if src.ip().is_unspecified() { net::source_for(dst.ip()) } else { Some(src.ip()) };
         let Some(src_ip) = src_ip else { return Msg::Plain };
         let src = SocketAddr::new(normalize(src_ip), src.port());
+        if self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).has(src.port()) {
+            // A program that bound its socket to one of the ticket ports itself: announcing
+            // it could stand for a ticket's connection still to come there.
+            debug!("connection {gid:032x}: {src} -> {dst}: the program bound a port the agent gives as tickets; plain TCP");
+            return Msg::Plain;
+        }
         if net::is_local(dst.ip()) {
             let agents = self.health.advertised();
             return self.expect_here(Announce { src, dst, gid, secret, window, aim: dst, agents });
@@ -406,7 +412,91 @@ impl Agent {
             .iter()
             .map(|s| serde_json::json!({ "listener": s.dst.to_string(), "node": s.node.to_string() }))
             .collect();
-        serde_json::json!({ "ports": ports, "one_way_to": to, "one_way_from": from })
+        let tickets_out = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).out();
+        serde_json::json!({ "ports": ports, "one_way_to": to, "one_way_from": from, "tickets_out": tickets_out })
+    }
+
+    /// Tickets for process `pid`'s next connections to listener `dst` on another node (see
+    /// `crate::tickets`), announced to its agent one way before they are given: a
+    /// [`Msg::TicketBook`], or [`Msg::Plain`] when this agent does not announce connections
+    /// there one way (no subscription, a network down or looking dead: the layer asks per
+    /// connection, which handles those) or has no ticket port free.
+    pub fn give_tickets(&self, pid: u32, dst: SocketAddr, want: u16, window: u64) -> Msg {
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        if net::is_local(dst.ip())
+            || self.health.alternative(dst.ip()).is_some()
+            || self.health.is_dead(dst.ip())
+        {
+            return Msg::Plain;
+        }
+        let known = self.remote.lock().unwrap_or_else(|e| e.into_inner()).get(&dst).cloned();
+        let Some(Known::Sub { window: w, addrs, gen }) = known else { return Msg::Plain };
+        let Some(src_ip) = net::source_for(dst.ip()).map(normalize) else { return Msg::Plain };
+        let cluster = self.key.cluster_id;
+        let want = usize::from(want).min(crate::tickets::MAX_BATCH);
+        let Some(mut draws) = random_u128s(2 * want) else { return Msg::Plain };
+        let mut gids = || substrate::Gid(draws.pop().unwrap_or_default()).issued_by(cluster).0;
+        let given = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).give(
+            u64::from(pid),
+            dst,
+            want,
+            Instant::now(),
+            &mut gids,
+        );
+        if given.is_empty() {
+            return Msg::Plain;
+        }
+        let tickets: Vec<(u16, u128, u128)> =
+            given.iter().map(|&(port, gid)| (port, gid, draws.pop().unwrap_or_default())).collect();
+        let entries =
+            tickets.iter().map(|&(port, gid, secret)| (SocketAddr::new(src_ip, port), gid, secret)).collect();
+        let m = Msg::Expects { dst, window, agents: self.health.advertised(), entries };
+        if let Err(e) = self.peers.tell(dst.ip(), &m, gen) {
+            debug!("listener {dst}: {e}; no tickets, asking its agent again");
+            self.remote.lock().unwrap_or_else(|e| e.into_inner()).remove(&dst);
+            let mut pool = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner());
+            for (_, gid, _) in &tickets {
+                pool.back(u64::from(pid), *gid);
+            }
+            return Msg::Plain;
+        }
+        debug!("process {pid}: {} tickets for {dst}", tickets.len());
+        Msg::TicketBook {
+            dst,
+            window: w,
+            addrs,
+            use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
+            tickets,
+        }
+    }
+
+    /// Connections announced ahead by the agent at `from` (its tickets): expected here,
+    /// as [`Agent::expect_told`] expects one.
+    pub fn expect_batch(
+        &self,
+        dst: SocketAddr,
+        window: u64,
+        agents: Vec<SocketAddr>,
+        entries: Vec<(SocketAddr, u128, u128)>,
+        from: Option<IpAddr>,
+    ) {
+        let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
+        let n = entries.len();
+        for (src, gid, secret) in entries {
+            let src = SocketAddr::new(normalize(src.ip()), src.port());
+            let a = Announce { src, dst, gid, secret, window, aim: dst, agents: agents.clone() };
+            if !matches!(self.expect_local(a), Msg::Virtual { .. }) {
+                warn!(
+                    "{n} connections to {dst} were announced ahead by the agent at {from:?}, but no listener under the layer takes them here any more (it closed a moment ago?)"
+                );
+                if let Some(ip) = from {
+                    let _ =
+                        self.peers.ask_within(ip, self.port, &Msg::Unlisten { addr: dst }, UNSUBSCRIBE_WAIT);
+                }
+                break;
+            }
+        }
+        self.bound.notify_all();
     }
 
     /// `port` is in the node's block of source ports for layered connections.
@@ -554,6 +644,14 @@ pub fn relink_ports(
         out.push((local, peer));
     }
     out
+}
+
+/// `n` random 128-bit values (GIDs and secrets of tickets); `None` when the kernel gives no
+/// randomness (no ticket then: a secret must not be guessable).
+fn random_u128s(n: usize) -> Option<Vec<u128>> {
+    let mut b = vec![0u8; 16 * n];
+    getrandom::fill(&mut b).ok()?;
+    Some(b.chunks_exact(16).map(|c| u128::from_le_bytes(c.try_into().unwrap_or_default())).collect())
 }
 
 fn normalize(ip: IpAddr) -> IpAddr {
@@ -1010,7 +1108,9 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             Msg::Hello { pid, name } => {
                 info!("process {pid} ({name}) under the layer");
                 agent.procs.lock().unwrap_or_else(|e| e.into_inner()).hello(id, pid, name, passed);
-                let (first_port, ports) = agent.setup_ports.get().copied().unwrap_or((0, 0));
+                // (The layers bind in the lower part of the block; the upper is for tickets.)
+                let (first_port, ports) =
+                    crate::tickets::split_of(agent.setup_ports.get().copied().unwrap_or((0, 0))).0;
                 Msg::Welcome { chain: agent.chain.get().cloned().unwrap_or_default(), first_port, ports }
             }
             Msg::Table => {
@@ -1073,6 +1173,35 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 // (After the answer: the program's connect does not wait for it.)
                 if let Msg::Virtual { window, addrs, alias: NO_ADDR, .. } = &answer {
                     agent.subscribe(src.port(), dst, *window, addrs);
+                }
+                continue;
+            }
+            Msg::Tickets { dst, want, window, returned } => match agent.pid_of(id) {
+                Some(pid) => {
+                    let mut pool = agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner());
+                    for gid in returned {
+                        pool.back(u64::from(pid), gid);
+                    }
+                    drop(pool);
+                    agent.give_tickets(pid, dst, want, window)
+                }
+                None => Msg::Plain,
+            },
+            Msg::Used { gid, local: _ } => {
+                // Not answered: the layer's connect did not wait for anything.
+                let pid = agent.pid_of(id);
+                let dst = pid.and_then(|pid| {
+                    agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).used(u64::from(pid), gid)
+                });
+                match (pid, dst) {
+                    (Some(pid), Some(dst)) => {
+                        agent.events.hold(id, pid, gid, true);
+                        crate::registry::hold(gid, true, pid);
+                        agent.journal.record_connection(pid, gid, "out", None, dst);
+                    }
+                    _ => agent.refusals.note(Refused::Local, || {
+                        format!("local client {id} said it used ticket {gid:032x}, which is not one of its unused tickets")
+                    }),
                 }
                 continue;
             }

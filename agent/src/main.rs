@@ -323,6 +323,8 @@ fn run(args: Settings) {
     if let agent::config::SetupPorts::Range(first, last) = args.setup_ports {
         agent::net::reserve_ports(first, last);
         let _ = agent.setup_ports.set(args.setup_ports.block());
+        let (_, (first, n)) = agent::tickets::split(args.setup_ports.block().0, args.setup_ports.block().1);
+        *agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner()) = agent::tickets::Pool::new(first, n);
     }
     let _ = agent.plugins.set(args.plugins.clone());
     agent.sinks.probe(&args.plugins);

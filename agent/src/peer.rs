@@ -257,6 +257,11 @@ fn serve_agent(agent: &Agent, c: &mut Channel, from: Option<SocketAddr>) -> io::
                 );
                 continue;
             }
+            Msg::Expects { dst, window, agents, entries } => {
+                // Not answered, as `Expect`.
+                agent.expect_batch(dst, window, agents, entries, from.map(|f| f.ip()));
+                continue;
+            }
             Msg::Unlisten { addr } => {
                 agent.unsubscribed(addr, from.map(|f| f.ip()));
                 Msg::Ok

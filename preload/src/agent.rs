@@ -238,6 +238,7 @@ fn ensure(st: &mut State, now: u64) -> Option<i32> {
         };
     }
     crate::stats::table();
+    SESSION.fetch_add(1, SeqCst);
     let stats_fd = crate::ownfd::own_fd(OWN_STATS);
     let hello = Msg::Hello { pid: crate::pid() as u32, name: program_name() };
     match exchange(fd, &hello, (stats_fd >= 0).then_some(stats_fd)) {
@@ -282,6 +283,16 @@ fn take_policy(chain: &str) {
             set_policy(None);
         }
     }
+}
+
+/// How many times this process said hello to an agent (a new socket: the agent restarted,
+/// or this is a forked child). What an agent gave in one session (tickets) is not used in
+/// another: a restarted agent does not know it.
+static SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The current session with the agent (see [`SESSION`]).
+pub fn session() -> u64 {
+    SESSION.load(SeqCst)
 }
 
 /// The node's block of source ports for layered connections, from the agent's answer to our

@@ -50,6 +50,7 @@ pub mod sys;
 pub mod tamper;
 pub mod tap;
 pub mod tcp_sink;
+pub mod tickets;
 pub mod vc;
 
 pub use sys::process::{pid, vforked};
@@ -57,6 +58,7 @@ pub use sys::process::{pid, vforked};
 extern "C" fn before_fork() {
     relink::before_fork();
     agent::before_fork();
+    tickets::before_fork();
     linger::before_fork();
     fdtable::before_fork();
 }
@@ -64,6 +66,7 @@ extern "C" fn before_fork() {
 extern "C" fn after_fork_parent() {
     fdtable::after_fork_parent();
     linger::after_fork_parent();
+    tickets::after_fork_parent();
     agent::after_fork_parent();
     relink::after_fork();
 }
@@ -75,6 +78,7 @@ extern "C" fn after_fork_child() {
     lifetime::init_main_thread();
     fdtable::after_fork_child();
     linger::after_fork_child();
+    tickets::after_fork_child();
     agent::after_fork_child();
     relink::after_fork();
     relink::after_fork_child();

@@ -24,6 +24,8 @@ pub struct Pending {
     shm: Option<crate::shm_sink::ShmLink>,
     /// Announced without a source port: the agent learns it after `connect`.
     unbound: bool,
+    /// Made with a ticket (see `crate::tickets`): the agent learns of it after `connect`.
+    ticket: bool,
 }
 
 /// What the agent answered before a `connect`. (It lives on the stack for one call, as the
@@ -50,7 +52,10 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
         return None;
     }
     let mut local = sys::local_addr(fd)?;
-    if local.port() == 0 && local.ip().is_unspecified() {
+    if local.port() == 0 && local.ip().is_unspecified() && may_bind(fd) {
+        if let Some(p) = ticketed(fd, local, dst) {
+            return Some(Before::Virtual(p));
+        }
         if let Some(bound) = bind_in_block(fd, local) {
             local = bound;
         }
@@ -83,6 +88,10 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
             .flatten();
             if !crate::shm_sink::same_node(&addrs) {
                 sink_asked(dst);
+                if via.is_none() && dst.is_ipv4() {
+                    // Its next connections may come with tickets.
+                    crate::tickets::note_virtual(dst);
+                }
             }
             let unbound = local.port() == 0;
             Some(Before::Virtual(Pending {
@@ -94,6 +103,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
                 via,
                 shm,
                 unbound,
+                ticket: false,
             }))
         }
         Some(Msg::Plain) => {
@@ -109,6 +119,50 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     }
 }
 
+/// Most tickets one `connect` tries (each one's port may be held by another socket).
+const TICKET_TRIES: u32 = 4;
+
+/// True when the layer may bind an unbound socket to a port of its choosing: the sandbox
+/// allows `bind`, and the program did not ask for address reuse (its `connect` could then
+/// meet a connection in TIME_WAIT with the same addresses).
+fn may_bind(fd: i32) -> bool {
+    crate::sandbox::allows_nr(libc::SYS_bind)
+        && sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR) == Some(0)
+        && sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEPORT) == Some(0)
+}
+
+/// A connection to `dst` made with a ticket (see `crate::tickets`): the socket bound to the
+/// ticket's port, and the connection virtual without a word to the agent before `connect`.
+/// `None` when there is no ticket to be had (or the tickets' ports are all held).
+fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
+    if !unbound.is_ipv4() || !dst.is_ipv4() {
+        return None;
+    }
+    for _ in 0..TICKET_TRIES {
+        let t = crate::tickets::take(dst)?;
+        let a = SocketAddr::new(unbound.ip(), t.port);
+        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&a, false)) == 0 {
+            return Some(Pending {
+                gid: t.gid,
+                secret: t.secret,
+                peer_window: t.window,
+                dst,
+                peer_agents: t.addrs,
+                via: None,
+                shm: None,
+                unbound: false,
+                ticket: true,
+            });
+        }
+        let e = sys::errno();
+        crate::tickets::give_back(t.gid);
+        if e != libc::EADDRINUSE {
+            return None;
+        }
+    }
+    None
+}
+
 /// Where the next search of the node's port block starts (0: not chosen yet).
 static CURSOR: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
@@ -121,17 +175,13 @@ const BIND_TRIES: u32 = 16;
 /// accepting side's agent then finds it at once, where a connection announced without its
 /// port waits for the port to follow through both agents. A port some socket holds (in
 /// TIME_WAIT too: no `SO_REUSEADDR` here) is skipped for another, drawn at random; after
-/// [`BIND_TRIES`] taken ports, or no block, or a program that asked for address reuse (its `connect` could then meet a
-/// connection in TIME_WAIT with the same addresses), the socket stays unbound and is
-/// announced without its port. The address bound, or `None`.
+/// [`BIND_TRIES`] taken ports, or no block, the socket stays unbound and is announced
+/// without its port. (The caller looked that the layer may bind it: [`may_bind`].) The
+/// address bound, or `None`.
 fn bind_in_block(fd: i32, unbound: SocketAddr) -> Option<SocketAddr> {
     use std::sync::atomic::Ordering::Relaxed;
     let (first, count) = agent::port_block()?;
-    if FULL_UNTIL.load(Relaxed) > sys::now_ns()
-        || !crate::sandbox::allows_nr(libc::SYS_bind)
-        || sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR) != Some(0)
-        || sys::sockopt_int(fd, libc::SOL_SOCKET, libc::SO_REUSEPORT) != Some(0)
-    {
+    if FULL_UNTIL.load(Relaxed) > sys::now_ns() {
         return None;
     }
     let count = u32::from(count);
@@ -209,6 +259,9 @@ pub fn plain_connect(dst: SocketAddr) {
 /// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
 pub fn after_connect(fd: i32, p: Pending) {
     let local = sys::local_addr(fd).unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+    if p.ticket {
+        crate::tickets::used(p.gid, local);
+    }
     if p.unbound {
         // The accepting side's agent holds the accept until this comes (or a short time
         // passes): sent before anything else, not waited for.

@@ -37,6 +37,8 @@ pub(super) fn socket_dead(fd: i32) -> bool {
 /// failed, on the new node if it was restored there.
 pub(super) fn freeze(w: &mut Work) {
     let pid = crate::pid();
+    // Tickets name this node's address: not used after the checkpoint, wherever that is.
+    crate::tickets::forget();
     let closed =
         crate::vc::connections().iter().filter(|v| v.shm_now().is_some_and(|l| l.peer_closed())).count();
     if closed > 0 {

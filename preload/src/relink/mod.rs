@@ -151,6 +151,9 @@ static RELEASED: Mutex<Vec<(u128, bool)>> = Mutex::new(Vec::new());
 /// (within half a second), many at once; a link offered here meanwhile is answered "no such
 /// connection", which is the truth.
 pub fn released(gid: u128, active: bool, others_hold: bool) {
+    if active && !others_hold {
+        crate::tickets::closed(gid);
+    }
     if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
         send_event(&Msg::ReleaseSide { gid, active });
         return;

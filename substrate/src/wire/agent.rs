@@ -541,6 +541,56 @@ pub enum Msg {
         /// The connecting node's agent addresses.
         agents: Vec<SocketAddr>,
     },
+    /// Layer → agent: identities for later connections to listener `dst` on another node,
+    /// agreed ahead with its agent (see [`Msg::TicketBook`]); `returned` names tickets the
+    /// layer will not use (their port was taken, or they grew too old). Answered with a
+    /// [`Msg::TicketBook`], or [`Msg::Plain`] when there are none to give.
+    Tickets {
+        /// The listener.
+        dst: SocketAddr,
+        /// How many tickets the layer would like.
+        want: u16,
+        /// The layer's window (announced with each ticket).
+        window: u64,
+        /// GIDs of tickets given back unused.
+        returned: Vec<u128>,
+    },
+    /// Agent → layer: tickets for connections to `dst`, each (source port, GID, secret),
+    /// already announced to the listener's agent: a connection bound to a ticket's port and
+    /// made within `use_ms` is virtual without asking anyone. `window` and `addrs` are the
+    /// listener's window and its node's agents, as in [`Msg::Virtual`].
+    TicketBook {
+        /// The listener.
+        dst: SocketAddr,
+        /// The listener's window.
+        window: u64,
+        /// The listener's node's agent addresses.
+        addrs: Vec<SocketAddr>,
+        /// How long the tickets may be used, from when they arrive (milliseconds).
+        use_ms: u32,
+        /// Source port, GID, secret.
+        tickets: Vec<(u16, u128, u128)>,
+    },
+    /// Layer → agent: the connection of ticket `gid` was made from `local`. Never answered.
+    Used {
+        /// The ticket's GID.
+        gid: u128,
+        /// The connection's local address.
+        local: SocketAddr,
+    },
+    /// Agent → agent: connections to `dst` that may come from the sender's node, announced
+    /// ahead (tickets): each (source address, GID, secret); the other fields as in
+    /// [`Msg::Expect`]. Never answered.
+    Expects {
+        /// Destination address.
+        dst: SocketAddr,
+        /// The connecting side's window.
+        window: u64,
+        /// The connecting node's agent addresses.
+        agents: Vec<SocketAddr>,
+        /// Source address, GID, secret.
+        entries: Vec<(SocketAddr, u128, u128)>,
+    },
 }
 
 /// Why a message was refused.
@@ -765,6 +815,10 @@ impl Msg {
             Msg::Welcome { .. } => "Welcome",
             Msg::Subscribe { .. } => "Subscribe",
             Msg::Expect { .. } => "Expect",
+            Msg::Tickets { .. } => "Tickets",
+            Msg::TicketBook { .. } => "TicketBook",
+            Msg::Used { .. } => "Used",
+            Msg::Expects { .. } => "Expects",
             Msg::Probe { .. } => "Probe",
             Msg::Journal { .. } => "Journal",
             Msg::WatchCluster { .. } => "WatchCluster",
@@ -1068,6 +1122,46 @@ impl Msg {
                 w.addr(aim);
                 w.addrs(agents);
             }
+            Msg::Tickets { dst, want, window, returned } => {
+                w.u8(83);
+                w.addr(dst);
+                w.u16(*want);
+                w.u64(*window);
+                w.u32(returned.len() as u32);
+                for g in returned {
+                    w.u128(*g);
+                }
+            }
+            Msg::TicketBook { dst, window, addrs, use_ms, tickets } => {
+                w.u8(84);
+                w.addr(dst);
+                w.u64(*window);
+                w.addrs(addrs);
+                w.u32(*use_ms);
+                w.u32(tickets.len() as u32);
+                for (port, gid, secret) in tickets {
+                    w.u16(*port);
+                    w.u128(*gid);
+                    w.u128(*secret);
+                }
+            }
+            Msg::Used { gid, local } => {
+                w.u8(85);
+                w.u128(*gid);
+                w.addr(local);
+            }
+            Msg::Expects { dst, window, agents, entries } => {
+                w.u8(86);
+                w.addr(dst);
+                w.u64(*window);
+                w.addrs(agents);
+                w.u32(entries.len() as u32);
+                for (src, gid, secret) in entries {
+                    w.addr(src);
+                    w.u128(*gid);
+                    w.u128(*secret);
+                }
+            }
             Msg::Happened { json } => {
                 w.u8(39);
                 w.str(json);
@@ -1197,6 +1291,41 @@ impl Msg {
             36 => Msg::AsUser { uid: r.u32()?, cmd: r.bytes()? },
             37 => Msg::ClusterStatus,
             90 => Msg::Locate { gid: r.u128()? },
+            83 => {
+                let dst = r.addr()?;
+                let want = r.u16()?;
+                let window = r.u64()?;
+                let n = r.count(16)?;
+                let mut returned = Vec::with_capacity(n);
+                for _ in 0..n {
+                    returned.push(r.u128()?);
+                }
+                Msg::Tickets { dst, want, window, returned }
+            }
+            84 => {
+                let dst = r.addr()?;
+                let window = r.u64()?;
+                let addrs = r.addrs()?;
+                let use_ms = r.u32()?;
+                let n = r.count(2 + 16 + 16)?;
+                let mut tickets = Vec::with_capacity(n);
+                for _ in 0..n {
+                    tickets.push((r.u16()?, r.u128()?, r.u128()?));
+                }
+                Msg::TicketBook { dst, window, addrs, use_ms, tickets }
+            }
+            85 => Msg::Used { gid: r.u128()?, local: r.addr()? },
+            86 => {
+                let dst = r.addr()?;
+                let window = r.u64()?;
+                let agents = r.addrs()?;
+                let n = r.count(MIN_ADDR + 16 + 16)?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    entries.push((r.addr()?, r.u128()?, r.u128()?));
+                }
+                Msg::Expects { dst, window, agents, entries }
+            }
             38 => Msg::Watch { after: r.u64()?, follow: r.bool()? },
             39 => Msg::Happened { json: r.str()? },
             40 => Msg::Journal { after: r.u64()? },
@@ -1371,6 +1500,18 @@ mod tests {
             },
             Msg::Bound { ports: vec![(1 << 100 | 5, a), (6, b)] },
             Msg::Bound { ports: vec![] },
+            Msg::Tickets { dst: b, want: 32, window: 1 << 22, returned: vec![1 << 120 | 3, 4] },
+            Msg::Tickets { dst: a, want: 0, window: 0, returned: vec![] },
+            Msg::TicketBook {
+                dst: a,
+                window: 1 << 22,
+                addrs: vec![a, b],
+                use_ms: 10_000,
+                tickets: vec![(59_999, 1 << 127 | 1, 2), (60_000, 3, u128::MAX)],
+            },
+            Msg::Used { gid: 5 << 64 | 6, local: a },
+            Msg::Expects { dst: b, window: 9, agents: vec![b], entries: vec![(a, 1, 2), (b, 3, 4)] },
+            Msg::Expects { dst: a, window: 0, agents: vec![], entries: vec![] },
             Msg::Plain,
             Msg::Ok,
             Msg::Error { reason: "no".into() },
