@@ -114,7 +114,14 @@ pub struct Events {
     /// The node's ticket ports and the tickets out (see `crate::tickets`): a connection
     /// made with one gives its port back when released, a process that ends its used ones.
     pub tickets: Mutex<crate::tickets::Pool>,
+    /// What the agent does when a process says on its event channel that it took a
+    /// connection from its table of announced connections (`Msg::Accepted`; process,
+    /// local and peer address, GID): set at start, the directory being the agent's.
+    pub on_accepted: std::sync::OnceLock<AcceptedHook>,
 }
+
+/// See [`Events::on_accepted`].
+pub type AcceptedHook = Box<dyn Fn(u32, std::net::SocketAddr, std::net::SocketAddr, u128) + Send + Sync>;
 
 /// The ends of streams kept, and the order they came in (oldest first) so that the oldest
 /// go first at constant cost: a node closing connections fast keeps [`ENDED_MAX`] and
@@ -250,6 +257,31 @@ impl Events {
                     // A process holding it here again (back after a failed checkpoint, or
                     // restored on this node).
                     self.moving().remove(&gid);
+                }
+                Ok((Msg::Used { gid, .. }, _)) => {
+                    // A connection made with one of the process's tickets (told after it was
+                    // made, with others, a little later).
+                    let dst = self.tickets.lock().unwrap_or_else(|e| e.into_inner()).used(u64::from(pid), gid);
+                    match dst {
+                        Some(dst) => {
+                            if let Some(c) = self.lock().get_mut(&id) {
+                                c.holds.insert(gid, true);
+                            }
+                            crate::registry::hold(gid, true, pid);
+                            self.journal.record_connection(pid, gid, "out", None, dst);
+                        }
+                        None => debug!(
+                            "process {pid} said it used ticket {gid:032x}, which is not one of its unused tickets"
+                        ),
+                    }
+                }
+                Ok((Msg::Accepted { local, peer, gid }, _)) => {
+                    if let Some(c) = self.lock().get_mut(&id) {
+                        c.holds.insert(gid, false);
+                    }
+                    if let Some(f) = self.on_accepted.get() {
+                        f(pid, local, peer, gid);
+                    }
                 }
                 Ok((Msg::Ok, _)) => {
                     // The answer to a Freeze: the process closes this channel next.

@@ -416,6 +416,21 @@ impl Agent {
         serde_json::json!({ "ports": ports, "one_way_to": to, "one_way_from": from, "tickets_out": tickets_out })
     }
 
+    /// Process `pid` took connection `gid` (`peer` -> `local`) from its table of announced
+    /// connections (it holds it: the caller noted that): the directory's entry goes, and the
+    /// connection is counted and recorded.
+    pub fn taken_from_table(&self, pid: u32, local: SocketAddr, peer: SocketAddr, gid: u128) {
+        let local = SocketAddr::new(normalize(local.ip()), local.port());
+        let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
+        let known = self.dir.lock().unwrap_or_else(|e| e.into_inner()).taken(local, peer, gid);
+        if !known {
+            debug!("connection {gid:032x}: {peer} -> {local} taken from a table, no longer in the directory");
+        }
+        self.accepts.count(true);
+        crate::registry::hold(gid, false, pid);
+        self.journal.record_connection(pid, gid, "in", Some(local), peer);
+    }
+
     /// Tickets for process `pid`'s next connections to listener `dst` on another node (see
     /// `crate::tickets`), announced to its agent one way before they are given: a
     /// [`Msg::TicketBook`], or [`Msg::Plain`] when this agent does not announce connections
@@ -463,6 +478,7 @@ impl Agent {
         debug!("process {pid}: {} tickets for {dst}", tickets.len());
         Msg::TicketBook {
             dst,
+            src: SocketAddr::new(src_ip, 0),
             window: w,
             addrs,
             use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
@@ -571,6 +587,9 @@ impl Agent {
     pub fn unsubscribed(&self, dst: SocketAddr, from: Option<IpAddr>) {
         if self.remote.lock().unwrap_or_else(|e| e.into_inner()).remove(&dst).is_some() {
             debug!("listener {dst} is gone (said the agent at {from:?})");
+            // The node's processes drop their tickets for it: their next connections there
+            // ask, and are told where it went (or that it is plain now).
+            self.events.broadcast(&Msg::Unlisten { addr: dst });
         }
     }
 
@@ -1187,24 +1206,6 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 }
                 None => Msg::Plain,
             },
-            Msg::Used { gid, local: _ } => {
-                // Not answered: the layer's connect did not wait for anything.
-                let pid = agent.pid_of(id);
-                let dst = pid.and_then(|pid| {
-                    agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).used(u64::from(pid), gid)
-                });
-                match (pid, dst) {
-                    (Some(pid), Some(dst)) => {
-                        agent.events.hold(id, pid, gid, true);
-                        crate::registry::hold(gid, true, pid);
-                        agent.journal.record_connection(pid, gid, "out", None, dst);
-                    }
-                    _ => agent.refusals.note(Refused::Local, || {
-                        format!("local client {id} said it used ticket {gid:032x}, which is not one of its unused tickets")
-                    }),
-                }
-                continue;
-            }
             Msg::Accept { local, peer } => {
                 let local = SocketAddr::new(normalize(local.ip()), local.port());
                 let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
@@ -1256,18 +1257,11 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 }
             }
             Msg::Accepted { local, peer, gid } => {
-                // Not answered: the layer took the connection from its table.
-                let local = SocketAddr::new(normalize(local.ip()), local.port());
-                let peer = SocketAddr::new(normalize(peer.ip()), peer.port());
-                let known = agent.dir.lock().unwrap_or_else(|e| e.into_inner()).taken(local, peer, gid);
-                if !known {
-                    debug!("connection {gid:032x}: {peer} -> {local} taken from a table, no longer in the directory");
-                }
-                agent.accepts.count(true);
+                // Not answered: the layer took the connection from its table. (A layer since
+                // 2026-11-28 says it on its event channel, with others.)
                 if let Some(pid) = agent.pid_of(id) {
                     agent.events.hold(id, pid, gid, false);
-                    crate::registry::hold(gid, false, pid);
-                    agent.journal.record_connection(pid, gid, "in", Some(local), peer);
+                    agent.taken_from_table(pid, local, peer, gid);
                 }
                 continue;
             }

@@ -326,6 +326,15 @@ fn run(args: Settings) {
         let (_, (first, n)) = agent::tickets::split(args.setup_ports.block().0, args.setup_ports.block().1);
         *agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner()) = agent::tickets::Pool::new(first, n);
     }
+    {
+        // (Weak: the hook lives in the agent it points to.)
+        let a = Arc::downgrade(&agent);
+        let _ = agent.events.on_accepted.set(Box::new(move |pid, local, peer, gid| {
+            if let Some(a) = a.upgrade() {
+                a.taken_from_table(pid, local, peer, gid);
+            }
+        }));
+    }
     let _ = agent.plugins.set(args.plugins.clone());
     agent.sinks.probe(&args.plugins);
     // (Names only: status shows the chains of plug-ins, which run in the programs alone.)

@@ -24,8 +24,9 @@ pub struct Pending {
     shm: Option<crate::shm_sink::ShmLink>,
     /// Announced without a source port: the agent learns it after `connect`.
     unbound: bool,
-    /// Made with a ticket (see `crate::tickets`): the agent learns of it after `connect`.
-    ticket: bool,
+    /// Made with a ticket (see `crate::tickets`), bound to this address: the agent learns of
+    /// it after `connect`.
+    ticket: Option<SocketAddr>,
 }
 
 /// What the agent answered before a `connect`. (It lives on the stack for one call, as the
@@ -103,7 +104,7 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
                 via,
                 shm,
                 unbound,
-                ticket: false,
+                ticket: None,
             }))
         }
         Some(Msg::Plain) => {
@@ -140,8 +141,10 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
     }
     for _ in 0..TICKET_TRIES {
         let t = crate::tickets::take(dst)?;
-        let a = SocketAddr::new(unbound.ip(), t.port);
-        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&a, false)) == 0 {
+        // (The address it was announced with, not the wildcard: the kernel could pick
+        // another source address for the connection, which the listener's node would not
+        // find announced.)
+        if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&t.src, false)) == 0 {
             return Some(Pending {
                 gid: t.gid,
                 secret: t.secret,
@@ -151,7 +154,7 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
                 via: None,
                 shm: None,
                 unbound: false,
-                ticket: true,
+                ticket: Some(t.src),
             });
         }
         let e = sys::errno();
@@ -258,9 +261,14 @@ pub fn plain_connect(dst: SocketAddr) {
 
 /// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
 pub fn after_connect(fd: i32, p: Pending) {
-    let local = sys::local_addr(fd).unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
-    if p.ticket {
-        crate::tickets::used(p.gid, local);
+    // (A ticket's address was bound whole: not asked of the kernel again.)
+    let local = p
+        .ticket
+        .or_else(|| sys::local_addr(fd))
+        .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0));
+    if p.ticket.is_some() {
+        crate::tickets::opened(p.gid);
+        crate::relink::hold_later(&Msg::Used { gid: p.gid, local });
     }
     if p.unbound {
         // The accepting side's agent holds the accept until this comes (or a short time
@@ -392,7 +400,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     // to wait for; the agent hears of it after), or else asked.
     let answer = match crate::accepts::take(local, peer) {
         Some(e) => {
-            agent::tell(&Msg::Accepted { local, peer, gid: e.gid });
+            crate::relink::hold_later(&Msg::Accepted { local, peer, gid: e.gid });
             Some(Msg::Virtual {
                 gid: e.gid,
                 secret: e.secret,

@@ -2,8 +2,8 @@
 //! which the node agent agreed ahead with the listener's agent (its `tickets` module). A
 //! `connect` that holds one binds the socket to the ticket's source port and is virtual
 //! from then on without asking the agent: the connection's set-up waits for no one but the
-//! kernel, as a native one does. The agent hears of the connection after the SYN left
-//! (`Msg::Used`, not answered).
+//! kernel, as a native one does. The agent hears of the connection later (`Msg::Used` on
+//! the event channel, within 50 ms, with others: one wake-up of the agent for many).
 //!
 //! Books are kept per listener that answered a `connect` as virtual on another node, and
 //! filled (a request to the agent) when they run low, at most once per [`ASK_EVERY_NS`] when
@@ -41,8 +41,10 @@ struct Entry {
 struct Book {
     /// The agent session the tickets were given in (`agent::session`).
     session: u64,
-    /// The listener's window and its node's agents, from the last answer.
+    /// The listener's window and its node's agents, and the source address the tickets
+    /// were announced with, from the last answer.
     window: u64,
+    src: Option<std::net::IpAddr>,
     addrs: Vec<SocketAddr>,
     tickets: VecDeque<Entry>,
     /// Not asked before this time.
@@ -67,8 +69,8 @@ fn lock() -> MutexGuard<'static, Option<Books>> {
 
 /// A ticket taken for a connection.
 pub struct Ticket {
-    /// The source port to bind.
-    pub port: u16,
+    /// The source address to bind: the one the tickets were announced with.
+    pub src: SocketAddr,
     /// The connection's GID.
     pub gid: u128,
     /// Its secret.
@@ -128,9 +130,10 @@ pub fn take(dst: SocketAddr) -> Option<Ticket> {
     }
     let mut g = lock();
     let book = g.as_mut()?.by_dst.get_mut(&dst)?;
+    let src = book.src?;
     let t = book.tickets.pop_front()?;
     Some(Ticket {
-        port: t.port,
+        src: SocketAddr::new(src, t.port),
         gid: t.gid,
         secret: t.secret,
         window: book.window,
@@ -152,12 +155,17 @@ fn fill(dst: SocketAddr, returned: Vec<u128>, now: u64) {
         return;
     };
     match answer {
-        Some(Msg::TicketBook { dst: d, window, addrs, use_ms, tickets }) if d == dst => {
+        Some(Msg::TicketBook { dst: d, src, window, addrs, use_ms, tickets }) if d == dst && src.is_ipv4() => {
             let until_ns = now + u64::from(use_ms) * 1_000_000;
             if book.session != crate::agent::session() {
                 book.tickets.clear();
                 book.session = crate::agent::session();
             }
+            if book.src.is_some_and(|s| s != src.ip()) {
+                // (Announced from another address now: the older ones are no good.)
+                b.returned.extend(book.tickets.drain(..).map(|t| t.gid));
+            }
+            book.src = Some(src.ip());
             book.window = window;
             book.addrs = addrs;
             book.tickets.extend(tickets.into_iter().map(|(port, gid, secret)| Entry {
@@ -174,6 +182,17 @@ fn fill(dst: SocketAddr, returned: Vec<u128>, now: u64) {
             b.returned.extend(tickets.iter().map(|t| t.1));
         }
         _ => {}
+    }
+}
+
+/// The listener at `dst` is gone or moved (its node's agent said so): its tickets go back,
+/// and its next connections ask the agent.
+pub fn drop_book(dst: SocketAddr) {
+    if let Some(b) = lock().as_mut() {
+        if let Some(k) = b.by_dst.remove(&dst) {
+            b.returned.extend(k.tickets.iter().map(|t| t.gid));
+            crate::log::debug(format_args!("listener {dst} is gone or moved: its tickets are dropped"));
+        }
     }
 }
 
@@ -196,14 +215,13 @@ pub fn give_back(gid: u128) {
     }
 }
 
-/// The connection of a ticket was made: the agent hears of it (not waited for).
-pub fn used(gid: u128, local: SocketAddr) {
+/// The connection of a ticket was made (the agent hears of it from the caller, `Msg::Used`).
+pub fn opened(gid: u128) {
     if let Some(b) = lock().as_mut() {
         if b.open.len() < 1 << 16 {
             b.open.insert(gid);
         }
     }
-    crate::agent::tell(&Msg::Used { gid, local });
 }
 
 /// This process let go of connection `gid` (its connecting side): if a ticket made it, the

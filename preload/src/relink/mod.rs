@@ -155,6 +155,8 @@ pub fn released(gid: u128, active: bool, others_hold: bool) {
         crate::tickets::closed(gid);
     }
     if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
+        // (What is kept back goes first: a hold must never arrive after its release.)
+        flush_ended();
         send_event(&Msg::ReleaseSide { gid, active });
         return;
     }
@@ -169,6 +171,7 @@ pub fn released(gid: u128, active: bool, others_hold: bool) {
     if r.len() >= 1024 {
         let all = std::mem::take(&mut *r);
         drop(r);
+        flush_ended();
         tell_released(all);
     }
 }
@@ -281,10 +284,24 @@ pub fn ended(v: &Vc) {
     };
     let from_active = c.active != 0;
     let mac = substrate::auth::ended_mac(c.secret, c.gid, at, from_active);
-    let m = Msg::Ended { gid: c.gid, at, from_active, mac }.encode();
+    keep_back(&Msg::Ended { gid: c.gid, at, from_active, mac }.encode());
+}
+
+/// This process holds a connection from now on, the agent not told yet: one made with a
+/// ticket (`Msg::Used`) or taken from the table of announced connections
+/// (`Msg::Accepted`). Told on the event channel within [`ENDED_DELAY_MS`], with everything
+/// else kept back (ends of streams, other holds): one wake-up of the agent for all of them,
+/// where one message per connection woke it once per connection. (Releases are told after
+/// what is kept back, never before: the agent must see a hold before its release.)
+pub fn hold_later(m: &Msg) {
+    keep_back(&m.encode());
+}
+
+/// Keeps encoded messages for the event channel back until [`ENDED_DUE`] (set by the first).
+fn keep_back(m: &[u8]) {
     let mut e = ENDED.lock().unwrap_or_else(|e| e.into_inner());
     let first = e.is_empty();
-    e.extend_from_slice(&m);
+    e.extend_from_slice(m);
     if e.len() >= ENDED_MAX {
         let all = std::mem::take(&mut *e);
         drop(e);
@@ -390,9 +407,13 @@ static ENDED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 /// Most bytes of `ENDED` kept back (about 900 ends).
 const ENDED_MAX: usize = 64 << 10;
 
-/// Tells the agent the ends of streams kept back.
+/// Tells the agent what is kept back (ends of streams, holds). Kept while there is no event
+/// channel (the agent restarting): the control thread tries again each round.
 pub fn flush_ended() {
     ENDED_DUE.store(0, Relaxed);
+    if crate::ownfd::own_fd(OWN_EVENTS) < 0 {
+        return;
+    }
     let all = std::mem::take(&mut *ENDED.lock().unwrap_or_else(|e| e.into_inner()));
     if !all.is_empty() {
         send_events(&all);
@@ -637,6 +658,10 @@ fn control_loop() -> Ending {
             }
         }
         if EXECING.load(Relaxed) == 0 {
+            if !RELEASED.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+                // (Holds kept back go before the releases.)
+                flush_ended();
+            }
             flush_released();
             let due = ENDED_DUE.load(Relaxed);
             if due == 0 || due <= sys::now_ms() {
@@ -862,6 +887,9 @@ fn on_event(m: Msg, passed: Option<i32>, w: &mut Work) {
             w.suspects.clear();
         }
         (Msg::Freeze { .. }, _) => freeze(w),
+        // A listener on another node is gone or moved: its tickets are no good any more (a
+        // connection there asks the agent, which knows where it went).
+        (Msg::Unlisten { addr }, _) => crate::tickets::drop_book(addr),
         (Msg::Move { gid, shm }, _) => move_conn(gid, shm),
         (Msg::Chain { gid, spec }, _) => chain_conn(gid, &spec),
         (Msg::Device { load, name, gid, .. }, _)

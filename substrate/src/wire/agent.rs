@@ -71,7 +71,8 @@ pub enum Msg {
     },
     /// Layer → agent, not answered: a listener accepted the connection `gid` from `peer`,
     /// found in the process's table of announced connections (`crate::accepts`) rather than
-    /// asked about with [`Msg::Accept`].
+    /// asked about with [`Msg::Accept`]. (On the event channel, kept back a little with
+    /// others, since 2026-11-28; before, on the request socket, which agents still take.)
     Accepted {
         /// The accepted socket's local address.
         local: SocketAddr,
@@ -562,6 +563,9 @@ pub enum Msg {
     TicketBook {
         /// The listener.
         dst: SocketAddr,
+        /// The source address the tickets were announced with (port 0): the layer binds it
+        /// with the ticket's port.
+        src: SocketAddr,
         /// The listener's window.
         window: u64,
         /// The listener's node's agent addresses.
@@ -571,7 +575,8 @@ pub enum Msg {
         /// Source port, GID, secret.
         tickets: Vec<(u16, u128, u128)>,
     },
-    /// Layer → agent: the connection of ticket `gid` was made from `local`. Never answered.
+    /// Layer → agent (event channel, kept back a little with others): the connection of
+    /// ticket `gid` was made from `local`. Never answered.
     Used {
         /// The ticket's GID.
         gid: u128,
@@ -1132,9 +1137,10 @@ impl Msg {
                     w.u128(*g);
                 }
             }
-            Msg::TicketBook { dst, window, addrs, use_ms, tickets } => {
+            Msg::TicketBook { dst, src, window, addrs, use_ms, tickets } => {
                 w.u8(84);
                 w.addr(dst);
+                w.addr(src);
                 w.u64(*window);
                 w.addrs(addrs);
                 w.u32(*use_ms);
@@ -1304,6 +1310,7 @@ impl Msg {
             }
             84 => {
                 let dst = r.addr()?;
+                let src = r.addr()?;
                 let window = r.u64()?;
                 let addrs = r.addrs()?;
                 let use_ms = r.u32()?;
@@ -1312,7 +1319,7 @@ impl Msg {
                 for _ in 0..n {
                     tickets.push((r.u16()?, r.u128()?, r.u128()?));
                 }
-                Msg::TicketBook { dst, window, addrs, use_ms, tickets }
+                Msg::TicketBook { dst, src, window, addrs, use_ms, tickets }
             }
             85 => Msg::Used { gid: r.u128()?, local: r.addr()? },
             86 => {
@@ -1504,6 +1511,7 @@ mod tests {
             Msg::Tickets { dst: a, want: 0, window: 0, returned: vec![] },
             Msg::TicketBook {
                 dst: a,
+                src: "10.0.0.9:0".parse().unwrap(),
                 window: 1 << 22,
                 addrs: vec![a, b],
                 use_ms: 10_000,
