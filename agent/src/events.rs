@@ -261,7 +261,8 @@ impl Events {
                 Ok((Msg::Used { gid, .. }, _)) => {
                     // A connection made with one of the process's tickets (told after it was
                     // made, with others, a little later).
-                    let dst = self.tickets.lock().unwrap_or_else(|e| e.into_inner()).used(u64::from(pid), gid);
+                    let dst =
+                        self.tickets.lock().unwrap_or_else(|e| e.into_inner()).used(u64::from(pid), gid);
                     match dst {
                         Some(dst) => {
                             if let Some(c) = self.lock().get_mut(&id) {

@@ -48,10 +48,10 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     if config::disabled() || fdtable::is_managed(fd) || dst.port() == 0 || !crate::sandbox::may_set_up() {
         return None;
     }
-    sys::tcp_family(fd)?;
-    if agent::known_down() || agent::known_plain(&dst) {
+    if !sys::is_tcp(fd) || agent::known_down() || agent::known_plain(&dst) {
         return None;
     }
+    // (An address of either IP family, or `None`: the family is checked here.)
     let mut local = sys::local_addr(fd)?;
     if local.port() == 0 && local.ip().is_unspecified() && may_bind(fd) {
         if let Some(p) = ticketed(fd, local, dst) {

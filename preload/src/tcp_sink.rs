@@ -1360,7 +1360,9 @@ fn peek(
 pub fn unread_payload(mem: ConnMem, fd: c_int) -> bool {
     // (A racy read, only to choose how to close.)
     let mid_frame = mem.conn().peek_rx(|rx| rx.frame_rem > 0 || rx.coded_len > 0);
-    mid_frame || readable_bytes(mem, fd).unwrap_or(0) > 0
+    // Once a read met the kernel's end of stream, the socket holds nothing and nothing can
+    // follow the FIN: not asked again.
+    mid_frame || (mem.conn().peer_eof.load(Acquire) == 0 && readable_bytes(mem, fd).unwrap_or(0) > 0)
 }
 
 /// What reading a closed connection's socket gave.

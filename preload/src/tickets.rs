@@ -155,7 +155,9 @@ fn fill(dst: SocketAddr, returned: Vec<u128>, now: u64) {
         return;
     };
     match answer {
-        Some(Msg::TicketBook { dst: d, src, window, addrs, use_ms, tickets }) if d == dst && src.is_ipv4() => {
+        Some(Msg::TicketBook { dst: d, src, window, addrs, use_ms, tickets })
+            if d == dst && src.is_ipv4() =>
+        {
             let until_ns = now + u64::from(use_ms) * 1_000_000;
             if book.session != crate::agent::session() {
                 book.tickets.clear();

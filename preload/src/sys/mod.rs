@@ -286,6 +286,12 @@ pub fn tcp_family(fd: c_int) -> Option<c_int> {
     matches!(fam, libc::AF_INET | libc::AF_INET6).then_some(fam)
 }
 
+/// True if `fd` is a TCP socket (of either IP family: a TCP socket's family is asked of the
+/// kernel with its address by callers that need it, one call less than [`tcp_family`]).
+pub fn is_tcp(fd: c_int) -> bool {
+    sockopt_int(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL) == Some(libc::IPPROTO_TCP)
+}
+
 /// True if the descriptor is in non-blocking mode.
 pub fn nonblocking(fd: c_int) -> bool {
     gate::nonblocking(fd)
