@@ -4,7 +4,6 @@
 //! other nodes rebuilt for its connections.
 
 use crate::journal::Journal;
-use crate::wire::read_msg_fd;
 use crate::wire::send_with_fd;
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -246,8 +245,10 @@ impl Events {
         // Restored here, or back after a failed checkpoint: no longer frozen.
         self.frozen.lock().unwrap_or_else(|e| e.into_inner()).remove(&pid);
         debug!("event channel {id} of process {pid}");
+        // (Buffered: a layer tells its holds, releases and ends in batches.)
+        let mut reader = crate::wire::MsgReader::default();
         loop {
-            match read_msg_fd(s.as_raw_fd()) {
+            match reader.next(s.as_raw_fd()) {
                 Ok((Msg::Linger { gid }, Some(fd))) => linger(gid, fd),
                 Ok((Msg::Hold { gid, active }, _)) => {
                     if let Some(c) = self.lock().get_mut(&id) {
