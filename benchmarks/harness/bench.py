@@ -63,6 +63,7 @@ TARGET_CPU_PER_GIB_RATIO = 1.10  # layer CPU time (both ends) per GiB moved <= 1
 TARGET_REDIS_RATIO = 0.95        # layer redis ops/s >= 95 % of native
 TARGET_NGINX_RATIO = 0.95        # layer nginx requests/s (wrk) >= 95 % of native
 TARGET_MEMCACHED_RATIO = 0.95    # layer memcached operations/s (memcaslap) >= 95 % of native
+TARGET_CONNRATE_RATIO = 0.80     # layer sequential connection set-up rate >= 80 % of native
 TARGET_MPI_RATIO = 0.95          # MPI 1 MiB bandwidth and native/layer 8 B latency >= 0.95
 TARGET_IDLE_KIB = 32.0           # < 32 KiB of RSS per idle virtual connection
 TARGET_NONTCP_RATIO = 1.05       # calls on descriptors the layer does not manage: <= 105 %
@@ -2004,7 +2005,7 @@ class Report:
         if self.b("connrate"):
             nat = [r["conns_per_sec"] for r in self.by("connrate", NATIVE)]
             lay = [r["conns_per_sec"] for r in self.by("connrate", LAYER)]
-            add("connrate", "connection set-up, sequential (conn/s)", nat, lay, None, 0)
+            add("connrate", "connection set-up, sequential (conn/s)", nat, lay, TARGET_CONNRATE_RATIO, 0)
             rows += self.check_rows("connrate", len(hdr)) + self.error_rows("connrate", len(hdr))
         if self.b("mpi"):
             nat = [r["bw1m_mbps"] for r in self.by("mpi", NATIVE)]
