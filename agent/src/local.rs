@@ -1195,11 +1195,15 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
                 }
                 continue;
             }
-            Msg::Tickets { dst, want, window, returned } => match agent.pid_of(id) {
+            Msg::Tickets { dst, want, window, returned, busy } => match agent.pid_of(id) {
                 Some(pid) => {
                     let mut pool = agent.events.tickets.lock().unwrap_or_else(|e| e.into_inner());
                     for gid in returned {
                         pool.back(u64::from(pid), gid);
+                    }
+                    let now = Instant::now();
+                    for gid in busy {
+                        pool.busy(u64::from(pid), gid, now);
                     }
                     drop(pool);
                     agent.give_tickets(pid, dst, want, window)

@@ -26,6 +26,10 @@ pub const USE_WITHIN: Duration = Duration::from_secs(10);
 /// port can be announced again without any doubt about which connection it names.
 pub const HOLD: Duration = Duration::from_secs(31);
 
+/// How long a port whose socket went into TIME_WAIT is not given again (Linux keeps it a
+/// minute): a bind there would fail.
+pub const TIME_WAIT: Duration = Duration::from_secs(61);
+
 /// Most tickets given at once.
 pub const MAX_BATCH: usize = 64;
 
@@ -40,6 +44,8 @@ struct Out {
     given: Instant,
     /// The connection was made: the port is out until it is released.
     used: bool,
+    /// The port is held by a socket in TIME_WAIT until then (a release does not free it).
+    busy_until: Option<Instant>,
 }
 
 /// The node's ticket ports and the tickets out.
@@ -119,13 +125,17 @@ impl Pool {
             self.cursor = (self.cursor + 1) % count;
             looked += 1;
             if let Some(o) = self.by_port.get(&port) {
-                if o.used || now.saturating_duration_since(o.given) < HOLD {
+                let taken = match o.busy_until {
+                    Some(t) => now < t,
+                    None => o.used || now.saturating_duration_since(o.given) < HOLD,
+                };
+                if taken {
                     continue;
                 }
                 self.free(port);
             }
             let gid = gids();
-            self.by_port.insert(port, Out { client, gid, dst, given: now, used: false });
+            self.by_port.insert(port, Out { client, gid, dst, given: now, used: false, busy_until: None });
             self.by_gid.insert(gid, port);
             *self.per_client.entry(client).or_default() += 1;
             got.push((port, gid));
@@ -146,11 +156,23 @@ impl Pool {
     }
 
     /// `client` gives ticket `gid` back unused, or released the connection made with it:
-    /// its port is free. Another client's ticket stays.
+    /// its port is free (unless a socket holds it in TIME_WAIT, see [`Pool::busy`]). Another
+    /// client's ticket stays.
     pub fn back(&mut self, client: u64, gid: u128) {
         if let Some(&port) = self.by_gid.get(&gid) {
-            if self.by_port.get(&port).is_some_and(|o| o.client == client) {
+            if self.by_port.get(&port).is_some_and(|o| o.client == client && o.busy_until.is_none()) {
                 self.free(port);
+            }
+        }
+    }
+
+    /// `client` says the port of ticket `gid` is held by a socket in TIME_WAIT (its bind
+    /// failed, or its connection was closed from this side first): not given again for
+    /// [`TIME_WAIT`].
+    pub fn busy(&mut self, client: u64, gid: u128, now: Instant) {
+        if let Some(&port) = self.by_gid.get(&gid) {
+            if let Some(o) = self.by_port.get_mut(&port).filter(|o| o.client == client) {
+                o.busy_until = Some(now + TIME_WAIT);
             }
         }
     }
@@ -158,8 +180,12 @@ impl Pool {
     /// `client` is gone: the ports of its used tickets are free (its sockets are closed);
     /// its unused ones stay out until [`HOLD`] (they are announced at the listener's node).
     pub fn gone(&mut self, client: u64) {
-        let ports: Vec<u16> =
-            self.by_port.iter().filter(|(_, o)| o.client == client && o.used).map(|(p, _)| *p).collect();
+        let ports: Vec<u16> = self
+            .by_port
+            .iter()
+            .filter(|(_, o)| o.client == client && o.used && o.busy_until.is_none())
+            .map(|(p, _)| *p)
+            .collect();
         for p in ports {
             self.free(p);
         }
@@ -223,6 +249,30 @@ mod tests {
         p.back(1, a[0].1);
         assert_eq!(p.give(3, dst(), 4, later, &mut gids)[0].0, 60000);
         assert_eq!(p.out(), 4);
+    }
+
+    #[test]
+    fn a_port_in_time_wait_is_not_given_for_a_minute_even_once_released() {
+        let t0 = Instant::now();
+        let mut gids = counter();
+        let mut p = Pool::new(60000, 2);
+        let a = p.give(1, dst(), 2, t0, &mut gids);
+        assert_eq!(p.used(1, a[0].1), Some(dst()));
+        p.busy(2, a[0].1, t0);
+        assert!(p.by_port[&60000].busy_until.is_none(), "only its client marks it");
+        p.busy(1, a[0].1, t0);
+        p.back(1, a[0].1);
+        p.gone(1);
+        let later = t0 + HOLD + Duration::from_secs(1);
+        assert_eq!(
+            p.give(1, dst(), 2, later, &mut gids).iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![60001]
+        );
+        let after = t0 + TIME_WAIT + Duration::from_secs(1);
+        assert_eq!(
+            p.give(1, dst(), 2, after, &mut gids).iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![60000]
+        );
     }
 
     #[test]

@@ -65,7 +65,12 @@ fn reset(fd: i32) -> Result<i32, Errno> {
 /// Closes the program's descriptor `fd`, the last hold on `vc` anywhere. Returns the result
 /// of the program's close.
 pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
+    // A socket whose peer has not closed yet ends in TIME_WAIT after this close (unless it
+    // is reset below): a ticket's port it holds is told busy.
+    let peer_closed = vc.mem().conn().peer_eof.load(std::sync::atomic::Ordering::Acquire) != 0;
+    let gid = vc.mem().conn().gid;
     if !crate::sandbox::allows_all(LINGER_CALLS) || !crate::sandbox::may_spawn() {
+        crate::tickets::closed(gid, !peer_closed);
         // A sandbox forbids what lingering needs: the program's close, as it asked.
         return sys::cvt(sys::fd::close(fd));
     }
@@ -82,9 +87,11 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         // What the kernel itself does when a program closes with unread data; the Abort
         // frame tells the peer's layer it is the program's reset, not a failed link.
         crate::log::debug(format_args!("close with unread payload: reset"));
+        crate::tickets::closed(gid, false);
         vc.abort(fd);
         return reset(fd);
     }
+    crate::tickets::closed(gid, !peer_closed);
     if !fin_mode && (nothing_left(&vc) || sent_nothing(&vc)) {
         // The peer's FIN arrived, nothing waits to be read and nothing of ours to be sent:
         // no byte can arrive after this close, so the kernel's own close (a FIN) ends it as

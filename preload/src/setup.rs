@@ -158,7 +158,7 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
             });
         }
         let e = sys::errno();
-        crate::tickets::give_back(t.gid);
+        crate::tickets::give_back(t.gid, e == libc::EADDRINUSE);
         if e != libc::EADDRINUSE {
             return None;
         }

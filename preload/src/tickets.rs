@@ -57,6 +57,9 @@ struct Books {
     /// Tickets that will not be used, or whose connection closed, told with the next
     /// request (their ports are free for new tickets then).
     returned: Vec<u128>,
+    /// Tickets whose port a socket holds in TIME_WAIT (a bind failed there, or this side
+    /// closed the connection first), told with the next request.
+    busy: Vec<u128>,
     /// Tickets whose connection is open.
     open: std::collections::HashSet<u128>,
 }
@@ -122,11 +125,11 @@ pub fn take(dst: SocketAddr) -> Option<Ticket> {
         }
         (book.tickets.len() <= LOW && now >= book.next_ask_ns).then(|| {
             book.next_ask_ns = now + ASK_EVERY_NS;
-            std::mem::take(&mut b.returned)
+            (std::mem::take(&mut b.returned), std::mem::take(&mut b.busy))
         })
     };
-    if let Some(returned) = ask {
-        fill(dst, returned, now);
+    if let Some((returned, busy)) = ask {
+        fill(dst, returned, busy, now);
     }
     let mut g = lock();
     let book = g.as_mut()?.by_dst.get_mut(&dst)?;
@@ -142,8 +145,8 @@ pub fn take(dst: SocketAddr) -> Option<Ticket> {
 }
 
 /// Asks the agent for tickets to `dst` (outside the lock: a request waits for the agent).
-fn fill(dst: SocketAddr, returned: Vec<u128>, now: u64) {
-    let m = Msg::Tickets { dst, want: BATCH, window: crate::config::window(), returned };
+fn fill(dst: SocketAddr, returned: Vec<u128>, busy: Vec<u128>, now: u64) {
+    let m = Msg::Tickets { dst, want: BATCH, window: crate::config::window(), returned, busy };
     let answer = crate::agent::request(&m);
     let mut g = lock();
     let Some(b) = g.as_mut() else { return };
@@ -209,11 +212,16 @@ pub fn forget() {
     }
 }
 
-/// A ticket taken by [`take`] that was not used (its port is held by another socket): it
-/// goes back to the agent with the next request.
-pub fn give_back(gid: u128) {
+/// A ticket taken by [`take`] that was not used: it goes back to the agent with the next
+/// request, `busy` when its port is held by another socket (the agent then does not give it
+/// again for a minute).
+pub fn give_back(gid: u128, busy: bool) {
     if let Some(b) = lock().as_mut() {
-        b.returned.push(gid);
+        if busy {
+            b.busy.push(gid);
+        } else {
+            b.returned.push(gid);
+        }
     }
 }
 
@@ -226,13 +234,18 @@ pub fn opened(gid: u128) {
     }
 }
 
-/// This process let go of connection `gid` (its connecting side): if a ticket made it, the
-/// agent hears with the next request for tickets that its port is free (the release itself
-/// reaches it later, in a batch).
-pub fn closed(gid: u128) {
+/// The program closed connection `gid` for good: if a ticket made it, the agent hears with
+/// the next request for tickets that its port is free, or, when this side closed first
+/// (`time_wait`: its socket stays in TIME_WAIT a minute), that it is not. (The release itself
+/// reaches the agent later, in a batch.)
+pub fn closed(gid: u128, time_wait: bool) {
     if let Some(b) = lock().as_mut() {
         if b.open.remove(&gid) {
-            b.returned.push(gid);
+            if time_wait {
+                b.busy.push(gid);
+            } else {
+                b.returned.push(gid);
+            }
         }
     }
 }

@@ -151,9 +151,6 @@ static RELEASED: Mutex<Vec<(u128, bool)>> = Mutex::new(Vec::new());
 /// (within half a second), many at once; a link offered here meanwhile is answered "no such
 /// connection", which is the truth.
 pub fn released(gid: u128, active: bool, others_hold: bool) {
-    if active && !others_hold {
-        crate::tickets::closed(gid);
-    }
     if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
         // (What is kept back goes first: a hold must never arrive after its release.)
         flush_ended();

@@ -555,6 +555,9 @@ pub enum Msg {
         window: u64,
         /// GIDs of tickets given back unused.
         returned: Vec<u128>,
+        /// GIDs of tickets whose port is held by a socket in TIME_WAIT (a bind failed, or this
+        /// side closed the connection first): not to be given again for a minute.
+        busy: Vec<u128>,
     },
     /// Agent → layer: tickets for connections to `dst`, each (source port, GID, secret),
     /// already announced to the listener's agent: a connection bound to a ticket's port and
@@ -1127,14 +1130,16 @@ impl Msg {
                 w.addr(aim);
                 w.addrs(agents);
             }
-            Msg::Tickets { dst, want, window, returned } => {
+            Msg::Tickets { dst, want, window, returned, busy } => {
                 w.u8(83);
                 w.addr(dst);
                 w.u16(*want);
                 w.u64(*window);
-                w.u32(returned.len() as u32);
-                for g in returned {
-                    w.u128(*g);
+                for list in [returned, busy] {
+                    w.u32(list.len() as u32);
+                    for g in list {
+                        w.u128(*g);
+                    }
                 }
             }
             Msg::TicketBook { dst, src, window, addrs, use_ms, tickets } => {
@@ -1301,12 +1306,16 @@ impl Msg {
                 let dst = r.addr()?;
                 let want = r.u16()?;
                 let window = r.u64()?;
-                let n = r.count(16)?;
-                let mut returned = Vec::with_capacity(n);
-                for _ in 0..n {
-                    returned.push(r.u128()?);
+                let mut lists = [Vec::new(), Vec::new()];
+                for list in lists.iter_mut() {
+                    let n = r.count(16)?;
+                    list.reserve(n);
+                    for _ in 0..n {
+                        list.push(r.u128()?);
+                    }
                 }
-                Msg::Tickets { dst, want, window, returned }
+                let [returned, busy] = lists;
+                Msg::Tickets { dst, want, window, returned, busy }
             }
             84 => {
                 let dst = r.addr()?;
@@ -1507,8 +1516,14 @@ mod tests {
             },
             Msg::Bound { ports: vec![(1 << 100 | 5, a), (6, b)] },
             Msg::Bound { ports: vec![] },
-            Msg::Tickets { dst: b, want: 32, window: 1 << 22, returned: vec![1 << 120 | 3, 4] },
-            Msg::Tickets { dst: a, want: 0, window: 0, returned: vec![] },
+            Msg::Tickets {
+                dst: b,
+                want: 32,
+                window: 1 << 22,
+                returned: vec![1 << 120 | 3, 4],
+                busy: vec![9],
+            },
+            Msg::Tickets { dst: a, want: 0, window: 0, returned: vec![], busy: vec![] },
             Msg::TicketBook {
                 dst: a,
                 src: "10.0.0.9:0".parse().unwrap(),
