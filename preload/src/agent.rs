@@ -436,6 +436,12 @@ fn tell_passing(m: &Msg, pass_fd: Option<i32>) {
     }
 }
 
+/// Closes the agent socket (the agent closes it after an answer it calls an error): the
+/// next request opens one and says hello again, without the pause a failure makes.
+pub fn drop_socket() {
+    close_socket(&mut lock());
+}
+
 /// Closes the agent socket; the next request opens one and says hello again.
 fn close_socket(st: &mut State) {
     let fd = crate::ownfd::unprotect(OWN_AGENT);

@@ -66,6 +66,13 @@ struct Books {
 
 static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
 
+/// Until when (`sys::now_ns`) no tickets are asked for: the agent did not know the request
+/// (a version before tickets, which closes the socket after its error answer).
+static NOT_ASKED_UNTIL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How long an agent that does not know tickets is not asked again.
+const UNKNOWN_FOR_NS: u64 = 60_000_000_000;
+
 fn lock() -> MutexGuard<'static, Option<Books>> {
     BOOKS.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -107,6 +114,9 @@ pub fn note_virtual(dst: SocketAddr) {
 /// when there is no book for `dst` or no ticket to be had.
 pub fn take(dst: SocketAddr) -> Option<Ticket> {
     let now = sys::now_ns();
+    if now < NOT_ASKED_UNTIL.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
     let ask = {
         let mut g = lock();
         let b = g.as_mut()?;
@@ -148,6 +158,14 @@ pub fn take(dst: SocketAddr) -> Option<Ticket> {
 fn fill(dst: SocketAddr, returned: Vec<u128>, busy: Vec<u128>, now: u64) {
     let m = Msg::Tickets { dst, want: BATCH, window: crate::config::window(), returned, busy };
     let answer = crate::agent::request(&m);
+    if let Some(Msg::Error { reason }) = &answer {
+        crate::log::info(format_args!(
+            "the node agent does not give tickets ({reason}: an older version?); connections ask it one by one"
+        ));
+        NOT_ASKED_UNTIL.store(now + UNKNOWN_FOR_NS, std::sync::atomic::Ordering::Relaxed);
+        crate::agent::drop_socket();
+        return;
+    }
     let mut g = lock();
     let Some(b) = g.as_mut() else { return };
     let Some(book) = b.by_dst.get_mut(&dst) else {
