@@ -241,6 +241,8 @@ PORTS = {
     "memcached_values": 17980,
     "shm_self_fork_moves": 17981,
     "setup_tickets": 17982,
+    "setup_refused": 17983,
+    "setup_refused_native": 17984,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -2,6 +2,8 @@
 between agents (with what ends that: a listener gone, an agent restarted)."""
 
 import json
+import shutil
+import subprocess
 import time
 
 from helpers import (H1, H1_IP, H2, H2_IP, H3, H3_IP, PORTS, PROGRAMS, PYTHON, Watcher,
@@ -359,3 +361,31 @@ def test_only_a_holder_of_the_accepted_socket_learns_the_connection(procs):
         srv.wait(timeout=30)
     assert_virtual(w, H1, addr, H2, min_conns=1)
     assert vmictl_status(H1)["mesh"]["refused"]["local"] >= 2
+
+
+def test_a_refused_connect_of_a_virtual_connection_fails_as_natively(procs, tmp_path):
+    """A listener that goes away behind the layer's back (closed with a bare system call, as
+    when it dies between its agent's answer, or a ticket's announcement, and a client's SYN):
+    the client's next connection is set up as virtual and its non-blocking connect is
+    refused. The program must see what native TCP says, call by call (ECONNREFUSED from
+    SO_ERROR, EPIPE from every send, the end of stream from recv), not a lost link being
+    rebuilt (sends said EAGAIN while the socket polled writable, and a program waiting for
+    writability spun)."""
+    gcc = shutil.which("gcc")
+    assert gcc, "gcc not found (apt-get install gcc)"
+    server = tmp_path / "vanishing_listener"
+    subprocess.run([gcc, "-O2", "-Wall", "-o", str(server), str(PROGRAMS / "vanishing_listener.c")],
+                   check=True, timeout=120)
+    said = {}
+    for layer, key in ((True, "setup_refused"), (False, "setup_refused_native")):
+        port = PORTS[key]
+        procs.server(H1, [server, H1_IP, port], port, layer=layer, name=f"vanishing-{key}")
+        client = procs.run(H2, [PYTHON, str(PROGRAMS / "refused_client.py"), H1_IP, port],
+                           layer=layer, name=f"refused-{key}", timeout=60,
+                           env={"VMI_LOG": "info"} if layer else None)
+        said[layer] = client.stdout().split()
+        if layer:
+            assert "virtual connection" in client.stderr(), client.stderr()
+    want = ["so_error=ECONNREFUSED", "send=EPIPE", "send=EPIPE", "send=EPIPE", "recv=b''"]
+    assert said[False] == want, f"natively: {said[False]}"
+    assert said[True] == want, f"under the layer: {said[True]}"

@@ -167,7 +167,7 @@ pub fn connect(fd: c_int, dst: Option<SocketAddr>, real: impl FnOnce(Option<&Raw
         Some(setup::Before::Virtual(p)) => {
             quietly(|| {
                 if made {
-                    setup::after_connect(fd, p);
+                    setup::after_connect(fd, p, r.is_err());
                 } else {
                     setup::connect_failed(p);
                 }

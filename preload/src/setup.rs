@@ -260,7 +260,8 @@ pub fn plain_connect(dst: SocketAddr) {
 }
 
 /// After the real `connect` succeeded or is in progress: the socket is virtual from now on.
-pub fn after_connect(fd: i32, p: Pending) {
+/// `in_progress`: the `connect` returned before the handshake completed.
+pub fn after_connect(fd: i32, p: Pending, in_progress: bool) {
     // (A ticket's address was bound whole: not asked of the kernel again.)
     let local = p
         .ticket
@@ -289,6 +290,9 @@ pub fn after_connect(fd: i32, p: Pending) {
     };
     match Vc::new(s) {
         Some(vc) => {
+            if in_progress {
+                vc.mem().conn().unconfirmed.store(1, std::sync::atomic::Ordering::Release);
+            }
             log::info(format_args!("virtual connection {:032x}: {local} -> {}", p.gid, p.dst));
             if let (Some(via), Some(sl)) = (p.via, vc.slot()) {
                 sl.set_link(&local, &via);

@@ -200,6 +200,12 @@ pub struct SharedConn {
     /// The receive low-water mark the layer last gave the link's socket (0 or 1: the
     /// kernel's default), so that it is set only when it changes.
     pub lowat: AtomicU32,
+    /// 1 when the program's `connect` returned before the TCP handshake completed
+    /// (non-blocking, or interrupted): until a byte of the peer's or an acknowledgement of
+    /// ours shows the connection was made, an error of the socket is the kernel's answer to
+    /// the `connect` (refused, timed out), which the program gets as it is; there is nothing
+    /// to fail over.
+    pub unconfirmed: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -342,6 +348,7 @@ impl Mapping {
             offering: AtomicU32::new(0),
             rcvbuf_gen: AtomicU32::new(0),
             lowat: AtomicU32::new(0),
+            unconfirmed: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {

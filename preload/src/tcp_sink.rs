@@ -427,6 +427,14 @@ fn sock_recv(fd: c_int, buf: &mut [u8], flags: c_int) -> isize {
 /// asked for MSG_NOSIGNAL.
 fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int, gen: Option<u32>) -> IrbError {
     let c = mem.conn();
+    if never_made(mem) {
+        // The kernel's answer to a `connect` that did not complete (ECONNREFUSED said once
+        // by `SO_ERROR`, EPIPE on every send after it): the program's, as natively.
+        if e == libc::EPIPE && sending && flags & libc::MSG_NOSIGNAL == 0 {
+            raise_sigpipe();
+        }
+        return errno_result(e);
+    }
     let ended = c.peer_eof.load(Acquire) != 0 || (sending && c.tx_shut.load(Acquire) != 0);
     if !ended && (linkstate::is_link_error(e) || c.link_down.load(Acquire) != 0) {
         linkstate::link_broken_on(mem, &errno_name(e), gen);
@@ -436,6 +444,15 @@ fn physical_error(mem: ConnMem, e: c_int, sending: bool, flags: c_int, gen: Opti
         raise_sigpipe();
     }
     errno_result(e)
+}
+
+/// True for a connection whose `connect` returned before its handshake completed (see
+/// `SharedConn::unconfirmed`) and that has shown no sign of having been made since: no
+/// byte of the peer's delivered, no acknowledgement of ours.
+#[cold]
+fn never_made(mem: ConnMem) -> bool {
+    let c = mem.conn();
+    c.unconfirmed.load(Acquire) != 0 && c.delivered.load(Acquire) == 0 && c.peer_ack.load(Acquire) == 0
 }
 
 /// SIGPIPE for the calling thread, as the kernel raises it for a write on a closed
@@ -1032,6 +1049,10 @@ fn harvest(mem: ConnMem, slot: Option<Slot>, fd: c_int, gen: Option<u32>) -> Res
                     break;
                 }
                 if socket_gone(fd) {
+                    if never_made(mem) {
+                        // (The send that follows meets the kernel's own error.)
+                        return Ok(Harvest::Empty);
+                    }
                     return Err(physical_error(mem, libc::ENOTCONN, false, 0, gen));
                 }
                 // The peer half-closed: no ack will come again.
@@ -1264,6 +1285,10 @@ pub fn recv(
                     return Ok(total);
                 }
                 if socket_gone(fd) {
+                    if never_made(mem) {
+                        // (A refused connect reads as the end of stream natively.)
+                        return Ok(total);
+                    }
                     let err = physical_error(mem, libc::ENOTCONN, false, 0, gen);
                     return if total > 0 { Ok(total) } else { Err(err) };
                 }
