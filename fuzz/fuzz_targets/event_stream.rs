@@ -24,10 +24,12 @@ fuzz_target!(|data: &[u8]| {
         }
         at += 4 + n;
     }
-    // The same bytes in writes of `split + 1` bytes (the reader's reads follow them or take
+    // The same bytes in writes of `split + 1` bytes or more (the reader's reads follow them or take
     // several at once).
     let Ok((a, b)) = UnixStream::pair() else { return };
-    let step = usize::from(split) + 1;
+    // (At most 64 writes: each small write costs the socket's buffer far more than its
+    // bytes, and the reader reads only after the last one.)
+    let step = (usize::from(split) + 1).max(data.len().div_ceil(64));
     for c in data.chunks(step) {
         if (&a).write_all(c).is_err() {
             return;
