@@ -18,20 +18,18 @@ pub fn write_msg(w: &mut impl Write, m: &Msg) -> io::Result<()> {
     w.write_all(&m.encode())
 }
 
-/// Reads one message from a Unix socket, with a descriptor if one came along.
-pub fn read_msg_fd(fd: RawFd) -> io::Result<(Msg, Option<OwnedFd>)> {
-    let mut pre = [0u8; 4];
-    let mut got = 0;
-    let mut passed = None;
-    while got < 4 {
-        let mut iov = libc::iovec { iov_base: pre[got..].as_mut_ptr() as *mut _, iov_len: 4 - got };
-        let mut cbuf = [0u64; 8];
-        // SAFETY: zeroed msghdr is valid; pointers set to live locals.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-        msg.msg_controllen = std::mem::size_of_val(&cbuf);
+/// One `recvmsg` into `buf` (again after EINTR): the bytes read (0 at the end of the stream)
+/// and the descriptors that came with them.
+fn recv_with_fds(fd: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut _, iov_len: buf.len() };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: zeroed msghdr is valid; pointers set to live locals and `buf`.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr() as *mut _;
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    let r = loop {
         // SAFETY: msg is valid for the call.
         let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC) };
         if r < 0 {
@@ -41,21 +39,40 @@ pub fn read_msg_fd(fd: RawFd) -> io::Result<(Msg, Option<OwnedFd>)> {
             }
             return Err(e);
         }
+        break r as usize;
+    };
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let n = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..n {
+                    let pfd = std::ptr::read_unaligned((libc::CMSG_DATA(c) as *const i32).add(i));
+                    fds.push(OwnedFd::from_raw_fd(pfd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((r, fds))
+}
+
+/// Reads one message from a Unix socket, with a descriptor if one came along.
+pub fn read_msg_fd(fd: RawFd) -> io::Result<(Msg, Option<OwnedFd>)> {
+    let mut pre = [0u8; 4];
+    let mut got = 0;
+    let mut passed = None;
+    while got < 4 {
+        let (r, fds) = recv_with_fds(fd, &mut pre[got..])?;
         if r == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        // SAFETY: walking the control messages the kernel wrote.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let pfd = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const i32);
-                    passed = Some(OwnedFd::from_raw_fd(pfd));
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
+        if let Some(f) = fds.into_iter().last() {
+            passed = Some(f);
         }
-        got += r as usize;
+        got += r;
     }
     let n = Msg::body_len(pre).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
     let mut body = vec![0u8; n];
@@ -132,43 +149,14 @@ impl MsgReader {
         }
         let old = self.buf.len();
         self.buf.resize(old + READ_CHUNK, 0);
-        let mut iov = libc::iovec { iov_base: self.buf[old..].as_mut_ptr() as *mut _, iov_len: READ_CHUNK };
-        let mut cbuf = [0u64; 8];
-        // SAFETY: zeroed msghdr is valid; pointers set to live locals and the buffer's tail.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr() as *mut _;
-        msg.msg_controllen = std::mem::size_of_val(&cbuf);
-        let r = loop {
-            // SAFETY: msg is valid for the call.
-            let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-            if r < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            break r;
-        };
-        if r <= 0 {
-            let e = if r < 0 { io::Error::last_os_error() } else { io::ErrorKind::UnexpectedEof.into() };
-            self.buf.truncate(old);
-            return Err(e);
+        let (r, fds) = match recv_with_fds(fd, &mut self.buf[old..]) {
+            Ok((0, _)) => Err(io::ErrorKind::UnexpectedEof.into()),
+            x => x,
         }
-        self.buf.truncate(old + r as usize);
-        let last = old + r as usize - 1;
-        // SAFETY: walking the control messages the kernel wrote.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let n = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
-                    for i in 0..n {
-                        let pfd = std::ptr::read_unaligned((libc::CMSG_DATA(c) as *const i32).add(i));
-                        self.fds.push_back((last, OwnedFd::from_raw_fd(pfd)));
-                    }
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
+        .inspect_err(|_| self.buf.truncate(old))?;
+        self.buf.truncate(old + r);
+        let last = old + r - 1;
+        self.fds.extend(fds.into_iter().map(|f| (last, f)));
         Ok(())
     }
 }
