@@ -286,7 +286,10 @@ impl Events {
                     }
                 }
                 Ok((Msg::Ok, _)) => {
-                    // The answer to a Freeze: the process closes this channel next.
+                    // The answer to a Freeze: the process closes this channel next. Holds it
+                    // told just before (it tells some later, in batches: connections made
+                    // with a ticket or taken from the table) move too.
+                    self.mark_moving(pid);
                     self.frozen.lock().unwrap_or_else(|e| e.into_inner()).insert(pid, None);
                     self.frozen_cv.notify_all();
                 }
@@ -467,19 +470,11 @@ impl Events {
         self.frozen.lock().unwrap_or_else(|e| e.into_inner()).remove(&pid);
         {
             let chans = self.lock();
-            let mine: Vec<&Chan> = chans.values().filter(|c| c.pid == pid).collect();
-            if mine.is_empty() {
+            if !chans.values().any(|c| c.pid == pid) {
                 return Ok(false);
             }
-            let now = std::time::Instant::now();
-            let mut moving = self.moving();
-            for c in &mine {
-                for g in c.holds.gids() {
-                    moving.insert(g, (pid, now));
-                }
-            }
-            drop(moving);
-            for c in mine {
+            Self::mark_moving_in(&chans, &mut self.moving(), pid);
+            for c in chans.values().filter(|c| c.pid == pid) {
                 send_with_fd(&c.out, &body, None).map_err(|e| format!("cannot tell process {pid}: {e}"))?;
             }
         }
@@ -510,6 +505,21 @@ impl Events {
             serde_json::json!({ "phase": "frozen for its checkpoint" }),
         );
         Ok(true)
+    }
+
+    /// Every connection process `pid` holds here is answered "moved" from now on.
+    fn mark_moving(&self, pid: u32) {
+        let chans = self.lock();
+        Self::mark_moving_in(&chans, &mut self.moving(), pid);
+    }
+
+    fn mark_moving_in(chans: &HashMap<u64, Chan>, moving: &mut HashMap<u128, (u32, std::time::Instant)>, pid: u32) {
+        let now = std::time::Instant::now();
+        for c in chans.values().filter(|c| c.pid == pid) {
+            for g in c.holds.gids() {
+                moving.entry(g).or_insert((pid, now));
+            }
+        }
     }
 
     /// Process `pid` stays here after all (its checkpoint failed): its connections are its
@@ -618,6 +628,41 @@ mod tests {
         gone.sort_unstable();
         assert_eq!(gone, vec![false, true]);
         assert_eq!(h.len(), 0);
+    }
+
+    #[test]
+    fn holds_told_just_before_the_answer_to_a_freeze_move_with_the_process() {
+        use std::io::Write;
+        use std::net::SocketAddr;
+        use std::time::Instant;
+        let events = Arc::new(Events::new(Arc::new(Journal::default())));
+        let (mut process, agent_end) = std::os::unix::net::UnixStream::pair().unwrap();
+        let e = events.clone();
+        std::thread::spawn(move || e.serve(1, 100, agent_end));
+        // One hold told at once, before the freeze.
+        process.write_all(&Msg::Hold { gid: 5, active: true }.encode()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while events.held() == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let e = events.clone();
+        let freezing = std::thread::spawn(move || e.freeze(100, Duration::from_secs(5)));
+        let mut pre = [0u8; 4];
+        std::io::Read::read_exact(&mut process, &mut pre).unwrap();
+        assert!(matches!(crate::wire::read_msg_limited(pre, &mut process, 1 << 16), Ok(Msg::Freeze { pid: 100 })));
+        // Kept back until now: a connection taken from the table, and one made with a
+        // ticket that is not this process's (told, but not a hold).
+        let local: SocketAddr = "10.0.0.2:80".parse().unwrap();
+        let peer: SocketAddr = "10.0.0.1:5000".parse().unwrap();
+        let mut told = Msg::Accepted { local, peer, gid: 6 }.encode();
+        told.extend_from_slice(&Msg::Used { gid: 7, local: peer }.encode());
+        told.extend_from_slice(&Msg::Ok.encode());
+        process.write_all(&told).unwrap();
+        assert_eq!(freezing.join().unwrap(), Ok(true));
+        assert!(events.is_moving(5) && events.is_moving(6), "every hold moves");
+        assert!(!events.is_moving(7), "a ticket not given to the process is not its connection");
+        events.unfreeze(100);
+        assert!(!events.is_moving(6));
     }
 
     #[test]

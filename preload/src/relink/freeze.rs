@@ -95,6 +95,13 @@ pub(super) fn freeze(w: &mut Work) {
         return;
     }
     let lfd = crate::ownfd::move_high(lfd);
+    // What is kept back for the event channel (holds of connections made with a ticket or
+    // taken from the table, ends of streams, releases) goes to this agent before the answer:
+    // it moves the connections it knows this process holds, and a peer dialing here during
+    // the move is told to wait only for those (one it did not know of was refused, and its
+    // peer's program saw a reset).
+    flush_ended();
+    flush_released();
     send_event(&Msg::Ok);
     close_events();
     // Wait for the thaw.
