@@ -513,7 +513,11 @@ impl Events {
         Self::mark_moving_in(&chans, &mut self.moving(), pid);
     }
 
-    fn mark_moving_in(chans: &HashMap<u64, Chan>, moving: &mut HashMap<u128, (u32, std::time::Instant)>, pid: u32) {
+    fn mark_moving_in(
+        chans: &HashMap<u64, Chan>,
+        moving: &mut HashMap<u128, (u32, std::time::Instant)>,
+        pid: u32,
+    ) {
         let now = std::time::Instant::now();
         for c in chans.values().filter(|c| c.pid == pid) {
             for g in c.holds.gids() {
@@ -649,7 +653,10 @@ mod tests {
         let freezing = std::thread::spawn(move || e.freeze(100, Duration::from_secs(5)));
         let mut pre = [0u8; 4];
         std::io::Read::read_exact(&mut process, &mut pre).unwrap();
-        assert!(matches!(crate::wire::read_msg_limited(pre, &mut process, 1 << 16), Ok(Msg::Freeze { pid: 100 })));
+        assert!(matches!(
+            crate::wire::read_msg_limited(pre, &mut process, 1 << 16),
+            Ok(Msg::Freeze { pid: 100 })
+        ));
         // Kept back until now: a connection taken from the table, and one made with a
         // ticket that is not this process's (told, but not a hold).
         let local: SocketAddr = "10.0.0.2:80".parse().unwrap();

@@ -31,6 +31,8 @@ fn before(strict: bool, prog: c_ulong, tsync: bool, program: Program) -> Option<
             None => Err("no program".into()),
         });
         let (inst, then) = sandbox::before_install(filter, strict, tsync);
+        // (The bells' own calls may not be allowed from now on.)
+        crate::ready::drop_instance_bells();
         if then.listeners_go_plain {
             for (_, e) in fdtable::snapshot() {
                 if let fdtable::Entry::Listener(l) = e {

@@ -25,6 +25,7 @@
 
 pub mod accepts;
 pub mod agent;
+pub mod bells;
 pub mod config;
 pub mod error;
 pub mod exec;

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicI32, Ordering::*};
 use std::sync::Arc;
 
-static PROTECTED: [AtomicI32; 6] = [const { AtomicI32::new(-1) }; 6];
+static PROTECTED: [AtomicI32; 7] = [const { AtomicI32::new(-1) }; 7];
 
 /// Moves one of the layer's own descriptors to a high number (close-on-exec).
 pub fn move_high(fd: i32) -> i32 {
@@ -40,6 +40,8 @@ pub const OWN_WAKE: usize = 3;
 pub const OWN_STATUS: usize = 4;
 /// Role of the memfd of connections announced to this process's listeners (`accepts`).
 pub const OWN_ACCEPTS: usize = 5;
+/// Role of the socket that rings epoll instances' bells (`bells`).
+pub const OWN_BELLS: usize = 6;
 
 /// Marks `fd` as the layer's own descriptor for `role`.
 pub fn protect(role: usize, fd: i32) {

@@ -88,6 +88,16 @@ pub(crate) static SCANNED: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) 
 /// Descriptors whose receive left without announcing its ring (`elided`): a wait that does
 /// not scan must announce it first.
 pub(crate) static UNANNOUNCED: FdBits = FdBits::new();
+/// Descriptors whose ring's bells go to the bell of the epoll instance that scans them
+/// (`crate::bells`): a `poll` or `select` on one must announce it first.
+pub(crate) static DIRECTED: FdBits = FdBits::new();
+
+/// Connection `fd`'s bells come through its socket again.
+#[inline]
+pub fn undirected(fd: c_int) {
+    DIRECTED.clear(fd);
+}
+
 /// Threads inside a `poll` or `select` that includes a virtual connection: while there are
 /// any, every receive announces (such a wait does not scan).
 pub(crate) static POLL_SLEEPERS: AtomicU32 = AtomicU32::new(0);
@@ -176,6 +186,11 @@ pub(crate) fn wait_enter(fds: &[c_int]) -> u32 {
         }
         crate::sys::futex_wait(&SWAPS, seen, 10);
     }
+}
+
+/// True while a thread is inside a real `poll` or `select` that includes `fd`.
+pub(crate) fn in_wait(fd: c_int) -> bool {
+    tracked(fd) && IN_WAIT[fd as usize].load(SeqCst) != 0
 }
 
 /// The wait call on `fds` is out of the kernel.

@@ -39,15 +39,15 @@ use crate::error::Real;
 use crate::fdtable;
 use crate::readiness::Truth;
 use crate::readiness::{
-    set_scan, swapped_since, wait_enter, wait_leave, FdBits, POLL_SLEEPERS, SCANNED, SCAN_EPFD, SCAN_EPFDS,
-    SCAN_FDS, SLEEPERS, UNANNOUNCED,
+    set_scan, swapped_since, wait_enter, wait_leave, FdBits, DIRECTED, POLL_SLEEPERS, SCANNED, SCAN_EPFD,
+    SCAN_EPFDS, SCAN_FDS, SLEEPERS, UNANNOUNCED,
 };
 use crate::sys;
 use crate::sys::prog::ProgArray;
 use crate::vc::Vc;
 use libc::c_int;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::Arc;
 use std::sync::RwLock;
 
@@ -64,6 +64,15 @@ static CONTAINED: FdBits = FdBits::new();
 static TRACKED_EPFD: FdBits = FdBits::new();
 /// Registrations known, for programs with descriptors beyond the bitmap.
 static REG_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// Epoll instances with a bell of the layer's own registered in them (`crate::bells`):
+/// their waits take its event out of what the program sees.
+static BELLED: FdBits = FdBits::new();
+
+/// An instance's bell: its socket and its id (0 when the instance cannot have one).
+struct InstanceBell {
+    slot: Option<Arc<AtomicI32>>,
+    id: u64,
+}
 
 /// The program added `fd` (not a virtual connection) to an epoll instance.
 pub fn note_contained(fd: c_int) {
@@ -106,6 +115,19 @@ pub fn unscan_all() {
         out
     });
     announce_all(all);
+}
+
+/// Before a sandbox goes in (the layer may not be allowed its bells' calls afterwards):
+/// every instance's bell goes, and their rings' bells come through the sockets again.
+pub fn drop_instance_bells() {
+    if REG_COUNT.load(Relaxed) == 0 {
+        return;
+    }
+    let again = with_regs(|r| {
+        let epfds: Vec<c_int> = r.bells.keys().copied().collect();
+        epfds.into_iter().flat_map(|e| r.drop_bell(e)).collect::<Vec<_>>()
+    });
+    announce_all(again);
 }
 
 /// One registration of a virtual connection in an instance, for the scan.
@@ -174,6 +196,8 @@ struct Regs {
     members: Map<c_int, Vec<Member>>,
     /// An instance whose list just went past the bound (its members are to be rescanned).
     overflowed: Option<c_int>,
+    /// epoll fd -> its bell (made when it first scans a connection).
+    bells: Map<c_int, InstanceBell>,
 }
 
 impl Regs {
@@ -235,19 +259,78 @@ impl Regs {
     /// Sets whether `fd` is scanned. When it is not but some registration waits for its
     /// input, a ring left unannounced is returned to be announced. (With no such
     /// registration nothing waits: a later `poll`, `select` or registration announces it.)
-    fn rescan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
+    fn rescan(&mut self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
         if (fd as usize) >= SCAN_FDS || (self.members.is_empty() && SCAN_EPFD[fd as usize].load(Relaxed) == 0)
         {
             // (No connection on shared memory is registered anywhere: nothing to do, which
             // keeps `epoll_ctl` on TCP connections as cheap as before.)
             return None;
         }
-        let now = self.scan_instance(fd).map_or(0, |e| e as u16 + 1);
+        let scanner = self.scan_instance(fd);
+        let now = scanner.map_or(0, |e| e as u16 + 1);
         set_scan(fd, now);
+        // Its ring's bells go to the scanning instance's bell, or through the socket.
+        let to = scanner.map_or(0, |e| self.instance_bell(e));
+        if to != 0 || DIRECTED.has(fd) {
+            if let Some(vc) = fdtable::vc(fd) {
+                if to != 0 {
+                    DIRECTED.set(fd);
+                } else {
+                    DIRECTED.clear(fd);
+                }
+                let mut left = vc.direct_bells(to);
+                if to != 0 && crate::readiness::in_wait(fd) {
+                    // A thread waits on the socket itself (`poll`, `select`; looked at after
+                    // the bells went to the instance, as that wait looks at them after it is
+                    // counted): they come through the socket.
+                    DIRECTED.clear(fd);
+                    left |= vc.direct_bells(0);
+                }
+                if left {
+                    // A bell pending at the old place stands for nothing at the new one:
+                    // what the ring holds is announced.
+                    return Some((fd, vc));
+                }
+            }
+        }
         if now == 0 && UNANNOUNCED.has(fd) && self.wants_input(fd) {
             return fdtable::vc(fd).map(|v| (fd, v));
         }
         None
+    }
+
+    /// The id of `epfd`'s bell, made when first asked for; 0 when it cannot have one.
+    fn instance_bell(&mut self, epfd: c_int) -> u64 {
+        if let Some(b) = self.bells.get(&epfd) {
+            return b.id;
+        }
+        let (slot, id) = match crate::bells::open(epfd) {
+            Some((slot, id)) => (Some(slot), id),
+            None => (None, 0),
+        };
+        if slot.is_some() {
+            BELLED.set(epfd);
+        }
+        self.bells.insert(epfd, InstanceBell { slot, id });
+        id
+    }
+
+    /// `epfd`'s bell goes (the instance closed, or its program uses the bell's data itself):
+    /// the rings that named it are returned, to be announced through their sockets.
+    fn drop_bell(&mut self, epfd: c_int) -> Vec<(c_int, Arc<Vc>)> {
+        let Some(b) = self.bells.remove(&epfd) else { return Vec::new() };
+        BELLED.clear(epfd);
+        if let Some(slot) = &b.slot {
+            crate::bells::close(slot);
+        }
+        let mut out = Vec::new();
+        for m in self.members.values().flatten() {
+            if m.vc.direct_bells_from(b.id) {
+                DIRECTED.clear(m.fd);
+                out.push((m.fd, m.vc.clone()));
+            }
+        }
+        out
     }
 
     /// Some registration of `fd` asks for input.
@@ -267,7 +350,11 @@ impl Regs {
     fn unscan(&self, fd: c_int) -> Option<(c_int, Arc<Vc>)> {
         if (fd as usize) < SCAN_FDS {
             set_scan(fd, 0);
-            if UNANNOUNCED.has(fd) {
+            let left_bell = DIRECTED.has(fd) && {
+                DIRECTED.clear(fd);
+                fdtable::vc(fd).is_some_and(|v| v.direct_bells(0))
+            };
+            if left_bell || UNANNOUNCED.has(fd) {
                 return fdtable::vc(fd).map(|v| (fd, v));
             }
         }
@@ -275,7 +362,7 @@ impl Regs {
     }
 
     /// Every member of `epfd` again (the instance changed: nested).
-    fn rescan_members(&self, epfd: c_int) -> Vec<(c_int, Arc<Vc>)> {
+    fn rescan_members(&mut self, epfd: c_int) -> Vec<(c_int, Arc<Vc>)> {
         let fds: Vec<c_int> =
             self.members.get(&epfd).map(|v| v.iter().map(|m| m.fd).collect()).unwrap_or_default();
         fds.into_iter().filter_map(|fd| self.rescan(fd)).collect()
@@ -358,6 +445,12 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
     if !virtual_fd && !tracking(epfd) {
         return;
     }
+    if data == crate::bells::BELL_DATA && op != libc::EPOLL_CTL_DEL && BELLED.has(epfd) {
+        // The program's own registration with the bell's data: the bell goes, so that its
+        // events are never taken for the bell's.
+        let again = with_regs(|r| r.drop_bell(epfd));
+        announce_all(again);
+    }
     if virtual_fd && op != libc::EPOLL_CTL_DEL {
         // The same registration again (UCX changes its events at every send): one read lock.
         let g = REGS.read().unwrap_or_else(|e| e.into_inner());
@@ -390,12 +483,19 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
 /// reference; a registration that survives through a duplicate is then simply not
 /// checked), and so does everything of an epoll instance closed.
 pub fn note_close(fd: c_int) {
-    if REG_COUNT.load(Relaxed) == 0 {
+    if REG_COUNT.load(Relaxed) == 0 && !BELLED.has(fd) {
         return;
     }
     let again = with_regs(|r| {
         let members: Vec<c_int> =
             r.members.get(&fd).map(|v| v.iter().map(|m| m.fd).collect()).unwrap_or_default();
+        if let Some(b) = r.bells.remove(&fd) {
+            // (Its rings are rescanned below: they name another bell, or their socket.)
+            BELLED.clear(fd);
+            if let Some(slot) = &b.slot {
+                crate::bells::close(slot);
+            }
+        }
         r.close(fd);
         r.unscan(fd);
         // An instance closed: what it scanned is announced again.
@@ -573,13 +673,87 @@ pub fn epoll_wait(
                 return n;
             }
             // The kernel wrote `n` events (at most the array's length).
-            events.with(n as usize, |evs| filter_epoll(epfd, evs)) as c_int
+            let len = events.len();
+            events.with(len, |evs| {
+                let n = (n as usize).min(len);
+                let k = filter_epoll(epfd, &mut evs[..n]);
+                after_bell(epfd, evs, k)
+            }) as c_int
         }),
     };
     if let Some(sl) = sleepers {
         sl.fetch_sub(1, SeqCst);
     }
-    r
+    match r {
+        // (A bell's event never reaches the program, whatever path the wait took: a sandbox
+        // that went in while it waited skips the filter.)
+        Ok(n) if n > 0 && BELLED.has(epfd) => {
+            let len = events.len();
+            Ok(events.with(len, |evs| strip_bell(&mut evs[..(n as usize).min(len)])) as c_int)
+        }
+        r => r,
+    }
+}
+
+/// Takes the bell's events out of `evs`; returns how many are left (compacted).
+fn strip_bell(evs: &mut [libc::epoll_event]) -> usize {
+    let mut k = 0;
+    for i in 0..evs.len() {
+        if evs[i].u64 != crate::bells::BELL_DATA {
+            evs[k] = evs[i];
+            k += 1;
+        }
+    }
+    k
+}
+
+/// After a wait on `epfd` reported `n` events at the front of `evs` (the program's whole
+/// array): if the instance's bell rang, its event goes, its datagrams are taken, the bells of
+/// the rings that named it are taken, and the rings that hold bytes are reported (in that
+/// order: a writer that rings after the take finds its bell taken and rings again, one that
+/// rang before has its bytes seen by the look). Returns how many events are left.
+fn after_bell(epfd: c_int, evs: &mut [libc::epoll_event], n: usize) -> usize {
+    if !BELLED.has(epfd) {
+        return n;
+    }
+    let k = strip_bell(&mut evs[..n]);
+    if k == n {
+        return n;
+    }
+    let mut found = [(0u64, 0u32); 64];
+    let f = {
+        let g = REGS.read().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = g.as_ref() else { return k };
+        let Some(b) = r.bells.get(&epfd) else { return k };
+        if let Some(slot) = &b.slot {
+            crate::bells::take(slot);
+        }
+        let me = epfd as u16 + 1;
+        if let Some(members) = r.members.get(&epfd) {
+            for m in members {
+                if (m.fd as usize) < SCAN_FDS && SCAN_EPFD[m.fd as usize].load(Relaxed) == me {
+                    m.vc.bell_rang_at(b.id);
+                }
+            }
+        }
+        scan_in(r, epfd, &mut found, false)
+    };
+    merge_found(evs, k, &found[..f])
+}
+
+/// Adds the rings found by a scan (`(data, events)`) to the `m` events at the front of
+/// `evs`; returns how many there are then.
+fn merge_found(evs: &mut [libc::epoll_event], mut m: usize, found: &[(u64, u32)]) -> usize {
+    let len = evs.len();
+    for &(data, bits) in found {
+        if let Some(e) = evs[..m].iter_mut().find(|e| e.u64 == data) {
+            e.events |= bits;
+        } else if m < len {
+            evs[m] = libc::epoll_event { events: bits, u64: data };
+            m += 1;
+        }
+    }
+    m
 }
 
 /// The scan before a wait on `epfd`. First a look without telling the writers anything (a
@@ -595,7 +769,11 @@ fn scan_then_report(
     let mut found = [(0u64, 0u32); 64];
     let mut k = scan(epfd, &mut found, false);
     if k == 0 && timeout_us != 0 {
-        k = scan(epfd, &mut found, true);
+        match spin(epfd, &mut found, events, timeout_us, wait) {
+            Spun::Rings(n) => k = n,
+            Spun::Kernel(n) => return Some(n),
+            Spun::Nothing => k = scan(epfd, &mut found, true),
+        }
     }
     if k == 0 {
         return None;
@@ -605,17 +783,87 @@ fn scan_then_report(
     let len = events.len();
     Some(events.with(len, |evs| {
         let n = (n as usize).min(len);
-        let mut m = filter_epoll(epfd, &mut evs[..n]);
-        for &(data, bits) in &found[..k] {
-            if let Some(e) = evs[..m].iter_mut().find(|e| e.u64 == data) {
-                e.events |= bits;
-            } else if m < len {
-                evs[m] = libc::epoll_event { events: bits, u64: data };
-                m += 1;
-            }
-        }
-        m
+        let m = filter_epoll(epfd, &mut evs[..n]);
+        let m = after_bell(epfd, evs, m);
+        merge_found(evs, m, &found[..k])
     }) as c_int)
+}
+
+/// What a wait's spin found.
+enum Spun {
+    /// Rings with bytes (that many in `found`).
+    Rings(usize),
+    /// Events from the kernel, in the program's array (that many).
+    Kernel(c_int),
+    /// Nothing: the wait marks the rings sleeping and sleeps.
+    Nothing,
+}
+
+/// Per epoll instance: its last spins that found nothing, in a row.
+static SPIN_MISSES: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) }; SCAN_EPFDS];
+
+/// Spins that found nothing in a row after which an instance spins only once in
+/// [`SPIN_RETRY`] waits (a program whose bytes come seldom would burn the spin at every
+/// wait for nothing).
+const SPIN_MISS_MAX: u32 = 4;
+const SPIN_RETRY: u32 = 32;
+
+/// How often a spin asks the kernel about the instance's other descriptors (microseconds).
+const SPIN_LOOK_US: u64 = 5;
+
+/// Before a wait on `epfd` that would sleep: looks at its scanned rings for
+/// `VMI_SHM_SPIN_US` (as a blocking receive on shared memory spins before it sleeps), and at
+/// the kernel's events every few microseconds. Bytes a writer puts in a ring meanwhile are
+/// found without a bell, and the waiter is not woken from a sleep: for an event loop whose
+/// peer answers within the spin, neither side makes a system call per message.
+fn spin(
+    epfd: c_int,
+    found: &mut [(u64, u32)],
+    events: &mut ProgArray<libc::epoll_event>,
+    timeout_us: i64,
+    wait: &mut impl FnMut(bool, i64) -> Real,
+) -> Spun {
+    let mut us = crate::config::shm_spin_us();
+    if timeout_us > 0 {
+        us = us.min(timeout_us as u64);
+    }
+    let misses = &SPIN_MISSES[epfd as usize];
+    let m = misses.load(Relaxed);
+    if us == 0 || (m >= SPIN_MISS_MAX && m % SPIN_RETRY != 0) {
+        misses.store(m.wrapping_add(1).max(SPIN_MISS_MAX), Relaxed);
+        return Spun::Nothing;
+    }
+    let start = sys::now_us();
+    let mut look = start + SPIN_LOOK_US;
+    loop {
+        let k = scan(epfd, found, false);
+        if k > 0 {
+            misses.store(0, Relaxed);
+            return Spun::Rings(k);
+        }
+        let now = sys::now_us();
+        if now >= look {
+            let n = wait(false, 0).unwrap_or(0).max(0);
+            if n > 0 {
+                let len = events.len();
+                let m = events.with(len, |evs| {
+                    let n = (n as usize).min(len);
+                    let m = filter_epoll(epfd, &mut evs[..n]);
+                    after_bell(epfd, evs, m)
+                });
+                if m > 0 {
+                    misses.store(0, Relaxed);
+                    return Spun::Kernel(m as c_int);
+                }
+            }
+            look = now + SPIN_LOOK_US;
+        }
+        if now >= start + us {
+            misses.store(m.wrapping_add(1), Relaxed);
+            return Spun::Nothing;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 /// The scanned connections of `epfd` whose rings hold bytes (or the end), as (data, events)
@@ -623,7 +871,12 @@ fn scan_then_report(
 /// on). Returns how many were found.
 fn scan(epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usize {
     let g = REGS.read().unwrap_or_else(|e| e.into_inner());
-    let Some(members) = g.as_ref().and_then(|r| r.members.get(&epfd)) else { return 0 };
+    g.as_ref().map_or(0, |r| scan_in(r, epfd, found, sleep))
+}
+
+/// [`scan`] with the registrations at hand.
+fn scan_in(r: &Regs, epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usize {
+    let Some(members) = r.members.get(&epfd) else { return 0 };
     if members.len() > scan_max() {
         return 0;
     }
@@ -665,7 +918,7 @@ pub fn poll(
     let mut vcs = Vec::new();
     fds.with(n, |p| {
         for f in p.iter() {
-            if f.events & libc::POLLIN != 0 && UNANNOUNCED.has(f.fd) {
+            if f.events & libc::POLLIN != 0 && (UNANNOUNCED.has(f.fd) || DIRECTED.has(f.fd)) {
                 announce_one(f.fd);
             }
             if fdtable::is_managed(f.fd) {
@@ -680,6 +933,7 @@ pub fn poll(
         timeout_us,
         |first, left| {
             seen.set(wait_enter(vcs));
+            undirect_waited(vcs);
             let r = wait(first, left);
             wait_leave(vcs);
             r
@@ -692,7 +946,22 @@ pub fn poll(
 /// unannounced: announced the usual way.
 fn announce_one(fd: c_int) {
     if let Some(vc) = fdtable::vc(fd) {
-        announce_all(vec![(fd, vc)]);
+        DIRECTED.clear(fd);
+        crate::error::quietly(|| {
+            vc.announce_to_socket(fd);
+            Some(())
+        });
+    }
+}
+
+/// A `poll` or `select` counted in on `fds` (`wait_enter`): those whose bells went to an
+/// instance's bell come through their sockets now. (Looked at after the count: a
+/// registration that directs a ring's bells meanwhile sees the count and takes it back.)
+fn undirect_waited(fds: &[c_int]) {
+    for &fd in fds {
+        if DIRECTED.has(fd) {
+            announce_one(fd);
+        }
     }
 }
 
@@ -753,7 +1022,7 @@ pub fn select(
     POLL_SLEEPERS.fetch_add(1, SeqCst);
     let _counted = Counted(&POLL_SLEEPERS);
     for fd in 0..nfds.min(libc::FD_SETSIZE as c_int) {
-        if UNANNOUNCED.has(fd) && sets[0].has(fd) {
+        if (UNANNOUNCED.has(fd) || DIRECTED.has(fd)) && sets[0].has(fd) {
             announce_one(fd);
         }
     }
@@ -778,6 +1047,7 @@ pub fn select(
                 }
             }
             seen.set(wait_enter(&vcs));
+            undirect_waited(&vcs);
             let r = wait(first, left);
             wait_leave(&vcs);
             r

@@ -774,6 +774,33 @@ impl Vc {
         self.shm_now().is_some_and(|l| l.scan_ready(sleep))
     }
 
+    /// Its ring's data bells go to epoll instance bell `to` from now on (0: its socket).
+    /// True when they went to another instance's bell before: the caller announces it.
+    pub fn direct_bells(&self, to: u64) -> bool {
+        self.shm_now().is_some_and(|l| l.direct_bells(to))
+    }
+
+    /// As [`Vc::direct_bells`]`(0)`, when its bells go to instance bell `id` now.
+    pub fn direct_bells_from(&self, id: u64) -> bool {
+        self.shm_now().is_some_and(|l| l.bells_at(id) && l.direct_bells(0))
+    }
+
+    /// The program waits on descriptor `fd` itself (`poll`, `select`): its ring's bells come
+    /// through the socket from now on, and what the ring holds is announced there.
+    pub fn announce_to_socket(&self, fd: i32) {
+        if let Some(l) = self.shm_now() {
+            l.bells_to_socket(fd);
+        }
+        self.announce(fd);
+    }
+
+    /// The datagrams at instance bell `id` were taken: its ring's bell, if it rang there.
+    pub fn bell_rang_at(&self, id: u64) {
+        if let Some(l) = self.shm_now() {
+            l.bell_rang_at(id);
+        }
+    }
+
     /// The program may wait on descriptor `fd` in a way the layer does not scan: bytes in
     /// the ring get a bell, and the writer rings for new ones.
     pub fn announce(&self, fd: i32) {

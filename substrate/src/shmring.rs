@@ -110,7 +110,10 @@ pub struct RingHeader {
     sleeping: AtomicU32,
     /// 1 while a data bell is (or is about to be) in the consumer's socket.
     bell: AtomicU32,
-    _pad2: [u64; 6],
+    /// Where the consumer wants its data bells (0: its socket; else a name of the
+    /// consumer's choosing, see [`Ring::bell_to`]). Set by the consumer only.
+    bell_to: AtomicU64,
+    _pad2: [u64; 5],
 }
 
 const _: () = assert!(std::mem::size_of::<RingHeader>() <= HEADER);
@@ -458,6 +461,21 @@ impl Ring {
     /// The consumer is busy (spinning inside a receive): the producer need not ring.
     pub fn awake(&self) {
         self.h().sleeping.store(0, Relaxed);
+    }
+
+    /// Where data bells go (producer; see [`Ring::direct_bells`]): 0 for the consumer's
+    /// socket, else the consumer's name for another place it waits on. A producer that rang
+    /// there looks again after ringing: if the name changed meanwhile, it rings the socket
+    /// too (the consumer may have stopped waiting on the other place before the bell came).
+    pub fn bell_to(&self) -> u64 {
+        self.h().bell_to.load(SeqCst)
+    }
+
+    /// The consumer's data bells go to `to` from now on (0: its socket). A bell pending at
+    /// the old place stands for nothing at the new one: the caller takes the bell back
+    /// ([`Ring::bell_taken`]) when it leaves another place, and announces what the ring holds.
+    pub fn direct_bells(&self, to: u64) {
+        self.h().bell_to.store(to, SeqCst);
     }
 
     /// Whether a data bell is pending (or about to be) in the consumer's socket.

@@ -132,6 +132,7 @@ def main():
     if a.server_thread:
         threaded(a, clients, servers, out)
         out["bells"] = sum(bytes_received(s) for s in clients + servers)
+        out["server_bells"] = sum(bytes_received(s) for s in servers)
         print(json.dumps(out), flush=True)
         return
     sel = selectors.EpollSelector() if a.wait == "epoll" else selectors.PollSelector()

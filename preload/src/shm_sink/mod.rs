@@ -167,7 +167,14 @@ impl ShmLink {
                     break;
                 }
             }
-            if got > 0 || round == 1 || !self.rx.bell_pending() || self.eof.load(Acquire) {
+            if got > 0
+                || round == 1
+                || !self.rx.bell_pending()
+                || self.eof.load(Acquire)
+                || self.rx.bell_to() != 0
+            {
+                // (A ring whose bells go to an epoll instance's bell: the pending one may be
+                // there, not on its way here.)
                 break;
             }
             // The producer announced a bell and is writing it right now.
@@ -248,12 +255,69 @@ impl ShmLink {
             ready = self.rx.before_sleep() == Ok(Sleep::Ready);
         }
         if ready && self.rx.ensure_bell() == Bell::Ring {
+            // Where the ring's bells go: its instance's bell, or through the peer's socket.
+            let to = self.rx.bell_to();
+            if to != 0 && crate::bells::ring(to) && self.rx.bell_to() == to {
+                return;
+            }
             let p = self.peer_socket(fd);
             if p < 0 || !bell(p) {
                 // No way to ring ourselves: take the bell back; the next call finds the bytes.
                 self.rx.bell_taken();
             }
         }
+    }
+
+    /// The reader: this ring's data bells go to `to` from now on (an epoll instance's bell,
+    /// `crate::bells`; 0: the socket). True when they went to another such bell before: a
+    /// bell pending there stands for nothing now and is taken back, and the caller announces
+    /// what the ring holds (see `announce`).
+    pub fn direct_bells(&self, to: u64) -> bool {
+        let was = self.rx.bell_to();
+        if was == to {
+            return false;
+        }
+        self.rx.direct_bells(to);
+        if was == 0 {
+            return false;
+        }
+        // (After the new name is out: a writer that rang the old one looks again and rings
+        // the socket too; one that rang before this takes it back is covered by the
+        // announcement.)
+        self.rx.bell_taken();
+        true
+    }
+
+    /// The reader, before the program may wait on the descriptor in a way that does not look
+    /// at an instance's bell: bells come through the socket again.
+    pub fn bells_to_socket(&self, fd: i32) {
+        if self.rx.bell_to() != 0 {
+            self.direct_bells(0);
+            crate::readiness::undirected(fd);
+        }
+    }
+
+    /// Whether this ring's data bells go to instance bell `id`.
+    pub fn bells_at(&self, id: u64) -> bool {
+        self.rx.bell_to() == id
+    }
+
+    /// An epoll wait took the datagrams at bell `to`: this ring's bell, if it rang there, is
+    /// taken (the wait looks at the ring next).
+    pub fn bell_rang_at(&self, to: u64) {
+        if self.rx.bell_to() == to {
+            self.rx.bell_taken();
+        }
+    }
+
+    /// Rings the reader for bytes just written: at the bell its ring names, or through the
+    /// socket.
+    fn ring(&self, fd: i32) {
+        let to = self.tx.bell_to();
+        if to != 0 && crate::bells::ring(to) && self.tx.bell_to() == to {
+            return;
+        }
+        bell(fd);
     }
 
     /// Sends from `data`; the caller holds the tx lock.
@@ -271,7 +335,7 @@ impl ShmLink {
             let n = self.tx.write(&data[sent..]).map_err(|_| corrupt())?;
             sent += n;
             if n > 0 && self.tx.after_write() == Bell::Ring {
-                bell(fd);
+                self.ring(fd);
             }
             if sent == data.len() || (sent > 0 && nonblock()) {
                 return Ok(sent);
@@ -379,6 +443,8 @@ impl ShmLink {
             if self.moving() {
                 break if got > 0 { Ok(got) } else { Err(IrbError::LinkDown) };
             }
+            // (It sleeps on the socket: the bells must come there.)
+            self.bells_to_socket(fd);
             if self.rx.before_sleep() == Ok(Sleep::Ok) {
                 sys::wait_fd(fd, libc::POLLIN, 200);
             }
@@ -425,7 +491,7 @@ impl ShmLink {
     pub fn shut_send(&self, fd: i32) {
         self.tx.close();
         if self.tx.after_write() == Bell::Ring {
-            bell(fd);
+            self.ring(fd);
         }
     }
 

@@ -96,7 +96,7 @@ impl ShmLink {
                 wrote = true;
             }
             if wrote && self.tx.after_write() == Bell::Ring {
-                bell(fd);
+                self.ring(fd);
             }
             Ok(done)
         })

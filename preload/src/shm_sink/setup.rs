@@ -398,7 +398,7 @@ impl ShmLink {
                 sys::fd::fcntl(d, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong);
             }
         }
-        Some(ShmLink {
+        let link = ShmLink {
             map: base,
             region: std::sync::Arc::new(AtomicI32::new(region)),
             tx,
@@ -415,6 +415,17 @@ impl ShmLink {
             epoch: AtomicU32::new(0),
             withdrew: AtomicBool::new(false),
             tries: AtomicU32::new(0),
-        })
+        };
+        // Bells of the old image's epoll instances went with it: through the socket again,
+        // and a bell for what the ring holds (this image's program may wait on it first).
+        if link.direct_bells(0)
+            && link.rx.before_sleep() == Ok(Sleep::Ready)
+            && link.rx.ensure_bell() == Bell::Ring
+        {
+            if peer < 0 || !bell(peer) {
+                link.rx.bell_taken();
+            }
+        }
+        Some(link)
     }
 }

@@ -263,6 +263,43 @@ pub fn send_with_fd(fd: c_int, b: &[u8], pass: c_int, to: Option<&RawAddr>, flag
     unsafe { real::sendmsg(fd, &msg, flags) }
 }
 
+/// `sendto` of one datagram to `to`.
+pub fn send_to(fd: c_int, b: &[u8], to: &RawAddr, flags: c_int) -> isize {
+    // SAFETY: the buffer and the address are live locals of the caller.
+    unsafe { real::sendto(fd, b.as_ptr() as *const c_void, b.len(), flags, to.ptr(), to.len) }
+}
+
+/// Takes every datagram waiting on `fd` (a non-blocking socket whose datagrams say only
+/// "look"), up to 32 with each call; returns how many were taken.
+pub fn drain_datagrams(fd: c_int) -> usize {
+    const N: usize = 32;
+    let mut bytes = [[0u8; 1]; N];
+    let mut taken = 0;
+    loop {
+        // SAFETY: all-zero is a valid mmsghdr and iovec.
+        let mut iov: [iovec; N] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut msgs: [libc::mmsghdr; N] = unsafe { std::mem::zeroed() };
+        for ((m, v), b) in msgs.iter_mut().zip(iov.iter_mut()).zip(bytes.iter_mut()) {
+            v.iov_base = b.as_mut_ptr() as *mut c_void;
+            v.iov_len = 1;
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: every message names one live byte; the call is not one the layer hooks.
+        let r = unsafe {
+            libc::recvmmsg(fd, msgs.as_mut_ptr(), N as libc::c_uint, libc::MSG_DONTWAIT, std::ptr::null_mut())
+        };
+        if r <= 0 {
+            return taken;
+        }
+        taken += r as usize;
+        if (r as usize) < N {
+            return taken;
+        }
+    }
+}
+
 /// `poll` (through the real symbol).
 #[inline]
 pub fn poll(fds: &mut [pollfd], ms: c_int) -> c_int {
