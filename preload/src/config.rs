@@ -10,7 +10,7 @@
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SUBSTRATE` | the substrate asked for: `tcp` (kernel TCP, no shared memory), `shm` (shared memory on one node, kernel TCP between nodes), or the name of a sink plug-in (`verbs`: `libvmi_sink_verbs.so`, see `plugins/vmi_sink.h`) for connections to other nodes; a sink the node has no device for is left with one log line, and kernel TCP carries the connection | `shm` |
 //! | `VMI_SPLICE` | `1`: frames of 32 KiB and more go to the kernel from the replay ring by reference (`vmsplice`/`splice`: the program's bytes are copied once, into the ring); `0`: copied into the kernel as well (slower here on veth: see ARCHITECTURE.md) | `0` |
-//! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory spins before it sleeps, microseconds | `50` |
+//! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory (a receive, or an epoll wait that looks at the rings) spins before it sleeps, microseconds | `200` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
@@ -32,7 +32,7 @@ static RING_FACTOR: AtomicU64 = AtomicU64::new(DEFAULT_RING_FACTOR);
 static AGENT_SOCKET: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 static SHM: AtomicBool = AtomicBool::new(true);
-static SHM_SPIN_US: AtomicU64 = AtomicU64::new(50);
+static SHM_SPIN_US: AtomicU64 = AtomicU64::new(200);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// The sink plug-in `VMI_SUBSTRATE` named, if it named one.
@@ -126,7 +126,7 @@ pub fn init() {
         match v.trim().parse::<u64>() {
             Ok(x) if x <= 1_000_000 => SHM_SPIN_US.store(x, Relaxed),
             _ => crate::log::warn(format_args!(
-                "VMI_SHM_SPIN_US={v} is not a number of microseconds up to 1000000; using 50"
+                "VMI_SHM_SPIN_US={v} is not a number of microseconds up to 1000000; using 200"
             )),
         }
     }

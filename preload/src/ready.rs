@@ -202,17 +202,24 @@ struct Regs {
 
 impl Regs {
     /// Records a successful `EPOLL_CTL_ADD`/`MOD` of virtual connection `fd`.
-    fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64) {
+    /// Returns false when the change cannot change whether `fd` is scanned (the same
+    /// registration with other events than input and one-shot: a program that asks for
+    /// writability and then no more around each send).
+    fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64) -> bool {
         if self.by_fd.get(&(epfd, fd)) == Some(&data) {
+            const SCAN_BITS: u32 = IN_BITS | libc::EPOLLONESHOT as u32;
+            let mut same = true;
             if let Some((g, _)) = self.by_data.get_mut(&(epfd, data)) {
                 if g.fd == fd {
+                    same &= g.events & SCAN_BITS == events & SCAN_BITS;
                     g.events = events;
                 }
             }
             if let Some(m) = self.members.get_mut(&epfd).and_then(|v| v.iter_mut().find(|m| m.fd == fd)) {
+                same &= m.events & SCAN_BITS == events & SCAN_BITS;
                 m.events = events;
             }
-            return;
+            return !same;
         }
         self.forget(epfd, fd);
         let (g, n) = self.by_data.entry((epfd, data)).or_insert((Reg { fd, events }, 0));
@@ -233,6 +240,7 @@ impl Regs {
                 self.overflowed = Some(epfd);
             }
         }
+        true
     }
 
     /// Whether connection `fd` can be scanned, and by which instance: registered for input
@@ -463,8 +471,10 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
     let again = with_regs(|r| {
         match op {
             libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
-                r.set(epfd, fd, events, data);
                 TRACKED_EPFD.set(epfd);
+                if !r.set(epfd, fd, events, data) {
+                    return Vec::new();
+                }
             }
             _ => {
                 r.forget(epfd, fd);
