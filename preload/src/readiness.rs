@@ -88,6 +88,10 @@ pub(crate) static SCANNED: [AtomicU32; SCAN_EPFDS] = [const { AtomicU32::new(0) 
 /// Descriptors whose receive left without announcing its ring (`elided`): a wait that does
 /// not scan must announce it first.
 pub(crate) static UNANNOUNCED: FdBits = FdBits::new();
+/// Connections on shared memory a zero-time-out `poll` looks at (`ready::poll_now`), held
+/// by this process alone and in no epoll instance: their receives leave the rings awake.
+pub(crate) static POLLED: FdBits = FdBits::new();
+
 /// Descriptors whose ring's bells go to the bell of the epoll instance that scans them
 /// (`crate::bells`): a `poll` or `select` on one must announce it first.
 pub(crate) static DIRECTED: FdBits = FdBits::new();
@@ -132,7 +136,12 @@ pub fn elided(fd: c_int) -> bool {
     }
     let e = SCAN_EPFD[fd as usize].load(Relaxed);
     if e == 0 {
-        return false;
+        if !POLLED.has(fd) {
+            return false;
+        }
+        // (A `poll` or `select` that may sleep announces it after it is counted.)
+        UNANNOUNCED.set(fd);
+        return POLL_SLEEPERS.load(SeqCst) == 0;
     }
     UNANNOUNCED.set(fd);
     SLEEPERS[usize::from(e - 1)].load(SeqCst) == 0 && POLL_SLEEPERS.load(SeqCst) == 0

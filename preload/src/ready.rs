@@ -39,8 +39,8 @@ use crate::error::Real;
 use crate::fdtable;
 use crate::readiness::Truth;
 use crate::readiness::{
-    set_scan, swapped_since, wait_enter, wait_leave, FdBits, DIRECTED, POLL_SLEEPERS, SCANNED, SCAN_EPFD,
-    SCAN_EPFDS, SCAN_FDS, SLEEPERS, UNANNOUNCED,
+    set_scan, swapped_since, wait_enter, wait_leave, FdBits, DIRECTED, POLLED, POLL_SLEEPERS, SCANNED,
+    SCAN_EPFD, SCAN_EPFDS, SCAN_FDS, SLEEPERS, UNANNOUNCED,
 };
 use crate::sys;
 use crate::sys::prog::ProgArray;
@@ -103,6 +103,14 @@ fn announce_all(vcs: Vec<(c_int, Arc<Vc>)>) {
 /// Before `fork`: the child shares every connection, and may wait on it in ways this
 /// process does not see; no connection is scanned any more.
 pub fn unscan_all() {
+    let mut polled = Vec::new();
+    POLLED.each(|fd| polled.push(fd));
+    for fd in polled {
+        POLLED.clear(fd);
+        if UNANNOUNCED.has(fd) {
+            announce_one(fd);
+        }
+    }
     if REG_COUNT.load(Relaxed) == 0 {
         return;
     }
@@ -468,6 +476,10 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
             return;
         }
     }
+    if virtual_fd && op == libc::EPOLL_CTL_ADD {
+        // (Its epoll waits decide from now on: see `rescan`.)
+        POLLED.clear(fd);
+    }
     let again = with_regs(|r| {
         match op {
             libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
@@ -493,6 +505,7 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
 /// reference; a registration that survives through a duplicate is then simply not
 /// checked), and so does everything of an epoll instance closed.
 pub fn note_close(fd: c_int) {
+    POLLED.clear(fd);
     if REG_COUNT.load(Relaxed) == 0 && !BELLED.has(fd) {
         return;
     }
@@ -923,6 +936,9 @@ pub fn poll(
         return wait(true, timeout_us);
     }
     let n = fds.len();
+    if timeout_us == 0 {
+        return poll_now(fds, wait);
+    }
     POLL_SLEEPERS.fetch_add(1, SeqCst);
     let _counted = Counted(&POLL_SLEEPERS);
     let mut vcs = Vec::new();
@@ -950,6 +966,66 @@ pub fn poll(
         },
         |r| fds.with(n, |p| filter_poll(p, r, seen.get())),
     )
+}
+
+/// A `poll` with a zero time-out (a progress engine's busy loop: Open MPI's): it never
+/// sleeps, so nothing is announced and nothing counts it as a sleeper. The kernel's answer
+/// is checked as for any `poll`, and connections on shared memory asked for input are
+/// readable when their rings hold bytes: the layer looks at the rings itself. Such a
+/// connection (held by this process alone, in no epoll instance) is *polled* from then on:
+/// a receive that ends at `EAGAIN` leaves its ring awake, as for a connection an epoll
+/// instance scans, so the writer makes no system call per message either (a `poll` or
+/// `select` that may sleep, an epoll registration and a blocking receive announce it first,
+/// see `readiness::elided`).
+fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -> Real) -> Real {
+    let n = fds.len();
+    let seen = {
+        let mut vcs: Vec<c_int> = Vec::new();
+        fds.with(n, |p| vcs.extend(p.iter().filter(|f| fdtable::is_managed(f.fd)).map(|f| f.fd)));
+        let seen = wait_enter(&vcs);
+        let r = wait(true, 0);
+        wait_leave(&vcs);
+        (seen, r)
+    };
+    let (seen, r) = seen;
+    let r = r?;
+    if crate::sandbox::active() {
+        return Ok(r);
+    }
+    let registered = |fd: c_int| {
+        REG_COUNT.load(Relaxed) > 0
+            && REGS
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_some_and(|g| g.instances.contains_key(&fd))
+    };
+    Ok(fds.with(n, |p| {
+        let mut k = if r > 0 { filter_poll(p, r, seen) } else { 0 };
+        for f in p.iter_mut() {
+            if f.events & libc::POLLIN == 0
+                || f.revents & libc::POLLIN != 0
+                || (f.fd as usize) >= SCAN_FDS
+                || !fdtable::is_managed(f.fd)
+            {
+                continue;
+            }
+            let Some(vc) = fdtable::vc(f.fd) else { continue };
+            if !vc.bells_only() {
+                continue;
+            }
+            if !POLLED.has(f.fd) && vc.held_here_only() && !registered(f.fd) {
+                POLLED.set(f.fd);
+            }
+            if vc.scan_ready(false) {
+                if f.revents == 0 {
+                    k += 1;
+                }
+                f.revents |= libc::POLLIN;
+            }
+        }
+        k
+    }))
 }
 
 /// A `poll` or `select` is about to wait on connection `fd`, whose ring a receive left

@@ -829,7 +829,7 @@ impl Vc {
 
     /// True while the connection's bytes go through the rings and its socket carries only
     /// bells.
-    fn bells_only(&self) -> bool {
+    pub fn bells_only(&self) -> bool {
         self.shm_now().is_some_and(|l| l.mode() == shm_sink::Mode::Shm)
     }
 

@@ -415,11 +415,20 @@ impl ShmLink {
                 break Ok(got);
             }
             if nonblock() {
-                // Going back to the program, which will wait on the descriptor.
-                if self.rx.before_sleep() == Ok(Sleep::Ready) {
+                // Going back to the program, which will wait on the descriptor: the writer
+                // rings from now on, unless every wait of the program looks at the ring
+                // before it sleeps (an epoll instance that scans it, or zero-time-out polls:
+                // `readiness::elided`), which then marks it sleeping only if it must.
+                let quiet = crate::readiness::elided(fd);
+                let ready = if quiet {
+                    self.rx.readable().unwrap_or(0) > 0
+                } else {
+                    self.rx.before_sleep() == Ok(Sleep::Ready)
+                };
+                if ready {
                     continue;
                 }
-                if got == 0 {
+                if got == 0 && (!quiet || self.rx.bell_pending()) {
                     // The program will wait on the descriptor: no byte may be left in the
                     // socket, or it polls readable for ever over an empty ring (a bell the
                     // peer rang to wake a writer, say; Open MPI's progress loop then spins
