@@ -852,7 +852,7 @@ fn spin(
     }
     let misses = &SPIN_MISSES[epfd as usize];
     let m = misses.load(Relaxed);
-    if us == 0 || (m >= SPIN_MISS_MAX && m % SPIN_RETRY != 0) {
+    if us == 0 || (m >= SPIN_MISS_MAX && !m.is_multiple_of(SPIN_RETRY)) {
         misses.store(m.wrapping_add(1).max(SPIN_MISS_MAX), Relaxed);
         return Spun::Nothing;
     }

@@ -421,10 +421,9 @@ impl ShmLink {
         if link.direct_bells(0)
             && link.rx.before_sleep() == Ok(Sleep::Ready)
             && link.rx.ensure_bell() == Bell::Ring
+            && (peer < 0 || !bell(peer))
         {
-            if peer < 0 || !bell(peer) {
-                link.rx.bell_taken();
-            }
+            link.rx.bell_taken();
         }
         Some(link)
     }
