@@ -18,7 +18,7 @@ LAYERS = [
     ("glue", {"vc", "relink"}),
     ("devices", {"tcp_sink", "shm_sink", "linkstate"}),
     ("base", {"accepts", "config", "log", "error", "ownfd", "sandbox", "lifetime", "stats",
-              "readiness", "agent", "shm", "sockswap", "tap", "tamper", "tickets"}),
+              "readiness", "agent", "shm", "sockswap", "tap", "tamper", "tickets", "bells"}),
     ("sys", {"sys", "sys/fd", "sys/process", "sys/gate", "sys/shared", "sys/prog", "sys/real",
              "sys/copy", "sys/cell", "sys/packet", "sys/plugin", "sys/splice"}),
 ]

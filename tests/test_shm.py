@@ -455,6 +455,24 @@ def test_event_loop_needs_no_bells(procs, case):
         assert r["bells"] >= r["messages"] // 2, r
 
 
+def test_wake_ups_follow_the_connection_from_one_wait_to_another(procs):
+    """The wake-up of a sleeping epoll wait goes to a bell of the instance's own; the
+    connection is then waited on in other ways (select after the instance closed, a new
+    instance, poll while that instance still holds it, a blocking receive, and, after the
+    process execs itself, select and epoll in the new image), each wait long enough to sleep
+    (the peer answers 2 ms late). A wake-up sent where nobody waits any more would show as a
+    wait running to its 2 s time-out."""
+    port = PORTS["shm_bell_moves"]
+    with Watcher(H1) as w:
+        p = procs.run(H1, python_prog("bell_moves.py", "--bind", f"{H1_IP}:{port}"),
+                      layer=True, name="bell-moves", env=ON, timeout=60)
+    r = p.last_json()
+    assert r["ok"] and r["rounds"] == 8 * 20, r
+    assert r["slowest_ms"] < 500, r
+    mine = [c for c in w.connections(H1) if c.get("local", "").endswith(f":{port}")]
+    assert mine and all(c.get("substrate") == "shm" for c in mine), mine
+
+
 @pytest.mark.parametrize("edge", [True, False], ids=["edge", "level"])
 def test_sleeping_event_loop_is_woken_every_time(procs, edge):
     """A server thread answers from its own epoll instance (edge-triggered, reading until a

@@ -416,10 +416,12 @@ impl ShmLink {
             withdrew: AtomicBool::new(false),
             tries: AtomicU32::new(0),
         };
-        // Bells of the old image's epoll instances went with it: through the socket again,
-        // and a bell for what the ring holds (this image's program may wait on it first).
-        if link.direct_bells(0)
-            && link.rx.before_sleep() == Ok(Sleep::Ready)
+        // The old image may have left the ring awake (its waits looked at it themselves) or
+        // its bells going to one of its epoll instances, which went with it: this image's
+        // program may first wait on the descriptor, so the writer rings through the socket
+        // from now on, and what the ring holds gets a bell.
+        link.direct_bells(0);
+        if link.rx.before_sleep() == Ok(Sleep::Ready)
             && link.rx.ensure_bell() == Bell::Ring
             && (peer < 0 || !bell(peer))
         {
