@@ -705,9 +705,9 @@ pub fn epoll_wait(
         sl.fetch_sub(1, SeqCst);
     }
     match r {
-        // (A bell's event never reaches the program, whatever path the wait took: a sandbox
-        // that went in while it waited skips the filter.)
-        Ok(n) if n > 0 && BELLED.has(epfd) => {
+        // (A bell's event never reaches the program: a sandbox that went in while the wait
+        // was in the kernel skips the filter, which takes it out on every other path.)
+        Ok(n) if n > 0 && BELLED.has(epfd) && crate::sandbox::active() => {
             let len = events.len();
             Ok(events.with(len, |evs| strip_bell(&mut evs[..(n as usize).min(len)])) as c_int)
         }
@@ -976,15 +976,11 @@ pub fn poll(
 /// see `readiness::elided`).
 fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -> Real) -> Real {
     let n = fds.len();
-    let seen = {
-        let mut vcs: Vec<c_int> = Vec::new();
-        fds.with(n, |p| vcs.extend(p.iter().filter(|f| fdtable::is_managed(f.fd)).map(|f| f.fd)));
-        let seen = wait_enter(&vcs);
-        let r = wait(true, 0);
-        wait_leave(&vcs);
-        (seen, r)
-    };
-    let (seen, r) = seen;
+    let mut vcs: Vec<c_int> = Vec::new();
+    fds.with(n, |p| vcs.extend(p.iter().filter(|f| fdtable::is_managed(f.fd)).map(|f| f.fd)));
+    let seen = wait_enter(&vcs);
+    let r = wait(true, 0);
+    wait_leave(&vcs);
     let r = r?;
     if crate::sandbox::active() {
         return Ok(r);

@@ -256,8 +256,7 @@ impl ShmLink {
         }
         if ready && self.rx.ensure_bell() == Bell::Ring {
             // Where the ring's bells go: its instance's bell, or through the peer's socket.
-            let to = self.rx.bell_to();
-            if to != 0 && crate::bells::ring(to) && self.rx.bell_to() == to {
+            if rang_at_instance(&self.rx) {
                 return;
             }
             let p = self.peer_socket(fd);
@@ -305,7 +304,7 @@ impl ShmLink {
     /// An epoll wait took the datagrams at bell `to`: this ring's bell, if it rang there, is
     /// taken (the wait looks at the ring next).
     pub fn bell_rang_at(&self, to: u64) {
-        if self.rx.bell_to() == to {
+        if self.bells_at(to) {
             self.rx.bell_taken();
         }
     }
@@ -313,11 +312,9 @@ impl ShmLink {
     /// Rings the reader for bytes just written: at the bell its ring names, or through the
     /// socket.
     fn ring(&self, fd: i32) {
-        let to = self.tx.bell_to();
-        if to != 0 && crate::bells::ring(to) && self.tx.bell_to() == to {
-            return;
+        if !rang_at_instance(&self.tx) {
+            bell(fd);
         }
-        bell(fd);
     }
 
     /// Sends from `data`; the caller holds the tx lock.
@@ -690,6 +687,14 @@ fn corrupt() -> IrbError {
 }
 
 /// One bell byte into socket `s` (it arrives at the other end).
+/// Rings the epoll instance's bell `ring` names, if it names one: true when the datagram
+/// went and the ring still names that bell after it (else the caller rings through a
+/// socket: the reader may have stopped waiting there before the datagram came).
+fn rang_at_instance(ring: &substrate::shmring::Ring) -> bool {
+    let to = ring.bell_to();
+    to != 0 && crate::bells::ring(to) && ring.bell_to() == to
+}
+
 fn bell(s: i32) -> bool {
     if crate::sandbox::active() {
         // (A bell is never more than one byte waiting in the socket: a plain write, where the
