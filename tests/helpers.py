@@ -142,6 +142,7 @@ PORTS = {
     "shm_event_loop_bound": 17668,
     "shm_event_loop_poll0": 17669,
     "shm_bell_moves": 17670,
+    "shm_busy_poll_kernel": 17671,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

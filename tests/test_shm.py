@@ -21,8 +21,8 @@ import pytest
 
 from helpers import (BASELINE, H1, H1_IP, H2, H3, LOOPBACK, PORTS, Agent, Watcher,
                      assert_same_stream,
-                     assert_virtual, client_conns, python_prog, server_conns, vmictl,
-                     wait_status)
+                     assert_virtual, client_conns, python_prog, server_conns, strace_counts,
+                     vmictl, wait_status)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="shared memory is the layer's work")
 
@@ -453,6 +453,31 @@ def test_event_loop_needs_no_bells(procs, case):
     elif case == "epoll-past-bound":
         # 16 ends in one instance, bound 8: none scanned, a bell per message as before.
         assert r["bells"] >= r["messages"] // 2, r
+
+
+def test_busy_poll_asks_the_kernel_seldom_and_sees_its_own_writes(procs, tmp_path):
+    """A busy loop of zero-time-out polls over eight shared-memory connections and a pipe of
+    its own (a progress engine's, as Open MPI's), answered by another thread: the layer answers most polls from the rings
+    alone and asks the kernel about the pipe at most every VMI_POLL_LOOK_US, so most polls
+    make no system call (before, every one did). What the thread itself did is never hidden:
+    a byte it writes to its pipe is reported by the very next poll. Counted by strace."""
+    port = PORTS["shm_busy_poll_kernel"]
+    trace = tmp_path / "poll0.strace"
+    with Watcher(H1) as w:
+        p = procs.run(H1, ["strace", "-f", "-c", "-e", "trace=poll,ppoll", "-o", trace,
+                           *python_prog("event_loop.py", "--bind", f"{H1_IP}:{port}", "--pairs",
+                                        8, "--rounds", 300, "--wait", "poll0",
+                                        "--server-thread")],
+                      layer=True, name="busy-poll", env=ON, timeout=90)
+    r = p.last_json()
+    assert r["ok"] and r["stalls"] == 0 and r["messages"] == 2 * 8 * 300, r
+    assert r["pipe_missed"] == 0, r
+    mine = [c for c in w.connections(H1) if c.get("local", "").endswith(f":{port}")]
+    assert mine and all(c.get("substrate") == "shm" for c in mine), mine
+    c = strace_counts(trace)
+    kernel = c.get("poll", 0) + c.get("ppoll", 0)
+    # Every third round's pipe byte makes one poll ask the kernel: 100 of them at least.
+    assert 100 <= kernel <= r["polls"] // 2, f"{kernel} polls reached the kernel of {r['polls']}: {c}"
 
 
 def test_wake_ups_follow_the_connection_from_one_wait_to_another(procs):

@@ -11,6 +11,7 @@
 //! | `VMI_SUBSTRATE` | the substrate asked for: `tcp` (kernel TCP, no shared memory), `shm` (shared memory on one node, kernel TCP between nodes), or the name of a sink plug-in (`verbs`: `libvmi_sink_verbs.so`, see `plugins/vmi_sink.h`) for connections to other nodes; a sink the node has no device for is left with one log line, and kernel TCP carries the connection | `shm` |
 //! | `VMI_SPLICE` | `1`: frames of 32 KiB and more go to the kernel from the replay ring by reference (`vmsplice`/`splice`: the program's bytes are copied once, into the ring); `0`: copied into the kernel as well (slower here on veth: see ARCHITECTURE.md) | `0` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory (a receive, or an epoll wait that looks at the rings) spins before it sleeps, microseconds | `200` |
+//! | `VMI_POLL_LOOK_US` | a `poll` with a zero time-out (a progress engine's busy loop) on connections over shared memory asks the kernel about its other descriptors at most this often, microseconds; between two looks it answers from the rings alone (an event from another thread or process is seen up to this much later; the thread's own writes and closes end the interval); `0`: every such call asks the kernel | `20` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
 //! | `VMI_CHAIN` | filters on what the program sends on each new virtual connection, names separated by commas (`lz4`, `zstd:LEVEL`, `double`), or `none`; offered to the peer's layer at set-up; overrides the node's default (the agent's `chain` setting); such connections stay on kernel TCP | the node's default, else none |
 //! | `VMI_GRACE` | seconds a connection waits for a working network before it fails with `ETIMEDOUT` | `60` |
@@ -33,6 +34,7 @@ static AGENT_SOCKET: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::
 static GRACE_MS: AtomicU64 = AtomicU64::new(60_000);
 static SHM: AtomicBool = AtomicBool::new(true);
 static SHM_SPIN_US: AtomicU64 = AtomicU64::new(200);
+static POLL_LOOK_US: AtomicU64 = AtomicU64::new(20);
 static EPOLL_SCAN_MAX: AtomicU64 = AtomicU64::new(512);
 static CHAIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// The sink plug-in `VMI_SUBSTRATE` named, if it named one.
@@ -130,6 +132,14 @@ pub fn init() {
             )),
         }
     }
+    if let Ok(v) = std::env::var("VMI_POLL_LOOK_US") {
+        match v.trim().parse::<u64>() {
+            Ok(x) if x <= 1_000_000 => POLL_LOOK_US.store(x, Relaxed),
+            _ => crate::log::warn(format_args!(
+                "VMI_POLL_LOOK_US={v} is not a number of microseconds up to 1000000; using 20"
+            )),
+        }
+    }
     if let Ok(v) = std::env::var("VMI_EPOLL_SCAN_MAX") {
         match v.trim().parse::<u64>() {
             Ok(x) if x <= 65_536 => EPOLL_SCAN_MAX.store(x, Relaxed),
@@ -214,6 +224,11 @@ pub fn shm() -> bool {
 /// How long a shared-memory receiver spins before it sleeps.
 pub fn shm_spin_us() -> u64 {
     SHM_SPIN_US.load(Relaxed)
+}
+
+/// How often a zero-time-out `poll` on shared-memory connections asks the kernel.
+pub fn poll_look_us() -> u64 {
+    POLL_LOOK_US.load(Relaxed)
 }
 
 /// How long a connection waits for a working network, in milliseconds.

@@ -974,7 +974,13 @@ pub fn poll(
 /// instance scans, so the writer makes no system call per message either (a `poll` or
 /// `select` that may sleep, an epoll registration and a blocking receive announce it first,
 /// see `readiness::elided`).
+///
+/// Such a loop asks the kernel about its other descriptors at most every
+/// `VMI_POLL_LOOK_US` ([`rings_only`]): the kernel's answer is the loop's only system call.
 fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -> Real) -> Real {
+    if let Some(k) = rings_only(fds) {
+        return Ok(k);
+    }
     let n = fds.len();
     let mut vcs: Vec<c_int> = Vec::new();
     fds.with(n, |p| vcs.extend(p.iter().filter(|f| fdtable::is_managed(f.fd)).map(|f| f.fd)));
@@ -982,6 +988,9 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
     let r = wait(true, 0);
     wait_leave(&vcs);
     let r = r?;
+    if !vcs.is_empty() && crate::config::poll_look_us() > 0 {
+        let _ = LOOKED.try_with(|c| c.set(sys::now_us()));
+    }
     if crate::sandbox::active() {
         return Ok(r);
     }
@@ -1019,6 +1028,74 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
         }
         k
     }))
+}
+
+thread_local! {
+    /// When this thread's last zero-time-out `poll` on connections asked the kernel
+    /// (microseconds; 0: its next one asks).
+    static LOOKED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The thread made a call the kernel carried that may make one of its own descriptors
+/// ready (a write to a pipe, a close): its next zero-time-out `poll` asks the kernel, so
+/// that it sees what the thread itself caused.
+#[inline]
+pub fn kernel_touched() {
+    let _ = LOOKED.try_with(|c| c.set(0));
+}
+
+/// A zero-time-out `poll` answered from the rings alone, without a system call: when this
+/// thread asked the kernel less than `VMI_POLL_LOOK_US` ago and has not touched a
+/// descriptor through it since ([`kernel_touched`]), only input is asked for, and every
+/// connection in the set that may carry it is on shared memory and polled (`POLLED`: its
+/// bytes come through its ring, never through its socket). What the kernel would add is
+/// an event that another thread or process caused in that interval; the next look reports
+/// it, as a call made a moment later would. `None`: ask the kernel.
+fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
+    let look = crate::config::poll_look_us();
+    if look == 0 {
+        return None;
+    }
+    let last = LOOKED.try_with(|c| c.get()).ok()?;
+    if last == 0 || sys::now_us() >= last.saturating_add(look) || crate::sandbox::active() {
+        return None;
+    }
+    let n = fds.len();
+    fds.with(n, |p| {
+        let mut any = false;
+        for f in p.iter() {
+            if f.fd < 0 {
+                continue;
+            }
+            if f.events & !(libc::POLLIN | libc::POLLRDNORM) != 0 {
+                return None;
+            }
+            any |= POLLED.has(f.fd);
+        }
+        if !any {
+            return None;
+        }
+        let mut ready = [false; 64];
+        if p.len() > ready.len() {
+            return None;
+        }
+        for (i, f) in p.iter().enumerate() {
+            if f.fd < 0 || !POLLED.has(f.fd) {
+                continue;
+            }
+            let vc = fdtable::vc(f.fd)?;
+            if !vc.bells_only() {
+                return None;
+            }
+            ready[i] = vc.scan_ready(false);
+        }
+        let mut k = 0;
+        for (i, f) in p.iter_mut().enumerate() {
+            f.revents = if ready[i] { f.events & (libc::POLLIN | libc::POLLRDNORM) } else { 0 };
+            k += c_int::from(ready[i]);
+        }
+        Some(k)
+    })
 }
 
 /// A `poll` or `select` is about to wait on connection `fd`, whose ring a receive left

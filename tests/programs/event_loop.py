@@ -13,6 +13,15 @@ thread sends each request with a blocking send and waits for its answer with a b
 receive, 1 ms apart: the server's loop sleeps between requests, so every request needs a
 wake-up, and a wake-up left behind in a socket must not hold back the next one.
 
+With --wait poll0 and --server-thread, the busy loop holds the client ends and a second
+thread answers from its own epoll instance, so that most polls find nothing yet.
+
+With --wait poll0 the loop also polls the read end of a pipe of its own: every third round it
+writes a byte there right after its requests, and the first poll after that must report the
+pipe (what the thread itself did is seen at once, even when the layer answers a zero-time-out
+poll from its rings alone); it counts its polls ("polls") and the times the pipe was missed
+("pipe_missed").
+
 Prints {"messages", "bells", "ok", "stalls"}: the requests and answers exchanged, the bytes
 that arrived in the kernel sockets themselves (TCP_INFO bytes_received, summed over every
 socket; over the layer's shared memory those are its one-byte wake-ups, which an event loop
@@ -22,6 +31,7 @@ sent, and how many waits of 5 s ended with nothing (a lost wake-up).
 
 import argparse
 import json
+import os
 import select
 import selectors
 import socket
@@ -130,27 +140,48 @@ def main():
         clients.append(socket.create_connection((host, int(port))))
         servers.append(ls.accept()[0])
     out = {"messages": 0, "bells": 0, "ok": True, "stalls": 0}
-    if a.server_thread:
+    busy = a.wait == "poll0"
+    if a.server_thread and not busy:
         threaded(a, clients, servers, out)
         out["bells"] = sum(bytes_received(s) for s in clients + servers)
         out["server_bells"] = sum(bytes_received(s) for s in servers)
         print(json.dumps(out), flush=True)
         return
     sel = selectors.EpollSelector() if a.wait == "epoll" else selectors.PollSelector()
-    busy = a.wait == "poll0"
-    for i, s in enumerate(clients + servers):
+    stop = threading.Event()
+    served, side = None, {"answers": 0}
+    if busy and a.server_thread:
+        # The server ends answer from a thread of their own: the busy loop's polls wait.
+        served = threading.Thread(target=serve, args=(servers, a.size, False, stop, side),
+                                  daemon=True)
+        served.start()
+    for i, s in enumerate(clients + ([] if served else servers)):
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ, i)
     n = a.pairs
+    pipe_r = pipe_w = None
+    if busy:
+        pipe_r, pipe_w = os.pipe()
+        os.set_blocking(pipe_r, False)
+        sel.register(pipe_r, selectors.EVENT_READ, -1)
+        out["polls"] = out["pipe_missed"] = 0
     for rnd in range(a.rounds):
         got = [b""] * (2 * n)
         for p, c in enumerate(clients):
             c.sendall(request(p, rnd, a.size))
             out["messages"] += 1
+        piped = busy and rnd % 3 == 0
+        if piped:
+            os.write(pipe_w, b"x")
         answered = 0
         since = time.monotonic()
         while answered < n:
             events = sel.select(timeout=0 if busy else 5)
+            if busy:
+                out["polls"] += 1
+                if piped and not any(key.data == -1 for key, _ in events):
+                    out["pipe_missed"] += 1
+                piped = False
             if not events and busy and time.monotonic() - since < 5:
                 continue
             since = time.monotonic()
@@ -163,6 +194,9 @@ def main():
                 continue
             for key, _ in events:
                 i = key.data
+                if i == -1:
+                    os.read(pipe_r, 64)
+                    continue
                 try:
                     chunk = key.fileobj.recv(65536)
                 except BlockingIOError:
@@ -181,6 +215,10 @@ def main():
                 else:
                     out["ok"] = out["ok"] and got[i] == request(i, rnd, a.size)
                     answered += 1
+    stop.set()
+    if served:
+        served.join(5)
+        out["messages"] += side["answers"]
     out["bells"] = sum(bytes_received(s) for s in clients + servers)
     time.sleep(a.hold)
     for s in clients + servers:

@@ -68,7 +68,10 @@ fn data(h: impl FnOnce() -> Hooked<usize>, real: impl FnOnce() -> ssize_t) -> ss
             unsafe { *slot = before };
             n as ssize_t
         }
-        Ok(Hook::Real) => real(),
+        Ok(Hook::Real) => {
+            crate::ready::kernel_touched();
+            real()
+        }
         Err(e) => fail(e),
     }
 }
@@ -135,6 +138,7 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    crate::ready::kernel_touched();
     // SAFETY: forwarding.
     kept(|| hooks::close(fd, || cvt(unsafe { real::close(fd) })))
 }
@@ -396,12 +400,14 @@ pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    crate::ready::kernel_touched();
     // SAFETY: forwarding.
     kept(|| hooks::dup_onto(old, new, || cvt(unsafe { real::dup2(old, new) })))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    crate::ready::kernel_touched();
     // SAFETY: forwarding.
     kept(|| hooks::dup_onto(old, new, || cvt(unsafe { real::dup3(old, new, flags) })))
 }
