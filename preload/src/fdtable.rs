@@ -118,6 +118,20 @@ pub fn vc(fd: i32) -> Option<Arc<Vc>> {
     }
 }
 
+/// `f` on the connection at `fd`, if any, under the table's read lock (no count taken on
+/// the connection: for a look at its ring in a busy loop). `f` must not touch the table.
+#[inline]
+pub fn with_vc<R>(fd: i32, f: impl FnOnce(&Vc) -> R) -> Option<R> {
+    if fd < 0 || ((fd as usize) < BITMAP_FDS && !is_managed(fd)) {
+        return None;
+    }
+    let t = TABLE.read().unwrap_or_else(|e| e.into_inner());
+    match t.slots.get(fd as usize) {
+        Some(Some(Entry::Vc(v))) => Some(f(v)),
+        _ => None,
+    }
+}
+
 /// Records `e` for `fd` (replacing what was there); returns the old entry.
 pub fn insert(fd: i32, e: Entry) -> Option<Entry> {
     if fd < 0 {

@@ -1083,11 +1083,12 @@ fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
             if f.fd < 0 || !POLLED.has(f.fd) {
                 continue;
             }
-            let vc = fdtable::vc(f.fd)?;
-            if !vc.bells_only() {
+            // (Whether it is still on shared memory and its ring, in one look at the table.)
+            let (shm, bytes) = fdtable::with_vc(f.fd, |vc| (vc.bells_only(), vc.scan_ready(false)))?;
+            if !shm {
                 return None;
             }
-            ready[i] = vc.scan_ready(false);
+            ready[i] = bytes;
         }
         let mut k = 0;
         for (i, f) in p.iter_mut().enumerate() {
