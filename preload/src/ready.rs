@@ -788,6 +788,11 @@ fn scan_then_report(
 ) -> Option<c_int> {
     let mut found = [(0u64, 0u32); 64];
     let mut k = scan(epfd, &mut found, false);
+    if timeout_us == 0 && looked_lately() {
+        // A busy loop of zero-time-out waits: the rings alone (see `rings_only`).
+        let len = events.len();
+        return Some(events.with(len, |evs| merge_found(evs, 0, &found[..k])) as c_int);
+    }
     if k == 0 && timeout_us != 0 {
         match spin(epfd, &mut found, events, timeout_us, wait) {
             Spun::Rings(n) => k = n,
@@ -796,10 +801,17 @@ fn scan_then_report(
         }
     }
     if k == 0 {
+        if timeout_us == 0 {
+            // (Asked below, by the caller's wait.)
+            looked_now();
+        }
         return None;
     }
     // (A failed look finds nothing more: the scan's reports go alone.)
     let n = wait(false, 0).unwrap_or(0).max(0);
+    if timeout_us == 0 {
+        looked_now();
+    }
     let len = events.len();
     Some(events.with(len, |evs| {
         let n = (n as usize).min(len);
@@ -988,8 +1000,8 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
     let r = wait(true, 0);
     wait_leave(&vcs);
     let r = r?;
-    if !vcs.is_empty() && crate::config::poll_look_us() > 0 {
-        let _ = LOOKED.try_with(|c| c.set(sys::now_us()));
+    if !vcs.is_empty() {
+        looked_now();
     }
     if crate::sandbox::active() {
         return Ok(r);
@@ -1044,6 +1056,25 @@ pub fn kernel_touched() {
     let _ = LOOKED.try_with(|c| c.set(0));
 }
 
+/// True when this thread's last zero-time-out wait on connections asked the kernel less
+/// than `VMI_POLL_LOOK_US` ago, and the thread touched no descriptor through the kernel
+/// since: its next such wait may answer from the rings alone.
+fn looked_lately() -> bool {
+    let look = crate::config::poll_look_us();
+    if look == 0 {
+        return false;
+    }
+    let last = LOOKED.try_with(|c| c.get()).unwrap_or(0);
+    last != 0 && sys::now_us() < last.saturating_add(look) && !crate::sandbox::active()
+}
+
+/// A zero-time-out wait asks (or asked) the kernel now.
+fn looked_now() {
+    if crate::config::poll_look_us() > 0 {
+        let _ = LOOKED.try_with(|c| c.set(sys::now_us()));
+    }
+}
+
 /// A zero-time-out `poll` answered from the rings alone, without a system call: when this
 /// thread asked the kernel less than `VMI_POLL_LOOK_US` ago and has not touched a
 /// descriptor through it since ([`kernel_touched`]), only input is asked for, and every
@@ -1052,12 +1083,7 @@ pub fn kernel_touched() {
 /// an event that another thread or process caused in that interval; the next look reports
 /// it, as a call made a moment later would. `None`: ask the kernel.
 fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
-    let look = crate::config::poll_look_us();
-    if look == 0 {
-        return None;
-    }
-    let last = LOOKED.try_with(|c| c.get()).ok()?;
-    if last == 0 || sys::now_us() >= last.saturating_add(look) || crate::sandbox::active() {
+    if !looked_lately() {
         return None;
     }
     let n = fds.len();

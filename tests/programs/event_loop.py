@@ -13,14 +13,14 @@ thread sends each request with a blocking send and waits for its answer with a b
 receive, 1 ms apart: the server's loop sleeps between requests, so every request needs a
 wake-up, and a wake-up left behind in a socket must not hold back the next one.
 
-With --wait poll0 and --server-thread, the busy loop holds the client ends and a second
-thread answers from its own epoll instance, so that most polls find nothing yet.
+With --wait poll0 (or epoll0) and --server-thread, the busy loop holds the client ends and
+a second thread answers from its own epoll instance, so that most waits find nothing yet.
 
-With --wait poll0 the loop also polls the read end of a pipe of its own: every third round it
-writes a byte there right after its requests, and the first poll after that must report the
-pipe (what the thread itself did is seen at once, even when the layer answers a zero-time-out
-poll from its rings alone); it counts its polls ("polls") and the times the pipe was missed
-("pipe_missed").
+With --wait poll0 or epoll0 the loop also waits on the read end of a pipe of its own: every
+third round it writes a byte there right after its requests, and the first wait after that
+must report the pipe (what the thread itself did is seen at once, even when the layer
+answers a zero-time-out wait from its rings alone); it counts its waits ("polls") and the
+times the pipe was missed ("pipe_missed").
 
 Prints {"messages", "bells", "ok", "stalls"}: the requests and answers exchanged, the bytes
 that arrived in the kernel sockets themselves (TCP_INFO bytes_received, summed over every
@@ -123,8 +123,9 @@ def main():
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--wait", choices=["epoll", "poll", "poll0"], default="epoll",
-                    help="poll0: a busy loop of zero-time-out polls (a progress engine's)")
+    ap.add_argument("--wait", choices=["epoll", "poll", "poll0", "epoll0"], default="epoll",
+                    help="poll0, epoll0: a busy loop of zero-time-out waits (a progress "
+                         "engine's: Open MPI polls, UCX waits on epoll)")
     ap.add_argument("--server-thread", action="store_true")
     ap.add_argument("--edge", action="store_true")
     ap.add_argument("--hold", type=float, default=0.3,
@@ -140,14 +141,14 @@ def main():
         clients.append(socket.create_connection((host, int(port))))
         servers.append(ls.accept()[0])
     out = {"messages": 0, "bells": 0, "ok": True, "stalls": 0}
-    busy = a.wait == "poll0"
+    busy = a.wait in ("poll0", "epoll0")
     if a.server_thread and not busy:
         threaded(a, clients, servers, out)
         out["bells"] = sum(bytes_received(s) for s in clients + servers)
         out["server_bells"] = sum(bytes_received(s) for s in servers)
         print(json.dumps(out), flush=True)
         return
-    sel = selectors.EpollSelector() if a.wait == "epoll" else selectors.PollSelector()
+    sel = selectors.EpollSelector() if a.wait.startswith("epoll") else selectors.PollSelector()
     stop = threading.Event()
     served, side = None, {"answers": 0}
     if busy and a.server_thread:
@@ -165,6 +166,7 @@ def main():
         os.set_blocking(pipe_r, False)
         sel.register(pipe_r, selectors.EVENT_READ, -1)
         out["polls"] = out["pipe_missed"] = 0
+        out["wait_fd"] = sel.fileno() if a.wait == "epoll0" else -1
     for rnd in range(a.rounds):
         got = [b""] * (2 * n)
         for p, c in enumerate(clients):
