@@ -142,7 +142,8 @@ PORTS = {
     "shm_event_loop_bound": 17668,
     "shm_event_loop_poll0": 17669,
     "shm_bell_moves": 17670,
-    "shm_busy_poll_kernel": 17671,
+    "shm_busy_poll_kernel": 17671,   # and 17672 (epoll_wait)
+    "shm_say_and_close": 17673,      # and 17674 (--empty)
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

@@ -30,8 +30,17 @@ pub(super) fn dgram_bound(name: &str) -> Option<i32> {
 
 /// Sends descriptor `fd` to the abstract datagram socket `to`.
 pub(super) fn send_fd(s: i32, to: &str, fd: i32) -> bool {
+    send_fd_to(s, to, fd).is_ok()
+}
+
+/// [`send_fd`], with the error number when the socket could not go.
+pub(super) fn send_fd_to(s: i32, to: &str, fd: i32) -> Result<(), i32> {
     let to = crate::agent::abstract_addr(to);
-    sys::fd::send_with_fd(s, b"s", fd, Some(&to), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1
+    if sys::fd::send_with_fd(s, b"s", fd, Some(&to), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) == 1 {
+        Ok(())
+    } else {
+        Err(sys::errno())
+    }
 }
 
 /// A descriptor waiting on datagram socket `s`, if any.
@@ -290,8 +299,15 @@ impl ShmLink {
                     self.take_bells(fd);
                     let d = self.dgram.swap(-1, AcqRel);
                     let theirs = if d >= 0 { recv_fd(d) } else { None };
+                    // (Refused: the accepting side's program closed the connection already,
+                    // and its layer let go of the rendezvous; what it wrote, and the end, are
+                    // in the ring. A server that accepts and closes at once must read as an
+                    // end of stream here, as natively, not as a reset.)
                     let ok = theirs.is_some_and(|t| is_other_end(fd, t))
-                        && send_fd(d, &format!("vmi-shm-{}-a", self.tag), fd);
+                        && match send_fd_to(d, &format!("vmi-shm-{}-a", self.tag), fd) {
+                            Ok(()) => true,
+                            Err(e) => e == libc::ECONNREFUSED,
+                        };
                     if d >= 0 {
                         crate::sys::fd::close(d);
                     }
