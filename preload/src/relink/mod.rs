@@ -147,9 +147,9 @@ static RELEASED: Mutex<Vec<(u128, bool)>> = Mutex::new(Vec::new());
 
 /// This process let go of a connection. If other processes hold it too (after fork), the
 /// agent hears it now: a link rebuilt for it must go to one of them. Otherwise nobody holds
-/// it any more and there is no hurry: the control thread tells the agent with its next round
-/// (within half a second), many at once; a link offered here meanwhile is answered "no such
-/// connection", which is the truth.
+/// it any more and there is no hurry: the control thread tells the agent with what else is
+/// kept back, within [`ENDED_DELAY_MS`], many at once; a link offered here meanwhile is
+/// answered "no such connection", which is the truth.
 pub fn released(gid: u128, active: bool, others_hold: bool) {
     if others_hold && crate::sandbox::allows_nr(libc::SYS_sendmsg) {
         // (What is kept back goes first: a hold must never arrive after its release.)
@@ -170,6 +170,12 @@ pub fn released(gid: u128, active: bool, others_hold: bool) {
         drop(r);
         flush_ended();
         tell_released(all);
+    } else if r.len() == 1 {
+        drop(r);
+        // Told with what is kept back, when that is due (set now if nothing is).
+        if ENDED_DUE.compare_exchange(0, sys::now_ms() + ENDED_DELAY_MS, Relaxed, Relaxed).is_ok() {
+            crate::linkstate::wake_for_ends();
+        }
     }
 }
 
@@ -655,14 +661,14 @@ fn control_loop() -> Ending {
             }
         }
         if EXECING.load(Relaxed) == 0 {
-            if !RELEASED.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
-                // (Holds kept back go before the releases.)
-                flush_ended();
-            }
-            flush_released();
+            // What is kept back (holds, ends of streams, releases) goes when due, all at once:
+            // a program that opens and closes connections one after the other woke this
+            // thread and the agent once per connection, where once per ENDED_DELAY_MS does.
             let due = ENDED_DUE.load(Relaxed);
             if due == 0 || due <= sys::now_ms() {
+                // (Holds kept back go before the releases.)
                 flush_ended();
+                flush_released();
             }
             shm_later_due(sys::now_ms());
         }
