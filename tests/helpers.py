@@ -142,8 +142,10 @@ PORTS = {
     "shm_event_loop_bound": 17668,
     "shm_event_loop_poll0": 17669,
     "shm_bell_moves": 17670,
-    "shm_busy_poll_kernel": 17671,   # and 17672 (epoll_wait)
-    "shm_say_and_close": 17673,      # and 17674 (--empty)
+    "shm_busy_poll_kernel": 17671,
+    "shm_busy_epoll_kernel": 17672,
+    "shm_say_and_close": 17673,
+    "shm_say_and_close_empty": 17674,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,
@@ -247,6 +249,8 @@ PORTS = {
     "setup_tickets": 17982,
     "setup_refused": 17983,
     "setup_refused_native": 17984,
+    "setup_tickets_here": 17985,
+    "setup_tickets_here_tcp": 17986,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import time
 
+import pytest
+
 from helpers import (H1, H1_IP, H2, H2_IP, H3, H3_IP, PORTS, PROGRAMS, PYTHON, Watcher,
                      as_nobody, assert_virtual, extra_agent, metric, public_copies, python_prog,
                      scrape_metrics, strace_counts, vmictl_status)
@@ -153,6 +155,38 @@ def test_later_connections_use_tickets_and_ask_nobody(procs, tmp_path):
     assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
     assert_virtual(w, H1, addr, H2, min_conns=1)
     assert one_way(H2)["tickets_out"] > 0, one_way(H2)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "tcp"])
+def test_connections_to_a_listener_on_the_same_node_use_tickets(procs, tmp_path, shm):
+    """The same with the listener on the client's own node: the agent expects the tickets'
+    connections itself, at once, so that a `connect` there asks nobody either (it used to
+    wait for its agent every time). Over shared memory (the rings offered before the SYN,
+    as for a connection the agent answered) and over TCP: every banner and echo right, the
+    connections virtual, most from ticket ports, few waits for the agent."""
+    port = PORTS["setup_tickets_here" if shm == "1" else "setup_tickets_here_tcp"]
+    addr = f"{H1_IP}:{port}"
+    env = {"VMI_SHM": shm}
+    procs.server(H1, python_prog("banner.py", "server", "--bind", addr), port, layer=True,
+                 name="ticket-server-here", env=env)
+    n = 80
+    trace = tmp_path / "tickets-here.strace"
+    with Watcher(H1) as w:
+        out = procs.run(H1, ["strace", "-f", "-e", "trace=poll", "-o", trace, PYTHON, "-c",
+                             PORTS_CLIENT, H1_IP, port, n], layer=True, name="ticket-client-here",
+                        env=env, timeout=60).stdout().split()
+    assert len(out) == n and all(x.split(":")[1] == "1" for x in out), out
+    ports = [int(x.split(":")[0]) for x in out]
+    ticketed = [p for p in ports if p in TICKETS]
+    assert len(ticketed) >= n - 5, f"only {len(ticketed)} of {n} from ticket ports: {ports}"
+    assert len(set(ticketed)) == len(ticketed), f"a ticket port used twice: {ports}"
+    polls = trace.read_text().count("poll([{fd=700, events=POLLIN}], 1,")
+    assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
+    mine = [c for c in w.connections(H1) if c.get("peer", "").endswith(f":{port}")]
+    assert mine, w.summary(H1)
+    want = "shm" if shm == "1" else "tcp"
+    assert all(c.get("substrate") == want for c in mine), mine
+    assert one_way(H1)["tickets_out"] > 0, one_way(H1)
 
 
 def test_an_agent_restarted_between_connections_is_asked_again(procs, agent_control):

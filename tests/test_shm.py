@@ -308,7 +308,7 @@ def test_a_server_that_speaks_and_closes_at_once(procs, empty):
     and then the end of stream, as natively. Its layer used to take the server's rendezvous
     socket, gone with the close, for a broken set-up: every such connection ended with
     ECONNRESET and lost the message (296 of 300 in a run)."""
-    port = PORTS["shm_say_and_close"] + empty
+    port = PORTS["shm_say_and_close_empty" if empty else "shm_say_and_close"]
     addr = f"{H1_IP}:{port}"
     extra = ["--empty"] if empty else []
     procs.server(H1, python_prog("say_and_close.py", "server", "--bind", addr, *extra), port,
@@ -487,7 +487,7 @@ def test_busy_poll_asks_the_kernel_seldom_and_sees_its_own_writes(procs, tmp_pat
     pipe at most every VMI_POLL_LOOK_US, so most waits make no system call (before, every
     one did). What the thread itself did is never hidden: a byte it writes to its pipe is
     reported by the very next wait. Counted by strace."""
-    port = PORTS["shm_busy_poll_kernel"] + (wait == "epoll0")
+    port = PORTS["shm_busy_poll_kernel" if wait == "poll0" else "shm_busy_epoll_kernel"]
     trace = tmp_path / f"{wait}.strace"
     calls = "poll,ppoll" if wait == "poll0" else "epoll_wait,epoll_pwait,epoll_pwait2"
     with Watcher(H1) as w:

@@ -438,10 +438,10 @@ impl Agent {
     /// connection, which handles those) or has no ticket port free.
     pub fn give_tickets(&self, pid: u32, dst: SocketAddr, want: u16, window: u64) -> Msg {
         let dst = SocketAddr::new(normalize(dst.ip()), dst.port());
-        if net::is_local(dst.ip())
-            || self.health.alternative(dst.ip()).is_some()
-            || self.health.is_dead(dst.ip())
-        {
+        if net::is_local(dst.ip()) {
+            return self.give_local_tickets(pid, dst, want, window);
+        }
+        if self.health.alternative(dst.ip()).is_some() || self.health.is_dead(dst.ip()) {
             return Msg::Plain;
         }
         let known = self.remote.lock().unwrap_or_else(|e| e.into_inner()).get(&dst).cloned();
@@ -481,6 +481,62 @@ impl Agent {
             src: SocketAddr::new(src_ip, 0),
             window: w,
             addrs,
+            use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
+            tickets,
+        }
+    }
+
+    /// Tickets for a listener of this node (process `pid`'s connections to another process
+    /// here, or to itself): each one expected here at once, as a peer agent's tickets are
+    /// ([`Agent::expect_batch`]), so that the connection is virtual from its `connect` on
+    /// without a round trip to this agent. None for a listener that is not here (moved away:
+    /// its connections ask, and are sent on).
+    fn give_local_tickets(&self, pid: u32, dst: SocketAddr, want: u16, window: u64) -> Msg {
+        if self.dir.lock().unwrap_or_else(|e| e.into_inner()).listener_for(dst).is_none() {
+            return Msg::Plain;
+        }
+        let Some(src_ip) = net::source_for(dst.ip()).map(normalize) else { return Msg::Plain };
+        let cluster = self.key.cluster_id;
+        let want = usize::from(want).min(crate::tickets::MAX_BATCH);
+        let Some(mut draws) = random_u128s(2 * want) else { return Msg::Plain };
+        let mut gids = || substrate::Gid(draws.pop().unwrap_or_default()).issued_by(cluster).0;
+        let given = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).give(
+            u64::from(pid),
+            dst,
+            want,
+            Instant::now(),
+            &mut gids,
+        );
+        if given.is_empty() {
+            return Msg::Plain;
+        }
+        let tickets: Vec<(u16, u128, u128)> =
+            given.iter().map(|&(port, gid)| (port, gid, draws.pop().unwrap_or_default())).collect();
+        let agents = self.health.advertised();
+        let mut listener_window = None;
+        for &(port, gid, secret) in &tickets {
+            let src = SocketAddr::new(src_ip, port);
+            let a = Announce { src, dst, gid, secret, window, aim: dst, agents: agents.clone() };
+            match self.expect_local(a) {
+                Msg::Virtual { window: w, .. } => listener_window = Some(w),
+                _ => {
+                    listener_window = None;
+                    break;
+                }
+            }
+        }
+        self.bound.notify_all();
+        let Some(w) = listener_window else {
+            // (The listener closed meanwhile. The ports stay out until an announcement made
+            // for some of them has lapsed: the pool gives them again after `HOLD`.)
+            return Msg::Plain;
+        };
+        debug!("process {pid}: {} tickets for {dst} (on this node)", tickets.len());
+        Msg::TicketBook {
+            dst,
+            src: SocketAddr::new(src_ip, 0),
+            window: w,
+            addrs: agents,
             use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
             tickets,
         }

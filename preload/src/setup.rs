@@ -89,10 +89,11 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
             .flatten();
             if !crate::shm_sink::same_node(&addrs) {
                 sink_asked(dst);
-                if via.is_none() && dst.is_ipv4() {
-                    // Its next connections may come with tickets.
-                    crate::tickets::note_virtual(dst);
-                }
+            }
+            if via.is_none() && dst.is_ipv4() {
+                // Its next connections may come with tickets (to a listener on this node
+                // too: its agent expects them at once).
+                crate::tickets::note_virtual(dst);
             }
             let unbound = local.port() == 0;
             Some(Before::Virtual(Pending {
@@ -145,6 +146,12 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
         // another source address for the connection, which the listener's node would not
         // find announced.)
         if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&t.src, false)) == 0 {
+            // A listener on this node: the rings are offered before the SYN leaves, as for
+            // a connection the agent answered.
+            let shm =
+                (config::shm() && chain_for(dst.ip()).is_empty() && crate::shm_sink::same_node(&t.addrs))
+                    .then(|| crate::shm_sink::ShmLink::offer(t.gid, t.secret, 0, (0, 0)))
+                    .flatten();
             return Some(Pending {
                 gid: t.gid,
                 secret: t.secret,
@@ -152,7 +159,7 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
                 dst,
                 peer_agents: t.addrs,
                 via: None,
-                shm: None,
+                shm,
                 unbound: false,
                 ticket: Some(t.src),
             });

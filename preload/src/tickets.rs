@@ -1,9 +1,10 @@
-//! Tickets: identities for this process's next connections to a listener on another node,
-//! which the node agent agreed ahead with the listener's agent (its `tickets` module). A
-//! `connect` that holds one binds the socket to the ticket's source port and is virtual
-//! from then on without asking the agent: the connection's set-up waits for no one but the
-//! kernel, as a native one does. The agent hears of the connection later (`Msg::Used` on
-//! the event channel, within 50 ms, with others: one wake-up of the agent for many).
+//! Tickets: identities for this process's next connections to a listener, which the node
+//! agent agreed ahead with the listener's agent (its `tickets` module), or expects itself
+//! when the listener is on this node. A `connect` that holds one binds the socket to the
+//! ticket's source port and is virtual from then on without asking the agent: the
+//! connection's set-up waits for no one but the kernel, as a native one does. The agent
+//! hears of the connection later (`Msg::Used` on the event channel, within 50 ms, with
+//! others: one wake-up of the agent for many).
 //!
 //! Books are kept per listener that answered a `connect` as virtual on another node, and
 //! filled (a request to the agent) when they run low, at most once per [`ASK_EVERY_NS`] when
@@ -91,8 +92,8 @@ pub struct Ticket {
     pub addrs: Vec<SocketAddr>,
 }
 
-/// A `connect` to `dst` was answered virtual by the agent, the listener on another node:
-/// its connections get a book (filled at the next `connect` there).
+/// A `connect` to `dst` was answered virtual by the agent (the listener on another node or
+/// on this one): its connections get a book (filled at the next `connect` there).
 pub fn note_virtual(dst: SocketAddr) {
     let mut g = lock();
     let b = g.get_or_insert_with(Books::default);
