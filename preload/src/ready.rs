@@ -878,14 +878,17 @@ fn spin(
             let n = wait(false, 0).unwrap_or(0).max(0);
             if n > 0 {
                 let len = events.len();
-                let m = events.with(len, |evs| {
+                let got = events.with(len, |evs| {
                     let n = (n as usize).min(len);
-                    let m = filter_epoll(epfd, &mut evs[..n]);
-                    after_bell(epfd, evs, m)
+                    let g = filter_epoll(epfd, &mut evs[..n]);
+                    after_bell(epfd, evs, g)
                 });
-                if m > 0 {
-                    misses.store(0, Relaxed);
-                    return Spun::Kernel(m as c_int);
+                if got > 0 {
+                    // (Not what the spin is for: a program whose events come through the
+                    // kernel, a listener's accepts, would spin before every one of them and
+                    // take the CPU its peers need. It counts as a miss.)
+                    misses.store(m.wrapping_add(1), Relaxed);
+                    return Spun::Kernel(got as c_int);
                 }
             }
             look = now + SPIN_LOOK_US;
