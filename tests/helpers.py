@@ -146,6 +146,7 @@ PORTS = {
     "shm_busy_epoll_kernel": 17672,
     "shm_say_and_close": 17673,
     "shm_say_and_close_empty": 17674,
+    "shm_say_and_close_reset": 17675,
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

@@ -45,6 +45,7 @@ SCENARIOS = [
     "epipe",
     "sigpipe",
     "close_at_once",
+    "linger_zero",
 ]
 
 # Scenarios in which another process (a forked child) uses the client's connection.

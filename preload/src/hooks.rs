@@ -268,9 +268,11 @@ pub fn close(fd: c_int, real: impl FnOnce() -> Real) -> Real {
     if fdtable::is_managed(fd) && !crate::vforked() {
         if let Some(vc) = forget(fd) {
             if let Some(l) = vc.shm_now() {
-                // The peer reads what the ring holds, then the end; nothing lingers here.
+                // The peer reads what the ring holds, then the end; nothing lingers here. A
+                // close with unread bytes, or with SO_LINGER 0, is a reset, as a socket's.
                 quietly(|| {
-                    vc.shm_close(l, fd);
+                    let reset = l.readable() > 0 || crate::linger::abortive_close(fd);
+                    vc.shm_close(l, fd, reset);
                     Some(())
                 });
                 return real();
@@ -422,6 +424,10 @@ fn bell_sensitive(level: c_int, opt: c_int) -> bool {
 /// and not given to the kernel (see `Vc::program_sets_tcp`). A value shorter than an int
 /// goes to the kernel, which refuses it.
 pub fn setsockopt(fd: c_int, level: c_int, opt: c_int, val: &ProgBytes) -> Hooked<c_int> {
+    if level == libc::SOL_SOCKET && opt == libc::SO_LINGER && fdtable::is_managed(fd) {
+        // (The kernel's socket takes it, and keeps it across relinks: looked at on close.)
+        crate::linger::linger_set();
+    }
     if !bell_sensitive(level, opt) || val.len() < std::mem::size_of::<c_int>() {
         return Ok(Hook::Real);
     }

@@ -56,6 +56,23 @@ fn lock() -> MutexGuard<'static, Lingering> {
     LIST.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Some virtual connection of this process had `SO_LINGER` set: its close looks whether it
+/// asks for a reset (one `getsockopt` at close, for such programs only).
+static LINGER_SET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The program set `SO_LINGER` on a virtual connection.
+pub fn linger_set() {
+    LINGER_SET.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// True when the program's close of virtual connection `fd` asks for a reset: `SO_LINGER`
+/// on with a time of 0 (a socket then sends a RST, and its peer reads `ECONNRESET` after
+/// what it has).
+pub fn abortive_close(fd: i32) -> bool {
+    LINGER_SET.load(std::sync::atomic::Ordering::Relaxed)
+        && sys::fd::linger_of(fd).is_some_and(|l| l.l_onoff != 0 && l.l_linger == 0)
+}
+
 /// Closes `fd` with a reset (SO_LINGER 0); returns the close's result.
 fn reset(fd: i32) -> Result<i32, Errno> {
     crate::sys::set_linger(fd, libc::linger { l_onoff: 1, l_linger: 0 });
@@ -83,10 +100,11 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
     if !fin_mode {
         vc.mem().conn().tx_shut.store(1, std::sync::atomic::Ordering::Release);
     }
-    if unread_payload(vc.mem(), fd) {
-        // What the kernel itself does when a program closes with unread data; the Abort
-        // frame tells the peer's layer it is the program's reset, not a failed link.
-        crate::log::debug(format_args!("close with unread payload: reset"));
+    if abortive_close(fd) || unread_payload(vc.mem(), fd) {
+        // What the kernel itself does when a program closes with unread data, or with
+        // SO_LINGER 0; the Abort frame tells the peer's layer it is the program's reset, not
+        // a failed link.
+        crate::log::debug(format_args!("close with unread payload or SO_LINGER 0: reset"));
         crate::tickets::closed(gid, false);
         vc.abort(fd);
         return reset(fd);

@@ -206,6 +206,11 @@ pub struct SharedConn {
     /// the `connect` (refused, timed out), which the program gets as it is; there is nothing
     /// to fail over.
     pub unconfirmed: AtomicU32,
+    /// 1 when `broken` is the peer's program's reset (an Abort frame: it closed with unread
+    /// bytes or with `SO_LINGER` 0), 2 once a call of the program got it: as from a socket,
+    /// the reset is reported once, later reads find the end and later writes `EPIPE`. (A
+    /// connection the layer itself had to end reports its error every time.)
+    pub peer_reset: AtomicU32,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -349,6 +354,7 @@ impl Mapping {
             rcvbuf_gen: AtomicU32::new(0),
             lowat: AtomicU32::new(0),
             unconfirmed: AtomicU32::new(0),
+            peer_reset: AtomicU32::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {

@@ -92,8 +92,10 @@ fn errno_result(e: c_int) -> IrbError {
 fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError {
     let c = mem.conn();
     if e == ProtoError::PeerAborted {
-        // The peer's program reset the connection: the end of it, as native TCP shows it.
+        // The peer's program reset the connection: the end of it, as native TCP shows it
+        // (reported by this call; later ones find the end, see `broken_now`).
         if c.broken.swap(libc::ECONNRESET, AcqRel) == 0 {
+            c.peer_reset.store(2, Release);
             if let Some(s) = slot {
                 s.set_error(libc::ECONNRESET);
             }
@@ -687,7 +689,23 @@ fn quick_acks(fd: c_int) {
 /// Reads acknowledgements waiting on the socket for a sender that cannot read them itself
 /// (the control thread, for a sandboxed program thread).
 pub fn harvest_acks(mem: ConnMem, slot: Option<Slot>, fd: c_int) {
+    let c = mem.conn();
+    let before = c.peer_reset.load(Acquire);
     let _ = harvest(mem, slot, fd, None);
+    if before == 0 {
+        // (A reset found here reached no call of the program: its next call reports it.)
+        let _ = c.peer_reset.compare_exchange(2, 1, AcqRel, Acquire);
+    }
+}
+
+/// A broken connection's answer to a program's call: its error; or, once the peer's reset
+/// was reported to a call (as a socket reports a RST once), `None`: the caller answers as
+/// a socket after its reset does (the end of stream for a read, `EPIPE` for a write).
+fn broken_now(c: &crate::shm::SharedConn, b: c_int) -> Option<IrbError> {
+    if c.peer_reset.load(Acquire) != 0 && c.peer_reset.swap(2, AcqRel) == 2 {
+        return None;
+    }
+    Some(IrbError::Os(b))
 }
 
 /// The send path. The caller holds the tx lock.
@@ -702,7 +720,15 @@ pub fn send<'a>(
     let c = mem.conn();
     let b = c.broken.load(Acquire);
     if b != 0 {
-        return Err(IrbError::Os(b));
+        return match broken_now(c, b) {
+            Some(e) => Err(e),
+            None => {
+                if flags & libc::MSG_NOSIGNAL == 0 {
+                    raise_sigpipe();
+                }
+                Err(IrbError::Os(libc::EPIPE))
+            }
+        };
     }
     if flags & libc::MSG_OOB != 0 {
         return Err(IrbError::Os(libc::EOPNOTSUPP));
@@ -1216,7 +1242,7 @@ pub fn recv(
     let c = mem.conn();
     let b = c.broken.load(Acquire);
     if b != 0 {
-        return Err(IrbError::Os(b));
+        return broken_now(c, b).map_or(Ok(0), Err);
     }
     if flags & (libc::MSG_OOB | libc::MSG_TRUNC) != 0 {
         return Err(IrbError::Os(libc::EOPNOTSUPP));

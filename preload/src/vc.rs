@@ -977,8 +977,8 @@ impl Vc {
 
     /// The last close of a connection over shared memory: a replay still owed to the ring
     /// (a link moved onto shared memory just before) is pushed first, waiting for room for
-    /// at most the grace period; then the peer reads the end.
-    pub fn shm_close(&self, l: &ShmLink, fd: i32) {
+    /// at most the grace period; then the peer reads the end (with `reset`, a reset).
+    pub fn shm_close(&self, l: &ShmLink, fd: i32, reset: bool) {
         let c = self.mem.conn();
         {
             let mut g = c.tx_lock.lock();
@@ -990,7 +990,7 @@ impl Vc {
                 }
             }
         }
-        l.close(fd);
+        l.close(fd, reset);
     }
 
     /// The program ends its stream on socket `fd` (`shutdown` of the send side, or the close

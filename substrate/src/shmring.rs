@@ -103,7 +103,11 @@ pub struct RingHeader {
     /// 1 while the waiting producer is a non-blocking one, back in its program waiting on its
     /// descriptor: room must be announced through its socket, not only on the futex.
     nb_waiting: AtomicU32,
-    _pad1: [u32; 11],
+    /// 1 when the producer's program reset the connection (closed it with unread bytes, or
+    /// with `SO_LINGER` 0): after the last byte the consumer reads a reset, not the end.
+    /// Set before `closed`, which a layer that does not know this field reads as the end.
+    reset: AtomicU32,
+    _pad1: [u32; 10],
     /// Bytes consumed so far (consumer): what the consumer's program has.
     head: AtomicU64,
     /// 1 while the consumer may sleep in the kernel: new bytes need a bell.
@@ -321,6 +325,20 @@ impl Ring {
     /// The producer writes no more (end of stream); follow with [`Ring::after_write`].
     pub fn close(&self) {
         self.h().closed.store(1, Release);
+    }
+
+    /// The producer's program resets the connection: as [`Ring::close`], and the consumer
+    /// reads a reset after the last byte ([`Ring::take_reset`]).
+    pub fn reset(&self) {
+        self.h().reset.store(1, Release);
+        self.h().closed.store(1, Release);
+    }
+
+    /// True the first time a consumer asks after the producer reset the connection (see
+    /// [`Ring::reset`]): the reset is read once, as a socket's error is, and the end after
+    /// it.
+    pub fn take_reset(&self) -> bool {
+        self.h().reset.compare_exchange(1, 2, AcqRel, Acquire).is_ok()
     }
 
     /// The producer is about to sleep until there is room: returns [`Sleep::Ready`] when
@@ -555,6 +573,24 @@ mod tests {
         assert!(!abandoned_offer(&head(REGION_MAGIC, OFFERED, 42)[..20], dead));
         assert_eq!(std::mem::offset_of!(RegionHead, creator), 20);
         assert_eq!(std::mem::offset_of!(RegionHead, state), 8);
+    }
+
+    #[test]
+    fn a_reset_is_read_after_the_last_byte_once_and_an_end_is_never_a_reset() {
+        let (_m, r) = aligned(16);
+        let mut out = [0u8; 16];
+        assert_eq!(r.write(b"last").unwrap(), 4);
+        r.reset();
+        assert!(r.closed());
+        // The bytes first (the consumer's reader looks for the reset only at the end)...
+        assert_eq!(r.read(&mut out, false).unwrap(), 4);
+        assert!(r.at_end().unwrap());
+        // ...then the reset, once, then the plain end.
+        assert!(r.take_reset());
+        assert!(!r.take_reset());
+        let (_m2, e) = aligned(16);
+        e.close();
+        assert!(e.at_end().unwrap() && !e.take_reset());
     }
 
     #[test]

@@ -1450,6 +1450,39 @@ static void c_close_at_once(int fd)
     close(fd);
 }
 
+/* The server sends a message and closes with SO_LINGER 0 (an abortive close: a RST): the
+ * client reads the message, then ECONNRESET once, then the end of stream. */
+static void s_linger_zero(int fd)
+{
+    STEP("send 11 bytes, close with SO_LINGER 0");
+    write_all(fd, "hello-reset", 11);
+    struct linger l = {1, 0};
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l) == 0, "setsockopt: %s",
+          errname(errno));
+    close(fd);
+    STEP("stay alive after the close");
+    sleep_ms(1500);
+}
+
+static void c_linger_zero(int fd)
+{
+    char b[32];
+    sleep_ms(300);
+    STEP("read what the peer sent before its reset");
+    read_exact(fd, b, 11);
+    CHECK(memcmp(b, "hello-reset", 11) == 0, "read '%.11s', expected 'hello-reset'", b);
+    STEP("read the reset");
+    ssize_t r = read(fd, b, sizeof b);
+    CHECK(r == -1 && errno == ECONNRESET, "read returned %zd (%s); native TCP gives -1 "
+          "ECONNRESET after a peer's close with SO_LINGER 0", r,
+          r < 0 ? errname(errno) : (r == 0 ? "end of stream" : "data"));
+    STEP("read after the reset");
+    r = read(fd, b, sizeof b);
+    CHECK(r == 0, "read returned %zd (%s), expected the end of stream after the reset", r,
+          r < 0 ? errname(errno) : "data");
+    close(fd);
+}
+
 static void c_sigpipe(int fd)
 {
     wait_peer_close(fd);
@@ -1512,6 +1545,7 @@ static const struct scenario SCENARIOS[] = {
     {"epipe", s_close_then_live, c_epipe, 0},
     {"sigpipe", s_close_then_live, c_sigpipe, 0},
     {"close_at_once", s_close_at_once, c_close_at_once, 0},
+    {"linger_zero", s_linger_zero, c_linger_zero, 0},
 };
 
 static void parse_addr(const char *text, struct sockaddr_in *a)

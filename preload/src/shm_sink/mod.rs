@@ -327,7 +327,9 @@ impl ShmLink {
         self.tx.room_wait_reset();
         loop {
             if self.tx.reader_gone() {
-                return if sent > 0 { Ok(sent) } else { Err(IrbError::Os(libc::EPIPE)) };
+                // (A peer that reset the connection: the reset first, once, as a socket's.)
+                let e = if self.rx.take_reset() { libc::ECONNRESET } else { libc::EPIPE };
+                return if sent > 0 { Ok(sent) } else { Err(IrbError::Os(e)) };
             }
             let n = self.tx.write(&data[sent..]).map_err(|_| corrupt())?;
             sent += n;
@@ -409,6 +411,11 @@ impl ShmLink {
                 continue;
             }
             if buf.is_empty() || self.rx.at_end().unwrap_or(true) || self.eof.load(Acquire) {
+                if got == 0 && !buf.is_empty() && !peek && self.rx.take_reset() {
+                    // The peer's program reset the connection: after its last byte, as a
+                    // socket reads a reset, once.
+                    break Err(IrbError::Os(libc::ECONNRESET));
+                }
                 break Ok(got);
             }
             if nonblock() {
@@ -501,9 +508,18 @@ impl ShmLink {
         }
     }
 
-    /// The last descriptor closes: the end of stream for the peer, and no reader here.
-    pub fn close(&self, fd: i32) {
-        self.shut_send(fd);
+    /// The last descriptor closes: the end of stream for the peer (with `reset`, a reset:
+    /// the program closed with unread bytes, or with `SO_LINGER` 0, where a socket sends a
+    /// RST), and no reader here.
+    pub fn close(&self, fd: i32, reset: bool) {
+        if reset {
+            self.tx.reset();
+            if self.tx.after_write() == Bell::Ring {
+                self.ring(fd);
+            }
+        } else {
+            self.shut_send(fd);
+        }
         if self.rx.reader_leaves() == Bell::Ring {
             sys::futex_wake(self.rx.space_word(), i32::MAX);
         }
