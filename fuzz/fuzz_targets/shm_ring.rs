@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let mut it = data.chunks(3);
     while let Some(op) = it.next() {
         let (kind, a, b) = (op[0], *op.get(1).unwrap_or(&0), *op.get(2).unwrap_or(&0));
-        match kind % 12 {
+        match kind % 13 {
             0 => {
                 let n = (a as usize) % buf.len();
                 if let Ok(got) = ring.read(&mut buf[..n], b & 1 == 1) {
@@ -59,7 +59,11 @@ fuzz_target!(|data: &[u8]| {
                 let _ = ring.bell_to();
             }
             6 => ring.direct_bells(u64::from(a) << 8 | u64::from(b)),
+            7 if a & 1 == 1 => ring.reset(),
             7 => ring.close(),
+            8 => {
+                let _ = ring.take_reset();
+            }
             _ => {
                 // The other process writes a byte of the header (positions and flags
                 // included), as it may at any moment.
