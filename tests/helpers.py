@@ -147,6 +147,7 @@ PORTS = {
     "shm_say_and_close": 17673,
     "shm_say_and_close_empty": 17674,
     "shm_say_and_close_reset": 17675,
+    "shm_timeouts": 17680,            # to 17695: a port per case, native and layered
     "mixed_iperf3_plain_server": 15301,
     "mixed_iperf3_plain_client": 15302,
     "mixed_stream_plain_server": 17301,

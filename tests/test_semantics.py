@@ -46,6 +46,7 @@ SCENARIOS = [
     "sigpipe",
     "close_at_once",
     "linger_zero",
+    "sndtimeo",
 ]
 
 # Scenarios in which another process (a forked child) uses the client's connection.

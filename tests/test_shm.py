@@ -327,6 +327,34 @@ def test_a_server_that_speaks_and_closes_at_once(procs, how):
     assert all(c.get("substrate") == "shm" for c in seen), seen
 
 
+TIMEOUT_CASES = ["rcvtimeo", "sndtimeo", "unaccepted", "write_after_close"]
+
+
+@pytest.mark.parametrize("case", TIMEOUT_CASES)
+def test_a_slow_silent_or_gone_peer_answers_as_natively(procs, case):
+    """Both ends on one host, natively and then over the layer's shared memory, the same
+    calls must answer the same (tests/programs/timeouts.py): a receive time-out
+    (SO_RCVTIMEO) ends a receive that waits for a peer not yet accepting, a send time-out
+    (SO_SNDTIMEO) a send into a full ring, a connection whose server ended without
+    accepting it reads a reset, and of two sends after the peer closed the first goes and
+    the second fails with EPIPE. Before: the first two waited for the peer whatever the
+    time-out, the third waited for ever, the fourth failed the first send already."""
+    outcomes = {}
+    for i, layered in enumerate((False, True)):
+        port = PORTS["shm_timeouts"] + 8 * i + TIMEOUT_CASES.index(case)
+        addr = f"{H1_IP}:{port}"
+        procs.server(H1, python_prog("timeouts.py", "server", "--bind", addr, "--case", case),
+                     port, layer=layered, name=f"timeouts-server-{i}", env=ON)
+        p = procs.run(H1, python_prog("timeouts.py", "client", "--connect", addr, "--case", case),
+                      layer=layered, name=f"timeouts-client-{i}", env=ON, timeout=60)
+        outcomes["layer" if layered else "native"] = p.last_json()
+    n, l = outcomes["native"], outcomes["layer"]
+    assert n["outcome"] == l["outcome"], outcomes
+    # A time-out is the program's, not the peer's: over well before the peer acts (0.6 s).
+    if case in ("rcvtimeo", "sndtimeo"):
+        assert l["seconds"] < 0.5, outcomes
+
+
 @pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
 def test_send_before_the_peer_accepts(procs, nonblocking):
     """A program that connects to its own listener and sends before it accepts, on one

@@ -424,9 +424,14 @@ fn bell_sensitive(level: c_int, opt: c_int) -> bool {
 /// and not given to the kernel (see `Vc::program_sets_tcp`). A value shorter than an int
 /// goes to the kernel, which refuses it.
 pub fn setsockopt(fd: c_int, level: c_int, opt: c_int, val: &ProgBytes) -> Hooked<c_int> {
-    if level == libc::SOL_SOCKET && opt == libc::SO_LINGER && fdtable::is_managed(fd) {
-        // (The kernel's socket takes it, and keeps it across relinks: looked at on close.)
+    if level == libc::SOL_SOCKET && opt == libc::SO_LINGER {
+        // (The kernel's socket takes it, and keeps it across relinks: looked at on close.
+        // Set before `connect` too, on a socket not yet virtual.)
         crate::linger::linger_set();
+    }
+    if crate::sys::fd::is_timeo(level, opt) {
+        // (The same: the layer's own waits look for it.)
+        crate::sys::fd::timeo_set();
     }
     if !bell_sensitive(level, opt) || val.len() < std::mem::size_of::<c_int>() {
         return Ok(Hook::Real);

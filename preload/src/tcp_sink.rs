@@ -459,7 +459,7 @@ fn never_made(mem: ConnMem) -> bool {
 
 /// SIGPIPE for the calling thread, as the kernel raises it for a write on a closed
 /// connection (not where a sandbox forbids the calls `raise` makes).
-fn raise_sigpipe() {
+pub(crate) fn raise_sigpipe() {
     if sandbox::allows_all(&[libc::SYS_tgkill, libc::SYS_rt_sigprocmask, libc::SYS_getpid, libc::SYS_gettid])
     {
         // In the calling thread, as the kernel would have.
@@ -747,6 +747,8 @@ pub fn send<'a>(
     mem.with_tx_ring_held(|tx, ring| {
         let kflags = flags & (libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL | libc::MSG_MORE);
         let mut nonblock = (flags & libc::MSG_DONTWAIT != 0).then_some(true);
+        // The program's send time-out, looked up when a wait for the window begins.
+        let mut timeo: Option<Option<u64>> = None;
         let mut total = 0;
         loop {
             if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
@@ -830,6 +832,13 @@ pub fn send<'a>(
                             if nb {
                                 return Err(IrbError::WouldBlock);
                             }
+                            // The program's send time-out (SO_SNDTIMEO), as the socket's:
+                            // the window full that long is an EAGAIN.
+                            let d =
+                                *timeo.get_or_insert_with(|| sys::fd::timeo_deadline(fd, libc::SO_SNDTIMEO));
+                            if d.is_some_and(|d| sys::now_us() >= d) {
+                                return Err(IrbError::WouldBlock);
+                            }
                             wait_for_acks(mem, fd);
                             continue;
                         }
@@ -848,7 +857,12 @@ pub fn send<'a>(
                             let e = sys::errno();
                             tx.commit(&p, 0, &[], ring);
                             if e == libc::EAGAIN {
-                                if *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                                // (On a blocking socket the kernel says EAGAIN once the
+                                // program's send time-out passed: the program hears it, as
+                                // from the socket, and the rest of the frame goes later.)
+                                if *nonblock.get_or_insert_with(|| sys::nonblocking(fd))
+                                    || sys::fd::timeo_deadline(fd, libc::SO_SNDTIMEO).is_some()
+                                {
                                     linkstate::owed_later();
                                     return if total > 0 { Ok(total) } else { Err(IrbError::WouldBlock) };
                                 }

@@ -985,7 +985,7 @@ impl Vc {
             let until = crate::sys::now_ms() + crate::config::grace_ms();
             while c.with_tx(&mut g, |tx| tx.replaying()) && crate::sys::now_ms() < until {
                 match l.push_replay(self.mem(), fd) {
-                    Ok(false) if l.wait_room().is_ok() => {}
+                    Ok(false) if l.wait_room(200).is_ok() => {}
                     _ => break,
                 }
             }

@@ -384,7 +384,14 @@ impl Ring {
 
     /// True once the consumer closed its end.
     pub fn reader_gone(&self) -> bool {
-        self.h().reader_gone.load(Acquire) == 1
+        self.h().reader_gone.load(Acquire) != 0
+    }
+
+    /// True the first time the producer asks after the consumer left: a socket takes the
+    /// first write after its peer closed (the peer's kernel answers it with a reset), and
+    /// fails the ones after it.
+    pub fn first_write_after_reader_left(&self) -> bool {
+        self.h().reader_gone.compare_exchange(1, 2, AcqRel, Acquire).is_ok()
     }
 
     /// The consumer closes its end; returns whether a waiting producer must be woken.

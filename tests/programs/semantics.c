@@ -1483,6 +1483,36 @@ static void c_linger_zero(int fd)
     close(fd);
 }
 
+/* The server never reads; the client, with SO_SNDTIMEO 0.2 s, writes until a write fails:
+ * EAGAIN once the peer's buffers (and the layer's window) are full, well before the server
+ * closes. */
+static void s_sndtimeo(int fd)
+{
+    STEP("read nothing for 4 s, then close");
+    sleep_ms(4000);
+    close(fd);
+}
+
+static void c_sndtimeo(int fd)
+{
+    static char b[65536];
+    memset(b, 's', sizeof b);
+    struct timeval tv = {0, 200000};
+    STEP("set SO_SNDTIMEO 0.2 s");
+    CHECK(setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) == 0, "setsockopt: %s",
+          errname(errno));
+    STEP("write 64 KiB at a time until a write fails");
+    long long t0 = now_ms();
+    ssize_t r;
+    while ((r = write(fd, b, sizeof b)) > 0 && now_ms() - t0 < 3000)
+        ;
+    CHECK(r < 0, "writes went on for 3 s into a peer that reads nothing");
+    CHECK(errno == EAGAIN, "write failed with %s, expected EAGAIN (the send time-out)",
+          errname(errno));
+    note("EAGAIN after %lld ms", now_ms() - t0);
+    close(fd);
+}
+
 static void c_sigpipe(int fd)
 {
     wait_peer_close(fd);
@@ -1546,6 +1576,7 @@ static const struct scenario SCENARIOS[] = {
     {"sigpipe", s_close_then_live, c_sigpipe, 0},
     {"close_at_once", s_close_at_once, c_close_at_once, 0},
     {"linger_zero", s_linger_zero, c_linger_zero, 0},
+    {"sndtimeo", s_sndtimeo, c_sndtimeo, 0},
 };
 
 static void parse_addr(const char *text, struct sockaddr_in *a)

@@ -324,12 +324,27 @@ impl ShmLink {
         let mut nonblock =
             || *nb.get_or_insert_with(|| flags & libc::MSG_DONTWAIT != 0 || sys::nonblocking(fd));
         let mut sent = 0;
+        // The program's send time-out (SO_SNDTIMEO), looked up when a wait begins.
+        let mut timeo: Option<Option<u64>> = None;
         self.tx.room_wait_reset();
         loop {
             if self.tx.reader_gone() {
-                // (A peer that reset the connection: the reset first, once, as a socket's.)
-                let e = if self.rx.take_reset() { libc::ECONNRESET } else { libc::EPIPE };
-                return if sent > 0 { Ok(sent) } else { Err(IrbError::Os(e)) };
+                if sent > 0 {
+                    return Ok(sent);
+                }
+                // As a socket whose peer closed: a reset the peer sent is reported first,
+                // once; the first write after the peer left goes (nowhere), the next fail
+                // with EPIPE, and SIGPIPE unless the program said MSG_NOSIGNAL.
+                if self.rx.take_reset() {
+                    return Err(IrbError::Os(libc::ECONNRESET));
+                }
+                if self.tx.first_write_after_reader_left() {
+                    return Ok(data.len());
+                }
+                if flags & libc::MSG_NOSIGNAL == 0 {
+                    crate::tcp_sink::raise_sigpipe();
+                }
+                return Err(IrbError::Os(libc::EPIPE));
             }
             let n = self.tx.write(&data[sent..]).map_err(|_| corrupt())?;
             sent += n;
@@ -350,15 +365,22 @@ impl ShmLink {
                 }
                 return Err(IrbError::WouldBlock);
             }
-            if let Err(e) = self.wait_room() {
+            let deadline = *timeo.get_or_insert_with(|| sys::fd::timeo_deadline(fd, libc::SO_SNDTIMEO));
+            let now = deadline.map_or(0, |_| sys::now_us());
+            if deadline.is_some_and(|d| now >= d) {
+                // The program's send time-out, as the socket's: what went, or EAGAIN.
+                return if sent > 0 { Ok(sent) } else { Err(IrbError::WouldBlock) };
+            }
+            let ms = deadline.map_or(200, |d| (d - now).div_ceil(1000).clamp(1, 200) as i64);
+            if let Err(e) = self.wait_room(ms) {
                 return if sent > 0 { Ok(sent) } else { Err(e) };
             }
         }
     }
 
     /// A full ring: spin a little, then sleep until the consumer makes room (or the
-    /// connection leaves the memory: `IrbError::LinkDown`).
-    pub fn wait_room(&self) -> Result<(), IrbError> {
+    /// connection leaves the memory: `IrbError::LinkDown`), at most `ms` milliseconds.
+    pub fn wait_room(&self, ms: i64) -> Result<(), IrbError> {
         let until = sys::now_us() + crate::config::shm_spin_us();
         while self.tx.writable().map_err(|_| corrupt())? == 0 && sys::now_us() < until {
             std::hint::spin_loop();
@@ -367,7 +389,7 @@ impl ShmLink {
             && self.tx.before_wait_room().map_err(|_| corrupt())? == Sleep::Ok
             && !self.moving()
         {
-            sys::futex_wait(self.tx.space_word(), 0, 200);
+            sys::futex_wait(self.tx.space_word(), 0, ms);
         }
         self.tx.space_bell_taken();
         self.tx.room_wait_over();
@@ -390,6 +412,8 @@ impl ShmLink {
         // The spin's deadline, set when the ring is first found empty (no clock read when
         // bytes are already there).
         let mut spin_until = 0;
+        // The program's receive time-out (SO_RCVTIMEO), looked up when the wait begins.
+        let mut timeo: Option<Option<u64>> = None;
         let r = loop {
             let n = match self.rx.read(&mut buf[got..], peek) {
                 Ok(n) => n,
@@ -456,10 +480,16 @@ impl ShmLink {
             if self.moving() {
                 break if got > 0 { Ok(got) } else { Err(IrbError::LinkDown) };
             }
+            let deadline = *timeo.get_or_insert_with(|| sys::fd::timeo_deadline(fd, libc::SO_RCVTIMEO));
+            if deadline.is_some_and(|d| now >= d) {
+                // The program's time-out, as the socket's: what came, or EAGAIN.
+                break if got > 0 { Ok(got) } else { Err(IrbError::WouldBlock) };
+            }
+            let ms = deadline.map_or(200, |d| (d - now).div_ceil(1000).clamp(1, 200) as i32);
             // (It sleeps on the socket: the bells must come there.)
             self.bells_to_socket(fd);
             if self.rx.before_sleep() == Ok(Sleep::Ok) {
-                sys::wait_fd(fd, libc::POLLIN, 200);
+                sys::wait_fd(fd, libc::POLLIN, ms);
             }
             self.take_bells(fd);
             self.rx.awake();
@@ -691,7 +721,7 @@ fn replay_first(link: &ShmLink, mem: crate::shm::ConnMem, fd: i32, nonblock: boo
         if nonblock {
             return Err(IrbError::WouldBlock);
         }
-        link.wait_room()?;
+        link.wait_room(200)?;
     }
 }
 

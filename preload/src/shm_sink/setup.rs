@@ -48,6 +48,12 @@ pub(super) fn recv_fd(s: i32) -> Option<i32> {
     sys::recv_with_fd(s, &mut [0u8; 1], libc::MSG_DONTWAIT).1
 }
 
+/// True when the kernel's socket `fd` has ended (a reset, an error, or the peer's FIN): a
+/// look with no wait, made while a shared-memory offer waits for its answer.
+fn socket_ended(fd: i32) -> bool {
+    sys::wait_fd(fd, libc::POLLRDHUP, 0) & (libc::POLLERR | libc::POLLHUP | libc::POLLRDHUP) != 0
+}
+
 /// True when `theirs` is the other end of our socket `ours` (same addresses, swapped).
 pub(super) fn is_other_end(ours: i32, theirs: i32) -> bool {
     let (a, b) = (sys::local_addr(ours), sys::peer_addr(ours));
@@ -285,6 +291,7 @@ impl ShmLink {
             (true, true) => (true, OFFER_WAIT_MS),
             (false, true) => (true, OFFER_WAIT_NONBLOCKING_MS),
         };
+        let mut timeo: Option<Option<u64>> = None;
         loop {
             match self.mode() {
                 Mode::Pending => {}
@@ -349,13 +356,36 @@ impl ShmLink {
                         self.withdrawn();
                     }
                 }
+                _ if !wait && withdraw => return Err(IrbError::WouldBlock),
+                _ if socket_ended(fd) => {
+                    // The connection ended before the accepting side answered (its process
+                    // died with the connection in its listener's queue, or its listener
+                    // closed): no answer will come. The kernel's socket has what there is
+                    // to know (a reset, the end): the connection goes on TCP to read it.
+                    if self.head().state.compare_exchange(OFFERED, WITHDRAWN, AcqRel, Acquire).is_ok() {
+                        log::info(format_args!(
+                            "shared memory not used: the connection ended before the peer's program accepted it"
+                        ));
+                        self.withdrawn();
+                    }
+                }
                 _ if !wait => return Err(IrbError::WouldBlock),
                 _ => {
-                    let left = if withdraw && self.offered_ms > 0 {
+                    let mut left = if withdraw && self.offered_ms > 0 {
                         (self.offered_ms + limit).saturating_sub(sys::now_ms()).clamp(1, 200)
                     } else {
                         200
                     };
+                    // The program's time-out of the call that waits (a send's, a receive's),
+                    // as the socket's: EAGAIN once it passed.
+                    let opt = if withdraw { libc::SO_SNDTIMEO } else { libc::SO_RCVTIMEO };
+                    if let Some(d) = *timeo.get_or_insert_with(|| sys::fd::timeo_deadline(fd, opt)) {
+                        let now = sys::now_us();
+                        if now >= d {
+                            return Err(IrbError::WouldBlock);
+                        }
+                        left = left.min((d - now).div_ceil(1000).max(1));
+                    }
                     sys::futex_wait(&self.head().state, OFFERED, left as i64);
                 }
             }

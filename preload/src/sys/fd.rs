@@ -416,6 +416,42 @@ pub fn setsockopt_bytes(fd: c_int, level: c_int, opt: c_int, buf: &[u8]) -> c_in
     unsafe { real::setsockopt(fd, level, opt, buf.as_ptr() as *const c_void, buf.len() as socklen_t) }
 }
 
+/// Some socket of this process was given a receive or send time-out (`SO_RCVTIMEO`,
+/// `SO_SNDTIMEO`): the layer's own waits on a connection (an empty ring, a full one, a full
+/// window) look for the program's time-out then, for such programs only.
+static TIMEO_SET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Option `opt` of level `level` is a socket time-out.
+pub fn is_timeo(level: c_int, opt: c_int) -> bool {
+    // (64-bit time forms too: what glibc passes for a program built with 64-bit time_t on
+    // a 32-bit machine.)
+    level == libc::SOL_SOCKET && matches!(opt, libc::SO_RCVTIMEO | libc::SO_SNDTIMEO | 66 | 67)
+}
+
+/// The program set a socket time-out on some socket.
+pub fn timeo_set() {
+    TIMEO_SET.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// When a wait that begins now on socket `fd` ends for the program's time-out `opt`
+/// (`SO_RCVTIMEO` or `SO_SNDTIMEO`), in `super::now_us` time; `None` when it has none.
+pub fn timeo_deadline(fd: c_int, opt: c_int) -> Option<u64> {
+    if !TIMEO_SET.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    let mut tv = libc::timeval { tv_sec: 0, tv_usec: 0 };
+    let mut len = std::mem::size_of::<libc::timeval>() as socklen_t;
+    // SAFETY: a local timeval and its size.
+    let r = unsafe {
+        real::getsockopt(fd, libc::SOL_SOCKET, opt, &mut tv as *mut libc::timeval as *mut c_void, &mut len)
+    };
+    if r != 0 || (tv.tv_sec <= 0 && tv.tv_usec <= 0) {
+        return None;
+    }
+    let us = (tv.tv_sec.max(0) as u64).saturating_mul(1_000_000).saturating_add(tv.tv_usec.max(0) as u64);
+    Some(super::now_us().saturating_add(us))
+}
+
 /// `SO_LINGER` of a socket.
 pub fn linger_of(fd: c_int) -> Option<libc::linger> {
     let mut l = libc::linger { l_onoff: 0, l_linger: 0 };
