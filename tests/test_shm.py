@@ -327,7 +327,7 @@ def test_a_server_that_speaks_and_closes_at_once(procs, how):
     assert all(c.get("substrate") == "shm" for c in seen), seen
 
 
-TIMEOUT_CASES = ["rcvtimeo", "sndtimeo", "unaccepted", "write_after_close"]
+TIMEOUT_CASES = ["rcvtimeo", "sndtimeo", "unaccepted", "write_after_close", "rdhup"]
 
 
 @pytest.mark.parametrize("case", TIMEOUT_CASES)
@@ -337,8 +337,10 @@ def test_a_slow_silent_or_gone_peer_answers_as_natively(procs, case):
     (SO_RCVTIMEO) ends a receive that waits for a peer not yet accepting, a send time-out
     (SO_SNDTIMEO) a send into a full ring, a connection whose server ended without
     accepting it reads a reset, and of two sends after the peer closed the first goes and
-    the second fails with EPIPE. Before: the first two waited for the peer whatever the
-    time-out, the third waited for ever, the fourth failed the first send already."""
+    the second fails with EPIPE; a peer that shuts its side shows as POLLRDHUP and
+    EPOLLRDHUP to a program that asks. Before: the first two waited for the peer whatever the
+    time-out, the third waited for ever, the fourth failed the first send already, the
+    fifth showed input alone."""
     outcomes = {}
     for i, layered in enumerate((False, True)):
         port = PORTS["shm_timeouts"] + 8 * i + TIMEOUT_CASES.index(case)

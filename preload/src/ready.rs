@@ -539,6 +539,31 @@ fn truth(fd: c_int) -> Truth {
 const IN_BITS: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
 const END_BITS: u32 = (libc::EPOLLERR | libc::EPOLLHUP | libc::EPOLLRDHUP) as u32;
 
+const RDHUP: u32 = libc::EPOLLRDHUP as u32;
+
+/// The readable report `bits` of connection `fd`, with `EPOLLRDHUP` added when its
+/// registration (`asked`) wants it and the connection is on shared memory with its peer's
+/// side shut.
+#[inline]
+fn rdhup_epoll(fd: c_int, asked: u32, bits: u32) -> u32 {
+    if asked & RDHUP != 0 && bits & IN_BITS != 0 && fdtable::vc(fd).is_some_and(|v| v.shm_peer_shut()) {
+        bits | RDHUP
+    } else {
+        bits
+    }
+}
+
+/// The same for a `poll` entry.
+#[inline]
+fn rdhup_poll(f: &mut libc::pollfd) {
+    if f.events & libc::POLLRDHUP != 0
+        && f.revents & libc::POLLIN != 0
+        && fdtable::vc(f.fd).is_some_and(|v| v.shm_peer_shut())
+    {
+        f.revents |= libc::POLLRDHUP;
+    }
+}
+
 /// Drops the readable bit of events that are not true; returns how many events are left
 /// (compacted to the front of `evs`, the events the kernel just wrote).
 fn filter_epoll(epfd: c_int, evs: &mut [libc::epoll_event]) -> usize {
@@ -574,7 +599,10 @@ fn filter_epoll(epfd: c_int, evs: &mut [libc::epoll_event]) -> usize {
         let left = match truth(reg.fd) {
             Truth::Spurious if e.events & END_BITS == 0 => e.events & !IN_BITS,
             Truth::Relinking => 0,
-            _ => continue,
+            _ => {
+                e.events = rdhup_epoll(reg.fd, reg.events, e.events);
+                continue;
+            }
         };
         e.events = left;
         if left == 0 {
@@ -922,7 +950,8 @@ fn scan_in(r: &Regs, epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usiz
             continue;
         }
         if m.vc.scan_ready(sleep) && k < found.len() {
-            found[k] = (m.data, m.events & IN_BITS);
+            let rdhup = if m.events & RDHUP != 0 && m.vc.shm_peer_shut() { RDHUP } else { 0 };
+            found[k] = (m.data, m.events & IN_BITS | rdhup);
             k += 1;
         }
     }
@@ -1039,6 +1068,9 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
                     k += 1;
                 }
                 f.revents |= libc::POLLIN;
+                if f.events & libc::POLLRDHUP != 0 && vc.shm_peer_shut() {
+                    f.revents |= libc::POLLRDHUP;
+                }
             }
         }
         k
@@ -1184,7 +1216,10 @@ fn filter_poll(p: &mut [libc::pollfd], r: c_int, seen: u32) -> c_int {
             f.revents = match truth(f.fd) {
                 Truth::Spurious if bits & END == 0 => bits & !IN,
                 Truth::Relinking => 0,
-                _ => continue,
+                _ => {
+                    rdhup_poll(f);
+                    continue;
+                }
             };
             if f.revents == 0 {
                 left -= 1;

@@ -774,6 +774,12 @@ impl Vc {
         self.shm_now().is_some_and(|l| l.scan_ready(sleep))
     }
 
+    /// True when the connection is on shared memory and the peer shut its sending side: the
+    /// kernel's socket, which carries only bells, cannot say so (`POLLRDHUP`).
+    pub fn shm_peer_shut(&self) -> bool {
+        self.shm_now().is_some_and(|l| l.peer_shut())
+    }
+
     /// Its ring's data bells go to epoll instance bell `to` from now on (0: its socket).
     /// True when they went to another instance's bell before: the caller announces it.
     pub fn direct_bells(&self, to: u64) -> bool {

@@ -18,12 +18,16 @@ Cases (the server serves one connection, the client makes it and prints one JSON
     write_after_close
                    the server accepts and closes; once the client read the end, its first
                    send goes and its second fails ("end, sent, EPIPE")
+    rdhup          the server sends a byte and shuts its sending side; poll (POLLIN |
+                   POLLRDHUP) and epoll (EPOLLIN | EPOLLRDHUP) report both ("poll IN RDHUP,
+                   epoll IN RDHUP"), before the client reads anything
 """
 
 import argparse
 import errno
 import json
 import os
+import select
 import socket
 import struct
 import time
@@ -53,6 +57,10 @@ def server(a):
         time.sleep(12)
     elif a.case == "write_after_close":
         c.close()
+        time.sleep(2)
+    elif a.case == "rdhup":
+        c.sendall(b"x")
+        c.shutdown(socket.SHUT_WR)
         time.sleep(2)
 
 
@@ -100,6 +108,20 @@ def client(a):
                     said.append(name_of(e))
                 time.sleep(0.2)
             out["outcome"] = ", ".join(said)
+        elif a.case == "rdhup":
+            time.sleep(0.3)
+            p = select.poll()
+            p.register(s, select.POLLIN | select.POLLRDHUP)
+            pb = dict(p.poll(1000)).get(s.fileno(), 0)
+            ep = select.epoll()
+            ep.register(s.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            eb = dict(ep.poll(1.0)).get(s.fileno(), 0)
+            ep.close()
+
+            def bits(v, pin, prdhup):
+                return " ".join(n for n, b in (("IN", pin), ("RDHUP", prdhup)) if v & b)
+            out["outcome"] = (f"poll {bits(pb, select.POLLIN, select.POLLRDHUP)}, "
+                              f"epoll {bits(eb, select.EPOLLIN, select.EPOLLRDHUP)}")
     finally:
         out["seconds"] = round(time.monotonic() - t0, 2)
         print(json.dumps(out), flush=True)
@@ -112,7 +134,7 @@ def main():
     ap.add_argument("--bind")
     ap.add_argument("--connect")
     ap.add_argument("--case", required=True,
-                    choices=["rcvtimeo", "sndtimeo", "unaccepted", "write_after_close"])
+                    choices=["rcvtimeo", "sndtimeo", "unaccepted", "write_after_close", "rdhup"])
     a = ap.parse_args()
     server(a) if a.mode == "server" else client(a)
 

@@ -228,6 +228,14 @@ impl ShmLink {
         }
     }
 
+    /// True once the peer shut its sending side (its end is in the ring, read or not): what
+    /// a socket reports as `POLLRDHUP` from the peer's FIN on.
+    pub fn peer_shut(&self) -> bool {
+        // (Pending too: the accepting side writes the rings once it answered, before this
+        // side took the answer; before that nothing is closed.)
+        matches!(self.mode(), Mode::Shm | Mode::Pending) && (self.rx.closed() || self.eof.load(Acquire))
+    }
+
     /// For an epoll wait that scans: true when the ring holds bytes (or the end); with
     /// `sleep`, otherwise the writer rings from now on.
     pub fn scan_ready(&self, sleep: bool) -> bool {
