@@ -541,7 +541,9 @@ def test_busy_poll_asks_the_kernel_seldom_and_sees_its_own_writes(procs, tmp_pat
     zero = re.compile(rf"^\d+\s+{call}.*, 0(\)\s+= |\s*<unfinished)")
     kernel = sum(1 for line in lines if zero.match(line))
     # Every third round's pipe byte makes one wait ask the kernel: 100 of them at least.
-    assert 100 <= kernel <= r["polls"] // 2, \
+    # (Here about 1 in 10 to 1 in 30 reach it; every one did before. A slow machine makes
+    # each of the loop's turns longer, and more of them come after the 20 us.)
+    assert 100 <= kernel <= r["polls"] * 3 // 4, \
         f"{kernel} waits reached the kernel of {r['polls']}; first lines:\n" + "\n".join(lines[:20])
 
 
