@@ -126,6 +126,19 @@ def test_later_connections_are_announced_one_way_and_a_listener_gone_ends_it(pro
 TICKETS = range(60000, 61000)
 
 
+def assert_ticketed(out, n, trace):
+    """`PORTS_CLIENT`'s `n` lines all right, nearly all from distinct ticket ports, and an
+    strace of its polls (`trace`) showing the layer waited for its agent only a few times."""
+    assert len(out) == n and all(x.split(":")[1] == "1" for x in out), out
+    ports = [int(x.split(":")[0]) for x in out]
+    ticketed = [p for p in ports if p in TICKETS]
+    assert len(ticketed) >= n - 5, f"only {len(ticketed)} of {n} from ticket ports: {ports}"
+    assert len(set(ticketed)) == len(ticketed), f"a ticket port used twice: {ports}"
+    # (The layer's socket to its agent is descriptor 700; its control thread polls others.)
+    polls = trace.read_text().count("poll([{fd=700, events=POLLIN}], 1,")
+    assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
+
+
 def test_later_connections_use_tickets_and_ask_nobody(procs, tmp_path):
     """Once a listener on another node is subscribed to, the connecting process gets
     tickets for it: source ports of the upper half of the block, each with a GID and a
@@ -145,14 +158,7 @@ def test_later_connections_use_tickets_and_ask_nobody(procs, tmp_path):
         out = procs.run(H2, ["strace", "-f", "-e", "trace=poll", "-o", trace, PYTHON, "-c",
                              PORTS_CLIENT, H1_IP, port, n], layer=True, name="ticket-client",
                         timeout=60).stdout().split()
-    assert len(out) == n and all(x.split(":")[1] == "1" for x in out), out
-    ports = [int(x.split(":")[0]) for x in out]
-    ticketed = [p for p in ports if p in TICKETS]
-    assert len(ticketed) >= n - 5, f"only {len(ticketed)} of {n} from ticket ports: {ports}"
-    assert len(set(ticketed)) == len(ticketed), f"a ticket port used twice: {ports}"
-    # (The layer's socket to its agent is descriptor 700; its control thread polls others.)
-    polls = trace.read_text().count("poll([{fd=700, events=POLLIN}], 1,")
-    assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
+    assert_ticketed(out, n, trace)
     assert_virtual(w, H1, addr, H2, min_conns=1)
     assert one_way(H2)["tickets_out"] > 0, one_way(H2)
 
@@ -175,13 +181,7 @@ def test_connections_to_a_listener_on_the_same_node_use_tickets(procs, tmp_path,
         out = procs.run(H1, ["strace", "-f", "-e", "trace=poll", "-o", trace, PYTHON, "-c",
                              PORTS_CLIENT, H1_IP, port, n], layer=True, name="ticket-client-here",
                         env=env, timeout=60).stdout().split()
-    assert len(out) == n and all(x.split(":")[1] == "1" for x in out), out
-    ports = [int(x.split(":")[0]) for x in out]
-    ticketed = [p for p in ports if p in TICKETS]
-    assert len(ticketed) >= n - 5, f"only {len(ticketed)} of {n} from ticket ports: {ports}"
-    assert len(set(ticketed)) == len(ticketed), f"a ticket port used twice: {ports}"
-    polls = trace.read_text().count("poll([{fd=700, events=POLLIN}], 1,")
-    assert 0 < polls < n // 4, f"the layer waited for its agent {polls} times in {n} connections"
+    assert_ticketed(out, n, trace)
     mine = [c for c in w.connections(H1) if c.get("peer", "").endswith(f":{port}")]
     assert mine, w.summary(H1)
     want = "shm" if shm == "1" else "tcp"

@@ -447,22 +447,7 @@ impl Agent {
         let known = self.remote.lock().unwrap_or_else(|e| e.into_inner()).get(&dst).cloned();
         let Some(Known::Sub { window: w, addrs, gen }) = known else { return Msg::Plain };
         let Some(src_ip) = net::source_for(dst.ip()).map(normalize) else { return Msg::Plain };
-        let cluster = self.key.cluster_id;
-        let want = usize::from(want).min(crate::tickets::MAX_BATCH);
-        let Some(mut draws) = random_u128s(2 * want) else { return Msg::Plain };
-        let mut gids = || substrate::Gid(draws.pop().unwrap_or_default()).issued_by(cluster).0;
-        let given = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).give(
-            u64::from(pid),
-            dst,
-            want,
-            Instant::now(),
-            &mut gids,
-        );
-        if given.is_empty() {
-            return Msg::Plain;
-        }
-        let tickets: Vec<(u16, u128, u128)> =
-            given.iter().map(|&(port, gid)| (port, gid, draws.pop().unwrap_or_default())).collect();
+        let Some(tickets) = self.draw_tickets(pid, dst, want) else { return Msg::Plain };
         let entries =
             tickets.iter().map(|&(port, gid, secret)| (SocketAddr::new(src_ip, port), gid, secret)).collect();
         let m = Msg::Expects { dst, window, agents: self.health.advertised(), entries };
@@ -476,14 +461,25 @@ impl Agent {
             return Msg::Plain;
         }
         debug!("process {pid}: {} tickets for {dst}", tickets.len());
-        Msg::TicketBook {
+        ticket_book(dst, src_ip, w, addrs, tickets)
+    }
+
+    /// Up to `want` tickets (port, GID, secret) for process `pid`'s connections to `dst`
+    /// from the node's pool, GIDs issued by this cluster; `None` when none is free.
+    fn draw_tickets(&self, pid: u32, dst: SocketAddr, want: u16) -> Option<Vec<(u16, u128, u128)>> {
+        let cluster = self.key.cluster_id;
+        let want = usize::from(want).min(crate::tickets::MAX_BATCH);
+        let mut draws = random_u128s(2 * want)?;
+        let mut gids = || substrate::Gid(draws.pop().unwrap_or_default()).issued_by(cluster).0;
+        let given = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).give(
+            u64::from(pid),
             dst,
-            src: SocketAddr::new(src_ip, 0),
-            window: w,
-            addrs,
-            use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
-            tickets,
-        }
+            want,
+            Instant::now(),
+            &mut gids,
+        );
+        (!given.is_empty())
+            .then(|| given.iter().map(|&(port, gid)| (port, gid, draws.pop().unwrap_or_default())).collect())
     }
 
     /// Tickets for a listener of this node (process `pid`'s connections to another process
@@ -496,22 +492,7 @@ impl Agent {
             return Msg::Plain;
         }
         let Some(src_ip) = net::source_for(dst.ip()).map(normalize) else { return Msg::Plain };
-        let cluster = self.key.cluster_id;
-        let want = usize::from(want).min(crate::tickets::MAX_BATCH);
-        let Some(mut draws) = random_u128s(2 * want) else { return Msg::Plain };
-        let mut gids = || substrate::Gid(draws.pop().unwrap_or_default()).issued_by(cluster).0;
-        let given = self.events.tickets.lock().unwrap_or_else(|e| e.into_inner()).give(
-            u64::from(pid),
-            dst,
-            want,
-            Instant::now(),
-            &mut gids,
-        );
-        if given.is_empty() {
-            return Msg::Plain;
-        }
-        let tickets: Vec<(u16, u128, u128)> =
-            given.iter().map(|&(port, gid)| (port, gid, draws.pop().unwrap_or_default())).collect();
+        let Some(tickets) = self.draw_tickets(pid, dst, want) else { return Msg::Plain };
         let agents = self.health.advertised();
         let mut listener_window = None;
         for &(port, gid, secret) in &tickets {
@@ -532,14 +513,7 @@ impl Agent {
             return Msg::Plain;
         };
         debug!("process {pid}: {} tickets for {dst} (on this node)", tickets.len());
-        Msg::TicketBook {
-            dst,
-            src: SocketAddr::new(src_ip, 0),
-            window: w,
-            addrs: agents,
-            use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
-            tickets,
-        }
+        ticket_book(dst, src_ip, w, agents, tickets)
     }
 
     /// Connections announced ahead by the agent at `from` (its tickets): expected here,
@@ -1414,6 +1388,25 @@ fn handle(agent: &Agent, id: u64, mut s: UnixStream) -> io::Result<()> {
             other => Msg::Error { reason: format!("unexpected message: {}", other.name()) },
         };
         write_msg(&mut s, &answer)?;
+    }
+}
+
+/// The answer that hands tickets for listener `dst` (window `window`, its node's agents
+/// `addrs`) to a process, announced from `src_ip`.
+fn ticket_book(
+    dst: SocketAddr,
+    src_ip: IpAddr,
+    window: u64,
+    addrs: Vec<SocketAddr>,
+    tickets: Vec<(u16, u128, u128)>,
+) -> Msg {
+    Msg::TicketBook {
+        dst,
+        src: SocketAddr::new(src_ip, 0),
+        window,
+        addrs,
+        use_ms: crate::tickets::USE_WITHIN.as_millis() as u32,
+        tickets,
     }
 }
 

@@ -527,42 +527,27 @@ pub fn note_close(fd: c_int) {
 
 /// What a readable report of `fd` means (never blocks; a panic counts as "report it").
 fn truth(fd: c_int) -> Truth {
-    let Some(vc) = fdtable::vc(fd) else { return Truth::Unknown };
+    truth_end(fd, false).0
+}
+
+/// [`truth`], and with `rdhup` (the program asked for `POLLRDHUP`), whether the connection
+/// is on shared memory with its peer's side shut: the kernel's socket, which carries only
+/// bells there, cannot say so.
+fn truth_end(fd: c_int, rdhup: bool) -> (Truth, bool) {
+    let Some(vc) = fdtable::vc(fd) else { return (Truth::Unknown, false) };
     // (The program's wait succeeds: the entry point gives it back its errno.)
     let t = crate::error::quietly(|| Some(vc.readable_truth(fd))).unwrap_or(Truth::Unknown);
     if matches!(t, Truth::Readable | Truth::Unknown) {
         vc.told_readable();
+        return (t, rdhup && vc.shm_peer_shut());
     }
-    t
+    (t, false)
 }
 
 const IN_BITS: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
 const END_BITS: u32 = (libc::EPOLLERR | libc::EPOLLHUP | libc::EPOLLRDHUP) as u32;
 
 const RDHUP: u32 = libc::EPOLLRDHUP as u32;
-
-/// The readable report `bits` of connection `fd`, with `EPOLLRDHUP` added when its
-/// registration (`asked`) wants it and the connection is on shared memory with its peer's
-/// side shut.
-#[inline]
-fn rdhup_epoll(fd: c_int, asked: u32, bits: u32) -> u32 {
-    if asked & RDHUP != 0 && bits & IN_BITS != 0 && fdtable::vc(fd).is_some_and(|v| v.shm_peer_shut()) {
-        bits | RDHUP
-    } else {
-        bits
-    }
-}
-
-/// The same for a `poll` entry.
-#[inline]
-fn rdhup_poll(f: &mut libc::pollfd) {
-    if f.events & libc::POLLRDHUP != 0
-        && f.revents & libc::POLLIN != 0
-        && fdtable::vc(f.fd).is_some_and(|v| v.shm_peer_shut())
-    {
-        f.revents |= libc::POLLRDHUP;
-    }
-}
 
 /// Drops the readable bit of events that are not true; returns how many events are left
 /// (compacted to the front of `evs`, the events the kernel just wrote).
@@ -596,11 +581,14 @@ fn filter_epoll(epfd: c_int, evs: &mut [libc::epoll_event]) -> usize {
     let mut drop = false;
     for &(i, reg) in near[..found.min(near.len())].iter().chain(far.iter()) {
         let e = &mut evs[i];
-        let left = match truth(reg.fd) {
-            Truth::Spurious if e.events & END_BITS == 0 => e.events & !IN_BITS,
-            Truth::Relinking => 0,
-            _ => {
-                e.events = rdhup_epoll(reg.fd, reg.events, e.events);
+        let asked = reg.events & RDHUP != 0 && e.events & IN_BITS != 0;
+        let left = match truth_end(reg.fd, asked) {
+            (Truth::Spurious, _) if e.events & END_BITS == 0 => e.events & !IN_BITS,
+            (Truth::Relinking, _) => 0,
+            (_, shut) => {
+                if shut {
+                    e.events |= RDHUP;
+                }
                 continue;
             }
         };
@@ -1078,13 +1066,13 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
 }
 
 thread_local! {
-    /// When this thread's last zero-time-out `poll` on connections asked the kernel
-    /// (microseconds; 0: its next one asks).
+    /// When this thread's last zero-time-out wait (`poll`, `epoll_wait`) on connections
+    /// asked the kernel (microseconds; 0: its next one asks).
     static LOOKED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// The thread made a call the kernel carried that may make one of its own descriptors
-/// ready (a write to a pipe, a close): its next zero-time-out `poll` asks the kernel, so
+/// ready (a write to a pipe, a close): its next zero-time-out wait asks the kernel, so
 /// that it sees what the thread itself caused.
 #[inline]
 pub fn kernel_touched() {
@@ -1213,11 +1201,14 @@ fn filter_poll(p: &mut [libc::pollfd], r: c_int, seen: u32) -> c_int {
             if bits & (IN | END) == 0 {
                 continue;
             }
-            f.revents = match truth(f.fd) {
-                Truth::Spurious if bits & END == 0 => bits & !IN,
-                Truth::Relinking => 0,
-                _ => {
-                    rdhup_poll(f);
+            let asked = f.events & libc::POLLRDHUP != 0 && bits & libc::POLLIN != 0;
+            f.revents = match truth_end(f.fd, asked) {
+                (Truth::Spurious, _) if bits & END == 0 => bits & !IN,
+                (Truth::Relinking, _) => 0,
+                (_, shut) => {
+                    if shut {
+                        f.revents |= libc::POLLRDHUP;
+                    }
                     continue;
                 }
             };
