@@ -245,6 +245,7 @@ PORTS = {
     "gather_writev": 17976,
     "two_frames": 17977,
     "shm_withdrawn_moves": 17978,
+    "shm_moved_busy_nested": 17987,
     "memcached": 17979,
     "memcached_values": 17980,
     "shm_self_fork_moves": 17981,

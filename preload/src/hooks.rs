@@ -298,8 +298,11 @@ pub fn epoll_ctl(
         Some(vc) => vc.epoll_ctl(epfd, op, fd, || ev.get(), real),
         None => real(),
     }?;
-    if op == libc::EPOLL_CTL_ADD && !fdtable::is_managed(fd) {
-        crate::ready::note_contained(fd);
+    if !fdtable::is_managed(fd) {
+        // (Whether `fd` is an epoll instance nested in `epfd`.)
+        const INPUT: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
+        let input = ev.get().is_some_and(|e| e.events & INPUT != 0);
+        crate::ready::note_nesting(epfd, op, fd, input);
     }
     if fdtable::is_managed(fd) || crate::ready::tracking(epfd) {
         let (events, data) = match (op, ev.get()) {

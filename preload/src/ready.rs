@@ -49,7 +49,7 @@ use libc::c_int;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::Arc;
-use std::sync::RwLock;
+use std::sync::{Mutex, RwLock};
 
 /// Most connections on shared memory an instance scans (`VMI_EPOLL_SCAN_MAX`): a wait looks
 /// at each of them, and one with more (idle keep-alive connections, say) is cheaper with bells.
@@ -74,18 +74,66 @@ struct InstanceBell {
     id: u64,
 }
 
-/// The program added `fd` (not a virtual connection) to an epoll instance.
-pub fn note_contained(fd: c_int) {
-    CONTAINED.set(fd);
-    if tracking(fd) {
-        // A scanning instance is nested now: its connections are announced again.
+/// Per descriptor the program put in epoll instances (other than virtual connections): the
+/// instances that hold it, and whether each waits for its input.
+type Nesting = HashMap<c_int, Vec<(c_int, bool)>>;
+static NESTING: Mutex<Option<Nesting>> = Mutex::new(None);
+/// Descriptors with an entry in `NESTING`.
+static IN_NESTING: FdBits = FdBits::new();
+
+/// The program changed the registration of `fd` (not a virtual connection) in epoll
+/// instance `outer` (`op`; `input`: the registration asks for input). When `fd` is an
+/// epoll instance, it is *nested* while some instance waits for its input: its
+/// connections are not scanned then (a wait on the outer one would not look at their
+/// rings). An instance held for errors and hang-ups only is not: an epoll instance never
+/// reports those (UCX holds its worker's instance in its progress thread's so, until the
+/// program asks to sleep in it).
+pub fn note_nesting(outer: c_int, op: c_int, fd: c_int, input: bool) {
+    if fd < 0 || fd as usize >= SCAN_EPFDS || (op == libc::EPOLL_CTL_DEL && !IN_NESTING.has(fd)) {
+        // (An instance numbered that high never scans.)
+        return;
+    }
+    let (was, now) = {
+        let mut g = NESTING.lock().unwrap_or_else(|e| e.into_inner());
+        let m = g.get_or_insert_with(HashMap::default);
+        IN_NESTING.set(fd);
+        let v = m.entry(fd).or_default();
+        let was = v.iter().any(|&(_, i)| i);
+        v.retain(|&(o, _)| o != outer);
+        if op != libc::EPOLL_CTL_DEL {
+            v.push((outer, input));
+        }
+        let now = v.iter().any(|&(_, i)| i);
+        if v.is_empty() {
+            m.remove(&fd);
+            IN_NESTING.clear(fd);
+        }
+        (was, now)
+    };
+    if now {
+        CONTAINED.set(fd);
+    } else {
+        CONTAINED.clear(fd);
+    }
+    if was != now && tracking(fd) {
+        // A scanning instance is nested now (its connections are announced again), or is not
+        // any more (they may be scanned).
         let again = with_regs(|r| r.rescan_members(fd));
         announce_all(again);
     }
 }
 
-/// `fd` was closed: it is nobody's member any more.
+/// `fd` was closed: it is nobody's member any more. (An instance closed that held others
+/// stays in their lists until they close: they stay nested, which costs bells, never a
+/// wake-up.)
 pub fn note_closed_fd(fd: c_int) {
+    if IN_NESTING.has(fd) {
+        let mut g = NESTING.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = g.as_mut() {
+            m.remove(&fd);
+        }
+        IN_NESTING.clear(fd);
+    }
     CONTAINED.clear(fd);
 }
 
@@ -374,6 +422,55 @@ impl Regs {
         None
     }
 
+    /// The registered connections that joined shared memory since they were registered
+    /// become members of their instances (a ring that came with a later move is scanned like
+    /// one that came at set-up), and those that left it stop being members; each changed one
+    /// is rescanned. Returned: the rings to announce (see `rescan`).
+    fn follow_substrates(&mut self) -> Vec<(c_int, Arc<Vc>)> {
+        let fds: Vec<c_int> = self.instances.keys().copied().collect();
+        let mut changed = Vec::new();
+        for fd in fds {
+            let vc = fdtable::vc(fd).filter(|v| v.shm_now().is_some());
+            let epfds = self.instances.get(&fd).cloned().unwrap_or_default();
+            let mut moved = false;
+            for epfd in epfds {
+                let member = self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd));
+                match &vc {
+                    Some(vc) if !member => {
+                        let Some(&data) = self.by_fd.get(&(epfd, fd)) else { continue };
+                        // (A data value two registrations share keeps the first one's events:
+                        // such a registration is never scanned anyway, see `scan_instance`.)
+                        let events = self.by_data.get(&(epfd, data)).map_or(0, |(g, _)| g.events);
+                        let v = self.members.entry(epfd).or_default();
+                        v.push(Member { fd, data, events, vc: vc.clone() });
+                        if v.len() == scan_max() + 1 {
+                            self.overflowed = Some(epfd);
+                        }
+                        moved = true;
+                    }
+                    None if member => {
+                        if let Some(v) = self.members.get_mut(&epfd) {
+                            v.retain(|m| m.fd != fd);
+                            if v.is_empty() {
+                                self.members.remove(&epfd);
+                            }
+                        }
+                        moved = true;
+                    }
+                    _ => {}
+                }
+            }
+            if moved {
+                changed.push(fd);
+            }
+        }
+        let mut again: Vec<_> = changed.into_iter().filter_map(|fd| self.rescan(fd)).collect();
+        if let Some(e) = self.overflowed.take() {
+            again.extend(self.rescan_members(e));
+        }
+        again
+    }
+
     /// Every member of `epfd` again (the instance changed: nested).
     fn rescan_members(&mut self, epfd: c_int) -> Vec<(c_int, Arc<Vc>)> {
         let fds: Vec<c_int> =
@@ -495,6 +592,29 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
         }
         again
     });
+    announce_all(again);
+}
+
+/// The count of substrate changes the registrations were last brought up to date with.
+static MOVES_SEEN: AtomicU32 = AtomicU32::new(0);
+
+/// Before an epoll wait on an instance with connections: when a connection of this process
+/// joined or left shared memory since the last look (`vc::substrate_moves`, one load), the
+/// registrations follow (`Regs::follow_substrates`). Without this, a connection registered
+/// while on TCP that moved onto shared memory later (MPI ranks on one node: their offers
+/// are withdrawn at set-up and the layer moves them once both have accepted) was never
+/// scanned: every message took a bell through its socket each way, and a busy loop asked
+/// the kernel at every turn.
+fn follow_moves() {
+    let now = crate::vc::substrate_moves();
+    if MOVES_SEEN.load(Relaxed) == now {
+        return;
+    }
+    MOVES_SEEN.store(now, Relaxed);
+    if REG_COUNT.load(Relaxed) == 0 {
+        return;
+    }
+    let again = with_regs(|r| r.follow_substrates());
     announce_all(again);
 }
 
@@ -694,6 +814,9 @@ pub fn epoll_wait(
     timeout_us: i64,
     mut wait: impl FnMut(bool, i64) -> Real,
 ) -> Real {
+    if tracking(epfd) {
+        follow_moves();
+    }
     let sleepers = (epfd >= 0 && (epfd as usize) < SCAN_EPFDS).then(|| &SLEEPERS[epfd as usize]);
     if let Some(sl) = sleepers {
         // Counted before the scan: a thread reading a scanned connection from now on

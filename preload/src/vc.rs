@@ -36,6 +36,17 @@ pub struct Descriptors {
 
 static DESCRIPTORS: std::sync::OnceLock<Descriptors> = std::sync::OnceLock::new();
 
+/// Bumped each time a live connection of this process joins or leaves shared memory (a
+/// rebuilt link: a move, a failover, a device): the epoll registrations made before look at
+/// their connections' substrate again (`ready`), so that a ring that came later is scanned.
+static SUBSTRATE_MOVES: AtomicU32 = AtomicU32::new(0);
+
+/// How many times a live connection joined or left shared memory (one load).
+#[inline]
+pub fn substrate_moves() -> u32 {
+    SUBSTRATE_MOVES.load(Acquire)
+}
+
 /// Registers the descriptor table (once).
 pub fn descriptors_from(d: Descriptors) {
     let _ = DESCRIPTORS.set(d);
@@ -897,6 +908,7 @@ impl Vc {
         if let Some(s) = self.slot {
             s.set_substrate(1);
         }
+        SUBSTRATE_MOVES.fetch_add(1, Release);
         r
     }
 
@@ -910,6 +922,7 @@ impl Vc {
         if let Some(s) = self.slot {
             s.set_substrate(l.code());
         }
+        SUBSTRATE_MOVES.fetch_add(1, Release);
     }
 
     /// Pushes what a rebuilt link owes the peer (replay, end of stream) without blocking,
