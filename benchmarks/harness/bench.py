@@ -85,7 +85,7 @@ TARGET_FAILOVER_SILENT_MS = 100.0  # longest receive stall after a silent path f
                                    # the layer no worse than MPTCP for either kind of failure)
 
 BENCHMARKS = ["latency", "throughput", "redis", "memcached", "nginx", "connrate", "idle", "nontcp", "calls", "hockney",
-              "irb", "mpi", "failover"]
+              "irb", "mpi", "mpich", "failover"]
 ALIASES = {
     "sockperf": "latency", "pingpong": "latency", "ping-pong": "latency",
     "iperf": "throughput", "iperf3": "throughput",
@@ -97,7 +97,7 @@ ALIASES = {
     "non-tcp": "nontcp", "nontcp_calls": "nontcp", "unmanaged": "nontcp",
     "vc_calls": "calls", "percall": "calls",
     "irb-cost": "irb",
-    "netpipe": "mpi", "openmpi": "mpi",
+    "netpipe": "mpi", "openmpi": "mpi", "ucx": "mpich",
     "mptcp": "failover", "stall": "failover", "failure": "failover",
 }
 
@@ -1080,6 +1080,65 @@ class Harness:
                 except BenchError as e:
                     self.error(name, f"{mode} rep {rep + 1}", str(e))
 
+    # ---------------------------------------------------------------- MPICH (UCX over TCP)
+    def b_mpich(self) -> None:
+        """MPICH's ping-pong (benchmarks/programs/mpi_pingpong.c, UCX's TCP transport) between
+        the two hosts (or two ranks on one host): one-way time at 8 B and bandwidth at 1 MiB,
+        each measured after 2 s of warm-up (on one host the layer moves the ranks'
+        connections onto shared memory meanwhile: UCX sends before the other rank accepts,
+        so their offers at set-up are withdrawn). Ranks layered with `-genv LD_PRELOAD`."""
+        name = "mpich"
+        a = self.args
+        b = self.bench(name)
+        prog = self.bindir / "mpi_pingpong"
+        shim = self.bindir / "mpich_finalize.so"
+        r = quiet(["mpicc.mpich", "-O2", "-Wall", "-o", str(prog), str(PROGRAMS / "mpi_pingpong.c")],
+                  timeout=120)
+        if r.returncode != 0:
+            raise BenchError(f"mpicc.mpich: {r.stderr.strip()[-300:]}")
+        r = quiet(["gcc", "-O2", "-Wall", "-shared", "-fPIC", "-o", str(shim),
+                   str(REPO / "tests" / "programs" / "mpich_finalize.c"), "-lucp"], timeout=120)
+        if r.returncode != 0:
+            raise BenchError(f"gcc mpich_finalize.c: {r.stderr.strip()[-300:]}")
+        rsh = REPO / "tests" / "programs" / "nsrsh.sh"
+        one = self.client.name == self.server.name
+        hosts = self.client.name if one else f"{self.client.name},{self.server.name}"
+        b["params"] = {"sizes": [8, 1 << 20], "hosts": hosts, "warmup_s": 2, "seconds": 2}
+        k = 0
+        for rep in range(a.reps):
+            for mode in self.order(k):
+                k += 1
+                tag = f"{mode}-r{rep}"
+                preload = str(shim)
+                extra = []
+                if mode == LAYER:
+                    preload = f"{self.bins['preload'].resolve()}:{shim}"
+                    if LOCAL_MODE:
+                        extra = ["-genv", "VMI_SHM", "1"]
+                argv = ["mpirun.mpich", "-launcher", "ssh", "-launcher-exec", str(rsh),
+                        "-hosts", hosts, "-np", "2", "-iface", "eth0",
+                        "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", "eth0",
+                        "-genv", "LD_PRELOAD", preload, *extra, str(prog), "2", "2"]
+                log(f"mpich {mode} rep {rep + 1}/{a.reps}")
+                seen = b["seen"][mode]
+                try:
+                    with Poller(self.agents, [self.client] if one else [self.client, self.server], seen):
+                        r = run(self.client.wrap(argv), timeout=120, env=self.env(NATIVE),
+                                log_path=self.logs / f"mpich-{tag}.log")
+                    if r.timed_out or r.rc != 0:
+                        raise BenchError(f"rc={r.rc}{' (timed out)' if r.timed_out else ''}: "
+                                         f"{(r.stderr or r.stdout).strip()[-300:]}")
+                    res = next((json.loads(line) for line in reversed(r.stdout.splitlines())
+                                if line.startswith("{")), None)
+                    if res is None:
+                        raise BenchError(f"no result line: {r.stdout.strip()[-300:]}")
+                    if res.get("bad"):
+                        raise BenchError(f"{res['bad']} messages came back wrong")
+                    b["runs"].append({"mode": mode, "rep": rep, "lat8_us": res["lat8_us"],
+                                      "bw1m_mbps": res["bw1m_mbps"]})
+                except BenchError as e:
+                    self.error(name, f"{mode} rep {rep + 1}", str(e))
+
     # ---------------------------------------------------------------- 2. throughput
     def b_throughput(self) -> None:
         name = "throughput"
@@ -1731,7 +1790,7 @@ class Harness:
                      ("redis", self.b_redis), ("memcached", self.b_memcached), ("nginx", self.b_nginx),
                      ("connrate", self.b_connrate),
                      ("idle", self.b_idle), ("nontcp", self.b_nontcp), ("calls", self.b_calls),
-                     ("irb", self.b_irb), ("mpi", self.b_mpi),
+                     ("irb", self.b_irb), ("mpi", self.b_mpi), ("mpich", self.b_mpich),
                      ("failover", self.b_failover)]
             for bname, fn in order:
                 want = bname in selected or (bname == "latency" and "hockney" in selected)
@@ -1768,7 +1827,8 @@ class Harness:
         need = {"latency": ["sockperf"], "throughput": ["iperf3"],
                 "redis": ["redis-server", "redis-benchmark"], "failover": ["tc"],
                 "nginx": ["nginx", "wrk"], "memcached": ["memcached", "memcaslap"],
-                "mpi": ["mpirun.openmpi", "NPopenmpi"]}.get(bname, [])
+                "mpi": ["mpirun.openmpi", "NPopenmpi"],
+                "mpich": ["mpirun.mpich", "mpicc.mpich"]}.get(bname, [])
         return [t for t in need if shutil.which(t) is None]
 
 
@@ -2025,6 +2085,22 @@ class Report:
                          fmt_spread(nat, 1), fmt_spread(lay, 1), fmt(r8, 3),
                          f">= {TARGET_MPI_LAT8_RATIO:.2f}", v8])
             rows += self.check_rows("mpi", len(hdr)) + self.error_rows("mpi", len(hdr))
+        if self.b("mpich"):
+            nat = [r["bw1m_mbps"] for r in self.by("mpich", NATIVE)]
+            lay = [r["bw1m_mbps"] for r in self.by("mpich", LAYER)]
+            add("mpich_bw1m", "MPICH (UCX over TCP) ping-pong 1 MiB (Mbit/s)", nat, lay,
+                TARGET_MPI_RATIO, 0)
+            nat = [r["lat8_us"] for r in self.by("mpich", NATIVE)]
+            lay = [r["lat8_us"] for r in self.by("mpich", LAYER)]
+            r8 = ratio(med(nat), med(lay))
+            v8 = verdict(r8, TARGET_MPI_LAT8_RATIO, True)
+            summ["mpich_lat8"] = {"native": med(nat), "layer": med(lay), "ratio": r8,
+                                  "target": TARGET_MPI_LAT8_RATIO, "verdict": v8,
+                                  "native_reps": nat, "layer_reps": lay}
+            rows.append(["MPICH (UCX over TCP) ping-pong 8 B one way (us; ratio native/layer)",
+                         fmt_spread(nat, 2), fmt_spread(lay, 2), fmt(r8, 3),
+                         f">= {TARGET_MPI_LAT8_RATIO:.2f}", v8])
+            rows += self.check_rows("mpich", len(hdr)) + self.error_rows("mpich", len(hdr))
         if not rows:
             return
         self.lines += ["## Throughput and rates",

@@ -1060,7 +1060,7 @@ fn scan_in(r: &Regs, epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usiz
         if (m.fd as usize) >= SCAN_FDS || SCAN_EPFD[m.fd as usize].load(Relaxed) != me {
             continue;
         }
-        if m.vc.scan_ready(sleep) && k < found.len() {
+        if m.vc.scan_ready_at(m.fd, sleep) && k < found.len() {
             let rdhup = if m.events & RDHUP != 0 && m.vc.shm_peer_shut() { RDHUP } else { 0 };
             found[k] = (m.data, m.events & IN_BITS | rdhup);
             k += 1;

@@ -785,6 +785,20 @@ impl Vc {
         self.shm_now().is_some_and(|l| l.scan_ready(sleep))
     }
 
+    /// [`Vc::scan_ready`] for the scan of an epoll wait on descriptor `fd`, which first
+    /// takes the peer's answer to a shared-memory offer if it came: a scanned ring's bells
+    /// go to its instance's bell, not through the socket, so the scan may be the only look
+    /// the program's thread takes at the connection (a busy loop that waits for input),
+    /// and a link left pending would never show its bytes.
+    pub fn scan_ready_at(&self, fd: i32, sleep: bool) -> bool {
+        self.shm_now().is_some_and(|l| {
+            if l.mode() == shm_sink::Mode::Pending && l.answered() {
+                let _ = l.settle(fd, false, false);
+            }
+            l.scan_ready(sleep)
+        })
+    }
+
     /// True when the connection is on shared memory and the peer shut its sending side: the
     /// kernel's socket, which carries only bells, cannot say so (`POLLRDHUP`).
     pub fn shm_peer_shut(&self) -> bool {

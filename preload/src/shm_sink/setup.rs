@@ -262,8 +262,6 @@ impl ShmLink {
         })
     }
 
-    /// The connecting side: the answer, if it came (`Ok(mode)`), taking the peer's socket
-    /// and giving ours. `Err(WouldBlock)` while none came and `wait` is false.
     /// The offer was withdrawn (WITHDRAWN): the rendezvous is over and nobody will take the
     /// file; the connection uses TCP.
     fn withdrawn(&self) {
@@ -281,6 +279,14 @@ impl ShmLink {
         }
     }
 
+    /// True once the offer has its answer (or was withdrawn): `settle` then decides without
+    /// waiting or asking the kernel.
+    pub fn answered(&self) -> bool {
+        self.head().state.load(Acquire) != OFFERED
+    }
+
+    /// The connecting side: the answer, if it came (`Ok(mode)`), taking the peer's socket
+    /// and giving ours. `Err(WouldBlock)` while none came and `wait` is false. With
     /// `withdraw`: the caller is about to send; once `OFFER_WAIT_MS` passed since the offer
     /// without an answer, the offer is withdrawn and the connection uses TCP. A send that
     /// must not block waits too, at most `OFFER_WAIT_NONBLOCKING_MS` from the offer: an
