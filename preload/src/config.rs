@@ -9,7 +9,7 @@
 //! | `VMI_AGENT_SOCKET` | abstract Unix socket name of the node agent | `vmi-agent` |
 //! | `VMI_SHM` | `1`: connections between two programs on one node go through shared memory; `0`: always TCP | `1` |
 //! | `VMI_SUBSTRATE` | the substrate asked for: `tcp` (kernel TCP, no shared memory), `shm` (shared memory on one node, kernel TCP between nodes), or the name of a sink plug-in (`verbs`: `libvmi_sink_verbs.so`, see `plugins/vmi_sink.h`) for connections to other nodes; a sink the node has no device for is left with one log line, and kernel TCP carries the connection | `shm` |
-//! | `VMI_SPLICE` | `1`: frames of 32 KiB and more go to the kernel from the replay ring by reference (`vmsplice`/`splice`: the program's bytes are copied once, into the ring); `0`: copied into the kernel as well (slower here on veth: see ARCHITECTURE.md) | `0` |
+//! | `VMI_SPLICE` | `1`: frames of 32 KiB and more go to the kernel from the replay ring by reference (`vmsplice`/`splice`: the program's bytes are copied once, into the ring); `auto`: only those of a send call of 512 KiB or more that begins with every byte acknowledged (a large message that waits for its answer: MPI's; a stream ahead of its receiver keeps the copy, cheaper for it here on veth: see ARCHITECTURE.md); `0`: always copied into the kernel as well | `auto` |
 //! | `VMI_SHM_SPIN_US` | how long a receiver on shared memory (a receive, or an epoll wait that looks at the rings) spins before it sleeps, microseconds | `200` |
 //! | `VMI_POLL_LOOK_US` | a `poll` with a zero time-out (a progress engine's busy loop) on connections over shared memory asks the kernel about its other descriptors at most this often, microseconds; between two looks it answers from the rings alone (an event from another thread or process is seen up to this much later; the thread's own writes and closes end the interval); `0`: every such call asks the kernel | `20` |
 //! | `VMI_EPOLL_SCAN_MAX` | most shared-memory connections an epoll instance looks at itself before it sleeps (more: bells for all) | `512` |
@@ -117,11 +117,13 @@ pub fn init() {
             )),
         }
     }
-    if let Ok(v) = std::env::var("VMI_SPLICE") {
-        match v.trim() {
-            "0" | "" => {}
-            "1" => crate::sys::splice::turn_on(),
-            _ => crate::log::warn(format_args!("VMI_SPLICE={v} is neither 0 nor 1; using 0")),
+    match std::env::var("VMI_SPLICE").as_deref().map(str::trim) {
+        Ok("0") => {}
+        Ok("1") => crate::sys::splice::turn_on(false),
+        Ok("auto") | Ok("") | Err(_) => crate::sys::splice::turn_on(true),
+        Ok(v) => {
+            crate::log::warn(format_args!("VMI_SPLICE={v} is not 0, 1 or auto; using auto"));
+            crate::sys::splice::turn_on(true);
         }
     }
     if let Ok(v) = std::env::var("VMI_SHM_SPIN_US") {

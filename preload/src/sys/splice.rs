@@ -84,9 +84,24 @@ fn high(fd: c_int) -> c_int {
     n
 }
 
-/// Splice in this process (`VMI_SPLICE=1`).
-pub fn turn_on() {
+/// Set by `VMI_SPLICE=auto`: only the send calls that begin with every byte acknowledged
+/// splice ([`only_when_idle`]).
+static WHEN_IDLE: AtomicBool = AtomicBool::new(false);
+
+/// Splice in this process (`VMI_SPLICE=1`), or (`when_idle`, `VMI_SPLICE=auto`) only in send
+/// calls that begin with nothing unacknowledged.
+pub fn turn_on(when_idle: bool) {
+    WHEN_IDLE.store(when_idle, Relaxed);
     OFF.store(false, Relaxed);
+}
+
+/// True when only the send calls that begin with every byte acknowledged splice: a program
+/// whose large message waits for its answer (MPI's ping-pong, a request) gains the copy the
+/// kernel would make on its critical path, while a sender streaming ahead of its receiver
+/// (whose kernel pays more for pages by reference than the copy costs) keeps copying.
+#[inline]
+pub fn only_when_idle() -> bool {
+    WHEN_IDLE.load(Relaxed)
 }
 
 /// True while splicing may be tried at all.
