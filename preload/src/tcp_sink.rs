@@ -914,7 +914,19 @@ pub fn send<'a>(
                     continue;
                 }
                 r -= off as isize;
-            } else if let Some(n) = splice_plan(mem, fd, &plan, &made, rest, tx, ring, kflags, idle) {
+            } else if let Some(n) = splice_plan(
+                mem,
+                fd,
+                &plan,
+                &made,
+                rest,
+                tx,
+                ring,
+                // (Another frame of this call follows: the kernel holds the last packet for it,
+                // as one send of both frames would.)
+                if plan.payload < rest.len() { kflags | libc::MSG_MORE } else { kflags },
+                idle,
+            ) {
                 r = n;
                 spliced = true;
             } else if plan.payload < rest.len() {
