@@ -1137,13 +1137,33 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
         return Ok(k);
     }
     let n = fds.len();
-    let mut vcs: Vec<c_int> = Vec::new();
-    fds.with(n, |p| vcs.extend(p.iter().filter(|f| fdtable::is_managed(f.fd)).map(|f| f.fd)));
-    let seen = wait_enter(&vcs);
+    // The connections among the descriptors (on the stack for the usual few: this runs at
+    // every turn of a busy loop).
+    let mut near = [0 as c_int; 16];
+    let mut far: Vec<c_int> = Vec::new();
+    let mut nv = 0;
+    let mut polled = false;
+    fds.with(n, |p| {
+        for f in p.iter().filter(|f| fdtable::is_managed(f.fd)) {
+            polled |= POLLED.has(f.fd);
+            if nv < near.len() {
+                near[nv] = f.fd;
+            } else {
+                if far.is_empty() {
+                    far.extend_from_slice(&near);
+                }
+                far.push(f.fd);
+            }
+            nv += 1;
+        }
+    });
+    let vcs: &[c_int] = if nv <= near.len() { &near[..nv] } else { &far };
+    let seen = wait_enter(vcs);
     let r = wait(true, 0);
-    wait_leave(&vcs);
+    wait_leave(vcs);
     let r = r?;
-    if !vcs.is_empty() {
+    if polled {
+        // (Only a set with a polled connection may be answered from the rings later.)
         looked_now();
     }
     if crate::sandbox::active() {
@@ -1167,19 +1187,27 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
             {
                 continue;
             }
-            let Some(vc) = fdtable::vc(f.fd) else { continue };
-            if !vc.bells_only() {
+            // (A look under the table's read lock, without a count on the connection: most
+            // connections in such a loop are on TCP, and this runs at every turn.)
+            let Some((held, bytes, shut)) = fdtable::with_vc(f.fd, |vc| {
+                vc.bells_only().then(|| {
+                    let rdhup = f.events & libc::POLLRDHUP != 0;
+                    let new = !POLLED.has(f.fd) && vc.held_here_only();
+                    (new, vc.scan_ready(false), rdhup && vc.shm_peer_shut())
+                })
+            })
+            .flatten() else {
                 continue;
-            }
-            if !POLLED.has(f.fd) && vc.held_here_only() && !registered(f.fd) {
+            };
+            if held && !registered(f.fd) {
                 POLLED.set(f.fd);
             }
-            if vc.scan_ready(false) {
+            if bytes {
                 if f.revents == 0 {
                     k += 1;
                 }
                 f.revents |= libc::POLLIN;
-                if f.events & libc::POLLRDHUP != 0 && vc.shm_peer_shut() {
+                if shut {
                     f.revents |= libc::POLLRDHUP;
                 }
             }
@@ -1229,9 +1257,6 @@ fn looked_now() {
 /// an event that another thread or process caused in that interval; the next look reports
 /// it, as a call made a moment later would. `None`: ask the kernel.
 fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
-    if !looked_lately() {
-        return None;
-    }
     let n = fds.len();
     fds.with(n, |p| {
         let mut any = false;
@@ -1244,7 +1269,8 @@ fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
             }
             any |= POLLED.has(f.fd);
         }
-        if !any {
+        // (The clock last: a loop over connections on TCP reads none.)
+        if !any || !looked_lately() {
             return None;
         }
         let mut ready = [false; 64];
