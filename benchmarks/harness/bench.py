@@ -906,7 +906,30 @@ class Harness:
         r = quiet(host.wrap(["ss", "-Hltn", f"sport = :{port}"]), timeout=5)
         return bool(r.stdout.strip())
 
+    def settled(self, timeout: float = 10.0) -> None:
+        """Before a native repetition: waits until the agents list no virtual connection (the
+        layered repetition before may still be closing its own), so that the check of
+        native runs sees only theirs; says so when some stay."""
+        if self.agents is None or self.agent_error:
+            return
+        hosts = [self.client] if self.client.name == self.server.name else [self.client, self.server]
+        deadline = time.monotonic() + timeout
+        left = 0
+        while True:
+            left = 0
+            for h in hosts:
+                st = self.agents.status(h)
+                conns = st.get("connections") if isinstance(st, dict) else None
+                left += len(conns) if isinstance(conns, list) else 0
+            if left == 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if left:
+            log(f"{left} virtual connection(s) still listed {timeout:.0f} s after the layered run")
+
     def serve(self, name: str, mode: str, argv: list[str], port: int, tag: str) -> subprocess.Popen:
+        if mode == NATIVE:
+            self.settled()
         if mode == LAYER:
             if self.agent_error:
                 raise BenchError(f"no agent, layered run skipped ({self.agent_error})")
