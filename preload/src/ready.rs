@@ -47,7 +47,7 @@ use crate::sys::prog::ProgArray;
 use crate::vc::Vc;
 use libc::c_int;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::Arc;
 use std::sync::{Mutex, RwLock};
 
@@ -1222,12 +1222,20 @@ thread_local! {
     static LOOKED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+/// Set once a thread of this process answered a zero-time-out wait from the rings alone
+/// may happen ([`looked_now`] stored a time): until then no call needs [`kernel_touched`]'s
+/// thread-local store (every call the layer hands to libc makes it, and a thread-local of
+/// this library costs a call to `__tls_get_addr`).
+static LOOKING: AtomicBool = AtomicBool::new(false);
+
 /// The thread made a call the kernel carried that may make one of its own descriptors
 /// ready (a write to a pipe, a close): its next zero-time-out wait asks the kernel, so
 /// that it sees what the thread itself caused.
 #[inline]
 pub fn kernel_touched() {
-    let _ = LOOKED.try_with(|c| c.set(0));
+    if LOOKING.load(Relaxed) {
+        let _ = LOOKED.try_with(|c| c.set(0));
+    }
 }
 
 /// True when this thread's last zero-time-out wait on connections asked the kernel less
@@ -1245,6 +1253,9 @@ fn looked_lately() -> bool {
 /// A zero-time-out wait asks (or asked) the kernel now.
 fn looked_now() {
     if crate::config::poll_look_us() > 0 {
+        if !LOOKING.load(Relaxed) {
+            LOOKING.store(true, Relaxed);
+        }
         let _ = LOOKED.try_with(|c| c.set(sys::now_us()));
     }
 }
