@@ -421,7 +421,7 @@ mod tests {
 
     #[test]
     fn what_a_full_socket_refuses_is_not_counted_and_the_stream_stays_whole() {
-        turn_on();
+        turn_on(false);
         let (c, s) = pair();
         c.set_nonblocking(true).expect("nonblocking");
         for (fd, opt) in [(c.as_raw_fd(), libc::SO_SNDBUF), (s.as_raw_fd(), libc::SO_RCVBUF)] {
@@ -470,7 +470,7 @@ mod tests {
 
     #[test]
     fn a_dead_peer_gives_epipe_and_no_sigpipe() {
-        turn_on();
+        turn_on(false);
         // SIGPIPE at its default action: one that escaped the call would end this process.
         // SAFETY: setting a signal's disposition to its default.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
