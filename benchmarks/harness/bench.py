@@ -2092,38 +2092,25 @@ class Report:
             lay = [r["conns_per_sec"] for r in self.by("connrate", LAYER)]
             add("connrate", "connection set-up, sequential (conn/s)", nat, lay, TARGET_CONNRATE_RATIO, 0)
             rows += self.check_rows("connrate", len(hdr)) + self.error_rows("connrate", len(hdr))
-        if self.b("mpi"):
-            nat = [r["bw1m_mbps"] for r in self.by("mpi", NATIVE)]
-            lay = [r["bw1m_mbps"] for r in self.by("mpi", LAYER)]
-            add("mpi_bw1m", "Open MPI NetPIPE 1 MiB (Mbit/s)", nat, lay, TARGET_MPI_RATIO, 0)
+        for bname, label, digits in (("mpi", "Open MPI NetPIPE", 1),
+                                     ("mpich", "MPICH (UCX over TCP) ping-pong", 2)):
+            if not self.b(bname):
+                continue
+            nat = [r["bw1m_mbps"] for r in self.by(bname, NATIVE)]
+            lay = [r["bw1m_mbps"] for r in self.by(bname, LAYER)]
+            add(f"{bname}_bw1m", f"{label} 1 MiB (Mbit/s)", nat, lay, TARGET_MPI_RATIO, 0)
             # Latency: lower is better; the ratio shown is native/layer so >= target passes.
-            nat = [r["lat8_us"] for r in self.by("mpi", NATIVE)]
-            lay = [r["lat8_us"] for r in self.by("mpi", LAYER)]
+            nat = [r["lat8_us"] for r in self.by(bname, NATIVE)]
+            lay = [r["lat8_us"] for r in self.by(bname, LAYER)]
             r8 = ratio(med(nat), med(lay))
             v8 = verdict(r8, TARGET_MPI_LAT8_RATIO, True)
-            summ["mpi_lat8"] = {"native": med(nat), "layer": med(lay), "ratio": r8,
-                                "target": TARGET_MPI_LAT8_RATIO, "verdict": v8,
-                                "native_reps": nat, "layer_reps": lay}
-            rows.append(["Open MPI NetPIPE 8 B one way (us; ratio native/layer)",
-                         fmt_spread(nat, 1), fmt_spread(lay, 1), fmt(r8, 3),
+            summ[f"{bname}_lat8"] = {"native": med(nat), "layer": med(lay), "ratio": r8,
+                                     "target": TARGET_MPI_LAT8_RATIO, "verdict": v8,
+                                     "native_reps": nat, "layer_reps": lay}
+            rows.append([f"{label} 8 B one way (us; ratio native/layer)",
+                         fmt_spread(nat, digits), fmt_spread(lay, digits), fmt(r8, 3),
                          f">= {TARGET_MPI_LAT8_RATIO:.2f}", v8])
-            rows += self.check_rows("mpi", len(hdr)) + self.error_rows("mpi", len(hdr))
-        if self.b("mpich"):
-            nat = [r["bw1m_mbps"] for r in self.by("mpich", NATIVE)]
-            lay = [r["bw1m_mbps"] for r in self.by("mpich", LAYER)]
-            add("mpich_bw1m", "MPICH (UCX over TCP) ping-pong 1 MiB (Mbit/s)", nat, lay,
-                TARGET_MPI_RATIO, 0)
-            nat = [r["lat8_us"] for r in self.by("mpich", NATIVE)]
-            lay = [r["lat8_us"] for r in self.by("mpich", LAYER)]
-            r8 = ratio(med(nat), med(lay))
-            v8 = verdict(r8, TARGET_MPI_LAT8_RATIO, True)
-            summ["mpich_lat8"] = {"native": med(nat), "layer": med(lay), "ratio": r8,
-                                  "target": TARGET_MPI_LAT8_RATIO, "verdict": v8,
-                                  "native_reps": nat, "layer_reps": lay}
-            rows.append(["MPICH (UCX over TCP) ping-pong 8 B one way (us; ratio native/layer)",
-                         fmt_spread(nat, 2), fmt_spread(lay, 2), fmt(r8, 3),
-                         f">= {TARGET_MPI_LAT8_RATIO:.2f}", v8])
-            rows += self.check_rows("mpich", len(hdr)) + self.error_rows("mpich", len(hdr))
+            rows += self.check_rows(bname, len(hdr)) + self.error_rows(bname, len(hdr))
         if not rows:
             return
         self.lines += ["## Throughput and rates",

@@ -1060,7 +1060,7 @@ fn scan_in(r: &Regs, epfd: c_int, found: &mut [(u64, u32)], sleep: bool) -> usiz
         if (m.fd as usize) >= SCAN_FDS || SCAN_EPFD[m.fd as usize].load(Relaxed) != me {
             continue;
         }
-        if m.vc.scan_ready_at(m.fd, sleep) && k < found.len() {
+        if m.vc.scan_ready(m.fd, sleep) && k < found.len() {
             let rdhup = if m.events & RDHUP != 0 && m.vc.shm_peer_shut() { RDHUP } else { 0 };
             found[k] = (m.data, m.events & IN_BITS | rdhup);
             k += 1;
@@ -1193,7 +1193,7 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
                 vc.bells_only().then(|| {
                     let rdhup = f.events & libc::POLLRDHUP != 0;
                     let new = !POLLED.has(f.fd) && vc.held_here_only();
-                    (new, vc.scan_ready(false), rdhup && vc.shm_peer_shut())
+                    (new, vc.scan_ready(f.fd, false), rdhup && vc.shm_peer_shut())
                 })
             })
             .flatten() else {
@@ -1222,10 +1222,10 @@ thread_local! {
     static LOOKED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Set once a thread of this process answered a zero-time-out wait from the rings alone
-/// may happen ([`looked_now`] stored a time): until then no call needs [`kernel_touched`]'s
-/// thread-local store (every call the layer hands to libc makes it, and a thread-local of
-/// this library costs a call to `__tls_get_addr`).
+/// Set when a thread of this process first marks a look ([`looked_now`]): only from then on
+/// may a zero-time-out wait be answered from the rings alone, so only then does a call need
+/// [`kernel_touched`]'s thread-local store (every call the layer hands to libc makes it, and
+/// a thread-local of this library costs a call to `__tls_get_addr`).
 static LOOKING: AtomicBool = AtomicBool::new(false);
 
 /// The thread made a call the kernel carried that may make one of its own descriptors
@@ -1292,8 +1292,12 @@ fn rings_only(fds: &mut ProgArray<libc::pollfd>) -> Option<c_int> {
             if f.fd < 0 || !POLLED.has(f.fd) {
                 continue;
             }
-            // (Whether it is still on shared memory and its ring, in one look at the table.)
-            let (shm, bytes) = fdtable::with_vc(f.fd, |vc| (vc.bells_only(), vc.scan_ready(false)))?;
+            // (Whether it is still on shared memory and its ring, in one look at the table; a
+            // pending link is not polled, so nothing settles under the table's lock.)
+            let (shm, bytes) = fdtable::with_vc(f.fd, |vc| {
+                let shm = vc.bells_only();
+                (shm, shm && vc.scan_ready(f.fd, false))
+            })?;
             if !shm {
                 return None;
             }

@@ -779,18 +779,13 @@ impl Vc {
         })
     }
 
-    /// For an epoll wait that scans this connection: true when its ring holds bytes (with
-    /// `sleep`, an empty ring is marked sleeping: the writer rings from now on).
-    pub fn scan_ready(&self, sleep: bool) -> bool {
-        self.shm_now().is_some_and(|l| l.scan_ready(sleep))
-    }
-
-    /// [`Vc::scan_ready`] for the scan of an epoll wait on descriptor `fd`, which first
-    /// takes the peer's answer to a shared-memory offer if it came: a scanned ring's bells
+    /// For a wait that looks at this connection's ring (descriptor `fd`): true when it holds
+    /// bytes (with `sleep`, an empty ring is marked sleeping: the writer rings from now on).
+    /// A link still pending takes the peer's answer first if it came: a scanned ring's bells
     /// go to its instance's bell, not through the socket, so the scan may be the only look
-    /// the program's thread takes at the connection (a busy loop that waits for input),
-    /// and a link left pending would never show its bytes.
-    pub fn scan_ready_at(&self, fd: i32, sleep: bool) -> bool {
+    /// the program's thread takes at the connection (a busy loop that waits for input), and
+    /// a link left pending would never show its bytes.
+    pub fn scan_ready(&self, fd: i32, sleep: bool) -> bool {
         self.shm_now().is_some_and(|l| {
             if l.mode() == shm_sink::Mode::Pending && l.answered() {
                 let _ = l.settle(fd, false, false);
