@@ -294,23 +294,25 @@ pub fn epoll_ctl(
     ev: &ProgCell<libc::epoll_event>,
     real: impl FnOnce() -> Real,
 ) -> Real {
-    let r = match fdtable::vc(fd) {
+    let vc = fdtable::vc(fd);
+    let r = match &vc {
         Some(vc) => vc.epoll_ctl(epfd, op, fd, || ev.get(), real),
         None => real(),
     }?;
-    if !fdtable::is_managed(fd) {
+    let managed = vc.is_some() || fdtable::is_managed(fd);
+    if !managed {
         // (Whether `fd` is an epoll instance nested in `epfd`.)
         const INPUT: u32 = (libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
         let input = ev.get().is_some_and(|e| e.events & INPUT != 0);
         crate::ready::note_nesting(epfd, op, fd, input);
     }
-    if fdtable::is_managed(fd) || crate::ready::tracking(epfd) {
+    if managed || crate::ready::tracking(epfd) {
         let (events, data) = match (op, ev.get()) {
             (libc::EPOLL_CTL_DEL, _) | (_, None) => (0, 0),
             (_, Some(e)) => (e.events, e.u64),
         };
         quietly(|| {
-            crate::ready::note_ctl(epfd, op, fd, events, data);
+            crate::ready::note_ctl(epfd, op, fd, vc.as_ref(), events, data);
             Some(())
         });
     }

@@ -139,7 +139,11 @@ pub fn note_closed_fd(fd: c_int) {
 
 /// Connections that stopped being scanned: whatever their rings hold is announced the
 /// usual way (a bell), as the next wait may not look at them.
+#[inline]
 fn announce_all(vcs: Vec<(c_int, Arc<Vc>)>) {
+    if vcs.is_empty() {
+        return;
+    }
     for (fd, vc) in vcs {
         crate::error::quietly(|| {
             vc.announce(fd);
@@ -241,10 +245,13 @@ type Map<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<WordHasher>>;
 struct Regs {
     /// (epoll fd, data) -> registration, and how many registrations use that data.
     by_data: Map<(c_int, u64), (Reg, u32)>,
-    /// (epoll fd, fd) -> data.
-    by_fd: Map<(c_int, c_int), u64>,
-    /// fd -> the epoll instances it is registered with.
-    instances: Map<c_int, Vec<c_int>>,
+    /// fd -> the epoll instances it is registered with, and the data of each. (An empty
+    /// list stays until `fd` is closed: programs that take a connection out of an instance
+    /// and put it back around every request, as redis-benchmark does, would otherwise free
+    /// and allocate it each time.)
+    per_fd: Map<c_int, Vec<(c_int, u64)>>,
+    /// How many registrations `per_fd` holds.
+    count: usize,
     /// epoll fd -> its registrations of virtual connections (the scan's list).
     members: Map<c_int, Vec<Member>>,
     /// An instance whose list just went past the bound (its members are to be rescanned).
@@ -258,8 +265,9 @@ impl Regs {
     /// Returns false when the change cannot change whether `fd` is scanned (the same
     /// registration with other events than input and one-shot: a program that asks for
     /// writability and then no more around each send).
-    fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64) -> bool {
-        if self.by_fd.get(&(epfd, fd)) == Some(&data) {
+    /// `vc` is the connection (`None`: not one, in the unit tests).
+    fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64, vc: Option<&Arc<Vc>>) -> bool {
+        if self.data_of(epfd, fd) == Some(data) {
             const SCAN_BITS: u32 = IN_BITS | libc::EPOLLONESHOT as u32;
             let mut same = true;
             if let Some((g, _)) = self.by_data.get_mut(&(epfd, data)) {
@@ -280,13 +288,13 @@ impl Regs {
         if *n > 1 {
             g.fd = AMBIGUOUS;
         }
-        self.by_fd.insert((epfd, fd), data);
-        self.instances.entry(fd).or_default().push(epfd);
+        self.per_fd.entry(fd).or_default().push((epfd, data));
+        self.count += 1;
         // (Only connections on shared memory: scanning is of no use to the others, and
         // keeping them out keeps `epoll_ctl` as cheap as before for them.)
-        if let Some(vc) = fdtable::vc(fd).filter(|v| v.shm_now().is_some()) {
+        if let Some(vc) = vc.filter(|v| v.shm_now().is_some()) {
             let v = self.members.entry(epfd).or_default();
-            v.push(Member { fd, data, events, vc });
+            v.push(Member { fd, data, events, vc: vc.clone() });
             if v.len() == scan_max() + 1 {
                 // Past the bound: none of the instance's connections is scanned any more
                 // (`note_ctl` announces them).
@@ -303,7 +311,7 @@ impl Regs {
         if (fd as usize) >= SCAN_FDS {
             return None;
         }
-        let &[epfd] = self.instances.get(&fd)?.as_slice() else { return None };
+        let &[(epfd, _)] = self.per_fd.get(&fd)?.as_slice() else { return None };
         if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || CONTAINED.get(epfd, Relaxed) == Some(true) {
             return None;
         }
@@ -396,8 +404,8 @@ impl Regs {
 
     /// Some registration of `fd` asks for input.
     fn wants_input(&self, fd: c_int) -> bool {
-        self.instances.get(&fd).is_some_and(|es| {
-            es.iter().any(|e| {
+        self.per_fd.get(&fd).is_some_and(|es| {
+            es.iter().any(|(e, _)| {
                 self.members
                     .get(e)
                     .and_then(|v| v.iter().find(|m| m.fd == fd))
@@ -427,17 +435,16 @@ impl Regs {
     /// one that came at set-up), and those that left it stop being members; each changed one
     /// is rescanned. Returned: the rings to announce (see `rescan`).
     fn follow_substrates(&mut self) -> Vec<(c_int, Arc<Vc>)> {
-        let fds: Vec<c_int> = self.instances.keys().copied().collect();
+        let fds: Vec<c_int> = self.per_fd.keys().copied().collect();
         let mut changed = Vec::new();
         for fd in fds {
             let vc = fdtable::vc(fd).filter(|v| v.shm_now().is_some());
-            let epfds = self.instances.get(&fd).cloned().unwrap_or_default();
+            let regs = self.per_fd.get(&fd).cloned().unwrap_or_default();
             let mut moved = false;
-            for epfd in epfds {
+            for (epfd, data) in regs {
                 let member = self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd));
                 match &vc {
                     Some(vc) if !member => {
-                        let Some(&data) = self.by_fd.get(&(epfd, fd)) else { continue };
                         // (A data value two registrations share keeps the first one's events:
                         // such a registration is never scanned anyway, see `scan_instance`.)
                         let events = self.by_data.get(&(epfd, data)).map_or(0, |(g, _)| g.events);
@@ -481,17 +488,14 @@ impl Regs {
     /// Forgets the registration of `fd` with `epfd` (`EPOLL_CTL_DEL`, a close, or a
     /// descriptor number now used by something else); true if there was one.
     fn forget(&mut self, epfd: c_int, fd: c_int) -> bool {
-        let Some(data) = self.by_fd.remove(&(epfd, fd)) else { return false };
+        let Some(v) = self.per_fd.get_mut(&fd) else { return false };
+        let Some(i) = v.iter().position(|r| r.0 == epfd) else { return false };
+        let (_, data) = v.swap_remove(i);
+        self.count -= 1;
         if let Some(v) = self.members.get_mut(&epfd) {
             v.retain(|m| m.fd != fd);
             if v.is_empty() {
                 self.members.remove(&epfd);
-            }
-        }
-        if let Some(v) = self.instances.get_mut(&fd) {
-            v.retain(|&e| e != epfd);
-            if v.is_empty() {
-                self.instances.remove(&fd);
             }
         }
         if let Some((g, n)) = self.by_data.get_mut(&(epfd, data)) {
@@ -500,7 +504,8 @@ impl Regs {
                 self.by_data.remove(&(epfd, data));
             } else if *n == 1 && g.fd == AMBIGUOUS {
                 // One registration is left with that data: it is known again.
-                if let Some((&(_, f), _)) = self.by_fd.iter().find(|&(&(e, _), &d)| e == epfd && d == data) {
+                let left = self.per_fd.iter().find(|(_, v)| v.contains(&(epfd, data)));
+                if let Some((&f, _)) = left {
                     g.fd = f;
                 }
             }
@@ -512,10 +517,14 @@ impl Regs {
     /// registered with it goes too. Returns how many went.
     fn close(&mut self, fd: c_int) -> usize {
         let mut gone = 0;
-        for e in self.instances.get(&fd).cloned().unwrap_or_default() {
+        let epfds: Vec<c_int> =
+            self.per_fd.get(&fd).map(|v| v.iter().map(|r| r.0).collect()).unwrap_or_default();
+        for e in epfds {
             gone += usize::from(self.forget(e, fd));
         }
-        let members: Vec<c_int> = self.by_fd.keys().filter(|&&(e, _)| e == fd).map(|&(_, f)| f).collect();
+        self.per_fd.remove(&fd);
+        let members: Vec<c_int> =
+            self.per_fd.iter().filter(|(_, v)| v.iter().any(|r| r.0 == fd)).map(|(&f, _)| f).collect();
         for f in members {
             gone += usize::from(self.forget(fd, f));
         }
@@ -528,7 +537,12 @@ impl Regs {
     }
 
     fn len(&self) -> usize {
-        self.by_fd.len()
+        self.count
+    }
+
+    /// The data of `fd`'s registration with `epfd`.
+    fn data_of(&self, epfd: c_int, fd: c_int) -> Option<u64> {
+        self.per_fd.get(&fd)?.iter().find(|r| r.0 == epfd).map(|r| r.1)
     }
 }
 
@@ -549,9 +563,9 @@ fn with_regs<T>(f: impl FnOnce(&mut Regs) -> T) -> T {
 }
 
 /// The program changed a registration (the call succeeded): remembers it when `fd` is a
-/// virtual connection, forgets it otherwise.
-pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
-    let virtual_fd = fdtable::vc(fd).is_some();
+/// virtual connection (`vc`, looked up by the caller), forgets it otherwise.
+pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events: u32, data: u64) {
+    let virtual_fd = vc.is_some();
     if !virtual_fd && !tracking(epfd) {
         return;
     }
@@ -565,7 +579,7 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
         // The same registration again (UCX changes its events at every send): one read lock.
         let g = REGS.read().unwrap_or_else(|e| e.into_inner());
         if g.as_ref().is_some_and(|r| {
-            r.by_fd.get(&(epfd, fd)) == Some(&data) && r.lookup(epfd, data) == Some(Reg { fd, events })
+            r.data_of(epfd, fd) == Some(data) && r.lookup(epfd, data) == Some(Reg { fd, events })
         }) {
             return;
         }
@@ -578,7 +592,7 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) {
         match op {
             libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
                 TRACKED_EPFD.set(epfd);
-                if !r.set(epfd, fd, events, data) {
+                if !r.set(epfd, fd, events, data, vc) {
                     return Vec::new();
                 }
             }
@@ -1175,7 +1189,7 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .as_ref()
-                .is_some_and(|g| g.instances.contains_key(&fd))
+                .is_some_and(|g| g.per_fd.get(&fd).is_some_and(|v| !v.is_empty()))
     };
     Ok(fds.with(n, |p| {
         let mut k = if r > 0 { filter_poll(p, r, seen) } else { 0 };
@@ -1473,15 +1487,15 @@ mod tests {
     #[test]
     fn registrations_are_found_by_their_data_and_forgotten_with_their_descriptor() {
         let mut r = Regs::default();
-        r.set(5, 10, 1, 0xa);
-        r.set(5, 11, 1, 0xb);
-        r.set(6, 10, 4, 0xa);
+        r.set(5, 10, 1, 0xa, None);
+        r.set(5, 11, 1, 0xb, None);
+        r.set(6, 10, 4, 0xa, None);
         assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: 1 }));
         assert_eq!(r.lookup(6, 0xa), Some(Reg { fd: 10, events: 4 }));
         // MOD with other events, then with other data.
-        r.set(5, 10, 5, 0xa);
+        r.set(5, 10, 5, 0xa, None);
         assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: 5 }));
-        r.set(5, 10, 5, 0xc);
+        r.set(5, 10, 5, 0xc, None);
         assert_eq!(r.lookup(5, 0xa), None);
         assert_eq!(r.lookup(5, 0xc), Some(Reg { fd: 10, events: 5 }));
         assert_eq!(r.len(), 3);
@@ -1493,14 +1507,14 @@ mod tests {
         // Closing the epoll instance forgets what it held.
         assert_eq!(r.close(5), 1);
         assert_eq!(r.len(), 0);
-        assert!(r.by_data.is_empty() && r.instances.is_empty());
+        assert!(r.by_data.is_empty() && r.per_fd.values().all(|v| v.is_empty()));
     }
 
     #[test]
     fn one_data_value_for_two_descriptors_is_not_trusted_until_one_goes() {
         let mut r = Regs::default();
-        r.set(5, 10, 1, 7);
-        r.set(5, 11, 1, 7);
+        r.set(5, 10, 1, 7, None);
+        r.set(5, 11, 1, 7, None);
         assert_eq!(r.lookup(5, 7), None, "an event with data 7 could be either");
         assert!(r.forget(5, 10));
         assert_eq!(r.lookup(5, 7), Some(Reg { fd: 11, events: 1 }));
@@ -1508,7 +1522,7 @@ mod tests {
         assert!(!r.forget(5, 11));
         assert!(r.by_data.is_empty());
         // The same data used again later is known.
-        r.set(5, 12, 1, 7);
+        r.set(5, 12, 1, 7, None);
         assert_eq!(r.lookup(5, 7), Some(Reg { fd: 12, events: 1 }));
     }
 

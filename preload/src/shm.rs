@@ -469,6 +469,19 @@ impl SharedConn {
     pub fn peek_rx<R>(&self, f: impl FnOnce(&RxState) -> R) -> R {
         self.rx.peek(f)
     }
+
+    /// One field of the send half, as [`peek_tx`](Self::peek_tx) reads it, in one load: the
+    /// field's offset (`std::mem::offset_of!(TxState, name)`) and the field (`|t| &t.name`).
+    #[inline]
+    pub fn peek_tx_field<R: crate::sys::cell::Plain>(&self, at: usize, field: fn(&TxState) -> &R) -> R {
+        self.tx.peek_field(at, field)
+    }
+
+    /// As [`peek_tx_field`](Self::peek_tx_field), for the receive half.
+    #[inline]
+    pub fn peek_rx_field<R: crate::sys::cell::Plain>(&self, at: usize, field: fn(&RxState) -> &R) -> R {
+        self.rx.peek_field(at, field)
+    }
 }
 
 impl ConnMem {

@@ -1000,7 +1000,11 @@ impl Vc {
     /// on kernel TCP).
     pub fn filtered(&self) -> bool {
         let c = self.mem.conn();
-        c.coding.load(Acquire) != 0 || c.careful.load(Acquire) != 0 || c.peek_tx(|tx| tx.offer_no != 0)
+        c.coding.load(Acquire) != 0
+            || c.careful.load(Acquire) != 0
+            || c.peek_tx_field(std::mem::offset_of!(substrate::reliability::TxState, offer_no), |t| {
+                &t.offer_no
+            }) != 0
     }
 
     /// The last close of a connection over shared memory: a replay still owed to the ring
