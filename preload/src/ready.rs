@@ -240,6 +240,20 @@ impl std::hash::Hasher for WordHasher {
 
 type Map<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<WordHasher>>;
 
+/// One registration of a connection with an epoll instance, as `Regs::per_fd` keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FdReg {
+    epfd: c_int,
+    data: u64,
+    /// False once the program took a connection on TCP out of the instance
+    /// (`EPOLL_CTL_DEL`): the registration is kept, dormant, with its place in `by_data`, so
+    /// that putting it back with the same data (event loops do it around every request)
+    /// touches nothing else. A dormant registration is never scanned and never reported
+    /// by the kernel; another registration with its data in that instance, or its
+    /// descriptor closed, removes it for good.
+    live: bool,
+}
+
 /// The registrations of virtual connections, three ways.
 #[derive(Default)]
 struct Regs {
@@ -249,8 +263,8 @@ struct Regs {
     /// list stays until `fd` is closed: programs that take a connection out of an instance
     /// and put it back around every request, as redis-benchmark does, would otherwise free
     /// and allocate it each time.)
-    per_fd: Map<c_int, Vec<(c_int, u64)>>,
-    /// How many registrations `per_fd` holds.
+    per_fd: Map<c_int, Vec<FdReg>>,
+    /// How many registrations `per_fd` holds (dormant ones too).
     count: usize,
     /// epoll fd -> its registrations of virtual connections (the scan's list).
     members: Map<c_int, Vec<Member>>,
@@ -267,9 +281,12 @@ impl Regs {
     /// writability and then no more around each send).
     /// `vc` is the connection (`None`: not one, in the unit tests).
     fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64, vc: Option<&Arc<Vc>>) -> bool {
-        if self.data_of(epfd, fd) == Some(data) {
+        let on_shm = vc.is_some_and(|v| v.shm_now().is_some());
+        if let Some(r) = self.reg_mut(epfd, fd).filter(|r| r.data == data && (r.live || !on_shm)) {
             const SCAN_BITS: u32 = IN_BITS | libc::EPOLLONESHOT as u32;
-            let mut same = true;
+            // (A dormant registration put back: live again; scanning may change.)
+            let mut same = r.live;
+            r.live = true;
             if let Some((g, _)) = self.by_data.get_mut(&(epfd, data)) {
                 if g.fd == fd {
                     same &= g.events & SCAN_BITS == events & SCAN_BITS;
@@ -283,16 +300,17 @@ impl Regs {
             return !same;
         }
         self.forget(epfd, fd);
+        self.end_dormant(epfd, data);
         let (g, n) = self.by_data.entry((epfd, data)).or_insert((Reg { fd, events }, 0));
         *n += 1;
         if *n > 1 {
             g.fd = AMBIGUOUS;
         }
-        self.per_fd.entry(fd).or_default().push((epfd, data));
+        self.per_fd.entry(fd).or_default().push(FdReg { epfd, data, live: true });
         self.count += 1;
         // (Only connections on shared memory: scanning is of no use to the others, and
         // keeping them out keeps `epoll_ctl` as cheap as before for them.)
-        if let Some(vc) = vc.filter(|v| v.shm_now().is_some()) {
+        if let Some(vc) = vc.filter(|_| on_shm) {
             let v = self.members.entry(epfd).or_default();
             v.push(Member { fd, data, events, vc: vc.clone() });
             if v.len() == scan_max() + 1 {
@@ -311,7 +329,7 @@ impl Regs {
         if (fd as usize) >= SCAN_FDS {
             return None;
         }
-        let &[(epfd, _)] = self.per_fd.get(&fd)?.as_slice() else { return None };
+        let &[FdReg { epfd, live: true, .. }] = self.per_fd.get(&fd)?.as_slice() else { return None };
         if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || CONTAINED.get(epfd, Relaxed) == Some(true) {
             return None;
         }
@@ -405,7 +423,7 @@ impl Regs {
     /// Some registration of `fd` asks for input.
     fn wants_input(&self, fd: c_int) -> bool {
         self.per_fd.get(&fd).is_some_and(|es| {
-            es.iter().any(|(e, _)| {
+            es.iter().any(|FdReg { epfd: e, .. }| {
                 self.members
                     .get(e)
                     .and_then(|v| v.iter().find(|m| m.fd == fd))
@@ -441,7 +459,8 @@ impl Regs {
             let vc = fdtable::vc(fd).filter(|v| v.shm_now().is_some());
             let regs = self.per_fd.get(&fd).cloned().unwrap_or_default();
             let mut moved = false;
-            for (epfd, data) in regs {
+            // (A dormant registration joins when it is put back.)
+            for FdReg { epfd, data, .. } in regs.into_iter().filter(|r| r.live) {
                 let member = self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd));
                 match &vc {
                     Some(vc) if !member => {
@@ -489,8 +508,8 @@ impl Regs {
     /// descriptor number now used by something else); true if there was one.
     fn forget(&mut self, epfd: c_int, fd: c_int) -> bool {
         let Some(v) = self.per_fd.get_mut(&fd) else { return false };
-        let Some(i) = v.iter().position(|r| r.0 == epfd) else { return false };
-        let (_, data) = v.swap_remove(i);
+        let Some(i) = v.iter().position(|r| r.epfd == epfd) else { return false };
+        let FdReg { data, .. } = v.swap_remove(i);
         self.count -= 1;
         if let Some(v) = self.members.get_mut(&epfd) {
             v.retain(|m| m.fd != fd);
@@ -504,7 +523,8 @@ impl Regs {
                 self.by_data.remove(&(epfd, data));
             } else if *n == 1 && g.fd == AMBIGUOUS {
                 // One registration is left with that data: it is known again.
-                let left = self.per_fd.iter().find(|(_, v)| v.contains(&(epfd, data)));
+                let left =
+                    self.per_fd.iter().find(|(_, v)| v.iter().any(|r| r.epfd == epfd && r.data == data));
                 if let Some((&f, _)) = left {
                     g.fd = f;
                 }
@@ -518,13 +538,13 @@ impl Regs {
     fn close(&mut self, fd: c_int) -> usize {
         let mut gone = 0;
         let epfds: Vec<c_int> =
-            self.per_fd.get(&fd).map(|v| v.iter().map(|r| r.0).collect()).unwrap_or_default();
+            self.per_fd.get(&fd).map(|v| v.iter().map(|r| r.epfd).collect()).unwrap_or_default();
         for e in epfds {
             gone += usize::from(self.forget(e, fd));
         }
         self.per_fd.remove(&fd);
         let members: Vec<c_int> =
-            self.per_fd.iter().filter(|(_, v)| v.iter().any(|r| r.0 == fd)).map(|(&f, _)| f).collect();
+            self.per_fd.iter().filter(|(_, v)| v.iter().any(|r| r.epfd == fd)).map(|(&f, _)| f).collect();
         for f in members {
             gone += usize::from(self.forget(fd, f));
         }
@@ -540,9 +560,43 @@ impl Regs {
         self.count
     }
 
-    /// The data of `fd`'s registration with `epfd`.
+    /// The data of `fd`'s live registration with `epfd`.
     fn data_of(&self, epfd: c_int, fd: c_int) -> Option<u64> {
-        self.per_fd.get(&fd)?.iter().find(|r| r.0 == epfd).map(|r| r.1)
+        self.per_fd.get(&fd)?.iter().find(|r| r.epfd == epfd && r.live).map(|r| r.data)
+    }
+
+    /// `fd`'s registration with `epfd`, live or dormant.
+    fn reg_mut(&mut self, epfd: c_int, fd: c_int) -> Option<&mut FdReg> {
+        self.per_fd.get_mut(&fd)?.iter_mut().find(|r| r.epfd == epfd)
+    }
+
+    /// `EPOLL_CTL_DEL` of connection `fd` on TCP from `epfd`: the registration stays,
+    /// dormant (see `FdReg::live`), unless the instance scans it or it is a member of its
+    /// list (a connection on shared memory), which only [`forget`](Self::forget) undoes.
+    /// Returns false when it was not made dormant.
+    fn sleep(&mut self, epfd: c_int, fd: c_int) -> bool {
+        let scanned = (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0;
+        if scanned || self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd)) {
+            return false;
+        }
+        match self.reg_mut(epfd, fd) {
+            Some(r) if r.live => {
+                r.live = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Another registration takes `data` in `epfd`: a dormant one that had it goes for good
+    /// (its events would otherwise be taken for the newcomer's).
+    fn end_dormant(&mut self, epfd: c_int, data: u64) {
+        let Some(&(g, _)) = self.by_data.get(&(epfd, data)) else { return };
+        if g.fd != AMBIGUOUS
+            && self.per_fd.get(&g.fd).is_some_and(|v| v.iter().any(|r| r.epfd == epfd && !r.live))
+        {
+            self.forget(epfd, g.fd);
+        }
     }
 }
 
@@ -575,8 +629,9 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events:
         let again = with_regs(|r| r.drop_bell(epfd));
         announce_all(again);
     }
-    if virtual_fd && op != libc::EPOLL_CTL_DEL {
+    if virtual_fd && op == libc::EPOLL_CTL_MOD {
         // The same registration again (UCX changes its events at every send): one read lock.
+        // (Not for `ADD`: the kernel refuses a registration that is there.)
         let g = REGS.read().unwrap_or_else(|e| e.into_inner());
         if g.as_ref().is_some_and(|r| {
             r.data_of(epfd, fd) == Some(data) && r.lookup(epfd, data) == Some(Reg { fd, events })
@@ -595,6 +650,16 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events:
                 if !r.set(epfd, fd, events, data, vc) {
                     return Vec::new();
                 }
+            }
+            libc::EPOLL_CTL_DEL if vc.is_some_and(|v| v.shm_now().is_none()) && r.sleep(epfd, fd) => {
+                // (Dormant: nothing else changes, see `FdReg::live`.)
+                return Vec::new();
+            }
+            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
+                // Not a connection (a descriptor number now used by something else): its
+                // data is its own from now on.
+                r.forget(epfd, fd);
+                r.end_dormant(epfd, data);
             }
             _ => {
                 r.forget(epfd, fd);
@@ -1189,7 +1254,7 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .as_ref()
-                .is_some_and(|g| g.per_fd.get(&fd).is_some_and(|v| !v.is_empty()))
+                .is_some_and(|g| g.per_fd.get(&fd).is_some_and(|v| v.iter().any(|r| r.live)))
     };
     Ok(fds.with(n, |p| {
         let mut k = if r > 0 { filter_poll(p, r, seen) } else { 0 };
@@ -1508,6 +1573,41 @@ mod tests {
         assert_eq!(r.close(5), 1);
         assert_eq!(r.len(), 0);
         assert!(r.by_data.is_empty() && r.per_fd.values().all(|v| v.is_empty()));
+    }
+
+    #[test]
+    fn a_registration_taken_out_and_put_back_sleeps_in_between() {
+        let mut r = Regs::default();
+        r.set(5, 10, 1, 0xa, None);
+        assert!(r.sleep(5, 10));
+        assert!(!r.sleep(5, 10), "already dormant");
+        assert_eq!(r.data_of(5, 10), None, "not live");
+        assert_eq!(r.len(), 1);
+        // Put back with the same data: live again, and said to have changed.
+        assert!(r.set(5, 10, 4, 0xa, None));
+        assert_eq!(r.data_of(5, 10), Some(0xa));
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: 4 }));
+        // Put back with other data: the old data is free.
+        assert!(r.sleep(5, 10));
+        assert!(r.set(5, 10, 1, 0xb, None));
+        assert_eq!(r.lookup(5, 0xa), None);
+        assert_eq!(r.lookup(5, 0xb), Some(Reg { fd: 10, events: 1 }));
+        // Another descriptor takes a dormant one's data: the dormant one goes for good
+        // (not two registrations with one data value, which would be trusted for neither).
+        assert!(r.sleep(5, 10));
+        r.set(5, 11, 1, 0xb, None);
+        assert_eq!(r.lookup(5, 0xb), Some(Reg { fd: 11, events: 1 }));
+        assert!(r.reg_mut(5, 10).is_none());
+        // So does a descriptor that is not a connection (`end_dormant`, as `note_ctl` calls it).
+        assert!(r.sleep(5, 11));
+        r.end_dormant(5, 0xb);
+        assert_eq!(r.lookup(5, 0xb), None);
+        assert_eq!(r.len(), 0);
+        // A dormant registration goes with its descriptor.
+        r.set(6, 12, 1, 0xc, None);
+        assert!(r.sleep(6, 12));
+        assert_eq!(r.close(12), 1);
+        assert!(r.by_data.is_empty() && r.len() == 0);
     }
 
     #[test]
