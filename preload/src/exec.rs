@@ -33,7 +33,7 @@ fn save_unacked(ring: &[u8], tx: &TxState) -> i32 {
     if n == 0 {
         return -1;
     }
-    let (a, b) = ring_slices(ring, tx.acked, n);
+    let (a, b) = ring_slices(ring, tx.ring_pos(tx.acked), n);
     // A fresh memory file, without close-on-exec.
     let fd = crate::sys::fd::memfd_create(c"vmi-unacked", 0);
     if fd < 0 {

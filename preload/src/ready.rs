@@ -195,11 +195,24 @@ struct Member {
     vc: Arc<Vc>,
 }
 
-/// One registration: the descriptor and the events the program asked for.
+/// One registration: the descriptor and the events the program asked for. (Of a
+/// registration without `EPOLLONESHOT`, only the bits the layer looks at, `LOOKED_BITS`, are
+/// kept up to date: see `note_ctl`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Reg {
     fd: c_int,
     events: u32,
+}
+
+/// The events of a registration the layer looks at: input and the peer's end (what it
+/// checks and reports) and one-shot (what it arms again).
+const LOOKED_BITS: u32 = IN_BITS | RDHUP | libc::EPOLLONESHOT as u32;
+
+/// True when a registration's events changing from `old` to `new` changes nothing the
+/// layer looks at (a program that asks for writability around each send, as wrk and UCX
+/// do). A one-shot registration is armed again with its events, so all of them count.
+fn same_to_the_layer(old: u32, new: u32) -> bool {
+    old == new || (old & LOOKED_BITS == new & LOOKED_BITS && old & libc::EPOLLONESHOT as u32 == 0)
 }
 
 /// A data value used by two registrations of one instance: the event cannot be told apart.
@@ -630,11 +643,13 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events:
         announce_all(again);
     }
     if virtual_fd && op == libc::EPOLL_CTL_MOD {
-        // The same registration again (UCX changes its events at every send): one read lock.
-        // (Not for `ADD`: the kernel refuses a registration that is there.)
+        // The same registration again, or changed only in bits the layer never looks at
+        // (UCX and wrk ask for writability and then no more around every send): one read
+        // lock. (Not for `ADD`: the kernel refuses a registration that is there.)
         let g = REGS.read().unwrap_or_else(|e| e.into_inner());
         if g.as_ref().is_some_and(|r| {
-            r.data_of(epfd, fd) == Some(data) && r.lookup(epfd, data) == Some(Reg { fd, events })
+            r.data_of(epfd, fd) == Some(data)
+                && r.lookup(epfd, data).is_some_and(|g| g.fd == fd && same_to_the_layer(g.events, events))
         }) {
             return;
         }
@@ -1573,6 +1588,17 @@ mod tests {
         assert_eq!(r.close(5), 1);
         assert_eq!(r.len(), 0);
         assert!(r.by_data.is_empty() && r.per_fd.values().all(|v| v.is_empty()));
+    }
+
+    #[test]
+    fn writability_alone_changes_nothing_the_layer_looks_at() {
+        let (i, o, h, one) = (libc::EPOLLIN as u32, libc::EPOLLOUT as u32, RDHUP, libc::EPOLLONESHOT as u32);
+        assert!(same_to_the_layer(i, i | o));
+        assert!(same_to_the_layer(i | o, i));
+        assert!(!same_to_the_layer(i, o), "input asked for no more");
+        assert!(!same_to_the_layer(i, i | h), "the peer's end asked for");
+        assert!(!same_to_the_layer(i | one, i | o | one), "a one-shot one is armed again with all of them");
+        assert!(same_to_the_layer(i | one, i | one));
     }
 
     #[test]

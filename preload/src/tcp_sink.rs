@@ -206,7 +206,7 @@ fn write_plan<'a>(fd: c_int, plan: &Plan, app: impl AppBytes<'a>, ring: &[u8], f
     let flags = flags | libc::MSG_NOSIGNAL;
     let (a, b) = match plan.source {
         Source::App => (app.parts().first().map_or(&[][..], |p| &p[..plan.payload.min(p.len())]), &[][..]),
-        Source::Ring(seq) => ring_slices(ring, seq, plan.payload),
+        Source::Ring(seq) => ring_slices(ring, plan.ring_pos(seq), plan.payload),
         // (Coded frames, offers and answers with a key share go through `write_coded`.)
         Source::Coded { .. } | Source::Spec { .. } | Source::Share { .. } => (&[][..], &[][..]),
     };
@@ -260,7 +260,7 @@ fn frame_parts<'s, 'a: 's>(
             app.parts().iter().for_each(|p| put(p))
         }
         Source::Ring(seq) => {
-            let (a, b) = ring_slices(ring, seq, plan.payload);
+            let (a, b) = ring_slices(ring, plan.ring_pos(seq), plan.payload);
             put(a);
             put(b);
         }
@@ -1047,7 +1047,7 @@ fn splice_slow<'a>(
     if plan.source == Source::App {
         let mut seq = at;
         for p in app.take(plan.payload).parts() {
-            ring_write(ring, seq, p);
+            ring_write(ring, tx.ring_pos(seq), p);
             seq += p.len() as u64;
         }
     }
@@ -1055,7 +1055,7 @@ fn splice_slow<'a>(
     if hi > c.spliced_hi.load(Relaxed) {
         c.spliced_hi.store(hi, Relaxed);
     }
-    let (a, b) = ring_slices(ring, at, plan.payload);
+    let (a, b) = ring_slices(ring, tx.ring_pos(at), plan.payload);
     sys::splice::send(&pipe, fd, plan.header_bytes(), [a, b], flags & libc::MSG_MORE != 0)
 }
 
@@ -1067,7 +1067,7 @@ fn splice_slow<'a>(
 fn release_spliced(mem: ConnMem, tx: &TxState, ring: &mut [u8]) {
     let keep_len = (tx.next_seq - tx.wire_seq) as usize;
     let keep = {
-        let (a, b) = ring_slices(ring, tx.wire_seq, keep_len);
+        let (a, b) = ring_slices(ring, tx.ring_pos(tx.wire_seq), keep_len);
         [a, b].concat()
     };
     if !sys::splice::release_ring(ring) {
@@ -1076,7 +1076,7 @@ fn release_spliced(mem: ConnMem, tx: &TxState, ring: &mut [u8]) {
              bytes the kernel still holds by reference may change"
         ));
     }
-    ring_write(ring, tx.wire_seq, &keep);
+    ring_write(ring, tx.ring_pos(tx.wire_seq), &keep);
     mem.conn().spliced_hi.store(0, Relaxed);
     log::info(format_args!(
         "virtual connection {:032x}: the peer's socket ended with {} spliced bytes unacknowledged; \
@@ -1745,7 +1745,7 @@ fn make_coded(
         match source {
             Source::App | Source::Coded { app: true, .. } => v.extend_from_slice(&app[..len]),
             Source::Coded { raw_seq, app: false, .. } | Source::Ring(raw_seq) => {
-                let (a, b) = ring_slices(ring, raw_seq, len);
+                let (a, b) = ring_slices(ring, tx.ring_pos(raw_seq), len);
                 v.extend_from_slice(a);
                 v.extend_from_slice(b);
             }
@@ -1758,7 +1758,7 @@ fn make_coded(
         // compressors) goes plain: no copy into a coded frame here, none out of it there.
         let head = match plan.source {
             Source::App => Some(&app[..plan.payload]),
-            Source::Ring(at) => Some(ring_slices(ring, at, plan.payload).0),
+            Source::Ring(at) => Some(ring_slices(ring, tx.ring_pos(at), plan.payload).0),
             _ => None,
         };
         if let Some(head) = head.filter(|_| !Chain::ids_keyed(ids)) {

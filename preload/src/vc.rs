@@ -422,7 +422,9 @@ impl Vc {
         match unacked {
             Some(b) => {
                 let mut g = c.tx_lock.lock();
-                vc.mem.with_tx_ring(&mut g, |_, ring| substrate::reliability::ring_write(ring, tx.acked, &b));
+                vc.mem.with_tx_ring(&mut g, |_, ring| {
+                    substrate::reliability::ring_write(ring, tx.ring_pos(tx.acked), &b)
+                });
             }
             None => {
                 lost = tx.replaying() || tx.in_frame();

@@ -71,7 +71,7 @@ impl End {
         match source {
             Source::App | Source::Coded { app: true, .. } => app[..len].to_vec(),
             Source::Ring(at) | Source::Coded { raw_seq: at, .. } => {
-                let (a, b) = ring_slices(&self.ring, at, len);
+                let (a, b) = ring_slices(&self.ring, self.tx.ring_pos(at), len);
                 [a, b].concat()
             }
             Source::Spec { .. } | Source::Share { .. } => Vec::new(),
@@ -145,7 +145,7 @@ impl End {
         match plan.source {
             Source::App => bytes.extend_from_slice(&app[..plan.payload]),
             Source::Ring(seq) => {
-                let (a, b) = ring_slices(&self.ring, seq, plan.payload);
+                let (a, b) = ring_slices(&self.ring, plan.ring_pos(seq), plan.payload);
                 bytes.extend_from_slice(a);
                 bytes.extend_from_slice(b);
             }

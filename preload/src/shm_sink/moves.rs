@@ -35,7 +35,7 @@ impl ShmLink {
                     let from = tx.next_seq;
                     let mut bytes = vec![0u8; (sent - from) as usize];
                     self.tx.copy_written(from - tx_base, &mut bytes).map_err(|e| e.to_string())?;
-                    substrate::reliability::ring_write(ring, from, &bytes);
+                    substrate::reliability::ring_write(ring, tx.ring_pos(from), &bytes);
                     tx.next_seq = sent;
                 }
                 tx.acked = tx.acked.max(peer_has).min(tx.next_seq);
@@ -79,7 +79,7 @@ impl ShmLink {
                 if n == 0 {
                     break;
                 }
-                let (a, b) = substrate::reliability::ring_slices(ring, tx.wire_seq, n);
+                let (a, b) = substrate::reliability::ring_slices(ring, tx.ring_pos(tx.wire_seq), n);
                 for part in [a, b] {
                     let w = self.tx.write(part).map_err(|_| corrupt())?;
                     tx.wire_seq += w as u64;

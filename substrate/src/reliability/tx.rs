@@ -94,9 +94,18 @@ pub struct Plan {
     pub payload: usize,
     /// Where those payload bytes come from.
     pub source: Source,
+    /// The stream offset at the ring's first byte when the plan was made (see
+    /// [`TxState::ring_pos`]).
+    pub ring_base: u64,
 }
 
 impl Plan {
+    /// Where stream offset `seq` is in the ring, as [`TxState::ring_pos`] says.
+    #[inline]
+    pub fn ring_pos(&self, seq: u64) -> u64 {
+        seq.wrapping_sub(self.ring_base)
+    }
+
     /// The header bytes still to write.
     pub fn header_bytes(&self) -> &[u8] {
         &self.header[HEADER_LEN - self.header_len..]
@@ -192,6 +201,15 @@ pub struct TxState {
     /// keyed, the stream is sealed: its Fin, and an offer that would turn the sealing off,
     /// carry a tag under its key.
     tail_chain: u32,
+    /// The stream offset stored at the ring's first byte (see [`ring_pos`](Self::ring_pos)):
+    /// moved up to `next_seq` whenever the ring is empty as a new frame begins, so that a
+    /// connection whose bytes are acknowledged between messages (request and response)
+    /// keeps writing the same first pages of its ring, warm in the cache, instead of
+    /// walking through all of it (every page of which, in memory shared with other
+    /// processes, costs a page fault the first time it is written: one per 4 KiB message
+    /// until the ring has gone round once). Not carried across `exec`: the ring's bytes are,
+    /// written again at the new image's own positions.
+    ring_base: u64,
 }
 
 impl TxState {
@@ -408,7 +426,15 @@ impl TxState {
             keyed_ms: 0,
             rekey: 0,
             tail_chain: 0,
+            ring_base: 0,
         }
+    }
+
+    /// Where stream offset `seq` is in the ring (modulo its length): every read and write
+    /// of ring bytes goes through this (or [`Plan::ring_pos`]).
+    #[inline]
+    pub fn ring_pos(&self, seq: u64) -> u64 {
+        seq.wrapping_sub(self.ring_base)
     }
 
     /// Our chain number of stream offset `seq`, and where the next chain begins.
@@ -749,6 +775,7 @@ impl TxState {
             header_len: HEADER_LEN - self.owed_header_off as usize,
             payload,
             source,
+            ring_base: self.ring_base,
         }
     }
 
@@ -767,6 +794,10 @@ impl TxState {
         }
         if self.replaying() {
             return Err(Blocked::Replaying);
+        }
+        if self.acked == self.next_seq {
+            // The ring holds nothing: the new frame's bytes go to its first byte.
+            self.ring_base = self.next_seq;
         }
         let mut len = (app_len as u64).min(MAX_PAYLOAD as u64).min(self.space(hard));
         if self.chain_cur != 0 {
@@ -905,7 +936,7 @@ impl TxState {
                 // the ring), and what the link did not take yet goes out from the ring. A
                 // frame is never left waiting for the application's next call (which may
                 // never come), so the peer never sits in the middle of a frame.
-                to_ring(app.take(plan.payload), ring, self.next_seq, &copy);
+                to_ring(app.take(plan.payload), ring, self.ring_pos(self.next_seq), &copy);
                 self.next_seq += plan.payload as u64;
                 self.wire_seq += pw as u64;
                 if plan.payload > 0 {
@@ -926,7 +957,7 @@ impl TxState {
                     self.tail_chain = chain as u32;
                     // As for a plain frame: the raw bytes are accepted whole, and what the
                     // link did not take yet is coded again from the ring.
-                    to_ring(app.take(raw_len), ring, self.next_seq, &copy);
+                    to_ring(app.take(raw_len), ring, self.ring_pos(self.next_seq), &copy);
                     self.next_seq += raw_len as u64;
                     raw_len
                 } else {
@@ -1027,18 +1058,19 @@ impl TxState {
     }
 }
 
-/// Copies `data` into the ring at stream offset `seq` (wrapping).
-pub fn ring_write(ring: &mut [u8], seq: u64, data: &[u8]) {
-    ring_write_with(ring, seq, data, |d, s| d.copy_from_slice(s))
+/// Copies `data` into the ring at position `pos` (wrapping): a stream offset through
+/// [`TxState::ring_pos`] or [`Plan::ring_pos`].
+pub fn ring_write(ring: &mut [u8], pos: u64, data: &[u8]) {
+    ring_write_with(ring, pos, data, |d, s| d.copy_from_slice(s))
 }
 
 /// [`ring_write`] with the caller's copy routine.
-pub fn ring_write_with(ring: &mut [u8], seq: u64, data: &[u8], copy: impl Fn(&mut [u8], &[u8])) {
+pub fn ring_write_with(ring: &mut [u8], pos: u64, data: &[u8], copy: impl Fn(&mut [u8], &[u8])) {
     if data.is_empty() {
         return;
     }
     let cap = ring.len();
-    let at = (seq % cap as u64) as usize;
+    let at = (pos % cap as u64) as usize;
     let first = data.len().min(cap - at);
     copy(&mut ring[at..at + first], &data[..first]);
     if first < data.len() {
@@ -1190,19 +1222,21 @@ impl<'a> AppBytes<'a> for Gather<'a> {
     }
 }
 
-/// Writes `app`'s bytes into `ring` at stream offset `seq` with `copy`.
+/// Writes `app`'s bytes into `ring` at ring position `pos` (see [`TxState::ring_pos`]) with
+/// `copy`.
 #[inline]
-fn to_ring<'a>(app: impl AppBytes<'a>, ring: &mut [u8], mut seq: u64, copy: &impl Fn(&mut [u8], &[u8])) {
+fn to_ring<'a>(app: impl AppBytes<'a>, ring: &mut [u8], mut pos: u64, copy: &impl Fn(&mut [u8], &[u8])) {
     for p in app.parts() {
-        ring_write_with(ring, seq, p, copy);
-        seq += p.len() as u64;
+        ring_write_with(ring, pos, p, copy);
+        pos += p.len() as u64;
     }
 }
 
-/// The ring's bytes for stream offsets `[seq, seq + len)`, as at most two slices.
-pub fn ring_slices(ring: &[u8], seq: u64, len: usize) -> (&[u8], &[u8]) {
+/// The ring's bytes at positions `[pos, pos + len)` (a stream offset through
+/// [`TxState::ring_pos`] or [`Plan::ring_pos`]), as at most two slices.
+pub fn ring_slices(ring: &[u8], pos: u64, len: usize) -> (&[u8], &[u8]) {
     let cap = ring.len();
-    let at = (seq % cap as u64) as usize;
+    let at = (pos % cap as u64) as usize;
     let first = len.min(cap - at);
     (&ring[at..at + first], &ring[..len - first])
 }
@@ -1304,11 +1338,38 @@ mod tests {
         assert_eq!(tx.plan_send(1, 0, false), Err(Blocked::Replaying));
         let p = tx.plan_replay(0).unwrap();
         assert_eq!((p.payload, p.source), (155, Source::Ring(100)));
-        let (a, b) = ring_slices(&ring, 100, 155);
+        let (a, b) = ring_slices(&ring, p.ring_pos(100), 155);
         assert_eq!([a, b].concat(), app[100..]);
         tx.commit(&p, HEADER_LEN + 155, &[], &mut ring);
         assert!(tx.plan_replay(0).is_none());
         assert!(tx.plan_send(1, 0, false).is_ok());
+    }
+
+    #[test]
+    fn an_empty_ring_is_written_from_its_start_again() {
+        let mut tx = TxState::new(4096);
+        let mut ring = vec![0u8; 4096];
+        for round in 0..3u8 {
+            let app = [round; 1000];
+            let p = tx.plan_send(app.len(), 0, false).unwrap();
+            assert_eq!(tx.ring_pos(tx.next_seq), 0, "round {round}: the ring was empty");
+            tx.commit(&p, HEADER_LEN + 1000, &app, &mut ring);
+            assert_eq!(ring[..1000], app);
+            tx.on_ack(tx.next_seq).unwrap();
+        }
+        // Bytes still unacknowledged: the next frame follows them, and a replay finds them
+        // where they were written.
+        let p = tx.plan_send(500, 0, false).unwrap();
+        tx.commit(&p, HEADER_LEN + 500, &[7; 500], &mut ring);
+        let p = tx.plan_send(300, 0, false).unwrap();
+        assert_eq!(tx.ring_pos(tx.next_seq), 500);
+        tx.commit(&p, HEADER_LEN + 300, &[8; 300], &mut ring);
+        tx.link_reset();
+        tx.resync(3000).unwrap();
+        let p = tx.plan_replay(0).unwrap();
+        assert_eq!((p.payload, p.source), (800, Source::Ring(3000)));
+        let (a, b) = ring_slices(&ring, p.ring_pos(3000), 800);
+        assert_eq!([a, b].concat(), [[7u8; 500].as_slice(), &[8u8; 300]].concat());
     }
 
     #[test]
