@@ -257,6 +257,8 @@ PORTS = {
     "setup_refused_native": 17984,
     "setup_tickets_here": 17985,
     "setup_tickets_here_tcp": 17986,
+    "close_mid_frame": 17991,
+    "close_mid_frame_chain": 17992,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -68,3 +68,24 @@ def test_a_client_that_starts_before_its_server_gets_a_virtual_connection(procs,
     assert_same_stream(c, s)
     assert_virtual(w, H1, addr, client_host, c2s_bytes=MiB + 24, s2c_bytes=MiB, exact=True,
                    client_pid=cli.pid)
+
+
+@pytest.mark.parametrize("chain", ["none", "double"])
+def test_a_close_right_after_a_send_taken_in_part_loses_nothing(procs, chain):
+    """The client sends without blocking until the kernel takes only part of a frame (the
+    server reads nothing for a second), then closes at once: the rest of that frame is still
+    in the layer's ring. The end of stream must go after it, never before: a FIN in the middle
+    of a frame cut the stream short (with a chain, the peer's layer waited for good for the
+    rest of a coded frame). The server reads every byte the client's sends accepted."""
+    port = PORTS["close_mid_frame" + ("_chain" if chain != "none" else "")]
+    addr = f"{H1_IP}:{port}"
+    env = {"VMI_CHAIN": chain}
+    srv = procs.server(H1, python_prog("close_mid_frame.py", "server", "--addr", addr,
+                                       "--delay", "1"), port, layer=True, env=env,
+                       name="mid-frame-server")
+    cli = procs.run(H2, python_prog("close_mid_frame.py", "client", "--addr", addr), layer=True,
+                    env=env, name="mid-frame-client", timeout=30)
+    srv.wait(timeout=30)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent"] > 0, c
+    assert s["error"] is None and s["received"] == c["sent"] and s["sha256"] == c["sha256"], (c, s)

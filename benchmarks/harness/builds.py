@@ -3,7 +3,7 @@
 round, and the layer's figures of each are put in one table (median and range).
 
     benchmarks/harness/builds.py --old DIR --new DIR [--rounds N]
-                                 [--only connrate,failover,calls,throughput,migration]
+                                 [--only connrate,failover,calls,throughput,migration,redis,memcached,nginx]
                                  [--migration-mb 10] [--migration-reps 3] [--out DIR]
 
 DIR is a folder with libvmi_preload.so, vmi-agent, vmictl, vmi-migrate (a `target/release`
@@ -18,6 +18,8 @@ baseline of each bench.py run is printed too, as a check that the machine did no
 - calls: nanoseconds per write/read/write/read round trip on one connection held by one
   process (`vc_calls`, 64 B, 1 KiB, 16 KiB), the layer's cost per call with no wake-up in
   the way;
+- redis, memcached, nginx: the request/response rows of bench.py (redis-benchmark SET and
+  GET, memcaslap, wrk against nginx), operations or requests per second;
 - migration: `migration.py --bin-dir DIR --sizes MB --reps R` in each round (its own hosts,
   vmimb1..3): the peer's longest receive gap while `vmi-migrate` moves the streaming sender
   (MB MiB of ballast) to another host with CRIU, in ms, with vmi-migrate's phases beside it.
@@ -109,6 +111,13 @@ def figures(b, mig=None, scale=None):
     for r in b.get("mpi", {}).get("runs", []):
         add(f"MPI 8 B {r['mode']} (us one way)", r["lat8_us"])
         add(f"MPI 1 MiB {r['mode']} (Mbit/s)", r["bw1m_mbps"])
+    for r in b.get("redis", {}).get("runs", []):
+        for test, rec in r.get("tests", {}).items():
+            add(f"redis-benchmark {test} {r['mode']} (ops/s)", rec.get("rps"))
+    for r in b.get("memcached", {}).get("runs", []):
+        add(f"memcached {r['mode']} (ops/s)", r.get("tps"))
+    for r in b.get("nginx", {}).get("runs", []):
+        add(f"nginx + wrk {r['mode']} (requests/s)", r.get("rps"))
     for r in b.get("calls", {}).get("runs", []):
         for size in (64, 1024, 16384):
             if f"rt_{size}_ns" in r:

@@ -46,7 +46,7 @@ static MORE: std::sync::Condvar = std::sync::Condvar::new();
 /// list operations alone, never across system calls or the unmapping of a connection.
 static BATCH: Mutex<()> = Mutex::new(());
 
-type ForkGuards = (MutexGuard<'static, ()>, MutexGuard<'static, Lingering>);
+type ForkGuards = (MutexGuard<'static, ()>, MutexGuard<'static, Lingering>, MutexGuard<'static, Vec<i32>>);
 
 thread_local! {
     static FORK_GUARD: std::cell::RefCell<Option<ForkGuards>> = const { std::cell::RefCell::new(None) };
@@ -54,6 +54,58 @@ thread_local! {
 
 fn lock() -> MutexGuard<'static, Lingering> {
     LIST.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Lingering sockets whose FIN waits for what is still owed on them: the rest of a frame that
+/// a full socket cut short (the program's send took all of it into the ring), or a replay.
+/// A FIN before it ends the stream in the middle of a frame: the peer's program got the bytes
+/// before it and then a clean end, the rest lost (with a chain, the peer's layer waited for
+/// the rest of a coded frame for good).
+static SHUT_OWED: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+fn shut_owed() -> MutexGuard<'static, Vec<i32>> {
+    SHUT_OWED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// True while bytes of ours are owed on the connection's link (or its send half is busy in
+/// another thread, which may be writing them).
+fn owes(vc: &Vc) -> bool {
+    let c = vc.mem().conn();
+    let Some(mut g) = c.tx_lock.try_lock() else { return true };
+    c.with_tx(&mut g, |tx| tx.in_frame() || tx.replaying())
+}
+
+/// Our FIN on lingering socket `fd`: now, or once nothing is owed on it ([`SHUT_OWED`];
+/// [`shut_if_sent`] sends it).
+fn shut_when_sent(fd: i32, vc: &Vc) {
+    if owes(vc) {
+        shut_owed().push(fd);
+    } else {
+        crate::sys::fd::shutdown(fd, libc::SHUT_WR);
+    }
+}
+
+/// The FIN that waited on `fd` goes once what was owed is out (as a Fin frame if the peer's
+/// came meanwhile: see `close_last`). True when none waits any more.
+fn shut_if_sent(fd: i32, vc: &Vc) -> bool {
+    let mut o = shut_owed();
+    let Some(i) = o.iter().position(|&f| f == fd) else { return true };
+    if owes(vc) {
+        return false;
+    }
+    o.swap_remove(i);
+    drop(o);
+    if peer_fin(vc.mem()) {
+        let _ = vc.end_stream(fd);
+    } else {
+        crate::sys::fd::shutdown(fd, libc::SHUT_WR);
+    }
+    true
+}
+
+/// `fd` is closed: no FIN waits on it any more.
+fn shut_forget(fd: i32) {
+    shut_owed().retain(|&f| f != fd);
 }
 
 /// Some virtual connection of this process had `SO_LINGER` set: its close looks whether it
@@ -128,7 +180,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
         if fin_mode {
             let _ = vc.end_stream(keep);
         } else {
-            crate::sys::fd::shutdown(keep, libc::SHUT_WR);
+            shut_when_sent(keep, &vc);
         }
         if !told {
             crate::relink::ended(&vc);
@@ -161,6 +213,7 @@ pub fn close_last(fd: i32, vc: Arc<Vc>) -> Result<i32, Errno> {
             if !l.thread {
                 // No thread: give up lingering rather than leak the socket.
                 for (f, _, _) in l.socks.drain(..) {
+                    shut_forget(f);
                     crate::sys::fd::close(f);
                 }
             }
@@ -247,15 +300,18 @@ fn step(fd: i32, vc: &Vc, ready: bool, expired: bool) -> bool {
             vc.replay_tcp(fd);
         }
     }
+    shut_if_sent(fd, vc);
     match if ready { drain_closed(vc.mem(), fd) } else { Drained::Open } {
         Drained::DataArrived => {
             crate::log::debug(format_args!("data after close: reset"));
+            shut_forget(fd);
             let _ = reset(fd);
             true
         }
         Drained::Open if !expired => false,
         d @ (Drained::Finished | Drained::Open) => {
             crate::log::debug(format_args!("linger of fd {fd} ends: {d:?}"));
+            shut_forget(fd);
             crate::sys::fd::close(fd);
             true
         }
@@ -337,7 +393,7 @@ pub fn at_exit() {
                 if peer_fin(v.mem()) {
                     let _ = v.end_stream(fd);
                 } else {
-                    crate::sys::fd::shutdown(fd, libc::SHUT_WR);
+                    shut_when_sent(fd, &v);
                 }
                 socks.push((fd, v));
             }
@@ -393,7 +449,8 @@ pub fn at_exit() {
             .rx_lock
             .try_lock()
             .is_some_and(|mut g| c.with_rx(&mut g, |rx| rx.frame_rem == 0 && rx.header_len == 0));
-        let handed = boundary && crate::relink::hand_over_linger(c.gid, *fd);
+        // (Not one whose FIN still waits for the rest of a frame: that is sent below.)
+        let handed = boundary && !shut_owed().contains(fd) && crate::relink::hand_over_linger(c.gid, *fd);
         crate::log::debug(format_args!("exit: fd {fd} handed to the agent: {handed}"));
         if handed {
             crate::sys::fd::close(*fd);
@@ -413,6 +470,11 @@ pub fn at_exit() {
             .collect();
         sys::fd::poll(&mut p, 20);
         socks.retain(|(fd, v)| {
+            if !shut_if_sent(*fd, v) {
+                // The rest of a frame before the FIN (see `SHUT_OWED`).
+                v.replay_tcp(*fd);
+                shut_if_sent(*fd, v);
+            }
             let ready = peer_fin(v.mem()) || p.iter().any(|q| q.fd == *fd && q.revents != 0);
             if ready && drain_closed(v.mem(), *fd) != Drained::Open {
                 return false;
@@ -436,7 +498,9 @@ fn fin_delivered(fd: i32) -> bool {
 pub fn before_fork() {
     let b = BATCH.lock().unwrap_or_else(|e| e.into_inner());
     let g = lock();
-    FORK_GUARD.with(|f| *f.borrow_mut() = Some((b, g)));
+    // (Held across the fork too: a child must never find it taken by a thread it lacks.)
+    let o = shut_owed();
+    FORK_GUARD.with(|f| *f.borrow_mut() = Some((b, g, o)));
 }
 
 /// fork, parent side.
@@ -452,11 +516,12 @@ pub fn after_fork_parent() {
 /// unused.)
 pub fn after_fork_child() {
     FORK_GUARD.with(|f| {
-        if let Some((_b, mut g)) = f.borrow_mut().take() {
+        if let Some((_b, mut g, mut o)) = f.borrow_mut().take() {
             for (fd, vc, _) in g.socks.drain(..) {
                 crate::sys::fd::close(fd);
                 std::mem::forget(vc);
             }
+            o.clear();
             g.thread = false;
         }
     });
