@@ -231,8 +231,7 @@ fn nothing_left(vc: &Vc) -> bool {
     if c.peer_eof.load(Acquire) == 0 || c.fin_owed.load(Acquire) != 0 || vc.shm_now().is_some() {
         return false;
     }
-    let Some(mut g) = c.tx_lock.try_lock() else { return false };
-    c.with_tx(&mut g, |tx| !tx.in_frame() && !tx.replaying())
+    !owes(vc)
 }
 
 /// True when a connection on TCP never sent a byte or a chain offer of ours (a server that

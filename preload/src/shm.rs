@@ -471,7 +471,7 @@ impl SharedConn {
     }
 
     /// One field of the send half, as [`peek_tx`](Self::peek_tx) reads it, in one load: the
-    /// field's offset (`std::mem::offset_of!(TxState, name)`) and the field (`|t| &t.name`).
+    /// field's offset and the field (through [`peek_tx!`], which names it once).
     #[inline]
     pub fn peek_tx_field<R: crate::sys::cell::Plain>(&self, at: usize, field: fn(&TxState) -> &R) -> R {
         self.tx.peek_field(at, field)
@@ -483,6 +483,23 @@ impl SharedConn {
         self.rx.peek_field(at, field)
     }
 }
+
+/// One field of a connection's send half in one load: `peek_tx!(conn, next_seq)` (see
+/// [`SharedConn::peek_tx_field`]; the field is named once, so its offset and its type agree).
+macro_rules! peek_tx {
+    ($c:expr, $f:ident) => {
+        $c.peek_tx_field(std::mem::offset_of!(substrate::reliability::TxState, $f), |t| &t.$f)
+    };
+}
+pub(crate) use peek_tx;
+
+/// As [`peek_tx!`], for the receive half.
+macro_rules! peek_rx {
+    ($c:expr, $f:ident) => {
+        $c.peek_rx_field(std::mem::offset_of!(substrate::reliability::RxState, $f), |r| &r.$f)
+    };
+}
+pub(crate) use peek_rx;
 
 impl ConnMem {
     /// Runs `f` on the send half and the replay ring; `g` must hold `tx_lock` (checked).

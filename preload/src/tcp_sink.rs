@@ -13,11 +13,11 @@
 
 use crate::readiness::Truth;
 use crate::shm::ConnMem;
+use crate::shm::{peek_rx, peek_tx};
 use crate::stats::Slot;
 use crate::sys::Errno;
 use crate::{linkstate, log, sandbox, sys};
 use libc::c_int;
-use std::mem::offset_of;
 use std::sync::atomic::Ordering::*;
 use substrate::connection::chain::{self, Chain, CODED_MAX};
 use substrate::irb::{Buf, Device, Dispatch, Disposition, Irb, IrbError, IrbKind};
@@ -1176,7 +1176,7 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
         return;
     }
     // (Read racily, only to choose how to wait.)
-    let (mid_frame, fin) = (mid_frame(c), c.peek_rx_field(offset_of!(RxState, fin), |r| &r.fin) != 0);
+    let (mid_frame, fin) = (mid_frame(c), peek_rx!(c, fin) != 0);
     if sandbox::active() {
         // The sender may not be allowed to read them itself: the control thread does.
         c.ctl_owed.fetch_or(crate::shm::CTL_HARVEST, AcqRel);
@@ -1230,7 +1230,7 @@ pub fn socket_gone(fd: c_int) -> bool {
 /// True when the peer's Fin frame arrived (the socket polls readable from then on).
 pub fn peer_fin(mem: ConnMem) -> bool {
     // (A racy read, only to choose how to wait.)
-    mem.conn().peek_rx_field(offset_of!(RxState, fin), |r| &r.fin) != 0
+    peek_rx!(mem.conn(), fin) != 0
 }
 
 /// Reads of at most this many link bytes go through a buffer on the stack with one `read`
@@ -1487,7 +1487,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
                 // nothing more to send: no frame will follow).
                 if rx.fin != 0 && !peer_closed(fd) {
                     // (A racy read; the program closed the connection.)
-                    let sent = c.peek_tx_field(offset_of!(TxState, next_seq), |t| &t.next_seq);
+                    let sent = peek_tx!(c, next_seq);
                     return if rx.peer_ack >= sent { Drained::Finished } else { Drained::Open };
                 }
                 return Drained::Finished;
@@ -1506,8 +1506,7 @@ pub fn drain_closed(mem: ConnMem, fd: c_int) -> Drained {
 /// True when the receive half is inside a frame (a plain one's payload, or a coded one not
 /// yet whole): two loads, not a copy of the state.
 fn mid_frame(c: &crate::shm::SharedConn) -> bool {
-    c.peek_rx_field(offset_of!(RxState, frame_rem), |r| &r.frame_rem) > 0
-        || c.peek_rx_field(offset_of!(RxState, coded_len), |r| &r.coded_len) > 0
+    peek_rx!(c, frame_rem) > 0 || peek_rx!(c, coded_len) > 0
 }
 
 /// True when the layer's own frames may be what makes the socket readable: a rebuilt link
@@ -1526,7 +1525,7 @@ pub fn stray_frames_possible(mem: ConnMem, checked_gen: u32) -> bool {
         return true;
     }
     // (A racy read of a value that changes only at set-up and exec.)
-    let window = c.peek_tx_field(offset_of!(TxState, soft_window), |t| &t.soft_window);
+    let window = peek_tx!(c, soft_window);
     c.wire_hi.load(Relaxed).saturating_sub(c.peer_ack.load(Relaxed)) >= window / 8
 }
 

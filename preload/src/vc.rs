@@ -1002,11 +1002,7 @@ impl Vc {
     /// on kernel TCP).
     pub fn filtered(&self) -> bool {
         let c = self.mem.conn();
-        c.coding.load(Acquire) != 0
-            || c.careful.load(Acquire) != 0
-            || c.peek_tx_field(std::mem::offset_of!(substrate::reliability::TxState, offer_no), |t| {
-                &t.offer_no
-            }) != 0
+        c.coding.load(Acquire) != 0 || c.careful.load(Acquire) != 0 || crate::shm::peek_tx!(c, offer_no) != 0
     }
 
     /// The last close of a connection over shared memory: a replay still owed to the ring
