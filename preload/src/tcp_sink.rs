@@ -1509,6 +1509,15 @@ fn mid_frame(c: &crate::shm::SharedConn) -> bool {
     peek_rx!(c, frame_rem) > 0 || peek_rx!(c, coded_len) > 0
 }
 
+/// True when the receive half has begun a frame whose payload has not all come: part of a
+/// header taken, or a data frame's header and not yet its payload. Bytes of the peer's
+/// stream are then on their way (they left the peer in the same call as the header, or
+/// follow at its layer's next send), while the socket may hold nothing more.
+pub fn frame_begun(mem: ConnMem) -> bool {
+    let c = mem.conn();
+    mid_frame(c) || peek_rx!(c, header_len) > 0
+}
+
 /// True when the layer's own frames may be what makes the socket readable: a rebuilt link
 /// since `checked_gen` (its first frame), our end of stream sent (the peer acknowledges it
 /// alone), or enough of our stream unacknowledged that the peer may send an ack alone (it

@@ -602,8 +602,8 @@ impl Vc {
         // (Read only then: the common receive pays one relaxed load for all this.)
         let gen = if told { c.link_gen.load(Acquire) } else { 0 };
         let mut r = self.with_link(fd, flags, |ctx| self.recv_once(fd, buf, flags, ctx));
-        if told && matches!(r, Err(IrbError::WouldBlock)) && self.relinked_since(gen) {
-            r = self.recv_promised(fd, buf, flags);
+        if told && matches!(r, Err(IrbError::WouldBlock)) && self.promise_pending(gen) {
+            r = self.recv_promised(fd, buf, flags, gen);
         }
         if self.tapped.load(Relaxed) && flags & libc::MSG_PEEK == 0 {
             if let Ok(n) = r {
@@ -656,15 +656,31 @@ impl Vc {
         c.link_down.load(Acquire) != 0 || c.link_gen.load(Acquire) != gen
     }
 
-    /// A non-blocking receive after a readable report, whose data went with a link that
-    /// broke in between (the peer sends it again on the new link): waits for the link and
-    /// the data, as the report promised (at most `PROMISE_WAIT_MS`; then `EAGAIN`). UCX (MPICH)
-    /// frees its receive buffer on an `EAGAIN` in the middle of a message.
+    /// True when a receive that found nothing after a readable report did so for a reason
+    /// of the layer's, the report's data still to come: the link broke or was rebuilt since
+    /// generation `gen` (the peer sends the data again on the new link), or the socket held
+    /// only the start of a frame (part of a header, or a header and none of its payload: a
+    /// report that looks only at the kernel's count cannot tell; natively every byte that
+    /// makes a socket readable is the program's).
+    #[inline]
+    fn promise_pending(&self, gen: u32) -> bool {
+        self.relinked_since(gen) || (self.shm_now().is_none() && crate::tcp_sink::frame_begun(self.mem()))
+    }
+
+    /// A non-blocking receive after a readable report whose data has not come (see
+    /// [`promise_pending`](Self::promise_pending)): waits for the link and the data, as the
+    /// report promised (at most `PROMISE_WAIT_MS`; then `EAGAIN`). UCX (MPICH) frees its
+    /// receive buffer on an `EAGAIN` in the middle of a message, and its next readable event
+    /// follows a null pointer.
     #[cold]
-    fn recv_promised(&self, fd: i32, buf: &mut [u8], flags: i32) -> Result<usize, IrbError> {
+    fn recv_promised(&self, fd: i32, buf: &mut [u8], flags: i32, gen: u32) -> Result<usize, IrbError> {
         const PROMISE_WAIT_MS: u64 = 3_000;
         let deadline = crate::sys::now_ms() + PROMISE_WAIT_MS;
         loop {
+            if !self.promise_pending(gen) {
+                // (What the socket held was the whole of a frame of the layer's own.)
+                return Err(IrbError::WouldBlock);
+            }
             if self.mem.conn().link_down.load(Acquire) != 0 {
                 linkstate::wait_link(self.mem()).map_err(IrbError::Os)?;
             }
