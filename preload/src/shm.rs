@@ -115,43 +115,74 @@ impl<T> Guarded<T> {
     }
 }
 
+/// A cell that begins a cache line: its lent flag and the first fields of its value, the
+/// ones every call touches, share the line.
+#[repr(C, align(64))]
+struct LineCell<T>(LendCell<T>);
+
 /// The shared part of a virtual connection (first page of its mapping; the ring follows).
+/// What every send or receive looks at comes first, in its first two cache lines (a
+/// program with many connections finds few of their lines in its cache between calls);
+/// the send and the receive half each begin a line of their own.
 #[repr(C)]
 pub struct SharedConn {
     /// Guards `tx` and the send chain.
     pub tx_lock: FutexLock,
     /// Guards `rx` and the receive chain.
     pub rx_lock: FutexLock,
-    /// Processes holding the connection.
-    pub procs: AtomicU32,
     /// errno every call reports once the connection is broken (0 = healthy).
     pub broken: AtomicI32,
+    /// 1 once the peer's FIN arrived: it sends no more acks.
+    pub peer_eof: AtomicU32,
     /// Copy of `rx.delivered` for the send half's piggy-backed acks.
     pub delivered: AtomicU64,
     /// Highest ack the receive half saw, for the send half to apply.
     pub peer_ack: AtomicU64,
     /// Copy of `tx.ack_sent`, for the receive half's decision to send an ack alone.
     pub ack_sent: AtomicU64,
-    /// Copy of `tx.unacked()`, for statistics.
-    pub unacked: AtomicU64,
     /// Highest stream offset that may be on the wire (set before each write), the bound for
     /// the peer's acknowledgements.
     pub wire_hi: AtomicU64,
-    /// End of the stream's bytes that went to the kernel by reference to the ring's pages
-    /// (`sys::splice`); ring space below it is reused only after the peer's acknowledgement,
-    /// or once the ring has new pages. Written under the tx lock.
-    pub spliced_hi: AtomicU64,
-    /// 1 once the peer's FIN arrived: it sends no more acks.
-    pub peer_eof: AtomicU32,
+    /// Copy of `tx.unacked()`, for statistics.
+    pub unacked: AtomicU64,
+    /// The peer's window (an ack of ours goes alone at five eighths of it; the peer's at five
+    /// eighths of ours).
+    pub peer_window: u64,
     /// Bumped each time a new physical link is installed (waiters sleep on it).
     pub link_gen: AtomicU32,
     /// 1 while the physical link is broken and being rebuilt.
     pub link_down: AtomicU32,
-    /// When the link broke (ms, monotonic), for the grace period.
-    pub down_since_ms: AtomicU64,
     /// 1 once the program shut down its sending side (shutdown or close): a rebuilt link
     /// carries the end of stream again after the replay.
     pub tx_shut: AtomicU32,
+    /// Copy of `rx.careful`: the peer may send coded frames (readable reports are checked).
+    pub careful: AtomicU32,
+    /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
+    pub coding: AtomicU32,
+    /// 1 while our chain offer waits for its answer (which may come alone: readable
+    /// reports are checked).
+    pub offering: AtomicU32,
+    /// The peer's answer to our chain offer, for the send half (`rx::ANSWER | taken << 8 |
+    /// number`; 0: none).
+    pub chain_answer: AtomicU32,
+    /// The answer we owe the peer's chain offer (same form, and `rx::MIRROR` when the peer
+    /// asked for the chain both ways), sent by whichever half can.
+    pub answer_owed: AtomicU32,
+    /// 1 when the peer asked for its chain on our stream too while this side could not
+    /// offer (an offer of ours waited): `mirror_ids` is offered back as soon as it can be.
+    /// (Next to `answer_owed`: the send path reads both.)
+    pub mirror_owed: AtomicU32,
+    /// Work a sandboxed program thread could not do itself and left to a control thread
+    /// (`CTL_ACK`, `CTL_HARVEST`).
+    pub ctl_owed: AtomicU32,
+    /// Processes holding the connection.
+    pub procs: AtomicU32,
+    /// End of the stream's bytes that went to the kernel by reference to the ring's pages
+    /// (`sys::splice`); ring space below it is reused only after the peer's acknowledgement,
+    /// or once the ring has new pages. Written under the tx lock.
+    pub spliced_hi: AtomicU64,
+    /// When the link broke (ms, monotonic), for the grace period.
+    pub down_since_ms: AtomicU64,
     /// 1 when a rebuilt link still owes the peer our Fin frame (after the replay).
     pub fin_owed: AtomicU32,
     /// 1 when the operator pinned the connection to TCP (`vmictl move GID tcp`): rebuilt
@@ -169,31 +200,11 @@ pub struct SharedConn {
     pub link_pid: AtomicI32,
     /// See `link_pid`.
     pub link_fd: AtomicI32,
-    /// Work a sandboxed program thread could not do itself and left to a control thread
-    /// (`CTL_ACK`, `CTL_HARVEST`).
-    pub ctl_owed: AtomicU32,
     /// Holds in `procs` that belong to processes that exec'd (their new images hold the
     /// connection through memory of their own and never give these back).
     pub exec_holds: AtomicU32,
-    /// The peer's answer to our chain offer, for the send half (`rx::ANSWER | taken << 8 |
-    /// number`; 0: none).
-    pub chain_answer: AtomicU32,
-    /// The answer we owe the peer's chain offer (same form, and `rx::MIRROR` when the peer
-    /// asked for the chain both ways), sent by whichever half can.
-    pub answer_owed: AtomicU32,
     /// With `rx::MIRROR` in `answer_owed`: the compact form of the chain to offer back.
     pub mirror_ids: AtomicU32,
-    /// 1 when the peer asked for its chain on our stream too while this side could not
-    /// offer (an offer of ours waited): `mirror_ids` is offered back as soon as it can be.
-    /// (Next to `answer_owed`: the send path reads both.)
-    pub mirror_owed: AtomicU32,
-    /// Copy of `rx.careful`: the peer may send coded frames (readable reports are checked).
-    pub careful: AtomicU32,
-    /// 1 while our own stream is coded by a chain (`tx.chain_cur` is not 0).
-    pub coding: AtomicU32,
-    /// 1 while our chain offer waits for its answer (which may come alone: readable
-    /// reports are checked).
-    pub offering: AtomicU32,
     /// `link_gen + 1` of the link whose receive buffer was made big enough for coded
     /// frames.
     pub rcvbuf_gen: AtomicU32,
@@ -223,13 +234,10 @@ pub struct SharedConn {
     pub gid: u128,
     /// Its secret.
     pub secret: u128,
-    /// The peer's window (an ack of ours goes alone at five eighths of it; the peer's at five
-    /// eighths of ours).
-    pub peer_window: u64,
     /// Send half (under `tx_lock`), lent with the replay ring.
-    tx: LendCell<TxState>,
+    tx: LineCell<TxState>,
     /// Receive half (under `rx_lock`).
-    rx: LendCell<RxState>,
+    rx: LineCell<RxState>,
     /// Key shares from the receive half to the send half: [`SHARE_OWED`] is ours for the
     /// answer owed (written before `answer_owed`), [`SHARE_IN`] the peer's that came with
     /// its answer (written before `chain_answer`).
@@ -244,7 +252,7 @@ pub const SHARE_IN: usize = 1;
 impl RingHead for SharedConn {
     type Half = TxState;
     fn ring_cell(&self) -> &LendCell<TxState> {
-        &self.tx
+        &self.tx.0
     }
 }
 
@@ -266,6 +274,8 @@ pub const MAX_PEER_AGENTS: usize = 8;
 /// Bytes before the ring in a connection's mapping.
 pub const HEAD: usize = 4096;
 const _: () = assert!(std::mem::size_of::<SharedConn>() <= HEAD);
+// (The fields every call reads stay in the first two lines.)
+const _: () = assert!(std::mem::offset_of!(SharedConn, ctl_owed) < 128);
 
 /// A view of one connection's memory: a [`SharedConn`] then the replay ring. Copyable; the
 /// owning [`Mapping`] keeps it mapped.
@@ -364,16 +374,16 @@ impl Mapping {
             gid,
             secret,
             peer_window,
-            tx: LendCell::new({
+            tx: LineCell(LendCell::new({
                 let mut t = TxState::with_soft_window(ring as u64, soft);
                 t.set_auth(secret);
                 t
-            }),
-            rx: LendCell::new({
+            })),
+            rx: LineCell(LendCell::new({
                 let mut r = RxState::new();
                 r.set_auth(secret);
                 r
-            }),
+            })),
             shares: Default::default(),
         };
         let view = ConnMem(HeadRing::init(&map, HEAD, sc)?);
@@ -432,7 +442,7 @@ impl SharedConn {
     pub fn with_tx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut TxState) -> R) -> R {
         assert!(g.holds(&self.tx_lock), "send half without its lock");
         debug_assert!(self.tx_lock.held_here(), "connection state used without its lock");
-        self.tx.lend(f)
+        self.tx.0.lend(f)
     }
 
     /// Runs `f` on the receive half; `g` must hold `rx_lock` (checked).
@@ -440,7 +450,7 @@ impl SharedConn {
     pub fn with_rx<R>(&self, g: &mut FutexGuard<'_>, f: impl FnOnce(&mut RxState) -> R) -> R {
         assert!(g.holds(&self.rx_lock), "receive half without its lock");
         debug_assert!(self.rx_lock.held_here(), "connection state used without its lock");
-        self.rx.lend(f)
+        self.rx.0.lend(f)
     }
 
     /// Runs `f` on the send half, whose lock a caller of this thread took (checked, as is
@@ -448,39 +458,39 @@ impl SharedConn {
     #[inline]
     pub fn with_tx_held<R>(&self, f: impl FnOnce(&mut TxState) -> R) -> R {
         debug_assert!(self.tx_lock.held_here(), "connection state used without its lock");
-        self.tx.lend(f)
+        self.tx.0.lend(f)
     }
 
     /// Runs `f` on the receive half, whose lock a caller of this thread took (checked).
     #[inline]
     pub fn with_rx_held<R>(&self, f: impl FnOnce(&mut RxState) -> R) -> R {
         debug_assert!(self.rx_lock.held_here(), "connection state used without its lock");
-        self.rx.lend(f)
+        self.rx.0.lend(f)
     }
 
     /// A look at the send half without its lock: a racy read that may see a value a
     /// moment old, taken only to choose whether and how to wait or look again (never to
     /// change anything). Goes away when the connection's state moves into atomics.
     pub fn peek_tx<R>(&self, f: impl FnOnce(&TxState) -> R) -> R {
-        self.tx.peek(f)
+        self.tx.0.peek(f)
     }
 
     /// As [`peek_tx`](Self::peek_tx), for the receive half.
     pub fn peek_rx<R>(&self, f: impl FnOnce(&RxState) -> R) -> R {
-        self.rx.peek(f)
+        self.rx.0.peek(f)
     }
 
     /// One field of the send half, as [`peek_tx`](Self::peek_tx) reads it, in one load: the
     /// field's offset and the field (through [`peek_tx!`], which names it once).
     #[inline]
     pub fn peek_tx_field<R: crate::sys::cell::Plain>(&self, at: usize, field: fn(&TxState) -> &R) -> R {
-        self.tx.peek_field(at, field)
+        self.tx.0.peek_field(at, field)
     }
 
     /// As [`peek_tx_field`](Self::peek_tx_field), for the receive half.
     #[inline]
     pub fn peek_rx_field<R: crate::sys::cell::Plain>(&self, at: usize, field: fn(&RxState) -> &R) -> R {
-        self.rx.peek_field(at, field)
+        self.rx.0.peek_field(at, field)
     }
 }
 

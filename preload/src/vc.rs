@@ -101,10 +101,35 @@ struct ParkedEpoll {
     parked: bool,
 }
 
-/// A virtual connection.
+/// A virtual connection. (Laid out in order: what every call reads comes first, so that
+/// a program with many connections finds few lines of each missing from its cache.)
+#[repr(C)]
 pub struct Vc {
     mem: Mapping,
     slot: Option<Slot>,
+    /// The link generation this process's descriptors name (behind the shared one after
+    /// another process rebuilt the link).
+    my_gen: AtomicU32,
+    /// The link generation whose first frames a readiness check has taken (see
+    /// [`Vc::readable_truth`]).
+    truth_gen: AtomicU32,
+    /// A wait reported the connection readable and no receive followed yet.
+    told_readable: std::sync::atomic::AtomicBool,
+    /// The TCP sink's receive hint for calls that skip the chain (see `tcp_sink::recv`).
+    small_reads: std::sync::atomic::AtomicBool,
+    tapped: std::sync::atomic::AtomicBool,
+    /// True once `links` holds a link (it never lets go of one).
+    linked: std::sync::atomic::AtomicBool,
+    /// The statistics slot was freed at an exec (see [`Vc::exec_hold`]).
+    slot_freed: std::sync::atomic::AtomicBool,
+    /// While the link is down: the placeholder socket under this process's descriptors.
+    parked: AtomicI32,
+    /// Shared memory with a peer on this node, when the two layers set it up.
+    links: Arc<LinkSlot>,
+    /// While the link is down: the program's epoll registrations of the old socket.
+    parked_epoll: std::sync::Mutex<ParkedEpoll>,
+    send_chain: Guarded<Chain>,
+    recv_chain: Guarded<Chain>,
     /// Local address.
     pub local: SocketAddr,
     /// Peer address.
@@ -114,29 +139,8 @@ pub struct Vc {
     /// True when the physical link's addresses differ from what the program sees from the
     /// start (connected through another address of the peer's node).
     pub renamed: bool,
-    send_chain: Guarded<Chain>,
-    recv_chain: Guarded<Chain>,
-    /// The link generation this process's descriptors name (behind the shared one after
-    /// another process rebuilt the link).
-    my_gen: AtomicU32,
-    /// While the link is down: the placeholder socket under this process's descriptors.
-    parked: AtomicI32,
-    /// While the link is down: the program's epoll registrations of the old socket.
-    parked_epoll: std::sync::Mutex<ParkedEpoll>,
-    /// Shared memory with a peer on this node, when the two layers set it up.
-    links: Arc<LinkSlot>,
-    /// The statistics slot was freed at an exec (see [`Vc::exec_hold`]).
-    slot_freed: std::sync::atomic::AtomicBool,
-    /// The TCP sink's receive hint for calls that skip the chain (see `tcp_sink::recv`).
-    small_reads: std::sync::atomic::AtomicBool,
-    /// The link generation whose first frames a readiness check has taken (see
-    /// [`Vc::readable_truth`]).
-    truth_gen: AtomicU32,
-    /// A wait reported the connection readable and no receive followed yet.
-    told_readable: std::sync::atomic::AtomicBool,
     /// Taps on this end (profile, capture), and whether any is on.
     taps: std::sync::Mutex<crate::tap::Taps>,
-    tapped: std::sync::atomic::AtomicBool,
 }
 
 /// What is needed to set up a virtual connection.
@@ -188,6 +192,7 @@ impl Vc {
         });
         let m = *mem;
         let links = Arc::new(LinkSlot::default());
+        let linked = s.shm.is_some();
         let code = s.shm.map_or(1, |l| {
             let l = links.set(l);
             l.protect();
@@ -215,6 +220,7 @@ impl Vc {
             told_readable: std::sync::atomic::AtomicBool::new(false),
             parked_epoll: std::sync::Mutex::new(ParkedEpoll::default()),
             links,
+            linked: std::sync::atomic::AtomicBool::new(linked),
             slot_freed: std::sync::atomic::AtomicBool::new(false),
             small_reads: std::sync::atomic::AtomicBool::new(true),
             taps: std::sync::Mutex::new(crate::tap::Taps::default()),
@@ -639,7 +645,7 @@ impl Vc {
     /// instructions a call, a quarter of the layer's own work on a small message).
     #[inline]
     fn plain(&self, chain: &Chain) -> bool {
-        chain.len() == 1 + usize::from(self.slot.is_some()) && self.links.get().is_none()
+        chain.len() == 1 + usize::from(self.slot.is_some()) && self.link().is_none()
     }
 
     /// What the statistics counter does on the chain's way back, for a call that skipped it.
@@ -784,6 +790,17 @@ impl Vc {
 
     /// The connection's shared-memory link in this process, whatever it carries now.
     pub fn shm(&self) -> Option<&ShmLink> {
+        self.link()
+    }
+
+    /// [`shm`](Self::shm), from a flag on this connection's first cache line while there
+    /// has never been one (the slot itself is in memory of its own: one more line missing
+    /// from the cache at every call of a program with many connections).
+    #[inline]
+    fn link(&self) -> Option<&ShmLink> {
+        if !self.linked.load(Acquire) {
+            return None;
+        }
         self.links.get()
     }
 
@@ -791,7 +808,7 @@ impl Vc {
     /// waiting for the answer); not after a refusal, nor once the connection left it.
     pub fn shm_now(&self) -> Option<&ShmLink> {
         let c = self.mem.conn();
-        self.links.get().filter(|l| {
+        self.link().filter(|l| {
             matches!(l.mode(), shm_sink::Mode::Shm | shm_sink::Mode::Pending)
                 && l.epoch() == c.shm_epoch.load(Acquire)
         })
@@ -945,6 +962,7 @@ impl Vc {
         let e = self.mem.conn().shm_epoch.fetch_add(1, AcqRel) + 1;
         l.set_epoch(e);
         let l = self.links.set(l);
+        self.linked.store(true, Release);
         l.protect();
         if let Some(s) = self.slot {
             s.set_substrate(l.code());

@@ -62,36 +62,27 @@ pub struct Ingested {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct RxState {
+    // (The fields every receive touches come first, in two cache lines with the cell's
+    // flag: `SharedConn` puts the cell on a line of its own.)
     /// Payload bytes delivered to the application: the peer's stream offset we expect next.
     pub delivered: u64,
     /// Payload bytes of the current data frame not read yet.
     pub frame_rem: u64,
     /// Highest acknowledgement the peer sent (applies to our send half).
     pub peer_ack: u64,
-    /// The peer's resync value, when one arrived and was not taken yet.
-    pub resync: u64,
-    /// 1 when `resync` holds a value.
-    pub has_resync: u32,
-    /// 1 when a resync frame is allowed (first frame on a rebuilt link).
-    pub expect_resync: u32,
     /// Bytes of `header` gathered so far.
     pub header_len: u32,
-    header: [u8; HEADER_LEN],
     /// 1 once the peer's end of stream (a Fin frame) arrived: no data may follow.
     pub fin: u32,
+    /// The frame header being gathered (`header_len` bytes of it so far).
+    header: [u8; HEADER_LEN],
+    /// 1 when a resync frame is allowed (first frame on a rebuilt link).
+    pub expect_resync: u32,
+    /// 1 when `resync` holds a value.
+    pub has_resync: u32,
     /// Bytes of a chain offer's description still to come (they go into `spec`, never to
     /// the application).
     pub ctl_rem: u32,
-    /// Bytes of `spec` gathered so far.
-    spec_len: u32,
-    /// The chain number being offered.
-    offer_no: u32,
-    /// 1 when that offer asks for the chain both ways.
-    offer_both: u32,
-    spec: [u8; MAX_CHAIN_SPEC as usize],
-    /// The peer's chains for its stream, by number: [`TAKEN`] and the compact form
-    /// (`chain::Chain::ids`); 0 for a number never taken.
-    pub chains: [u32; 16],
     /// 1 once the peer may send coded frames: reads take one frame at a time, and a coded
     /// frame's payload stays in the socket until the program has all of it.
     pub careful: u32,
@@ -106,7 +97,27 @@ pub struct RxState {
     /// Encoded payload bytes of the coded frame being read (0: none); its header is taken,
     /// its payload waits whole in the socket until the program has all of it.
     pub coded_len: u32,
-    /// The chain number of that frame.
+    /// The peer's chain number that coded the last data frame of its stream, when that
+    /// chain is keyed (0: the stream is not sealed). A sealed stream takes an end of stream
+    /// only with a tag under that chain's key, and a data frame in clear only of a chain
+    /// taken after the sealing one. An offer of a chain that would not seal the stream
+    /// must carry a tag while the stream is sealed, or while the chain taken last is keyed
+    /// (under the first's key, else the second's): so every chain taken after a keyed one
+    /// was offered by the peer, not by someone on the path.
+    sealed_no: u32,
+    /// The peer's resync value, when one arrived and was not taken yet.
+    pub resync: u64,
+    /// Bytes of `spec` gathered so far.
+    spec_len: u32,
+    /// The chain number being offered.
+    offer_no: u32,
+    /// 1 when that offer asks for the chain both ways.
+    offer_both: u32,
+    spec: [u8; MAX_CHAIN_SPEC as usize],
+    /// The peer's chains for its stream, by number: [`TAKEN`] and the compact form
+    /// (`chain::Chain::ids`); 0 for a number never taken.
+    pub chains: [u32; 16],
+    /// The chain number of the coded frame being read (`coded_len`).
     pub coded_chain: u32,
     /// Decoded bytes of that frame the program already has.
     pub coded_taken: u32,
@@ -130,14 +141,6 @@ pub struct RxState {
     pub share_in: [u8; KEY],
     /// The connection's secret: the key of the tags of the peer's key shares.
     auth: [u8; 16],
-    /// The peer's chain number that coded the last data frame of its stream, when that
-    /// chain is keyed (0: the stream is not sealed). A sealed stream takes an end of stream
-    /// only with a tag under that chain's key, and a data frame in clear only of a chain
-    /// taken after the sealing one. An offer of a chain that would not seal the stream
-    /// must carry a tag while the stream is sealed, or while the chain taken last is keyed
-    /// (under the first's key, else the second's): so every chain taken after a keyed one
-    /// was offered by the peer, not by someone on the path.
-    sealed_no: u32,
     /// Offers taken so far, when each number was taken last (that count then), when the
     /// empty chain (whose frames carry number 0) was, and the number taken last.
     takes: u32,
@@ -163,6 +166,10 @@ impl Default for RxState {
         Self::new()
     }
 }
+
+// (The fields every receive touches fit in 120 bytes: two cache lines with the flag of the
+// cell that holds the state.)
+const _: () = assert!(std::mem::offset_of!(RxState, sealed_no) + 4 <= 120);
 
 impl RxState {
     /// The state as bytes (little endian, field by field) for a record that crosses

@@ -127,6 +127,8 @@ pub enum Blocked {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TxState {
+    // (The fields every send touches come first, in two cache lines with the cell's flag:
+    // `SharedConn` puts the cell on a line of its own.)
     /// Stream offset of the next application byte to accept.
     pub next_seq: u64,
     /// Everything below this offset was delivered by the peer's layer and is freed.
@@ -154,6 +156,27 @@ pub struct TxState {
     awaiting_resync: u32,
     /// Our chain number new frames are coded with (0: plain).
     pub chain_cur: u32,
+    /// The stream offset stored at the ring's first byte (see [`ring_pos`](Self::ring_pos)):
+    /// moved up to `next_seq` whenever the ring is empty as a new frame begins, so that a
+    /// connection whose bytes are acknowledged between messages (request and response)
+    /// keeps writing the same first pages of its ring, warm in the cache, instead of
+    /// walking through all of it (every page of which, in memory shared with other
+    /// processes, costs a page fault the first time it is written: one per 4 KiB message
+    /// until the ring has gone round once). Not carried across `exec`: the ring's bytes are,
+    /// written again at the new image's own positions.
+    ring_base: u64,
+    /// Our offer waiting for its answer: its chain number (0: none; the rest of it below,
+    /// `offer_ids`).
+    pub offer_no: u32,
+    /// The chain number the frame just planned must be coded with (0: plain).
+    new_chain: u32,
+    /// How the payload of the frame in progress is made (`OWED_*`; the rest of it below,
+    /// `owed_raw_len`).
+    owed_kind: u32,
+    /// The chain number that coded the last byte of our stream (0: plain). When it is
+    /// keyed, the stream is sealed: its Fin, and an offer that would turn the sealing off,
+    /// carry a tag under its key.
+    tail_chain: u32,
     /// Our chains by number: their compact form (0: empty or never taken).
     pub chain_ids: [u32; 16],
     /// Raw bytes per coded frame of each chain (so that it codes to at most the most a
@@ -164,23 +187,18 @@ pub struct TxState {
     switch_at: [u64; SWITCHES],
     switch_no: [u32; SWITCHES],
     n_switch: u32,
-    /// Our offer waiting for its answer: chain number (0: none), compact form, raw bytes
+    /// Our offer waiting for its answer (its number is `offer_no`): compact form, raw bytes
     /// per frame, and whether it is on the current link.
-    pub offer_no: u32,
     offer_ids: u32,
     offer_fit: u32,
     offer_sent: u32,
     /// The last chain number offered (numbers go round 1..=15).
     last_no: u32,
-    /// How the payload of the frame in progress is made (`OWED_*`), and for a coded one its
-    /// raw bytes (from `wire_seq`), chain number and coded length (a description's length
-    /// for an offer).
-    owed_kind: u32,
+    /// For a coded frame in progress (`owed_kind`): its raw bytes (from `wire_seq`), chain
+    /// number and coded length (a description's length for an offer).
     owed_raw_len: u32,
     owed_chain: u32,
     owed_enc_len: u32,
-    /// The chain number the frame just planned must be coded with (0: plain).
-    new_chain: u32,
     /// 1 when our offer asks the peer to use the chain for its own stream as well.
     offer_both: u32,
     /// The key of each of our keyed chains, by number (zero for the others).
@@ -197,20 +215,11 @@ pub struct TxState {
     keyed_seq: u64,
     keyed_ms: u64,
     rekey: u32,
-    /// The chain number that coded the last byte of our stream (0: plain). When it is
-    /// keyed, the stream is sealed: its Fin, and an offer that would turn the sealing off,
-    /// carry a tag under its key.
-    tail_chain: u32,
-    /// The stream offset stored at the ring's first byte (see [`ring_pos`](Self::ring_pos)):
-    /// moved up to `next_seq` whenever the ring is empty as a new frame begins, so that a
-    /// connection whose bytes are acknowledged between messages (request and response)
-    /// keeps writing the same first pages of its ring, warm in the cache, instead of
-    /// walking through all of it (every page of which, in memory shared with other
-    /// processes, costs a page fault the first time it is written: one per 4 KiB message
-    /// until the ring has gone round once). Not carried across `exec`: the ring's bytes are,
-    /// written again at the new image's own positions.
-    ring_base: u64,
 }
+
+// (The fields every send touches fit in 120 bytes: two cache lines with the flag of the
+// cell that holds the state.)
+const _: () = assert!(std::mem::offset_of!(TxState, tail_chain) + 4 <= 120);
 
 impl TxState {
     /// The state as bytes (little endian, field by field) for a record that crosses
