@@ -141,9 +141,15 @@ pub fn note_closed_fd(fd: c_int) {
 /// usual way (a bell), as the next wait may not look at them.
 #[inline]
 fn announce_all(vcs: Vec<(c_int, Arc<Vc>)>) {
-    if vcs.is_empty() {
-        return;
+    // (Nearly always nothing: a check where the caller is, the work out of its way.)
+    if !vcs.is_empty() {
+        announce_each(vcs);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn announce_each(vcs: Vec<(c_int, Arc<Vc>)>) {
     for (fd, vc) in vcs {
         crate::error::quietly(|| {
             vc.announce(fd);

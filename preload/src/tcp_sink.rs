@@ -754,6 +754,22 @@ pub fn send<'a>(
         // Whether this call's frames may go by reference (`VMI_SPLICE=auto`: a large
         // message, and the call began with every byte acknowledged).
         let mut idle = None;
+        if data.len() <= FLAT_SEND {
+            match send_plain(mem, slot, fd, data, kflags, gen, tx, ring) {
+                Some(Ok(n)) if n == data.len() && !tx.in_frame() => return Ok(n),
+                Some(Ok(n)) => {
+                    // The kernel took part of the frame (its whole payload is in the ring) or
+                    // the window only part of the message: as below.
+                    total = n;
+                    if tx.in_frame() && *nonblock.get_or_insert_with(|| sys::nonblocking(fd)) {
+                        linkstate::owed_later();
+                        return Ok(total);
+                    }
+                }
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
         loop {
             if let Err(e) = tx.on_ack(c.peer_ack.load(Acquire)) {
                 return Err(fail(mem, slot, fd, e));
@@ -976,6 +992,59 @@ pub fn send<'a>(
             }
         }
     })
+}
+
+/// The usual send of a small message, in a function of its own (its code together, not spread
+/// through the general loop of [`send`], whose first turn it stands for): one plain data
+/// frame, planned, written with one system call, committed. `None` when anything unusual is
+/// going on (a chain or an offer, a frame owed, a replay, the peer's end, the window full, a
+/// sandbox): nothing was done, and the general loop takes the call. Otherwise what the first
+/// turn of that loop would have made of it: the payload bytes taken (the frame may be owed in
+/// part, or carry only part of the message when the window is short), or the error.
+#[allow(clippy::too_many_arguments)]
+#[inline(never)]
+fn send_plain<'a>(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    fd: c_int,
+    data: impl AppBytes<'a>,
+    kflags: c_int,
+    gen: Option<u32>,
+    tx: &mut TxState,
+    ring: &mut [u8],
+) -> Option<Result<usize, IrbError>> {
+    let c = mem.conn();
+    if (c.chain_answer.load(Relaxed)
+        | c.answer_owed.load(Relaxed)
+        | c.mirror_owed.load(Relaxed)
+        | c.peer_eof.load(Acquire)
+        | c.link_down.load(Acquire)
+        | tx.offer_no
+        | tx.chain_cur)
+        != 0
+        || tx.in_frame()
+        || tx.replaying()
+        || tx.awaiting_resync()
+        || sandbox::active()
+    {
+        return None;
+    }
+    tx.on_ack(c.peer_ack.load(Acquire)).ok()?;
+    let delivered = c.delivered.load(Acquire);
+    let plan = tx.plan_send(data.len(), delivered, false).ok()?;
+    raise_wire_hi(c, tx.next_seq + plan.payload as u64);
+    let r = write_plan(fd, &plan, data, ring, kflags);
+    if r < 0 {
+        let e = sys::errno();
+        tx.commit_gather(&plan, 0, data, ring, |d, s| d.copy_from_slice(s));
+        if e == libc::EAGAIN || e == libc::EINTR {
+            return Some(Err(errno_result(e)));
+        }
+        return Some(Err(physical_error(mem, e, true, kflags, gen)));
+    }
+    let n = tx.commit_gather(&plan, r as usize, data, ring, crate::sys::copy::to_ring);
+    publish_tx(mem, tx, slot);
+    Some(Ok(n))
 }
 
 /// Frames with at least this many payload bytes go to the kernel from the ring by reference
@@ -1368,7 +1437,17 @@ pub fn recv(
             *small_reads = 2 * r as usize <= STAGE;
             let ingested = if staged {
                 let got = stage.filled(r as usize);
-                rx.parse_buffer(got).inspect(|i| space[..i.payload].copy_from_slice(&got[..i.payload]))
+                match rx.take_plain_frame(got) {
+                    // (One whole plain frame, the usual small message: its payload copied
+                    // once, from where it lies.)
+                    Some(n) => {
+                        space[..n].copy_from_slice(&got[HEADER_LEN..]);
+                        Ok(substrate::reliability::Ingested { payload: n, headers: 1 })
+                    }
+                    None => rx
+                        .parse_buffer(got)
+                        .inspect(|i| space[..i.payload].copy_from_slice(&got[..i.payload])),
+                }
             } else {
                 rx.ingest(plan, r as usize, space)
             };
