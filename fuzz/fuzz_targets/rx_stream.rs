@@ -52,6 +52,25 @@ fuzz_target!(|data: &[u8]| {
             }
             continue;
         }
+        // The quick path of a small receive (`RxState::take_plain_frame`), on the bytes such
+        // a read could get: it takes what the general parse takes, or declines and changes
+        // nothing.
+        let chunk = &link[pos..(pos + n + 24).min(link.len())];
+        let mut quick = rx;
+        match quick.take_plain_frame(chunk) {
+            Some(k) => {
+                let mut general = rx;
+                let mut copy = chunk.to_vec();
+                let i = general.parse_buffer(&mut copy).expect("what the quick path takes parses");
+                assert_eq!(i.payload, k);
+                assert_eq!(&copy[..k], &chunk[24..]);
+                let key = |r: &RxState| {
+                    (r.delivered, r.peer_ack, r.frame_rem, r.header_len, r.fin, r.ctl_rem, r.coded_len, r.careful)
+                };
+                assert_eq!(key(&quick), key(&general));
+            }
+            None => assert_eq!(quick.to_bytes(), rx.to_bytes(), "declined, yet changed"),
+        }
         // What the readiness check relies on: bytes it calls a data frame ahead give the
         // program's next read payload (or end the connection), whatever the read's size.
         let ahead = rx.data_ahead(&link[pos..]);
