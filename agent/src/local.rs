@@ -804,11 +804,23 @@ impl Asker {
     }
 }
 
+/// How long after a connection is made its layer has told the agent of it, at most (the
+/// layer's batching delay, 50 ms, and room for a busy machine).
+const HOLD_TOLD_WITHIN: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// The processes of this node holding connection `gid`, when `asker` may manage all of
 /// them (root or their owner); otherwise why not, to answer (`what`: the action, for it and
 /// for the log of refusals).
 fn managed_holders(agent: &Agent, asker: &Asker, gid: u128, what: &str) -> Result<Vec<u32>, String> {
-    let pids = agent.events.holders(gid);
+    let mut pids = agent.events.holders(gid);
+    // A layer tells its agent of a connection up to 50 ms after making it (it batches what
+    // it tells: `relink::hold_later`), while `vmictl status` lists it at once: a command
+    // right after the set-up waits for the hold rather than call the connection unknown.
+    let until = std::time::Instant::now() + HOLD_TOLD_WITHIN;
+    while pids.is_empty() && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        pids = agent.events.holders(gid);
+    }
     if pids.is_empty() {
         return Err(format!("no process on this node holds connection {gid:032x}"));
     }

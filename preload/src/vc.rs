@@ -682,6 +682,10 @@ impl Vc {
     fn recv_promised(&self, fd: i32, buf: &mut [u8], flags: i32, gen: u32) -> Result<usize, IrbError> {
         const PROMISE_WAIT_MS: u64 = 3_000;
         let deadline = crate::sys::now_ms() + PROMISE_WAIT_MS;
+        // Whether the socket said readable last time round: then a receive that still finds
+        // nothing (a peek leaves a header where it is; a coded frame waits whole in the
+        // socket) pauses before the next look instead of spinning on a readable socket.
+        let mut was_ready = false;
         loop {
             if !self.promise_pending(gen) {
                 // (What the socket held was the whole of a frame of the layer's own.)
@@ -694,7 +698,10 @@ impl Vc {
                 self.recv_once(fd, buf, flags | libc::MSG_DONTWAIT, ctx)
             }) {
                 Err(IrbError::WouldBlock) if crate::sys::now_ms() < deadline => {
-                    crate::sys::wait_fd(fd, libc::POLLIN, 50);
+                    if was_ready {
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                    }
+                    was_ready = crate::sys::wait_fd(fd, libc::POLLIN, 50) & libc::POLLIN != 0;
                 }
                 r => return r,
             }
