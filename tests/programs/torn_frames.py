@@ -3,16 +3,16 @@
 next one: every readable report must still be followed by data (or the end) for `recv`,
 never EAGAIN, as on a native socket.
 
-    torn_frames.py server --addr IP:PORT [--messages N] [--seed S] [--rcvbuf B] [--pace-us U]
-    torn_frames.py client --addr IP:PORT [--messages N] [--seed S]
+    torn_frames.py server --addr IP:PORT [--messages N] [--seed S] [--rcvbuf B]
+    torn_frames.py client --addr IP:PORT [--messages N] [--seed S] [--mss M]
 
-The client sends N messages of 1 to 200 bytes (sizes from the seed; one `send` each,
-TCP_NODELAY) of a pattern, then shuts its sending side. The server knows the sizes (same
-seed) and reads as a message-passing library does: it waits for input with `epoll`
-(level-triggered, non-blocking socket) and asks `recv` for exactly the rest of the current
-message, one call per report, pausing `--pace-us` after each. Its receive buffer is small,
-so the client's kernel fills the window to its edge and the queue ends at arbitrary offsets
-of the stream.
+The client sends N messages of 1 to 200 bytes (sizes from the seed; one `send` each) of a
+pattern, then shuts its sending side. With `--mss` it sets `TCP_MAXSEG` before it connects:
+segments of 88 bytes cut the stream every few dozen bytes, so the server's queue ends at
+arbitrary offsets of it, and the server, which keeps up, meets those ends. The server knows
+the sizes (same seed) and reads as a message-passing library does: it waits for input with
+`epoll` (level-triggered, non-blocking socket) and asks `recv` for exactly the rest of the
+current message, one call per report.
 
 Natively every byte that makes the socket readable is the program's. Under the layer each
 message travels in a frame, and a queue that ends inside the next frame's header (or right
@@ -30,7 +30,6 @@ import random
 import select
 import socket
 import sys
-import time
 
 
 def sizes(seed, n):
@@ -42,7 +41,7 @@ def pattern(n, at):
     return bytes((at + k) * 7 % 251 for k in range(n))
 
 
-def serve(addr, messages, seed, rcvbuf, pace_us):
+def serve(addr, messages, seed, rcvbuf):
     host, port = addr.rsplit(":", 1)
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -82,8 +81,6 @@ def serve(addr, messages, seed, rcvbuf, pace_us):
             if left == 0:
                 at += 1
                 left = todo[at] if at < len(todo) else 0
-        if pace_us and at % 64 == 0 and left == todo[min(at, len(todo) - 1)]:
-            time.sleep(pace_us / 1e6)
     print(json.dumps({"role": "server", "received": received, "sha256": h.hexdigest(),
                       "readable_reports": reports, "spurious": spurious,
                       "in_order": in_order}), flush=True)
@@ -114,12 +111,11 @@ def main():
     p.add_argument("--addr", required=True)
     p.add_argument("--messages", type=int, default=20000)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--rcvbuf", type=int, default=4096)
-    p.add_argument("--pace-us", type=int, default=0)
+    p.add_argument("--rcvbuf", type=int, default=65536)
     p.add_argument("--mss", type=int, default=0)
     a = p.parse_args()
     if a.role == "server":
-        serve(a.addr, a.messages, a.seed, a.rcvbuf, a.pace_us)
+        serve(a.addr, a.messages, a.seed, a.rcvbuf)
     else:
         client(a.addr, a.messages, a.seed, a.mss)
 
