@@ -287,6 +287,7 @@ pub fn close(fd: c_int, real: impl FnOnce() -> Real) -> Real {
 /// registration is made to the registration the layer keeps aside until the new socket is
 /// in place (see `Vc::epoll_ctl`). UCX treats a failed `EPOLL_CTL_MOD` as fatal. `ev` is
 /// the program's event, read only where the kernel reads it too.
+#[inline]
 pub fn epoll_ctl(
     epfd: c_int,
     op: c_int,

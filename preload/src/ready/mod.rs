@@ -46,10 +46,19 @@ use crate::sys;
 use crate::sys::prog::ProgArray;
 use crate::vc::Vc;
 use libc::c_int;
+use shadow::{Quick, Shadows, KEPT, SHADOWS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::Arc;
 use std::sync::{Mutex, RwLock};
+
+mod shadow;
+
+impl Default for &'static Shadows {
+    fn default() -> Self {
+        &SHADOWS
+    }
+}
 
 /// Most connections on shared memory an instance scans (`VMI_EPOLL_SCAN_MAX`): a wait looks
 /// at each of them, and one with more (idle keep-alive connections, say) is cheaper with bells.
@@ -276,6 +285,9 @@ struct FdReg {
 /// The registrations of virtual connections, three ways.
 #[derive(Default)]
 struct Regs {
+    /// The words of descriptors with one registration, flipped without the lock
+    /// (`shadow`): while a descriptor's word is valid, its `live` is the truth.
+    shadows: &'static Shadows,
     /// (epoll fd, data) -> registration, and how many registrations use that data.
     by_data: Map<(c_int, u64), (Reg, u32)>,
     /// fd -> the epoll instances it is registered with, and the data of each. (An empty
@@ -300,6 +312,7 @@ impl Regs {
     /// writability and then no more around each send).
     /// `vc` is the connection (`None`: not one, in the unit tests).
     fn set(&mut self, epfd: c_int, fd: c_int, events: u32, data: u64, vc: Option<&Arc<Vc>>) -> bool {
+        self.absorb(fd);
         let on_shm = vc.is_some_and(|v| v.shm_now().is_some());
         if let Some(r) = self.reg_mut(epfd, fd).filter(|r| r.data == data && (r.live || !on_shm)) {
             const SCAN_BITS: u32 = IN_BITS | libc::EPOLLONESHOT as u32;
@@ -322,8 +335,14 @@ impl Regs {
         self.end_dormant(epfd, data);
         let (g, n) = self.by_data.entry((epfd, data)).or_insert((Reg { fd, events }, 0));
         *n += 1;
+        let mut shared = None;
         if *n > 1 {
+            shared = Some(g.fd);
             g.fd = AMBIGUOUS;
+        }
+        if let Some(f) = shared.filter(|&f| f != AMBIGUOUS) {
+            // (Its word stood for a registration whose data was its own.)
+            self.absorb(f);
         }
         self.per_fd.entry(fd).or_default().push(FdReg { epfd, data, live: true });
         self.count += 1;
@@ -348,7 +367,10 @@ impl Regs {
         if (fd as usize) >= SCAN_FDS {
             return None;
         }
-        let &[FdReg { epfd, live: true, .. }] = self.per_fd.get(&fd)?.as_slice() else { return None };
+        let &[r @ FdReg { epfd, .. }] = self.per_fd.get(&fd)?.as_slice() else { return None };
+        if !self.live_of(fd, &r) {
+            return None;
+        }
         if (epfd as usize) >= SCAN_EPFDS || epfd < 0 || CONTAINED.get(epfd, Relaxed) == Some(true) {
             return None;
         }
@@ -475,6 +497,8 @@ impl Regs {
         let fds: Vec<c_int> = self.per_fd.keys().copied().collect();
         let mut changed = Vec::new();
         for fd in fds {
+            // (A connection that joined shared memory becomes a member: its word goes.)
+            self.absorb(fd);
             let vc = fdtable::vc(fd).filter(|v| v.shm_now().is_some());
             let regs = self.per_fd.get(&fd).cloned().unwrap_or_default();
             let mut moved = false;
@@ -526,6 +550,7 @@ impl Regs {
     /// Forgets the registration of `fd` with `epfd` (`EPOLL_CTL_DEL`, a close, or a
     /// descriptor number now used by something else); true if there was one.
     fn forget(&mut self, epfd: c_int, fd: c_int) -> bool {
+        self.absorb(fd);
         let Some(v) = self.per_fd.get_mut(&fd) else { return false };
         let Some(i) = v.iter().position(|r| r.epfd == epfd) else { return false };
         let FdReg { data, .. } = v.swap_remove(i);
@@ -572,7 +597,12 @@ impl Regs {
 
     /// The registration behind an event of `epfd`.
     fn lookup(&self, epfd: c_int, data: u64) -> Option<Reg> {
-        self.by_data.get(&(epfd, data)).map(|&(g, _)| g).filter(|g| g.fd != AMBIGUOUS)
+        let mut g = self.by_data.get(&(epfd, data)).map(|&(g, _)| g).filter(|g| g.fd != AMBIGUOUS)?;
+        if let Some((_, bits)) = self.shadows.state(g.fd, epfd) {
+            // (Its word has the truth about the bits it keeps.)
+            g.events = (g.events & !KEPT) | bits;
+        }
+        Some(g)
     }
 
     fn len(&self) -> usize {
@@ -581,7 +611,7 @@ impl Regs {
 
     /// The data of `fd`'s live registration with `epfd`.
     fn data_of(&self, epfd: c_int, fd: c_int) -> Option<u64> {
-        self.per_fd.get(&fd)?.iter().find(|r| r.epfd == epfd && r.live).map(|r| r.data)
+        self.per_fd.get(&fd)?.iter().find(|r| r.epfd == epfd && self.live_of(fd, r)).map(|r| r.data)
     }
 
     /// `fd`'s registration with `epfd`, live or dormant.
@@ -594,6 +624,7 @@ impl Regs {
     /// list (a connection on shared memory), which only [`forget`](Self::forget) undoes.
     /// Returns false when it was not made dormant.
     fn sleep(&mut self, epfd: c_int, fd: c_int) -> bool {
+        self.absorb(fd);
         let scanned = (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0;
         if scanned || self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd)) {
             return false;
@@ -607,12 +638,53 @@ impl Regs {
         }
     }
 
+    /// Whether registration `r` of `fd` is live (its word says, while it stands for it).
+    fn live_of(&self, fd: c_int, r: &FdReg) -> bool {
+        self.shadows.live(fd, r.epfd).unwrap_or(r.live)
+    }
+
+    /// `fd`'s word is void, what it said of the registration kept here: before anything
+    /// else changes `fd`'s registrations.
+    fn absorb(&mut self, fd: c_int) {
+        if let Some((epfd, live, bits)) = self.shadows.retract(fd) {
+            let Some(r) = self.reg_mut(epfd, fd) else { return };
+            r.live = live;
+            let data = r.data;
+            if let Some((g, _)) = self.by_data.get_mut(&(epfd, data)).filter(|(g, _)| g.fd == fd) {
+                g.events = (g.events & !KEPT) | bits;
+            }
+        }
+    }
+
+    /// `fd`'s word stands for its registration when it has exactly one, with data of its
+    /// own, that no instance scans or lists (a connection on TCP; `tcp`): the calls around
+    /// each request are then answered without the lock (`Shadows::quick`).
+    fn publish(&mut self, fd: c_int, tcp: bool) {
+        self.absorb(fd);
+        if !tcp {
+            return;
+        }
+        let Some(&[FdReg { epfd, data, live }]) = self.per_fd.get(&fd).map(Vec::as_slice) else { return };
+        let scanned = (fd as usize) < SCAN_FDS && SCAN_EPFD[fd as usize].load(Relaxed) != 0;
+        if scanned || self.members.get(&epfd).is_some_and(|v| v.iter().any(|m| m.fd == fd)) {
+            return;
+        }
+        if let Some(&(g, 1)) = self.by_data.get(&(epfd, data)) {
+            if g.fd == fd {
+                self.shadows.publish(fd, epfd, data, g.events, live);
+            }
+        }
+    }
+
     /// Another registration takes `data` in `epfd`: a dormant one that had it goes for good
     /// (its events would otherwise be taken for the newcomer's).
     fn end_dormant(&mut self, epfd: c_int, data: u64) {
         let Some(&(g, _)) = self.by_data.get(&(epfd, data)) else { return };
         if g.fd != AMBIGUOUS
-            && self.per_fd.get(&g.fd).is_some_and(|v| v.iter().any(|r| r.epfd == epfd && !r.live))
+            && self
+                .per_fd
+                .get(&g.fd)
+                .is_some_and(|v| v.iter().any(|r| r.epfd == epfd && !self.live_of(g.fd, r)))
         {
             self.forget(epfd, g.fd);
         }
@@ -648,6 +720,15 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events:
         let again = with_regs(|r| r.drop_bell(epfd));
         announce_all(again);
     }
+    let tcp = vc.is_some_and(|v| v.shm_now().is_none());
+    if tcp && SHADOWS.quick(epfd, op, fd, events, data) == Quick::Done {
+        // Taken out, put back or changed in bits the layer does not keep, on TCP: see
+        // `shadow`. (What `set` does for a registration put back, for a connection on TCP.)
+        if op == libc::EPOLL_CTL_ADD {
+            POLLED.clear(fd);
+        }
+        return;
+    }
     if virtual_fd && op == libc::EPOLL_CTL_MOD {
         // The same registration again, or changed only in bits the layer never looks at
         // (UCX and wrk ask for writability and then no more around every send): one read
@@ -665,31 +746,35 @@ pub fn note_ctl(epfd: c_int, op: c_int, fd: c_int, vc: Option<&Arc<Vc>>, events:
         POLLED.clear(fd);
     }
     let again = with_regs(|r| {
-        match op {
-            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
-                TRACKED_EPFD.set(epfd);
-                if !r.set(epfd, fd, events, data, vc) {
-                    return Vec::new();
+        let again = 'change: {
+            match op {
+                libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD if virtual_fd => {
+                    TRACKED_EPFD.set(epfd);
+                    if !r.set(epfd, fd, events, data, vc) {
+                        break 'change Vec::new();
+                    }
+                }
+                libc::EPOLL_CTL_DEL if tcp && r.sleep(epfd, fd) => {
+                    // (Dormant: nothing else changes, see `FdReg::live`.)
+                    break 'change Vec::new();
+                }
+                libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
+                    // Not a connection (a descriptor number now used by something else): its
+                    // data is its own from now on.
+                    r.forget(epfd, fd);
+                    r.end_dormant(epfd, data);
+                }
+                _ => {
+                    r.forget(epfd, fd);
                 }
             }
-            libc::EPOLL_CTL_DEL if vc.is_some_and(|v| v.shm_now().is_none()) && r.sleep(epfd, fd) => {
-                // (Dormant: nothing else changes, see `FdReg::live`.)
-                return Vec::new();
+            let mut again: Vec<_> = r.rescan(fd).into_iter().collect();
+            if let Some(e) = r.overflowed.take() {
+                again.extend(r.rescan_members(e));
             }
-            libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD => {
-                // Not a connection (a descriptor number now used by something else): its
-                // data is its own from now on.
-                r.forget(epfd, fd);
-                r.end_dormant(epfd, data);
-            }
-            _ => {
-                r.forget(epfd, fd);
-            }
-        }
-        let mut again: Vec<_> = r.rescan(fd).into_iter().collect();
-        if let Some(e) = r.overflowed.take() {
-            again.extend(r.rescan_members(e));
-        }
+            again
+        };
+        r.publish(fd, tcp);
         again
     });
     announce_all(again);
@@ -773,24 +858,44 @@ const RDHUP: u32 = libc::EPOLLRDHUP as u32;
 /// (compacted to the front of `evs`, the events the kernel just wrote).
 fn filter_epoll(epfd: c_int, evs: &mut [libc::epoll_event]) -> usize {
     let n = evs.len();
-    // The registrations behind readable events, found under one read lock (on the stack for
-    // the usual few; the rest on the heap).
+    // The registrations behind readable events (on the stack for the usual few; the rest on
+    // the heap): first those whose data is their descriptor's number, as event libraries
+    // make it, found from the descriptor's word without the lock (`Shadows::find`); then
+    // the others, under one read lock.
     let mut near = [(0usize, Reg { fd: 0, events: 0 }); 16];
     let mut far: Vec<(usize, Reg)> = Vec::new();
     let mut found = 0;
-    {
+    let mut keep = |i: usize, reg: Reg| {
+        if found < near.len() {
+            near[found] = (i, reg);
+        } else {
+            far.push((i, reg));
+        }
+        found += 1;
+    };
+    // (Which events were found so, for the first 256.)
+    let mut quick = [0u64; 4];
+    let mut others = false;
+    for (i, e) in evs.iter().enumerate() {
+        if e.events & (IN_BITS | END_BITS) != 0 {
+            match SHADOWS.find(epfd, e.u64).filter(|_| i < 256) {
+                Some((fd, events)) => {
+                    keep(i, Reg { fd, events });
+                    quick[i / 64] |= 1 << (i % 64);
+                }
+                None => others = true,
+            }
+        }
+    }
+    if others {
         let g = REGS.read().unwrap_or_else(|e| e.into_inner());
-        let Some(r) = g.as_ref() else { return n };
-        for (i, e) in evs.iter().enumerate() {
-            let ev = e.events;
-            if ev & (IN_BITS | END_BITS) != 0 {
-                if let Some(reg) = r.lookup(epfd, e.u64) {
-                    if found < near.len() {
-                        near[found] = (i, reg);
-                    } else {
-                        far.push((i, reg));
+        if let Some(r) = g.as_ref() {
+            for (i, e) in evs.iter().enumerate() {
+                if e.events & (IN_BITS | END_BITS) != 0 && (i >= 256 || quick[i / 64] & (1 << (i % 64)) == 0)
+                {
+                    if let Some(reg) = r.lookup(epfd, e.u64) {
+                        keep(i, reg);
                     }
-                    found += 1;
                 }
             }
         }
@@ -1275,7 +1380,7 @@ fn poll_now(fds: &mut ProgArray<libc::pollfd>, mut wait: impl FnMut(bool, i64) -
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .as_ref()
-                .is_some_and(|g| g.per_fd.get(&fd).is_some_and(|v| v.iter().any(|r| r.live)))
+                .is_some_and(|g| g.per_fd.get(&fd).is_some_and(|v| v.iter().any(|r| g.live_of(fd, r))))
     };
     Ok(fds.with(n, |p| {
         let mut k = if r > 0 { filter_poll(p, r, seen) } else { 0 };
@@ -1640,6 +1745,59 @@ mod tests {
         assert!(r.sleep(6, 12));
         assert_eq!(r.close(12), 1);
         assert!(r.by_data.is_empty() && r.len() == 0);
+    }
+
+    #[test]
+    fn a_word_flipped_without_the_lock_is_what_the_registrations_see() {
+        use libc::{EPOLL_CTL_ADD as ADD, EPOLL_CTL_DEL as DEL, EPOLL_CTL_MOD as MOD};
+        let i = libc::EPOLLIN as u32;
+        let mut r = Regs { shadows: Shadows::own(64), ..Default::default() };
+        r.set(5, 10, i, 0xa, None);
+        r.publish(10, true);
+        assert_eq!(r.shadows.quick(5, MOD, 10, i | libc::EPOLLOUT as u32, 0xa), Quick::Done);
+        // The peer's end asked for: what an event's check reads says so, and so does the
+        // registration once the word is void.
+        assert_eq!(r.shadows.quick(5, MOD, 10, i | RDHUP, 0xa), Quick::Done);
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: i | RDHUP }));
+        r.absorb(10);
+        assert_eq!(r.by_data.get(&(5, 0xa)).map(|g| g.0), Some(Reg { fd: 10, events: i | RDHUP }));
+        r.publish(10, true);
+        assert_eq!(r.shadows.quick(5, MOD, 10, i, 0xa), Quick::Done);
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 10, events: i }));
+        assert_eq!(r.shadows.quick(5, DEL, 10, 0, 0), Quick::Done);
+        assert_eq!(r.data_of(5, 10), None, "dormant");
+        assert!(!r.sleep(5, 10), "already dormant, as the word said");
+        r.publish(10, true);
+        assert_eq!(r.shadows.quick(5, ADD, 10, i, 0xa), Quick::Done);
+        assert_eq!(r.data_of(5, 10), Some(0xa));
+        // Taken out again, and another descriptor takes its data: the dormant one goes for
+        // good, and its word with it.
+        assert_eq!(r.shadows.quick(5, DEL, 10, 0, 0), Quick::Done);
+        r.set(5, 11, i, 0xa, None);
+        assert_eq!(r.lookup(5, 0xa), Some(Reg { fd: 11, events: i }));
+        assert!(r.reg_mut(5, 10).is_none());
+        assert_eq!(r.shadows.live(10, 5), None);
+        r.publish(11, true);
+        assert_eq!(r.shadows.live(11, 5), Some(true));
+        // A second registration of the descriptor: no word stands for either.
+        r.set(6, 11, i, 0xb, None);
+        r.publish(11, true);
+        assert_eq!(r.shadows.live(11, 5), None);
+        assert_eq!(r.shadows.live(11, 6), None);
+        // Nor for a connection on shared memory, nor one whose data another shares.
+        r.forget(6, 11);
+        r.publish(11, false);
+        assert_eq!(r.shadows.live(11, 5), None);
+        r.set(5, 12, i, 0xa, None);
+        r.publish(11, true);
+        assert_eq!(r.shadows.live(11, 5), None, "data 0xa is 12's too");
+        // Closing the descriptor: its word goes.
+        r.forget(5, 12);
+        r.publish(11, true);
+        assert_eq!(r.shadows.live(11, 5), Some(true));
+        r.close(11);
+        assert_eq!(r.shadows.live(11, 5), None);
+        assert_eq!(r.len(), 0);
     }
 
     #[test]
