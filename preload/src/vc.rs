@@ -283,29 +283,27 @@ impl Vc {
         if p.parked {
             let i = p.regs.iter().position(|r| r.0 == epfd && r.1 == fd);
             let e = event();
-            let kept = match (op, i, e) {
+            // `None`: not about a kept registration (another epoll instance, a bad argument):
+            // the kernel answers.
+            let kept: Option<Result<i32, Errno>> = match (op, i, e) {
                 (libc::EPOLL_CTL_DEL, Some(i), _) => {
                     p.regs.remove(i);
-                    Ok(())
+                    Some(Ok(0))
                 }
                 (libc::EPOLL_CTL_MOD, Some(i), Some(e)) => {
                     p.regs[i].2 = e.events;
                     p.regs[i].3 = e.u64;
-                    Ok(())
+                    Some(Ok(0))
                 }
-                (libc::EPOLL_CTL_ADD, Some(_), _) => Err(libc::EEXIST),
+                (libc::EPOLL_CTL_ADD, Some(_), _) => Some(Err(Errno(libc::EEXIST))),
                 (libc::EPOLL_CTL_ADD, None, Some(e)) => {
                     p.regs.push((epfd, fd, e.events, e.u64));
-                    Ok(())
+                    Some(Ok(0))
                 }
-                // Not about a kept registration (another epoll instance, a bad argument):
-                // the kernel answers.
-                _ => Err(0),
+                _ => None,
             };
-            match kept {
-                Ok(()) => return Ok(0),
-                Err(e) if e != 0 => return Err(Errno(e)),
-                Err(_) => {}
+            if let Some(r) = kept {
+                return r;
             }
         }
         let r = forward();
