@@ -122,6 +122,8 @@ def figures(b, mig=None, scale=None):
         for size in (64, 1024, 16384):
             if f"rt_{size}_ns" in r:
                 add(f"calls {size} B {r['mode']} (ns per round trip)", r[f"rt_{size}_ns"])
+        if r.get("ctl_ns"):
+            add(f"calls epoll_ctl {r['mode']} (ns per call)", r["ctl_ns"])
     for r in mig or []:
         if not (r.get("ok") and r.get("intact")):
             add("migration failed runs", 1)

@@ -14,12 +14,16 @@
  * message size S in 64, 1024 and 16384 bytes it times N round trips; one round trip is four
  * calls: write(S) on the connecting end, read on the accepting end until S bytes arrived,
  * write(S) back, read until S bytes arrived. It first runs N/20 (at least 1000) untimed round
- * trips. The bytes are checked (each round trip carries a different pattern). Prints one JSON
+ * trips. The bytes are checked (each round trip carries a different pattern). Then it times
+ * the registration changes an event loop makes around each request (redis's `ae` takes a
+ * connection out of its epoll instance and puts it back, UCX and wrk ask for writability and
+ * then no more): N rounds of four `epoll_ctl` calls on the connecting end, MOD to input and
+ * output, MOD back to input, DEL, ADD for input, after N/20 untimed ones. Prints one JSON
  * object on stdout:
- *   {"round_trips": N, "rt_64_ns": ..., "rt_1024_ns": ..., "rt_16384_ns": ...,
+ *   {"round_trips": N, "rt_64_ns": ..., "rt_1024_ns": ..., "rt_16384_ns": ..., "ctl_ns": ...,
  *    "app_bytes": A, "wire_bytes": W, "path": "plain"|"framed"|"shared-memory",
  *    "preloaded": true|false}
- * with nanoseconds per round trip. "wire_bytes" is what the kernel sent on the connecting
+ * with nanoseconds per round trip, and per `epoll_ctl` call for "ctl_ns" (0 with SIZE). "wire_bytes" is what the kernel sent on the connecting
  * end's socket (TCP_INFO tcpi_bytes_sent), "app_bytes" what the program wrote there: equal
  * for plain TCP, more when the layer frames the bytes, far fewer when they went through
  * shared memory. A caller checks "path" to know the layered run really was virtual.
@@ -34,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -131,6 +136,33 @@ int main(int argc, char **argv)
         ns[k] = (now_ns() - t0) / (double)n;
     }
 
+    /* The registration changes around a request, on the connecting end. */
+    double ctl = 0;
+    if (only == 0) {
+        int ep = epoll_create1(0);
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = a};
+        if (ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, a, &ev) != 0)
+            die("epoll_ctl ADD", -1);
+        for (int timed = 0; timed < 2; timed++) {
+            long m = timed ? n : warm;
+            double t0 = now_ns();
+            for (long i = 0; i < m; i++) {
+                ev.events = EPOLLIN | EPOLLOUT;
+                if (epoll_ctl(ep, EPOLL_CTL_MOD, a, &ev) != 0)
+                    die("epoll_ctl MOD", i);
+                ev.events = EPOLLIN;
+                if (epoll_ctl(ep, EPOLL_CTL_MOD, a, &ev) != 0)
+                    die("epoll_ctl MOD", i);
+                if (epoll_ctl(ep, EPOLL_CTL_DEL, a, NULL) != 0)
+                    die("epoll_ctl DEL", i);
+                if (epoll_ctl(ep, EPOLL_CTL_ADD, a, &ev) != 0)
+                    die("epoll_ctl ADD", i);
+            }
+            ctl = (now_ns() - t0) / (4.0 * (double)m);
+        }
+        close(ep);
+    }
+
     struct tcp_info ti;
     socklen_t tl = sizeof(ti);
     memset(&ti, 0, sizeof(ti));
@@ -139,8 +171,9 @@ int main(int argc, char **argv)
         wire = ti.tcpi_bytes_sent;
     const char *path = wire == app_bytes ? "plain" : wire > app_bytes ? "framed" : "shared-memory";
     printf("{\"round_trips\": %ld, \"rt_64_ns\": %.1f, \"rt_1024_ns\": %.1f, \"rt_16384_ns\": %.1f, "
-           "\"app_bytes\": %llu, \"wire_bytes\": %llu, \"path\": \"%s\", \"preloaded\": %s}\n",
-           n, ns[0], ns[1], ns[2], app_bytes, wire, path, preloaded() ? "true" : "false");
+           "\"ctl_ns\": %.1f, \"app_bytes\": %llu, \"wire_bytes\": %llu, \"path\": \"%s\", "
+           "\"preloaded\": %s}\n",
+           n, ns[0], ns[1], ns[2], ctl, app_bytes, wire, path, preloaded() ? "true" : "false");
     close(a);
     close(b);
     close(l);

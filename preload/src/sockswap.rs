@@ -69,6 +69,11 @@ fn epoll_instances() -> Vec<i32> {
 /// (a socket taken out, the new one registered), and drops it when the program calls
 /// `epoll_ctl` on a virtual connection ([`note_ctl`]) or after [`CACHE_MS`]. A one-shot
 /// registration is always read afresh (the kernel disarms it when it fires, with no call).
+///
+/// Until a first copy is made ([`READ_ONCE`]), a program's `epoll_ctl` has no copy to make
+/// stale and counts nothing: two atomic additions on one shared word per call, most of the
+/// layer's cost of an event loop's registration changes, for a copy that most processes
+/// never make.
 struct Cache {
     gen: u64,
     at_ms: u64,
@@ -77,14 +82,23 @@ struct Cache {
 
 static CACHE: std::sync::Mutex<Option<Cache>> = std::sync::Mutex::new(None);
 static CTL_GEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Set (for good) before the first read of an instance's fdinfo for a copy: from then on
+/// each `epoll_ctl` of a virtual connection counts in [`CTL_GEN`]. A change whose count it
+/// skipped was made before this was set (its check comes after the kernel's change), so
+/// before the read, and the copy holds it.
+static READ_ONCE: AtomicBool = AtomicBool::new(false);
 /// Longest use of a copy of an instance's fdinfo. (What the program changes without a call
 /// the layer sees cannot make it wrong about the layer's sockets: a registration that
 /// vanished with a closed descriptor names an inode no rebuilt link has.)
 const CACHE_MS: u64 = 1000;
 
-/// The program changed an epoll registration of a virtual connection.
+/// The program changed an epoll registration of a virtual connection (called after the
+/// kernel's change).
+#[inline]
 pub(crate) fn note_ctl() {
-    CTL_GEN.fetch_add(1, AcqRel);
+    if READ_ONCE.load(SeqCst) {
+        CTL_GEN.fetch_add(1, AcqRel);
+    }
 }
 
 fn cache() -> std::sync::MutexGuard<'static, Option<Cache>> {
@@ -102,7 +116,8 @@ pub(crate) fn epoll_regs(fds: &[i32]) -> Vec<EpollReg> {
         }
     }
     let mut out = Vec::new();
-    let (gen, now) = (CTL_GEN.load(Acquire), sys::now_ms());
+    READ_ONCE.store(true, SeqCst);
+    let (gen, now) = (CTL_GEN.load(SeqCst), sys::now_ms());
     let mut c = cache();
     let c = match &mut *c {
         Some(k) if k.gen == gen && now.saturating_sub(k.at_ms) < CACHE_MS => k,

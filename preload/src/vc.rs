@@ -273,9 +273,9 @@ impl Vc {
         event: impl FnOnce() -> Option<libc::epoll_event>,
         forward: impl FnOnce() -> Result<i32, Errno>,
     ) -> Result<i32, Errno> {
-        // (Noted before the call, and the change after it too: a link rebuilt meanwhile must
-        // look at this instance, and not at a copy of its registrations made before.)
-        sockswap::note_ctl();
+        // (The instance is noted before the call, and the change after it: a link rebuilt
+        // meanwhile must look at this instance, and not at a copy of its registrations made
+        // before the change.)
         if op != libc::EPOLL_CTL_DEL {
             sockswap::note_epfd(epfd);
         }
