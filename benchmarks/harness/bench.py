@@ -2214,7 +2214,7 @@ class Report:
             extra = (med(lay) - med(nat)) / 4 if nat and lay else None
             summ[str(size)] = {"native_ns": med(nat), "layer_ns": med(lay), "ratio": r,
                                "layer_ns_per_call": extra, "native_reps": nat, "layer_reps": lay}
-            rows.append([f"{size_label(size)} round trip", fmt_spread(nat, 0), fmt_spread(lay, 0), fmt(r, 3),
+            rows.append([f"round trip, {size_label(size)}B messages", fmt_spread(nat, 0), fmt_spread(lay, 0), fmt(r, 3),
                          "" if extra is None else f"{extra:,.0f}"])
         nat = [r["ctl_ns"] for r in self.by("calls", NATIVE) if r.get("ctl_ns")]
         lay = [r["ctl_ns"] for r in self.by("calls", LAYER) if r.get("ctl_ns")]

@@ -4,9 +4,9 @@
 //! layer's own descriptors are in [`crate::ownfd`].)
 
 use crate::vc::Vc;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::{Arc, RwLock, Weak};
 
