@@ -3,7 +3,7 @@
 round, and the layer's figures of each are put in one table (median and range).
 
     benchmarks/harness/builds.py --old DIR --new DIR [--rounds N]
-                                 [--only connrate,failover,calls,throughput,migration,redis,memcached,nginx]
+                                 [--only connrate,failover,calls,throughput,mpi,mpich,migration,redis,memcached,nginx]
                                  [--migration-mb 10] [--migration-reps 3] [--out DIR]
 
 DIR is a folder with libvmi_preload.so, vmi-agent, vmictl, vmi-migrate (a `target/release`
@@ -17,7 +17,9 @@ baseline of each bench.py run is printed too, as a check that the machine did no
   silent (veth off its bridge), in ms;
 - calls: nanoseconds per write/read/write/read round trip on one connection held by one
   process (`vc_calls`, 64 B, 1 KiB, 16 KiB), the layer's cost per call with no wake-up in
-  the way;
+  the way, and per `epoll_ctl` of the changes an event loop makes around a request;
+- mpi, mpich: Open MPI's NetPIPE and MPICH's ping-pong between the two hosts, 8 B one way
+  (us) and 1 MiB (Mbit/s);
 - redis, memcached, nginx: the request/response rows of bench.py (redis-benchmark SET and
   GET, memcaslap, wrk against nginx), operations or requests per second;
 - migration: `migration.py --bin-dir DIR --sizes MB --reps R` in each round (its own hosts,
@@ -108,9 +110,10 @@ def figures(b, mig=None, scale=None):
     for r in b.get("throughput", {}).get("runs", []):
         add(f"iperf3 -P{r['streams']} {r['mode']} (Gbit/s)", r["gbps"])
         add(f"iperf3 -P{r['streams']} {r['mode']} (CPU s per GiB, both ends)", r.get("cpu_s_per_gib"))
-    for r in b.get("mpi", {}).get("runs", []):
-        add(f"MPI 8 B {r['mode']} (us one way)", r["lat8_us"])
-        add(f"MPI 1 MiB {r['mode']} (Mbit/s)", r["bw1m_mbps"])
+    for key, label in (("mpi", "MPI"), ("mpich", "MPICH")):
+        for r in b.get(key, {}).get("runs", []):
+            add(f"{label} 8 B {r['mode']} (us one way)", r["lat8_us"])
+            add(f"{label} 1 MiB {r['mode']} (Mbit/s)", r["bw1m_mbps"])
     for r in b.get("redis", {}).get("runs", []):
         for test, rec in r.get("tests", {}).items():
             add(f"redis-benchmark {test} {r['mode']} (ops/s)", rec.get("rps"))
