@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 runs="${1:-200000}"
 seconds="${VMI_FUZZ_SECONDS:-60}"
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked -q
-for t in frame_header rx_stream agent_msg stats_slot seccomp_filter proc_status core_link_bytes mx_packet agent_mesh agent_config exec_record proc_fdinfo proc_arp head_summary directory_record filter_decode chain_policy accept_table event_stream shm_ring; do
+for t in frame_header rx_stream agent_msg stats_slot seccomp_filter proc_status core_link_bytes mx_packet agent_mesh agent_config exec_record proc_fdinfo proc_arp head_summary directory_record filter_decode chain_policy accept_table event_stream shm_ring exec_state; do
     echo "--- fuzz $t ($runs runs, at most $seconds s)"
     log="$(mktemp)"
     if ! cargo fuzz run -s none "$t" -- -runs="$runs" -max_total_time="$seconds" -max_len=4096 >"$log" 2>&1; then

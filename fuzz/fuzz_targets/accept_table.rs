@@ -24,13 +24,18 @@ fuzz_target!(|data: &[u8]| {
     }
     let port = u16::from_le_bytes([data[0], data[1]]);
     let src = SocketAddr::from(([10, data[2], data[3], 2], port));
-    let dst: SocketAddr = if data[4] & 1 == 0 { "10.0.0.1:80".parse().unwrap() } else { "[fd00::1]:443".parse().unwrap() };
+    let dst: SocketAddr =
+        if data[4] & 1 == 0 { "10.0.0.1:80".parse().unwrap() } else { "[fd00::1]:443".parse().unwrap() };
     let now = u64::from(data[5]) << 32;
     if let Some(e) = accepts::claim(&t[..], src, dst, now) {
-        assert_eq!((e.src.ip(), e.src.port(), e.dst.ip(), e.dst.port()), (src.ip(), src.port(), dst.ip(), dst.port()));
+        assert_eq!(
+            (e.src.ip(), e.src.port(), e.dst.ip(), e.dst.port()),
+            (src.ip(), src.port(), dst.ip(), dst.port())
+        );
         assert!(e.expires_ns > now && e.agents.len() <= accepts::MAX_AGENTS);
     }
-    let e = Entry { src, dst, gid: 7, secret: 8, window: 9, alias: None, agents: vec![dst], expires_ns: now + 1 };
+    let e =
+        Entry { src, dst, gid: 7, secret: 8, window: 9, alias: None, agents: vec![dst], expires_ns: now + 1 };
     if accepts::put(&t[..], &e, now) {
         // (A scribbled table may hold the same two addresses twice: either may come first.)
         assert!(accepts::claim(&t[..], src, dst, now).is_some());

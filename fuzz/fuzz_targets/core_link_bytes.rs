@@ -5,7 +5,8 @@ use libfuzzer_sys::fuzz_target;
 use substrate::connection::{Config, Connection, LinkId};
 
 fuzz_target!(|data: &[u8]| {
-    let cfg = Config { window: 1 << 16, peer_window: 1 << 16, max_frame: 4096, grace_ms: 1000, ack_delay_ms: 5 };
+    let cfg =
+        Config { window: 1 << 16, peer_window: 1 << 16, max_frame: 4096, grace_ms: 1000, ack_delay_ms: 5 };
     let mut c = Connection::new(cfg, 0);
     let _ = c.handle_link_up(0, LinkId(0), None);
     let _ = c.send(&[1u8; 5000]);

@@ -65,7 +65,16 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(i.payload, k);
                 assert_eq!(&copy[..k], &chunk[24..]);
                 let key = |r: &RxState| {
-                    (r.delivered, r.peer_ack, r.frame_rem, r.header_len, r.fin, r.ctl_rem, r.coded_len, r.careful)
+                    (
+                        r.delivered,
+                        r.peer_ack,
+                        r.frame_rem,
+                        r.header_len,
+                        r.fin,
+                        r.ctl_rem,
+                        r.coded_len,
+                        r.careful,
+                    )
                 };
                 assert_eq!(key(&quick), key(&general));
             }

@@ -291,12 +291,14 @@ impl RxState {
             *v = u32_at(at + 20 + 4 * i);
         }
         let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
+        // (Summed wide: the record comes from the environment, and any value may be there.)
+        let spec_total = u64::from(r.spec_len) + u64::from(r.ctl_rem);
         let sane = r.has_resync <= 1
             && r.expect_resync <= 1
             && r.header_len as usize <= HEADER_LEN
             && r.frame_rem <= crate::wire::frame::MAX_PAYLOAD as u64
             && r.fin <= 1
-            && r.spec_len + r.ctl_rem <= MAX_CHAIN_SPEC
+            && spec_total <= u64::from(MAX_CHAIN_SPEC)
             && answer_ok(r.ctl_answer)
             && (r.ctl_rem == 0 || r.header_len == 0)
             && r.offer_no <= 15
@@ -314,7 +316,7 @@ impl RxState {
             && r.empty_at <= r.takes
             && r.taken_at.iter().all(|&t| t <= r.takes)
             && r.ctl_fin <= 1
-            && (r.ctl_fin == 0 || (r.ctl_answer == 0 && r.spec_len + r.ctl_rem == CTL_TAG));
+            && (r.ctl_fin == 0 || (r.ctl_answer == 0 && spec_total == u64::from(CTL_TAG)));
         sane.then_some(r)
     }
     /// A fresh receive half.
@@ -1016,6 +1018,19 @@ mod tests {
             got_all.extend_from_slice(&app[..r?.payload]);
         }
         Ok(got_all)
+    }
+
+    #[test]
+    fn a_state_whose_lengths_would_overflow_is_refused() {
+        // The record crosses exec in the environment, which anything may set: a chain
+        // description and a control frame whose lengths add up past 32 bits once passed the
+        // check by wrapping (found by the exec_state fuzz target).
+        let mut b = RxState::new().to_bytes();
+        let at = 52 + HEADER_LEN;
+        b[at..at + 4].copy_from_slice(&(u32::MAX - 15).to_le_bytes());
+        b[at - 4..at].copy_from_slice(&32u32.to_le_bytes());
+        assert!(RxState::from_bytes(&b).is_none());
+        assert!(RxState::from_bytes(&RxState::new().to_bytes()).is_some());
     }
 
     #[test]
