@@ -526,6 +526,16 @@ pub fn dup_onto(old: c_int, new: c_int, real: impl FnOnce() -> Real) -> Real {
         if crate::ownfd::evict(new).is_some() && new == crate::ownfd::own_fd(crate::ownfd::OWN_AGENT) {
             agent::lost_socket();
         }
+        // What `new` named is closed, as by `close`: its epoll registrations are forgotten
+        // (else an event with their data would be checked against the connection that
+        // takes the number now), and an epoll instance at `new` goes with its own. (Not in
+        // a vfork child: its descriptors are its own, the tables its parent's.)
+        if !crate::vforked() {
+            if crate::ready::tracking(new) || fdtable::is_managed(new) {
+                crate::ready::note_close(new);
+            }
+            crate::ready::note_closed_fd(new);
+        }
         if fdtable::is_managed(new) {
             forget(new);
         }
