@@ -254,6 +254,15 @@ fn forget(fd: c_int) -> Option<Arc<Vc>> {
     }
 }
 
+/// Descriptor `fd` is closed (by `close`, or by `dup2`/`dup3` over it): the epoll
+/// registrations the layer keeps for it go, and so does an epoll instance at `fd` with its own.
+fn registrations_closed(fd: c_int) {
+    if crate::ready::tracking(fd) || fdtable::is_managed(fd) {
+        crate::ready::note_close(fd);
+    }
+    crate::ready::note_closed_fd(fd);
+}
+
 /// `close`.
 pub fn close(fd: c_int, real: impl FnOnce() -> Real) -> Real {
     if crate::ownfd::is_protected(fd) {
@@ -261,10 +270,7 @@ pub fn close(fd: c_int, real: impl FnOnce() -> Real) -> Real {
         // does not know it; keep it.
         return Ok(0);
     }
-    if crate::ready::tracking(fd) || fdtable::is_managed(fd) {
-        crate::ready::note_close(fd);
-    }
-    crate::ready::note_closed_fd(fd);
+    registrations_closed(fd);
     if fdtable::is_managed(fd) && !crate::vforked() {
         if let Some(vc) = forget(fd) {
             if let Some(l) = vc.shm_now() {
@@ -531,10 +537,7 @@ pub fn dup_onto(old: c_int, new: c_int, real: impl FnOnce() -> Real) -> Real {
         // takes the number now), and an epoll instance at `new` goes with its own. (Not in
         // a vfork child: its descriptors are its own, the tables its parent's.)
         if !crate::vforked() {
-            if crate::ready::tracking(new) || fdtable::is_managed(new) {
-                crate::ready::note_close(new);
-            }
-            crate::ready::note_closed_fd(new);
+            registrations_closed(new);
         }
         if fdtable::is_managed(new) {
             forget(new);

@@ -697,7 +697,7 @@ impl Vc {
             }) {
                 Err(IrbError::WouldBlock) if crate::sys::now_ms() < deadline => {
                     if was_ready {
-                        std::thread::sleep(std::time::Duration::from_micros(200));
+                        crate::sandbox::pause_us(200);
                     }
                     was_ready = crate::sys::wait_fd(fd, libc::POLLIN, 50) & libc::POLLIN != 0;
                 }
@@ -732,7 +732,7 @@ impl Vc {
             if now >= deadline {
                 return false;
             }
-            std::thread::sleep(std::time::Duration::from_micros(50));
+            crate::sandbox::pause_us(50);
             true
         };
         loop {
