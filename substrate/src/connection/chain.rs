@@ -416,6 +416,34 @@ pub fn spec_of_ids(ids: u32) -> Option<String> {
     Some(names.join(","))
 }
 
+/// A rule's network in the one form every spelling of it has: host bits cleared, any `/0`
+/// the node-wide rule, and an IPv4-mapped IPv6 network the IPv4 network it names (a peer's
+/// mapped address is looked up as IPv4). `10.1.2.3/8`, `10.0.0.0/8` and `::ffff:10.0.0.0/104`
+/// are one network, so a second rule for it is refused and the rules' text reads back as
+/// the same rules.
+fn canonical(a: std::net::IpAddr, len: u8) -> (std::net::IpAddr, u8) {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let (a, len) = match a {
+        IpAddr::V6(v6) if len >= 96 && v6.to_ipv4_mapped().is_some() => {
+            (IpAddr::V4(v6.to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED)), len - 96)
+        }
+        a => (a, len),
+    };
+    if len == 0 {
+        return (IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0);
+    }
+    match a {
+        IpAddr::V4(v4) => {
+            let m = u32::MAX.checked_shl(32 - len as u32).unwrap_or(0);
+            (IpAddr::V4(Ipv4Addr::from(u32::from(v4) & m)), len)
+        }
+        IpAddr::V6(v6) => {
+            let m = u128::MAX.checked_shl(128 - len as u32).unwrap_or(0);
+            (IpAddr::V6(Ipv6Addr::from(u128::from(v6) & m)), len)
+        }
+    }
+}
+
 /// A node's default chains (the agent's `chain` setting), as rules: `CHAIN` for every
 /// connection, or `NET/LEN=CHAIN` for connections whose peer address is in that network.
 /// The most specific rule that matches wins; `none` names the empty chain (a network whose
@@ -459,7 +487,7 @@ impl Policy {
                     let l: u8 = l.parse().ok().filter(|&l| l <= max).ok_or_else(|| {
                         format!("chain rule {rule:?}: {l:?} is not a prefix length (0-{max})")
                     })?;
-                    (a, l)
+                    canonical(a, l)
                 }
             };
             if p.rules.iter().any(|(a, l, _)| (*a, *l) == (addr, len)) {
@@ -770,7 +798,24 @@ mod tests {
         let q = Policy::parse(["10.0.0.0/8=lz4"]).unwrap();
         assert_eq!(q.chain_for(ip("192.168.0.1")), None);
         assert!(Policy::parse([""]).unwrap().is_empty());
-        for bad in ["brotli", "10.0.0.0=lz4", "10.0.0.0/33=lz4", "ten/8=lz4", "lz4;zstd", "fd00::/129=lz4"] {
+        let r = Policy::parse(["::ffff:10.78.1.0/120=lz4", "10.78.1.9/24=zstd"]);
+        assert!(r.unwrap_err().contains("second rule"), "one network, spelled twice");
+        for text in ["::/0=", "::/0=lz4", "10.1.2.3/0=lz4", "10.1.2.3/8=lz4", "::ffff:10.9.9.9/104=lz4"] {
+            let p = Policy::parse([text]).unwrap();
+            assert_eq!(Policy::parse([p.to_text().as_str()]).unwrap(), p, "{text} -> {}", p.to_text());
+        }
+        assert_eq!(Policy::parse(["10.1.2.3/8=lz4"]).unwrap().to_text(), "10.0.0.0/8=lz4");
+        let m = Policy::parse(["::ffff:10.78.1.0/120=lz4"]).unwrap();
+        assert_eq!(m.chain_for(ip("10.78.1.4")), Some("lz4"));
+        for bad in [
+            "brotli",
+            "10.0.0.0=lz4",
+            "10.0.0.0/33=lz4",
+            "ten/8=lz4",
+            "lz4;zstd",
+            "fd00::/129=lz4",
+            "lz4;::/0=zstd",
+        ] {
             assert!(Policy::parse([bad]).is_err(), "{bad}");
         }
     }
