@@ -86,7 +86,8 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
                 && via.is_none()
                 && crate::shm_sink::same_node(&addrs))
             .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
-            .flatten();
+            .flatten()
+            .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
             if !crate::shm_sink::same_node(&addrs) {
                 sink_asked(dst);
             }
@@ -121,6 +122,14 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     }
 }
 
+/// True when `dst` (an address of this node) is a listener of this process's: its `accept`
+/// of the connection is this process's own.
+fn own_listener(dst: SocketAddr) -> bool {
+    fdtable::listeners()
+        .iter()
+        .any(|(_, a)| a.port() == dst.port() && (a.ip().is_unspecified() || a.ip() == dst.ip()))
+}
+
 /// Most tickets one `connect` tries (each one's port may be held by another socket).
 const TICKET_TRIES: u32 = 4;
 
@@ -151,7 +160,8 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
             let shm =
                 (config::shm() && chain_for(dst.ip()).is_empty() && crate::shm_sink::same_node(&t.addrs))
                     .then(|| crate::shm_sink::ShmLink::offer(t.gid, t.secret, 0, (0, 0)))
-                    .flatten();
+                    .flatten()
+                    .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
             return Some(Pending {
                 gid: t.gid,
                 secret: t.secret,

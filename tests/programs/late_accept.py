@@ -40,9 +40,11 @@ def parse_addr(text):
 
 
 def recv_upto(sock, n):
+    """Reads until n bytes came or the stream ended; never more than n (what follows is the
+    next message's)."""
     got = b""
     while len(got) < n:
-        chunk = sock.recv(65536)
+        chunk = sock.recv(min(65536, n - len(got)))
         if not chunk:
             break
         got += chunk
@@ -127,7 +129,9 @@ class BusyNested:
                 if not self.inner.poll(0):
                     continue
                 try:
-                    chunk = self.sock.recv(65536)
+                    # (No more than n: the server's next message may already be behind the
+                    # echo, when this side is slow to read.)
+                    chunk = self.sock.recv(min(65536, n - len(got)))
                 except BlockingIOError:
                     continue
                 if not chunk:

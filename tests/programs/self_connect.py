@@ -7,7 +7,8 @@ must a virtual connection.
 
 Listens, connects, sends N bytes (default 1000; blocking sendall, or with --nonblocking a
 non-blocking socket retried on EAGAIN), then accepts, reads them, answers them back and
-reads the answer. Prints {"sent", "received", "echoed", "same", "eagain"}; "error" on failure.
+reads the answer. Prints {"sent", "received", "echoed", "same", "eagain", "send_ms"} (send_ms:
+how long the sends before the accept took); "error" on failure.
 
 With --fork the accepting end is a child process forked after the send (which closes its copy
 of the connecting end: the process held both ends of one connection, and now each holds one),
@@ -94,6 +95,7 @@ def main():
         ls.bind((host, int(port)))
         ls.listen(4)
         c = socket.create_connection((host, int(port)), timeout=30)
+        began = time.monotonic()
         if a.nonblocking:
             c.setblocking(False)
             deadline = time.monotonic() + 20
@@ -111,6 +113,7 @@ def main():
         else:
             c.sendall(data)
         out["sent"] = len(data)
+        out["send_ms"] = round((time.monotonic() - began) * 1000, 2)
         if a.fork:
             return forked(a, ls, c, data, out)
         s, _ = ls.accept()

@@ -99,6 +99,10 @@ pub struct ShmLink {
     /// When the offer was made (ms, `sys::now_ms`; connecting side only): a send still
     /// without an answer `OFFER_WAIT_MS` later withdraws it.
     offered_ms: u64,
+    /// The offer went to a listener of this very process (`own_listener`): a send does not
+    /// wait for the answer, which this process's own `accept` gives, often on the thread
+    /// that sends (UCX connects to its own listener, sends, and only then accepts).
+    own_listener: bool,
     /// The offer was withdrawn (the program sent before its peer accepted): the connection
     /// moves onto shared memory later, by itself (`relink::shm_later`); the tries so far.
     withdrew: AtomicBool,

@@ -155,6 +155,7 @@ impl ShmLink {
             tag,
             path: Some(path),
             offered_ms: sys::now_ms(),
+            own_listener: false,
             dgram: std::sync::Arc::new(AtomicI32::new(dgram)),
             peer_sock: std::sync::Arc::new(AtomicI32::new(-1)),
             mode: AtomicU32::new(0),
@@ -164,6 +165,15 @@ impl ShmLink {
             withdrew: AtomicBool::new(false),
             tries: AtomicU32::new(0),
         })
+    }
+
+    /// This offer goes to a listener of this process: a send made before its answer does not
+    /// wait for it (the answer comes from this process's own `accept`, which may be the
+    /// sending thread's next call: a wait would only stall it). Such a send withdraws the
+    /// offer, and the connection moves onto shared memory later, as any withdrawn one does.
+    pub fn to_own_listener(mut self) -> Self {
+        self.own_listener = true;
+        self
     }
 
     /// The accepting side takes the offer, if there is one and `enabled` (`None`: TCP; an
@@ -251,6 +261,7 @@ impl ShmLink {
             tag,
             path: None,
             offered_ms: 0,
+            own_listener: false,
             dgram: std::sync::Arc::new(AtomicI32::new(dgram)),
             peer_sock: std::sync::Arc::new(AtomicI32::new(-1)),
             mode: AtomicU32::new(1),
@@ -294,6 +305,7 @@ impl ShmLink {
     pub fn settle(&self, fd: i32, wait: bool, withdraw: bool) -> Result<Mode, IrbError> {
         let (wait, limit) = match (wait, withdraw && self.offered_ms > 0) {
             (_, false) => (wait, OFFER_WAIT_MS),
+            (_, true) if self.own_listener => (true, 0),
             (true, true) => (true, OFFER_WAIT_MS),
             (false, true) => (true, OFFER_WAIT_NONBLOCKING_MS),
         };
@@ -459,6 +471,7 @@ impl ShmLink {
             tag: String::new(),
             path: None,
             offered_ms: 0,
+            own_listener: false,
             dgram: std::sync::Arc::new(AtomicI32::new(-1)),
             peer_sock: std::sync::Arc::new(AtomicI32::new(peer)),
             mode: AtomicU32::new(1),
