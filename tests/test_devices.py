@@ -203,15 +203,17 @@ def test_node_default_chains_from_the_agent(procs, tmp_path):
     assert len(results) == 2 and all("error" not in r for r in results.values()), results
 
 
-def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
-    """Two programs on one node stream both ways over shared memory. Loading a device on
-    their connection moves it to TCP at both ends (devices work on TCP frames) and puts the
-    device on both directions; a move back to shared memory asked meanwhile leaves it on TCP
-    with its device (and says why); unloading leaves it on TCP until the operator moves it
-    back, which works again. The streams stay exact throughout."""
+@pytest.mark.parametrize("device,spec", [("lz4", "lz4"), ("aead", "aead:aes-256-gcm")], ids=["lz4", "aead"])
+def test_devices_stand_aside_on_shared_memory_and_stay_across_moves(procs, device, spec):
+    """Two programs on one node stream both ways over shared memory. A device loaded there
+    leaves the connection on shared memory: its bytes never leave the node, so the chain
+    waits (the log says so). Moved to TCP, both ends code with it both ways; moved back onto
+    shared memory, both keep it (its keys too) while it stands aside, and code with it again
+    on the next TCP link; unloaded on TCP, the connection goes back onto shared memory with
+    no device. The streams stay exact throughout."""
     port = PORTS["device_shm"]
     addr = f"{H1_IP}:{port}"
-    rate, seconds = 4 * MiB, 8
+    rate, seconds = 4 * MiB, 10
     n = rate * seconds
     env = {"VMI_LOG": "info", "VMI_SHM": "1"}
     srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
@@ -228,30 +230,32 @@ def test_device_on_shared_memory_moves_the_connection_to_tcp(procs):
                                      and c.get("bytes_received", 0) > past for c in e)
             return ok and e
         return check
-    e = wait_status(H1, ends("shm", ""), 10, "both ends streaming over shared memory")
-    gid = e[0]["gid"]
-    vmictl_ok(H1, "device", "load", "lz4", "--gid", gid)
-    e = wait_status(H1, ends("tcp", "lz4", e[0]["bytes_received"]), 10,
-                    "both ends on TCP with lz4 both ways, bytes still flowing")
-    # Asked back onto shared memory with the device on: it stays on TCP with its device.
-    vmictl_ok(H1, "move", gid, "shm")
+
+    def step(what, substrate, chain, past):
+        e = wait_status(H1, ends(substrate, chain, past), 10, what)
+        return e[0]["bytes_received"]
+    past = step("both ends streaming over shared memory", "shm", "", 0)
+    gid = wait_status(H1, ends("shm", ""), 10, "the connection")[0]["gid"]
+    vmictl_ok(H1, "device", "load", device, "--gid", gid)
     time.sleep(1)
-    e = wait_status(H1, ends("tcp", "lz4", e[0]["bytes_received"]), 10,
-                    "both ends still on TCP with lz4 after a move to shared memory was asked")
-    vmictl_ok(H1, "device", "unload", "lz4", "--gid", gid)
-    e = wait_status(H1, ends("tcp", "", e[0]["bytes_received"]), 10,
-                    "both ends on TCP with no device, bytes still flowing")
+    past = step(f"still on shared memory with {device} waiting", "shm", "", past)
+    vmictl_ok(H1, "move", gid, "tcp")
+    past = step(f"both ends on TCP with {device} both ways", "tcp", spec, past)
     vmictl_ok(H1, "move", gid, "shm")
-    wait_status(H1, ends("shm", "", e[0]["bytes_received"]), 10,
-                "both ends back on shared memory, bytes still flowing")
+    past = step(f"back on shared memory, {device} kept", "shm", spec, past)
+    vmictl_ok(H1, "move", gid, "tcp")
+    past = step(f"on TCP again, coding with {device}", "tcp", spec, past)
+    vmictl_ok(H1, "device", "unload", device, "--gid", gid)
+    past = step("on TCP with no device", "tcp", "", past)
+    vmictl_ok(H1, "move", gid, "shm")
+    step("back on shared memory with no device", "shm", "", past)
     cli.wait(timeout=seconds + 30)
     srv.wait(timeout=10)
     c, s = cli.last_json(), srv.last_json()
     assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
     assert_same_stream(c, s)
     logs = cli.stderr() + srv.stderr()
-    assert "moves from shared memory to TCP for device lz4" in logs, logs[-2000:]
-    assert "stays on TCP" in logs, logs[-2000:]
+    assert "the connection is on shared memory, where bytes do not leave this node" in logs, logs[-2000:]
 
 
 def test_device_refused_clearly(procs):

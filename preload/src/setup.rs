@@ -81,13 +81,10 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
                 alias
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
-            let shm = (config::shm()
-                && chain_for(dst.ip()).is_empty()
-                && via.is_none()
-                && crate::shm_sink::same_node(&addrs))
-            .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
-            .flatten()
-            .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
+            let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
+                .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
+                .flatten()
+                .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
             if !crate::shm_sink::same_node(&addrs) {
                 sink_asked(dst);
             }
@@ -157,11 +154,10 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
         if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&t.src, false)) == 0 {
             // A listener on this node: the rings are offered before the SYN leaves, as for
             // a connection the agent answered.
-            let shm =
-                (config::shm() && chain_for(dst.ip()).is_empty() && crate::shm_sink::same_node(&t.addrs))
-                    .then(|| crate::shm_sink::ShmLink::offer(t.gid, t.secret, 0, (0, 0)))
-                    .flatten()
-                    .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
+            let shm = (config::shm() && crate::shm_sink::same_node(&t.addrs))
+                .then(|| crate::shm_sink::ShmLink::offer(t.gid, t.secret, 0, (0, 0)))
+                .flatten()
+                .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
             return Some(Pending {
                 gid: t.gid,
                 secret: t.secret,
@@ -339,7 +335,8 @@ pub fn chain_for(peer: std::net::IpAddr) -> String {
 }
 
 /// The chain for this connection (see [`chain_for`]) is offered for what this side sends,
-/// with its first frame.
+/// with its first frame (on shared memory, with the first frame of its first TCP link: the
+/// chain stands aside while the bytes stay on this node).
 fn offer_configured_chain(vc: &Vc, fd: i32, peer: std::net::IpAddr) {
     let spec = chain_for(peer);
     if spec.is_empty() {
@@ -442,14 +439,7 @@ pub fn after_accept(listen_fd: i32, fd: i32) {
     let local = if renamed { alias } else { local };
     // The connecting layer may have offered shared memory (both ends on this node).
     let shm = if crate::shm_sink::same_node(&addrs) {
-        crate::shm_sink::ShmLink::accept(
-            gid,
-            secret,
-            0,
-            fd,
-            config::shm() && chain_for(peer.ip()).is_empty(),
-            (0, 0),
-        )
+        crate::shm_sink::ShmLink::accept(gid, secret, 0, fd, config::shm(), (0, 0))
     } else {
         None
     };

@@ -1014,15 +1014,20 @@ impl Vc {
     /// the next new byte on. The offer goes in the same write as the next data frame this
     /// side sends (alone, it could make the peer's socket readable with no data for its
     /// program). Returns the chain's number; `EINVAL` for a filter this build lacks, `EBUSY`
-    /// while an earlier offer waits for its answer, `EOPNOTSUPP` on shared memory (filters
-    /// work on frames of the kernel-TCP substrate). With `both`, the peer is asked to use the
+    /// while an earlier offer waits for its answer. With `both`, the peer is asked to use the
     /// same chain for what it sends.
+    ///
+    /// On shared memory the offer waits for the connection's next TCP link: a chain codes
+    /// frames that cross a network, and bytes in the rings never leave the node (see
+    /// [`on_shm_the_chain_stands_aside`](Self::on_shm_the_chain_stands_aside)). A later
+    /// offer made there takes the place of one still waiting.
     pub fn offer_chain(&self, fd: i32, spec: &str, both: bool) -> Result<usize, IrbError> {
-        if self.shm_now().is_some() {
-            return Err(IrbError::Os(libc::EOPNOTSUPP));
-        }
         let c = self.mem.conn();
         let _g = c.tx_lock.lock();
+        if self.shm_now().is_some() {
+            // (Under the tx lock: the send half is ours.)
+            c.with_tx_held(|tx| tx.withdraw_unsent_offer());
+        }
         let mut irb = Irb::new(crate::tcp_sink::CHAIN).with_handle(fd as i64);
         irb.buf = substrate::irb::Buf::Out(spec.as_bytes());
         if both {
@@ -1037,11 +1042,19 @@ impl Vc {
         substrate::connection::chain::spec_of_ids(ids).unwrap_or_default()
     }
 
-    /// True when a chain of filters works on either direction (the connection then stays
-    /// on kernel TCP).
-    pub fn filtered(&self) -> bool {
+    /// True when the connection is on shared memory with a chain of filters on either
+    /// direction, or one offered: the chain stands aside there. Its filters code frames that
+    /// cross a network (compression, encryption), and bytes in the rings never leave this
+    /// node: both layers go on keeping the chain (its numbers, keys and any offer or answer
+    /// still to go) and code with it again from the first frame on the connection's next
+    /// TCP link. (Taps, `profile` and `capture`, watch the program's calls and work on every
+    /// substrate.)
+    pub fn on_shm_the_chain_stands_aside(&self) -> bool {
         let c = self.mem.conn();
-        c.coding.load(Acquire) != 0 || c.careful.load(Acquire) != 0 || crate::shm::peek_tx!(c, offer_no) != 0
+        self.shm_now().is_some()
+            && (c.coding.load(Acquire) != 0
+                || c.careful.load(Acquire) != 0
+                || crate::shm::peek_tx!(c, offer_no) != 0)
     }
 
     /// The last close of a connection over shared memory: a replay still owed to the ring

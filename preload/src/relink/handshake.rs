@@ -347,7 +347,7 @@ pub(super) fn resume_as_dialer(v: &Vc, fd: i32) -> Result<u64, Failure> {
 /// (the memory is mapped by the process that sets it up).
 pub(super) fn shm_wanted(v: &Vc) -> bool {
     let c = v.mem().conn();
-    config::shm() && c.pin_tcp.load(Acquire) == 0 && c.procs.load(Acquire) == 1 && !v.filtered()
+    config::shm() && c.pin_tcp.load(Acquire) == 0 && c.procs.load(Acquire) == 1
 }
 
 /// Moves a connection off shared memory now (a checkpoint, or the operator): the peer is

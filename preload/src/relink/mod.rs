@@ -982,12 +982,10 @@ fn offer_when_free(
 fn chain_conn(gid: u128, spec: &str) {
     let Some(v) = crate::vc::by_gid(gid) else { return };
     let Some(&fd) = crate::vc::fds_of(&v).first() else { return };
-    if !spec.is_empty() {
-        leave_shm_for_devices(&v, &format!("chain \"{spec}\""));
-    }
     match offer_when_free(&v, fd, spec, false) {
         Ok(no) => log::info(format_args!(
-            "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked"
+            "virtual connection {gid:032x}: chain {no} \"{spec}\" offered to the peer, as the operator asked{}",
+            aside_on_shm(&v)
         )),
         Err(e) => log::warn(format_args!(
             "virtual connection {gid:032x}: chain \"{spec}\" not offered: {}",
@@ -1012,13 +1010,11 @@ fn device_conn(gid: u128, load: bool, name: &str) {
     }
     let spec = names.join(",");
     let verb = if load { "load" } else { "unload" };
-    if !spec.is_empty() {
-        leave_shm_for_devices(&v, &format!("device {name}"));
-    }
     match offer_when_free(&v, fd, &spec, true) {
         Ok(no) => log::info(format_args!(
             "virtual connection {gid:032x}: device {name} {verb}ed as the operator asked: chain {no} \"{spec}\" \
-             offered to the peer for both directions"
+             offered to the peer for both directions{}",
+            aside_on_shm(&v)
         )),
         Err(e) => log::warn(format_args!(
             "virtual connection {gid:032x}: device {name} not {verb}ed: {}",
@@ -1027,25 +1023,15 @@ fn device_conn(gid: u128, load: bool, name: &str) {
     }
 }
 
-/// Devices work on the frames of kernel TCP: a connection on shared memory that is to get
-/// one moves to TCP first (both ends, as `vmictl move GID tcp` does), and stays there after
-/// the devices are unloaded, until the operator moves it back. The chain offered next waits
-/// in the send half and goes on the new link.
-fn leave_shm_for_devices(v: &crate::vc::Vc, what: &str) {
-    if v.shm_now().is_none() {
-        return;
+/// What a log line about a chain says of a connection on shared memory: the chain stands
+/// aside there (see `Vc::on_shm_the_chain_stands_aside`).
+fn aside_on_shm(v: &crate::vc::Vc) -> &'static str {
+    if v.shm_now().is_some() {
+        " (the connection is on shared memory, where bytes do not leave this node: the chain codes \
+         from its next TCP link on)"
+    } else {
+        ""
     }
-    let gid = v.mem().conn().gid;
-    if v.shm_now().is_some_and(|l| l.peer_closed()) {
-        // (It ends there; the offer is refused as before.)
-        return;
-    }
-    v.mem().conn().pin_tcp.store(1, Release);
-    log::info(format_args!(
-        "virtual connection {gid:032x} moves from shared memory to TCP for {what} (devices work on TCP frames; \
-         `vmictl move {gid:032x} shm` takes it back once they are unloaded)"
-    ));
-    move_off_shm(v, &format!("moving to TCP for {what}"));
 }
 
 /// The operator moves connection `gid` to shared memory or to TCP (`vmictl move`).
@@ -1069,7 +1055,7 @@ fn move_conn(gid: u128, shm: bool) {
     if !shm_wanted(&v) || !crate::shm_sink::same_node(&c.peer_agents()) {
         log::warn(format_args!(
             "virtual connection {gid:032x} stays on TCP: shared memory needs both ends on this node, \
-             VMI_SHM=1, the connection held by one process and no filters on it (vmictl chain GID none)"
+             VMI_SHM=1 and the connection held by one process"
         ));
         return;
     }

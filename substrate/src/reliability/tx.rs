@@ -542,6 +542,20 @@ impl TxState {
         Ok(no as u8)
     }
 
+    /// Takes back our offer while it has not gone on the current link (it waits for a data
+    /// frame, or for a link that carries frames at all: a connection on shared memory), so
+    /// that a later one can take its place. True when there was one. (If an earlier link
+    /// carried it, the peer's answer to it is ignored when it comes: its number is no longer
+    /// the one waiting, and the next offer takes another.)
+    pub fn withdraw_unsent_offer(&mut self) -> bool {
+        if self.offer_no == 0 || self.offer_sent != 0 || self.in_frame() {
+            return false;
+        }
+        self.offer_no = 0;
+        self.offer_secret = [0; KEY];
+        true
+    }
+
     /// Sets the key of our key shares' tags: the connection's secret, which the peer's
     /// layer holds too.
     pub fn set_auth(&mut self, secret: u128) {
@@ -1253,6 +1267,24 @@ pub fn ring_slices(ring: &[u8], pos: u64, len: usize) -> (&[u8], &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_offer_not_sent_yet_can_be_withdrawn_and_replaced_but_one_sent_cannot() {
+        let lz4 = crate::connection::Chain::build("lz4").unwrap();
+        let mut t = TxState::new(1 << 16);
+        assert!(!t.withdraw_unsent_offer(), "no offer");
+        let a = t.begin_offer(lz4.ids().unwrap(), 4096, true, None).unwrap();
+        assert_eq!(t.begin_offer(0, 4096, true, None), Err(OfferError::Busy));
+        assert!(t.withdraw_unsent_offer());
+        let b = t.begin_offer(0, 4096, true, None).unwrap();
+        assert_ne!(a, b, "a new number: an answer to the first is not taken for the second");
+        assert_eq!(t.take_answer(crate::reliability::rx::ANSWER | 0x100 | a as u32, None, 0), None);
+        // Once planned onto the link, it stays until answered (or the link is rebuilt).
+        assert!(t.plan_offer(0).is_some());
+        let p = t.plan_offer(0);
+        assert!(p.is_none());
+        assert!(!t.withdraw_unsent_offer(), "its frame is under way");
+    }
 
     #[test]
     fn a_gather_skips_takes_and_copies_across_its_buffers() {
