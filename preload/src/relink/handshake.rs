@@ -359,10 +359,16 @@ pub(super) fn move_off_shm(v: &Vc, why: &str) {
         l.set_moving(fd);
     }
     link_broken(v.mem(), why);
-    kick(v);
+    // The locks first, then the old socket's swap (`kick`): the threads of ours that hold a
+    // lock here sleep on the rings' bells and futexes, which `set_moving` just rang. Swapped
+    // first, a receiver asleep on the socket missed the bell about one move in three and slept
+    // out its 200 ms with the receive lock held, and the move with it. (After a failure on
+    // TCP the order is the other way round: there a thread may be blocked in the kernel on
+    // the old socket, and only the swap frees it.)
     let c = v.mem().conn();
     let tx = c.tx_lock.lock();
     let rx = c.rx_lock.lock();
+    kick(v);
     let r = v.leave_shm();
     drop((rx, tx));
     if let Err(e) = r {

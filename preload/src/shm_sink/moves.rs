@@ -125,7 +125,9 @@ impl ShmLink {
         sys::futex_wake(self.rx.space_word(), i32::MAX);
         sys::futex_wake(self.tx.space_word(), i32::MAX);
         bell(fd);
-        let p = self.peer_sock.load(Acquire);
+        // (The accepting side may not have taken the peer's socket yet: taken now, so that a
+        // thread of ours asleep on our socket in a receive wakes too.)
+        let p = self.peer_socket(fd);
         if p >= 0 {
             bell(p);
         }
