@@ -79,6 +79,40 @@ def test_device_loaded_and_unloaded_in_a_loop_locally_and_from_another_node(proc
           f"vmictl was run (median {sorted(took)[len(took) // 2] * 1000:.0f} ms)")
 
 
+def test_device_loaded_at_the_end_that_only_receives(procs):
+    """A one-way stream (the client sends, the server only receives, as an iperf3 server
+    does): lz4 loaded at the server's end, where no data frame goes out to carry the offer,
+    takes effect both ways while the stream runs. The offer rides on an acknowledgement the
+    server's layer sends alone (before, it waited for a data frame that never came, and the
+    device did nothing until the stream ended); unloading works the same way."""
+    port = PORTS["device_receiver"]
+    addr = f"{H2_IP}:{port}"
+    rate, seconds = 8 * MiB, 10
+    n = rate * seconds
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                           "--hold", "1"), port, layer=True,
+                       env={"VMI_LOG": "info"}, name="stream-server")
+    cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                          "--server-bytes", 0, "--seed", port, "--rate", rate,
+                                          "--hold", "1"),
+                      layer=True, env={"VMI_LOG": "info"}, name="stream-client")
+    c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) > 0, 10, "the stream moving")
+    gid = c["gid"]
+    t0 = time.time() * 1000
+    vmictl_ok(SERVER, "device", "load", "lz4", "--gid", gid)
+    took = both_ways(gid, "lz4", t0, timeout=6)
+    t1 = time.time() * 1000
+    vmictl_ok(SERVER, "device", "unload", "lz4", "--gid", gid)
+    took_off = both_ways(gid, "", t1, timeout=6)
+    cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == n and c["recv_bytes"] == 0, c
+    assert_same_stream(c, s)
+    print(f"both directions switched {took * 1000:.0f} ms (on) and {took_off * 1000:.0f} ms (off) "
+          "after vmictl was run at the receiving end")
+
+
 def test_device_by_process_and_all_and_listed(procs):
     """Two connections of one server process: `device load lz4 --pid` puts lz4 on both,
     both ways; `device list` shows it; `device unload lz4 --all` takes it off every

@@ -663,6 +663,9 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
         let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
         let r = write_plan(fd, &plan, NO_APP, ring, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
+        if r == (plan.header_len + plan.payload) as isize && kind == FrameKind::Ack {
+            offer_after_ack(fd, tx, ring, c.delivered.load(Acquire));
+        }
         publish_tx(mem, tx, slot);
         if r > 0 && kind == FrameKind::Ack {
             quick_acks(fd);
@@ -673,6 +676,31 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
             linkstate::poke_work();
         }
     })
+}
+
+/// Our chain offer, waiting for a data frame to carry it, goes right after an
+/// acknowledgement sent alone. Alone it would wake the peer's program with nothing to read,
+/// so it waits for our program's next send; but an end that only receives sends nothing
+/// else, and a device loaded there would never take effect. An ack alone already wakes the
+/// peer's layer, which expects one (it has bytes of ours unacknowledged: see
+/// `stray_frames_possible`) and takes the frames at the head of its socket for what they are,
+/// the offer with the ack. The caller holds the tx lock; the ack went whole.
+#[cold]
+fn offer_after_ack(fd: c_int, tx: &mut TxState, ring: &mut [u8], delivered: u64) {
+    if tx.offer_no == 0 || tx.in_frame() || tx.replaying() || tx.awaiting_resync() {
+        return;
+    }
+    let Some(op) = tx.plan_offer(delivered) else { return };
+    let mut payload = tx.control_payload(op.source);
+    if crate::tamper::active() {
+        crate::tamper::offer(&mut payload);
+    }
+    let r = write_coded(fd, &op, NO_APP, ring, &payload, libc::MSG_DONTWAIT);
+    tx.commit(&op, r.max(0) as usize, &[], ring);
+    if r > 0 && tx.in_frame() {
+        // (The rest goes with our next send, or from the control thread.)
+        linkstate::owed_later();
+    }
 }
 
 /// After an acknowledgement sent alone. It is data going the other way, so the kernel takes the
@@ -2071,8 +2099,9 @@ fn mirror(mem: ConnMem, tx: &mut TxState, ids: u32) {
 
 /// Chain business of the send half, at a frame boundary: takes the peer's answer to our
 /// offer, and sends the answer we owe to the peer's offer. (Our own offer goes only in
-/// the same write as a data frame, see `send`: alone, it could make the peer's socket
-/// readable with no data for its program.) Never waits. The caller holds the tx lock.
+/// the same write as a data frame, see `send`, or right after an ack sent alone, see
+/// `offer_after_ack`: alone, it could make the peer's socket readable with no data for its
+/// program.) Never waits. The caller holds the tx lock.
 fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, ring: &mut [u8]) {
     let c = mem.conn();
     let a = c.chain_answer.swap(0, AcqRel);
