@@ -1059,20 +1059,18 @@ fn move_conn(gid: u128, shm: bool) {
         ));
         return;
     }
-    if c.active == 0 {
-        // Both ends are on this node, so the agent told the connecting end too: it dials the
-        // new link, and this end takes it when it comes (`handshake::answer`). Broken here as
-        // well, the old socket's reset reached the connecting end first about one move in
-        // three, as a failure of its link, and the link was rebuilt twice.
-        log::debug(format_args!("virtual connection {gid:032x}: the connecting end moves it onto shared memory"));
-        return;
-    }
     // A new link, negotiated again: shared memory, since both ends are here.
     link_broken(
         v.mem(),
         "moving to shared memory, as asked (by an operator, or after an offer withdrawn at set-up)",
     );
-    kick(&v);
+    if c.active != 0 {
+        kick(&v);
+    }
+    // (The accepting end keeps its old socket until the new link comes, `handshake::answer`:
+    // the agent told both ends, and the connecting end dials. Swapped here as well, the old
+    // socket's reset reached the connecting end first about one move in three, as a failure
+    // of its link, and the link was rebuilt twice.)
 }
 
 /// Milliseconds since the socket last received an acknowledgement.
