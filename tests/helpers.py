@@ -260,6 +260,7 @@ PORTS = {
     "close_mid_frame": 17991,
     "close_mid_frame_chain": 17992,
     "device_receiver": 17993,
+    "device_shm_env": 17994,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

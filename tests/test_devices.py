@@ -298,6 +298,44 @@ def test_devices_stand_aside_on_shared_memory_and_stay_across_moves(procs, devic
     assert len(took) >= 8 and max(took) < 100, took
 
 
+def test_a_configured_chain_keeps_shared_memory_and_codes_on_tcp(procs):
+    """Two programs of one node with `VMI_CHAIN=lz4` (as with a node-wide default chain):
+    their connection still gets shared memory (before, any chain kept it on TCP for its
+    whole life), and the chains each end offered at set-up wait there; moved to TCP, both
+    directions code with lz4, and back on shared memory they stand aside again."""
+    port = PORTS["device_shm_env"]
+    addr = f"{H1_IP}:{port}"
+    rate, seconds = 4 * MiB, 6
+    n = rate * seconds
+    env = {"VMI_LOG": "debug", "VMI_SHM": "1", "VMI_CHAIN": "lz4"}
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--rate", rate), port, layer=True,
+                       env=env, name="stream-server")
+    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                      "--server-bytes", n, "--seed", port, "--rate", rate,
+                                      "--hold", "1"), layer=True, env=env, name="stream-client")
+
+    def ends(substrate, chain, past=0):
+        def check(st):
+            e = [c for c in st.get("connections", []) if addr in (c.get("peer"), c.get("local"))]
+            ok = len(e) == 2 and all(c.get("substrate") == substrate and chain_of(c) == (chain, chain)
+                                     and c.get("bytes_received", 0) > past for c in e)
+            return ok and e
+        return check
+    e = wait_status(H1, ends("shm", ""), 10, "both ends on shared memory, the chain waiting")
+    gid, past = e[0]["gid"], e[0]["bytes_received"]
+    vmictl_ok(H1, "move", gid, "tcp")
+    e = wait_status(H1, ends("tcp", "lz4", past), 10, "both ends on TCP, coding with lz4 both ways")
+    vmictl_ok(H1, "move", gid, "shm")
+    wait_status(H1, ends("shm", "lz4", e[0]["bytes_received"]), 10, "back on shared memory, lz4 kept")
+    cli.wait(timeout=seconds + 30)
+    srv.wait(timeout=10)
+    c, s = cli.last_json(), srv.last_json()
+    assert c["sent_bytes"] == n and c["recv_bytes"] == n, c
+    assert_same_stream(c, s)
+    assert "stands aside on shared memory" in cli.stderr() + srv.stderr()
+
+
 def test_device_refused_clearly(procs):
     """An unknown device, a process that does not exist here, and a command line without a
     target are refused with a message that says why; the connection goes on untouched."""

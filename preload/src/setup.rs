@@ -343,12 +343,18 @@ fn offer_configured_chain(vc: &Vc, fd: i32, peer: std::net::IpAddr) {
         return;
     }
     let from = if config::chain_env().is_some() { "VMI_CHAIN" } else { "the node's default chain" };
-    if let Err(e) = vc.offer_chain(fd, &spec, false) {
-        log::warn(format_args!(
+    match vc.offer_chain(fd, &spec, false) {
+        Err(e) => log::warn(format_args!(
             "virtual connection {:032x}: chain \"{spec}\" ({from}) not offered: {}",
             vc.mem().conn().gid,
             std::io::Error::from_raw_os_error(crate::error::errno_of(e).0)
-        ));
+        )),
+        Ok(_) if vc.on_shm_the_chain_stands_aside() => log::debug(format_args!(
+            "virtual connection {:032x}: chain \"{spec}\" ({from}) stands aside on shared memory; it codes \
+             from the connection's first TCP link on",
+            vc.mem().conn().gid
+        )),
+        Ok(_) => {}
     }
 }
 

@@ -1026,7 +1026,7 @@ fn device_conn(gid: u128, load: bool, name: &str) {
 /// What a log line about a chain says of a connection on shared memory: the chain stands
 /// aside there (see `Vc::on_shm_the_chain_stands_aside`).
 fn aside_on_shm(v: &crate::vc::Vc) -> &'static str {
-    if v.shm_now().is_some() {
+    if v.on_shm_the_chain_stands_aside() {
         " (the connection is on shared memory, where bytes do not leave this node: the chain codes \
          from its next TCP link on)"
     } else {
