@@ -165,9 +165,9 @@ def test_nginx_under_wrk(procs, workdir, where):
         want = substrate.split("/")[0]
         if want == "shm":
             # wrk sends as soon as it is connected: a connection whose offer nginx has not
-            # taken within OFFER_WAIT_NONBLOCKING_MS (50 ms; an accept held up on a loaded
-            # machine) goes on over kernel TCP, by design (seen once in a full run). Still
-            # virtual, and most of them on shared memory.
+            # taken within OFFER_WAIT_NONBLOCKING_MS (5 ms; an accept held up on a loaded
+            # machine) goes on over kernel TCP and moves onto shared memory later, by
+            # design. Still virtual, and most of them on shared memory.
             on = [c.get("substrate") for c in mine]
             assert mine and set(on) <= {"shm", "tcp"} and on.count("shm") * 2 >= len(on), mine
         else:

@@ -110,8 +110,12 @@ fn has_head(map: &SharedMap) -> bool {
 pub const OFFER_WAIT_MS: u64 = 100;
 /// The same for a non-blocking send, which waits in the call: it cannot say `EAGAIN`, since
 /// the kernel socket under it stays writable and a program waiting for an edge of
-/// writability (`EPOLLET`) would never be woken again.
-pub const OFFER_WAIT_NONBLOCKING_MS: u64 = 50;
+/// writability (`EPOLLET`) would never be woken again. Short: a server that waits in
+/// `accept` or in its event loop takes the offer within a millisecond, and one that accepts
+/// later (MPI ranks, busy in their own start) only stalls the caller meanwhile: its
+/// connection goes on TCP and moves onto shared memory `SHM_LATER_MS` later. (It was 50 ms,
+/// a stall every MPICH rank made on one node, and as long as an event loop's whole turn.)
+pub const OFFER_WAIT_NONBLOCKING_MS: u64 = 5;
 
 impl ShmLink {
     /// The connecting side offers shared memory (before its SYN, or a rebuilt link's dialer
