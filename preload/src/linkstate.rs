@@ -27,9 +27,11 @@ static CONTROL: OnceLock<Control> = OnceLock::new();
 pub static SHM_LATER_DUE: AtomicU64 = AtomicU64::new(0);
 /// How long after a withdrawal the move onto shared memory is first tried: by then the
 /// peer's program has accepted, as a rule (MPI ranks and UCX accept right after their first
-/// sends). Short, because a program's first exchanges (an MPI benchmark's, its
-/// measurement included) all go over TCP until the move.
-pub const SHM_LATER_MS: u64 = 40;
+/// sends), and if not, the next try comes twice as late. Short, because a program's first
+/// exchanges (an MPI benchmark's, its measurement included) all go over TCP until the move:
+/// since a non-blocking send waits only 5 ms for the offer's answer, more connections
+/// start on TCP, and at 40 ms one NetPIPE run in eight on one node measured TCP.
+pub const SHM_LATER_MS: u64 = 10;
 
 /// A connection of this process withdrew its shared-memory offer (its program sent before
 /// the peer's program accepted): the control thread moves it onto shared memory later

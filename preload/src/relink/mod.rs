@@ -327,7 +327,7 @@ static ENDED_DUE: AtomicU64 = AtomicU64::new(0);
 
 /// Tries of the move onto shared memory after a withdrawn offer (`linkstate::shm_later`),
 /// each twice as long after the one before (the last about 5 s after the withdrawal).
-const SHM_LATER_TRIES: u32 = 7;
+const SHM_LATER_TRIES: u32 = 9;
 
 /// Moves the connections whose offer was withdrawn onto shared memory, once due: through the
 /// agent, as `vmictl move GID shm` does, so that both ends are told (the agent checks that
