@@ -11,6 +11,7 @@ compresses) and checks on the interface counters that the wire carried much less
 stream.
 """
 
+import functools
 import json
 import re
 import time
@@ -238,6 +239,29 @@ def test_node_default_chains_from_the_agent(procs, tmp_path):
     assert len(results) == 2 and all("error" not in r for r in results.values()), results
 
 
+def local_stream(procs, port, n, rate, env):
+    """A checksummed stream both ways between two programs on H1 (server and client)."""
+    addr = f"{H1_IP}:{port}"
+    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                       "--hold", "1", "--rate", rate), port, layer=True,
+                       env=env, name="stream-server")
+    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                      "--server-bytes", n, "--seed", port, "--rate", rate,
+                                      "--hold", "1"), layer=True, env=env, name="stream-client")
+    return srv, cli
+
+
+def local_ends(addr, substrate, chain, past=0):
+    """A status check: both ends of the connection to addr on `substrate`, with `chain` on
+    both directions, each having received more than `past` bytes."""
+    def check(st):
+        e = [c for c in st.get("connections", []) if addr in (c.get("peer"), c.get("local"))]
+        ok = len(e) == 2 and all(c.get("substrate") == substrate and chain_of(c) == (chain, chain)
+                                 and c.get("bytes_received", 0) > past for c in e)
+        return ok and e
+    return check
+
+
 @pytest.mark.parametrize("device,spec", [("lz4", "lz4"), ("aead", "aead:aes-256-gcm")], ids=["lz4", "aead"])
 def test_devices_stand_aside_on_shared_memory_and_stay_across_moves(procs, device, spec):
     """Two programs on one node stream both ways over shared memory. A device loaded there
@@ -250,27 +274,13 @@ def test_devices_stand_aside_on_shared_memory_and_stay_across_moves(procs, devic
     addr = f"{H1_IP}:{port}"
     rate, seconds = 4 * MiB, 10
     n = rate * seconds
-    env = {"VMI_LOG": "info", "VMI_SHM": "1"}
-    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
-                                       "--hold", "1", "--rate", rate), port, layer=True,
-                       env=env, name="stream-server")
-    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
-                                      "--server-bytes", n, "--seed", port, "--rate", rate,
-                                      "--hold", "1"), layer=True, env=env, name="stream-client")
-
-    def ends(substrate, chain, past=0):
-        def check(st):
-            e = [c for c in st.get("connections", []) if addr in (c.get("peer"), c.get("local"))]
-            ok = len(e) == 2 and all(c.get("substrate") == substrate and chain_of(c) == (chain, chain)
-                                     and c.get("bytes_received", 0) > past for c in e)
-            return ok and e
-        return check
+    srv, cli = local_stream(procs, port, n, rate, {"VMI_LOG": "info", "VMI_SHM": "1"})
 
     def step(what, substrate, chain, past):
-        e = wait_status(H1, ends(substrate, chain, past), 10, what)
+        e = wait_status(H1, local_ends(addr, substrate, chain, past), 10, what)
         return e[0]["bytes_received"]
     past = step("both ends streaming over shared memory", "shm", "", 0)
-    gid = wait_status(H1, ends("shm", ""), 10, "the connection")[0]["gid"]
+    gid = wait_status(H1, local_ends(addr, "shm", ""), 10, "the connection")[0]["gid"]
     vmictl_ok(H1, "device", "load", device, "--gid", gid)
     time.sleep(1)
     past = step(f"still on shared memory with {device} waiting", "shm", "", past)
@@ -307,21 +317,8 @@ def test_a_configured_chain_keeps_shared_memory_and_codes_on_tcp(procs):
     addr = f"{H1_IP}:{port}"
     rate, seconds = 4 * MiB, 6
     n = rate * seconds
-    env = {"VMI_LOG": "debug", "VMI_SHM": "1", "VMI_CHAIN": "lz4"}
-    srv = procs.server(H1, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
-                                       "--hold", "1", "--rate", rate), port, layer=True,
-                       env=env, name="stream-server")
-    cli = procs.start(H1, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
-                                      "--server-bytes", n, "--seed", port, "--rate", rate,
-                                      "--hold", "1"), layer=True, env=env, name="stream-client")
-
-    def ends(substrate, chain, past=0):
-        def check(st):
-            e = [c for c in st.get("connections", []) if addr in (c.get("peer"), c.get("local"))]
-            ok = len(e) == 2 and all(c.get("substrate") == substrate and chain_of(c) == (chain, chain)
-                                     and c.get("bytes_received", 0) > past for c in e)
-            return ok and e
-        return check
+    srv, cli = local_stream(procs, port, n, rate, {"VMI_LOG": "debug", "VMI_SHM": "1", "VMI_CHAIN": "lz4"})
+    ends = functools.partial(local_ends, addr)
     e = wait_status(H1, ends("shm", ""), 10, "both ends on shared memory, the chain waiting")
     gid, past = e[0]["gid"], e[0]["bytes_received"]
     vmictl_ok(H1, "move", gid, "tcp")

@@ -81,10 +81,9 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
                 alias
             });
             // Offered before the SYN leaves, so the accepting layer finds it at accept.
-            let shm = (config::shm() && via.is_none() && crate::shm_sink::same_node(&addrs))
-                .then(|| crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0)))
-                .flatten()
-                .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
+            let shm = (via.is_none() && crate::shm_sink::same_node(&addrs))
+                .then(|| shm_offer(gid, secret, dst))
+                .flatten();
             if !crate::shm_sink::same_node(&addrs) {
                 sink_asked(dst);
             }
@@ -119,12 +118,19 @@ pub fn before_connect(fd: i32, dst: SocketAddr) -> Option<Before> {
     }
 }
 
-/// True when `dst` (an address of this node) is a listener of this process's: its `accept`
-/// of the connection is this process's own.
-fn own_listener(dst: SocketAddr) -> bool {
-    fdtable::listeners()
+/// Shared memory offered, before the SYN leaves, for a new connection to `dst` on this node
+/// (`None` when it is off or cannot be had). When `dst` is a listener of this very process,
+/// its `accept` of the connection is this process's own, and a send does not wait for it
+/// (`ShmLink::to_own_listener`).
+fn shm_offer(gid: u128, secret: u128, dst: SocketAddr) -> Option<crate::shm_sink::ShmLink> {
+    if !config::shm() {
+        return None;
+    }
+    let l = crate::shm_sink::ShmLink::offer(gid, secret, 0, (0, 0))?;
+    let own = fdtable::listeners()
         .iter()
-        .any(|(_, a)| a.port() == dst.port() && (a.ip().is_unspecified() || a.ip() == dst.ip()))
+        .any(|(_, a)| a.port() == dst.port() && (a.ip().is_unspecified() || a.ip() == dst.ip()));
+    Some(if own { l.to_own_listener() } else { l })
 }
 
 /// Most tickets one `connect` tries (each one's port may be held by another socket).
@@ -154,10 +160,7 @@ fn ticketed(fd: i32, unbound: SocketAddr, dst: SocketAddr) -> Option<Pending> {
         if sys::fd::bind(fd, &sys::fd::RawAddr::ip(&t.src, false)) == 0 {
             // A listener on this node: the rings are offered before the SYN leaves, as for
             // a connection the agent answered.
-            let shm = (config::shm() && crate::shm_sink::same_node(&t.addrs))
-                .then(|| crate::shm_sink::ShmLink::offer(t.gid, t.secret, 0, (0, 0)))
-                .flatten()
-                .map(|l| if own_listener(dst) { l.to_own_listener() } else { l });
+            let shm = crate::shm_sink::same_node(&t.addrs).then(|| shm_offer(t.gid, t.secret, dst)).flatten();
             return Some(Pending {
                 gid: t.gid,
                 secret: t.secret,

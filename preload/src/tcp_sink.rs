@@ -691,16 +691,23 @@ fn offer_after_ack(fd: c_int, tx: &mut TxState, ring: &mut [u8], delivered: u64)
         return;
     }
     let Some(op) = tx.plan_offer(delivered) else { return };
-    let mut payload = tx.control_payload(op.source);
-    if crate::tamper::active() {
-        crate::tamper::offer(&mut payload);
-    }
+    let payload = offer_payload(tx, &op);
     let r = write_coded(fd, &op, NO_APP, ring, &payload, libc::MSG_DONTWAIT);
     tx.commit(&op, r.max(0) as usize, &[], ring);
     if r > 0 && tx.in_frame() {
         // (The rest goes with our next send, or from the control thread.)
         linkstate::owed_later();
     }
+}
+
+/// The payload of our offer's frame `op` (planned by `TxState::plan_offer`), altered when a
+/// tamper test asks for it.
+fn offer_payload(tx: &TxState, op: &Plan) -> Vec<u8> {
+    let mut payload = tx.control_payload(op.source);
+    if crate::tamper::active() {
+        crate::tamper::offer(&mut payload);
+    }
+    payload
 }
 
 /// After an acknowledgement sent alone. It is data going the other way, so the kernel takes the
@@ -839,11 +846,7 @@ pub fn send<'a>(
                 let before = *tx;
                 if let Some(op) = tx.plan_offer(delivered) {
                     let mut spec = op.header_bytes().to_vec();
-                    let mut payload = tx.control_payload(op.source);
-                    if crate::tamper::active() {
-                        crate::tamper::offer(&mut payload);
-                    }
-                    spec.extend_from_slice(&payload);
+                    spec.extend_from_slice(&offer_payload(tx, &op));
                     tx.commit(&op, op.header_len + op.payload, &[], ring);
                     offer_first = Some((before, op, spec));
                 }
