@@ -261,6 +261,8 @@ PORTS = {
     "close_mid_frame_chain": 17992,
     "device_receiver": 17993,
     "device_shm_env": 17994,
+    "aead_ack_forged": 17995,
+    "aead_ack_tag": 17996,
 }
 assert len(set(PORTS.values())) == len(PORTS), "duplicate port in PORTS"
 assert not set(range(AGENT_PORT, AGENT_PORT + AGENT_RELINK_PORTS)) & set(PORTS.values())

@@ -8,18 +8,21 @@ key on the schedule `VMI_REKEY` sets; and records altered on the way (a flipped 
 replayed at another offset, a record sealed under another key), and frames slipped in that a
 sealed stream only takes with a tag (an end of stream, an offer turning the sealing off, bytes
 in clear) close the connection with a log line that says what was wrong and ECONNRESET for
-the program. (Failover, exec, fork and
+the program; acknowledgements of a sealed stream count only with a tag under the
+connection's secret (one slipped in with none is not counted, and the stream survives a
+failover after it; one with a forged tag closes the connection). (Failover, exec, fork and
 migration under a sealed chain are in test_chain.py, the "chain" place of the real-program
 tests and test_migration.py.)
 """
 
 import json
+import re
 import time
 
 import pytest
 
-from helpers import (BASELINE, H1, H2, H2_IP, PORTS, assert_same_stream, both_ways,
-                     python_prog, vmictl_ok, wait_conn, words_on_wire)
+from helpers import (BASELINE, ETH0, ETH1, H1, H2, H2_IP, PORTS, Watcher, assert_same_stream,
+                     both_ways, chain_of, python_prog, vmictl_ok, wait_conn, wait_for, words_on_wire)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -120,3 +123,79 @@ def test_aead_refuses_altered_records(procs, attack, logged):
     assert ("chain offer 1" if attack == "share" else "sealed frame 20") in cli.stderr(), \
         cli.stderr()[-2000:]
     cli.stop()
+
+
+def forged_ack_run(procs, attack, port, rate, pauses=(), window="2M"):
+    """A stream from the client to the server, sealed both ways (VMI_CHAIN=aead), whose
+    server's layer slips in a forged acknowledgement before the first it sends alone."""
+    addr = f"{H2_IP}:{port}"
+    n = 16 * MiB
+    env = {"VMI_CHAIN": "aead", "VMI_LOG": "info"}
+    pause = [a for at, s in pauses for a in ("--pause", f"{at}:{s}")]
+    srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
+                                           "--hold", "1", *pause), port, layer=True,
+                       env={**env, "VMI_TAMPER": f"{attack}:1"}, name="stream-server")
+    cli = procs.start(CLIENT, python_prog("stream.py", "client", "--connect", addr, "--bytes", n,
+                                          "--server-bytes", 0, "--seed", port, "--rate", rate,
+                                          "--hold", "1"),
+                      layer=True, env={**env, "VMI_GRACE": "20", "VMI_WINDOW": window},
+                      name="stream-client")
+    return addr, n, srv, cli
+
+
+def test_an_acknowledgement_with_no_tag_does_not_count_on_a_sealed_stream(procs, faults):
+    """Someone on the path slips into a sealed stream's other direction an acknowledgement
+    with no tag that claims more than the receiving program has read (VMI_TAMPER=ack:1 on the
+    server: seven eighths of the bytes waiting in its socket besides, which the server lets
+    pile up by not reading for a while; the client's window is 8 MiB, so its first
+    acknowledgement alone goes at 5 MiB). Counted, it would make the client's layer drop from
+    its replay ring bytes the server has not read: the server stops reading again right there,
+    the network fails, and the rebuilt link would lack them (or the true acknowledgements
+    that follow, saying less, would end the connection). The client's layer counts no
+    acknowledgement without a tag once the server took its sealing chain: the link is
+    rebuilt on the other network and the stream arrives exact."""
+    # (The layer's count includes the program's 24-byte header: the read that reaches this
+    # point delivers 5 MiB and one byte, and sends the acknowledgement first.)
+    stop_at = 5 * MiB - 24 + 1
+    addr, n, srv, cli = forged_ack_run(procs, "ack", PORTS["aead_ack_forged"], 16 * MiB,
+                                       pauses=((4 * MiB + MiB // 2, 1), (stop_at, 5)),
+                                       window="8M")
+    with Watcher(SERVER, CLIENT) as w:
+        line = wait_for("the forged acknowledgement", lambda: re.search(
+            r"with no tag claiming (\d+) \(delivered (\d+)\)", srv.stderr()), 20)
+        claim, delivered = int(line.group(1)), int(line.group(2))
+        # (Meaningful only if it claims bytes the server will not have read at the failure.)
+        assert claim > stop_at + 128 * 1024, f"claimed {claim}, delivered {delivered}"
+        # The client's layer reads the acknowledgements once its window of 8 MiB is out: what
+        # it counts as acknowledged is then the true count, never the forged claim.
+        c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) - c.get("unacked_bytes", 0)
+                      >= delivered, 10, "the client's layer taking the acknowledgements")
+        acked = c["bytes_sent"] - c["unacked_bytes"]
+        assert acked == delivered, f"counted {acked} acknowledged, the server delivered {delivered}"
+        faults.link_down(CLIENT, ETH0)
+        wait_conn(CLIENT, addr, lambda e: e.get("gid") == c["gid"] and e.get("network") == ETH1
+                  and (e.get("failovers") or 0) >= 1, 20, "the connection moved to eth1")
+        cli.wait(timeout=60)
+        srv.wait(timeout=15)
+    c2, s = cli.last_json(), srv.last_json()
+    assert "error" not in c2 and "error" not in s, (c2, s, cli.stderr()[-2000:])
+    assert c2["sent_bytes"] == n and s["recv_bytes"] == n, (c2, s)
+    assert_same_stream(c2, s)
+    assert "failed authentication" not in cli.stderr() + srv.stderr()
+    ends = [e for e in w.connections(CLIENT) if e.get("gid") == c["gid"]]
+    assert ends and chain_of(ends[-1])[0] == "aead:aes-256-gcm", ends[-1] if ends else None
+
+
+def test_an_acknowledgement_with_a_forged_tag_closes_the_connection(procs):
+    """The same, with an acknowledgement whose tag was not made with the connection's
+    secret (VMI_TAMPER=acktag:1): the client's layer refuses it, says so in its log, and the
+    client program sees ECONNRESET."""
+    addr, n, srv, cli = forged_ack_run(procs, "acktag", PORTS["aead_ack_tag"], 8 * MiB)
+    cli.wait(timeout=30, check=False)
+    c = cli.last_json()
+    assert "error" in c and "ConnectionResetError" in c["error"], (json.dumps(c), cli.stderr()[-3000:])
+    log = cli.stderr()
+    assert "an acknowledgement on a sealed stream failed authentication" in log and "ECONNRESET" in log, \
+        log[-2000:]
+    assert "with a forged tag claiming" in srv.stderr(), srv.stderr()[-2000:]
+    srv.stop()

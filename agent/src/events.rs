@@ -167,15 +167,20 @@ fn linger(gid: u128, fd: OwnedFd) {
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
         let mut h = [0u8; HEADER_LEN];
         let mut got = 0;
+        // Bytes of a control frame's payload still to drop (the tag of an acknowledgement
+        // or an end of stream of a sealed stream).
+        let mut skip = 0usize;
         let reset = loop {
             if std::time::Instant::now() > deadline {
                 break false;
             }
-            match (&s).read(&mut h[got..]) {
+            let want = if skip > 0 { &mut h[..skip.min(HEADER_LEN)] } else { &mut h[got..] };
+            match (&s).read(want) {
                 // The end: the peer's FIN, or only our own SHUT_RD (after the peer's Fin
                 // frame), which the TCP state tells apart.
                 Ok(0) if peer_fin_received(s.as_raw_fd()) => break false,
                 Ok(0) => std::thread::sleep(Duration::from_millis(20)),
+                Ok(n) if skip > 0 => skip -= n,
                 Ok(n) => {
                     got += n;
                     if got < HEADER_LEN {
@@ -183,6 +188,7 @@ fn linger(gid: u128, fd: OwnedFd) {
                     }
                     got = 0;
                     match FrameHeader::decode(&h) {
+                        Ok(f) if matches!(f.kind, FrameKind::Ack | FrameKind::Fin) => skip = f.len as usize,
                         Ok(f) if f.kind == FrameKind::Data || f.len > 0 => break true,
                         Ok(_) => {}
                         Err(_) => break true,

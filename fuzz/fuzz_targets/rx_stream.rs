@@ -2,7 +2,8 @@
 //! half, with chain offers taken and coded frames decoded as the kernel-TCP sink does: it
 //! never panics, never delivers more payload than arrived, once it reports an error the
 //! connection is over, and bytes `RxState::data_ahead` calls a data frame give the next read
-//! payload.
+//! payload. Half the seeds also read as a side whose own stream is sealed (acknowledgements
+//! count only with a tag).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use substrate::connection::chain::Chain;
@@ -17,12 +18,15 @@ fuzz_target!(|data: &[u8]| {
     let link = &data[1..];
     // An odd first byte: the peer's stream is already sealed (`aead`, chain 1, a fixed key),
     // so what a sealed stream refuses is reached too.
-    let mut rx = if seed & 1 == 1 {
+    let rx = if seed & 1 == 1 {
         let ids = Chain::build("aead").and_then(|c| c.ids()).expect("aead is built in");
         RxState::sealed_by(1, ids, [7; 32]).expect("a keyed chain")
     } else {
         RxState::new()
     };
+    // Bit 1: our stream is sealed as well, so acknowledgements count only with their tag.
+    let rx0 = if seed & 2 == 2 { rx.with_tagged_acks(0x7a6, seed & 4 == 4) } else { rx };
+    let mut rx = rx0;
     let mut pos = 0;
     let mut delivered = 0usize;
     let mut i = 0usize;

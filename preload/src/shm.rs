@@ -222,6 +222,12 @@ pub struct SharedConn {
     /// the reset is reported once, later reads find the end and later writes `EPIPE`. (A
     /// connection the layer itself had to end reports its error every time.)
     pub peer_reset: AtomicU32,
+    /// 1 while this side tags the acknowledgements it sends alone (`rx.tags_acks()`: the
+    /// chain the peer's stream took last is keyed, and its layer counts only tagged ones).
+    /// Set by the receive half when it takes an offer, before the answer is owed.
+    pub ack_tags: AtomicU32,
+    /// Copy of `tx.ack_tagged`: with `ack_tags`, the acknowledgement the peer has counted.
+    pub ack_tagged: AtomicU64,
     /// 1 when this side connected (it dials new links; the other side answers).
     pub active: u32,
     /// How many of `peer_agents` are set.
@@ -365,6 +371,8 @@ impl Mapping {
             lowat: AtomicU32::new(0),
             unconfirmed: AtomicU32::new(0),
             peer_reset: AtomicU32::new(0),
+            ack_tags: AtomicU32::new(0),
+            ack_tagged: AtomicU64::new(0),
             active: active as u32,
             n_peer_agents: AtomicU32::new(peer_agents.len().min(MAX_PEER_AGENTS) as u32),
             peer_agents: std::array::from_fn(|i| {
@@ -381,7 +389,7 @@ impl Mapping {
             })),
             rx: LineCell(LendCell::new({
                 let mut r = RxState::new();
-                r.set_auth(secret);
+                r.set_auth(secret, active);
                 r
             })),
             shares: Default::default(),

@@ -9,8 +9,12 @@
 //! share in the Nth chain offer with one (an attacker swapping the share for its own).
 //! `fin:N`, `offer:N` and `clear:N` slip a frame in before the Nth sealed frame, as someone
 //! on the path would: an end of stream, an offer of a chain that does not seal (`double`),
-//! or five bytes in clear, none of them with the tag a sealed stream owes. Off (one relaxed
-//! load per sealed frame) unless the variable is set.
+//! or five bytes in clear, none of them with the tag a sealed stream owes. `ack:N` and
+//! `acktag:N` slip an acknowledgement in before the Nth acknowledgement this process sends
+//! alone: one with no tag that claims more than was delivered (half the bytes waiting in the
+//! socket besides, less an eighth), as someone on the path would to make the peer drop bytes a failover
+//! needs; or one with a tag not made with the connection's secret. Off (one relaxed load per
+//! sealed frame or acknowledgement alone) unless the variable is set.
 
 use crate::shm::ConnMem;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
@@ -24,6 +28,8 @@ const SHARE: u8 = 4;
 const FIN: u8 = 5;
 const OFFER: u8 = 6;
 const CLEAR: u8 = 7;
+const ACK: u8 = 8;
+const ACK_TAG: u8 = 9;
 
 static MODE: AtomicU8 = AtomicU8::new(OFF);
 static AT: AtomicU64 = AtomicU64::new(0);
@@ -52,6 +58,8 @@ pub fn init(v: Option<&str>) {
             "fin" => FIN,
             "offer" => OFFER,
             "clear" => CLEAR,
+            "ack" => ACK,
+            "acktag" => ACK_TAG,
             _ => return None,
         };
         // (Slipped in before a sealed frame that follows another: the stream is sealed.)
@@ -65,13 +73,14 @@ pub fn init(v: Option<&str>) {
             MODE.store(mode, Relaxed);
             let what = match mode {
                 SHARE => "the key share of chain offer",
+                ACK | ACK_TAG => "what goes before acknowledgement",
                 FIN | OFFER | CLEAR => "what goes before sealed frame",
                 _ => "sealed frame",
             };
             crate::log::warn(format_args!("VMI_TAMPER={v}: this process will alter {what} {n} it sends"));
         }
         None => crate::log::warn(format_args!(
-            "VMI_TAMPER={v} is not flip:N, foreign:N, share:N, or replay:N, fin:N, offer:N, clear:N (N at least 2); nothing is altered"
+            "VMI_TAMPER={v} is not flip:N, foreign:N, share:N, ack:N, acktag:N, or replay:N, fin:N, offer:N, clear:N (N at least 2); nothing is altered"
         )),
     }
 }
@@ -101,6 +110,40 @@ pub fn offer(payload: &mut [u8]) {
     }
 }
 
+/// Sees an acknowledgement alone about to go on `fd` (at our stream offset `seq`, saying
+/// `delivered`) and slips a forged one in before it if it is the one (`ack:N`, `acktag:N`).
+#[cold]
+pub fn ack(mem: ConnMem, fd: i32, seq: u64, delivered: u64) {
+    use substrate::wire::frame::{FrameHeader, FrameKind, CTL_TAG};
+    let mode = MODE.load(Relaxed);
+    if mode != ACK && mode != ACK_TAG {
+        return;
+    }
+    let n = SEEN.fetch_add(1, Relaxed) + 1;
+    if n != AT.load(Relaxed) {
+        return;
+    }
+    let (claim, forged) = if mode == ACK {
+        // Bytes the peer sent and our program has not read, frames' headers included: seven
+        // eighths of them is below what the peer sent unless its frames are tiny.
+        let queued = crate::sys::fd::fionread(fd).unwrap_or(0).max(0) as u64;
+        let claim = delivered + queued / 8 * 7;
+        (claim, FrameHeader::control(FrameKind::Ack, seq, claim).encode().to_vec())
+    } else {
+        let mut h = FrameHeader::control(FrameKind::Ack, seq, delivered);
+        h.len = CTL_TAG;
+        (delivered, [&h.encode()[..], &[0x5a; CTL_TAG as usize]].concat())
+    };
+    *SLIP.lock().unwrap_or_else(|p| p.into_inner()) = forged;
+    slip(fd);
+    crate::log::warn(format_args!(
+        "VMI_TAMPER: virtual connection {:032x}: an acknowledgement {} claiming {claim} (delivered {delivered}) slipped in before acknowledgement {n}",
+        mem.conn().gid,
+        if mode == ACK { "with no tag" } else { "with a forged tag" },
+    ));
+    MODE.store(OFF, Relaxed);
+}
+
 /// Writes the frame to slip in, if one waits, on `fd` (whole, before the frame about to go).
 #[cold]
 pub fn slip(fd: i32) {
@@ -124,7 +167,10 @@ pub fn slip(fd: i32) {
 /// header acknowledging `ack`) and alters it if it is the one.
 #[cold]
 pub fn frame(mem: ConnMem, ids: u32, key: &[u8; 32], seq: u64, ack: u64, coded: &mut Vec<u8>) {
-    if !substrate::connection::Chain::ids_keyed(ids) || coded.is_empty() || MODE.load(Relaxed) == SHARE {
+    if !substrate::connection::Chain::ids_keyed(ids)
+        || coded.is_empty()
+        || matches!(MODE.load(Relaxed), SHARE | ACK | ACK_TAG)
+    {
         return;
     }
     let n = SEEN.fetch_add(1, Relaxed) + 1;

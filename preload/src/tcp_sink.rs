@@ -123,6 +123,9 @@ fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError 
 fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
     let c = mem.conn();
     c.ack_sent.store(tx.ack_sent, Release);
+    if tx.ack_tagged != 0 {
+        c.ack_tagged.store(tx.ack_tagged, Release);
+    }
     c.unacked.store(tx.unacked(), Relaxed);
     if let Some(s) = slot {
         s.set_unacked(tx.unacked());
@@ -160,6 +163,9 @@ fn publish_chain(mem: ConnMem, slot: Option<Slot>, rx: &mut RxState) {
         c.chain_answer.store(std::mem::take(&mut rx.answer_in), Release);
     }
     if let Some((no, taken, both)) = rx.take_answer_owed() {
+        // Whether our acknowledgements alone carry a tag from now on, set before the answer
+        // can go: every acknowledgement after it has one while the peer's stream is sealed.
+        c.ack_tags.store(rx.tags_acks() as u32, Release);
         c.set_share(crate::shm::SHARE_OWED, &rx.answer_share);
         let mirror = match rx.chain_ids(no as u32).filter(|_| taken && both) {
             Some(ids) => {
@@ -660,9 +666,25 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
         if kind == FrameKind::ChainAnswer {
             return;
         }
-        let Some(plan) = tx.plan_control(kind, c.delivered.load(Acquire)) else { return };
-        let r = write_plan(fd, &plan, NO_APP, ring, libc::MSG_DONTWAIT);
+        let delivered = c.delivered.load(Acquire);
+        let plan = match kind {
+            // (Tagged while the peer's stream is sealed: see `RxState::tags_acks`.)
+            FrameKind::Ack => {
+                tx.plan_ack(delivered, (c.ack_tags.load(Acquire) != 0).then_some(c.active != 0))
+            }
+            _ => tx.plan_control(kind, delivered),
+        };
+        let Some(plan) = plan else { return };
+        if kind == FrameKind::Ack && crate::tamper::active() {
+            crate::tamper::ack(mem, fd, tx.wire_seq, delivered);
+        }
+        let tag = tx.control_payload(plan.source);
+        let r = write_coded(fd, &plan, NO_APP, ring, &tag, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
+        if r > 0 && tx.in_frame() {
+            // (The rest of its tag goes with our next frame, or from the control thread.)
+            linkstate::owed_later();
+        }
         if r == (plan.header_len + plan.payload) as isize && kind == FrameKind::Ack {
             offer_after_ack(fd, tx, ring, c.delivered.load(Acquire));
         }
@@ -1301,7 +1323,10 @@ fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
         answer_if_owed(mem, slot, fd);
         ensure_rcvbuf(mem, fd);
     }
-    if !lone_ack_due(delivered, c.ack_sent.load(Acquire), c.peer_window) || peer_closed(fd) {
+    // (On a sealed stream of the peer's, it counts only the acknowledgements that carry a
+    // tag: those are what it has.)
+    let sent = if c.ack_tags.load(Relaxed) != 0 { &c.ack_tagged } else { &c.ack_sent };
+    if !lone_ack_due(delivered, sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }
     send_control(mem, slot, fd, FrameKind::Ack);

@@ -448,6 +448,8 @@ impl Vc {
             sl.set_chain(rx_ids, false);
         }
         c.ack_sent.store(tx.ack_sent, Release);
+        c.ack_tagged.store(tx.ack_tagged, Release);
+        c.ack_tags.store(rx.tags_acks() as u32, Release);
         c.wire_hi.store(tx.next_seq, Release);
         c.unacked.store(tx.unacked(), Relaxed);
         if lost {

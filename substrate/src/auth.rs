@@ -49,6 +49,26 @@ pub fn ended_mac(secret: u128, gid: u128, at: u64, from_active: bool) -> u128 {
     u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))
 }
 
+/// The tag of an acknowledgement sent alone on a link whose acknowledged stream is sealed:
+/// `ack` bytes of the stream the other side sends were delivered, said by the side that
+/// connected (`from_active`) or the one that accepted. HMAC-SHA256 keyed with the
+/// connection's secret (which only the two layers and their agents hold; it crosses the
+/// network only inside the agents' encrypted channel), cut to 128 bits. The side is in the
+/// tag so that one end's acknowledgement sent back to it does not pass for its peer's. An
+/// acknowledgement recorded earlier and sent again says less than the receiver already
+/// knows, which it refuses (acknowledgements only go up).
+pub fn ack_mac(secret: &[u8; 16], from_active: bool, ack: u64) -> [u8; 16] {
+    let d = hmac_sha256(secret, &[b"vmi-ack", &[from_active as u8], &ack.to_le_bytes()]);
+    d[..16].try_into().expect("16 bytes")
+}
+
+/// True when `tag` is [`ack_mac`] of the same secret, side and value (compared in constant
+/// time).
+pub fn ack_mac_ok(secret: &[u8; 16], from_active: bool, ack: u64, tag: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    tag.len() == 16 && bool::from(ack_mac(secret, from_active, ack).ct_eq(tag))
+}
+
 /// Which side of the resume handshake a proof is from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

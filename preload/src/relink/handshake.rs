@@ -479,5 +479,6 @@ pub(super) fn publish(
         c.peer_ack.store(rx.peer_ack, Release);
     }
     c.ack_sent.store(tx.ack_sent, Release);
+    c.ack_tagged.store(tx.ack_tagged, Release);
     c.unacked.store(tx.unacked(), Relaxed);
 }

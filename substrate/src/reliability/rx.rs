@@ -147,9 +147,24 @@ pub struct RxState {
     taken_at: [u32; 16],
     empty_at: u32,
     latest_no: u32,
-    /// 1 while the control payload being read is a Fin's tag.
+    /// What the control payload being read is: [`CTL_IS_FIN`] a Fin's tag, [`CTL_IS_ACK`]
+    /// an acknowledgement's tag (its value is in `header`, the frame's), 0 neither.
     ctl_fin: u32,
+    /// 1 once the peer took a keyed chain for our stream (its answer carried a key share),
+    /// until it takes one with no keyed filter: our stream is sealed, and the peer's
+    /// acknowledgements of it count only from frames that carry a tag under the
+    /// connection's secret (`auth::ack_mac`: acks sent alone). The acknowledgement in every
+    /// other frame's header is ignored: someone on the path who forged one could make our
+    /// sender drop bytes a failover would need.
+    ack_demand: u32,
+    /// 1 on the side that connected: the side the peer's acknowledgement tags name.
+    active: u32,
 }
+
+/// `RxState::ctl_fin`: the control payload being read is a Fin's tag.
+const CTL_IS_FIN: u32 = 1;
+/// `RxState::ctl_fin`: the control payload being read is an acknowledgement's tag.
+const CTL_IS_ACK: u32 = 2;
 
 /// Bytes of a key share and of a key.
 const KEY: usize = crate::connection::aead::KEY_LEN;
@@ -212,6 +227,7 @@ impl RxState {
         for v in [self.sealed_no, self.takes, self.empty_at, self.latest_no, self.ctl_fin]
             .iter()
             .chain(&self.taken_at)
+            .chain(&[self.ack_demand, self.active])
         {
             b.extend_from_slice(&v.to_le_bytes());
         }
@@ -232,7 +248,8 @@ impl RxState {
         + 19 * KEY
         + 16
         + 5 * 4
-        + 16 * 4;
+        + 16 * 4
+        + 2 * 4;
 
     /// The state [`to_bytes`](Self::to_bytes) wrote; `None` for bytes of another length or
     /// values that cannot be (flags other than 0 and 1, a header longer than a header,
@@ -290,6 +307,8 @@ impl RxState {
         for (i, v) in r.taken_at.iter_mut().enumerate() {
             *v = u32_at(at + 20 + 4 * i);
         }
+        r.ack_demand = u32_at(at + 84);
+        r.active = u32_at(at + 88);
         let answer_ok = |a: u32| a == 0 || (a & ANSWER != 0 && a & !(ANSWER | MIRROR | 0x1ff) == 0);
         // (Summed wide: the record comes from the environment, and any value may be there.)
         let spec_total = u64::from(r.spec_len) + u64::from(r.ctl_rem);
@@ -315,8 +334,10 @@ impl RxState {
             && r.latest_no <= 15
             && r.empty_at <= r.takes
             && r.taken_at.iter().all(|&t| t <= r.takes)
-            && r.ctl_fin <= 1
-            && (r.ctl_fin == 0 || (r.ctl_answer == 0 && spec_total == u64::from(CTL_TAG)));
+            && r.ctl_fin <= CTL_IS_ACK
+            && (r.ctl_fin == 0 || (r.ctl_answer == 0 && spec_total == u64::from(CTL_TAG)))
+            && r.ack_demand <= 1
+            && r.active <= 1;
         sane.then_some(r)
     }
     /// A fresh receive half.
@@ -358,6 +379,8 @@ impl RxState {
             empty_at: 0,
             latest_no: 0,
             ctl_fin: 0,
+            ack_demand: 0,
+            active: 0,
         }
     }
 
@@ -370,9 +393,24 @@ impl RxState {
         }
     }
 
-    /// Sets the key of the peer's key shares' tags: the connection's secret.
-    pub fn set_auth(&mut self, secret: u128) {
+    /// Sets the key of the peer's key shares' tags and acknowledgements' tags, the
+    /// connection's secret, and which side this is (`active`: the side that connected).
+    pub fn set_auth(&mut self, secret: u128, active: bool) {
         self.auth = secret.to_le_bytes();
+        self.active = active as u32;
+    }
+
+    /// True when the chain the peer's stream took last is keyed: this side then tags the
+    /// acknowledgements it sends alone (`auth::ack_mac`), as the peer counts no other once
+    /// it has our answer (see `ack_demand`). From the moment the offer is taken, before
+    /// the answer goes, so every acknowledgement after the answer carries a tag.
+    pub fn tags_acks(&self) -> bool {
+        self.latest_key().is_some()
+    }
+
+    /// True while the peer's acknowledgements of our stream count only with a tag.
+    pub fn acks_need_tags(&self) -> bool {
+        self.ack_demand != 0
     }
 
     /// The key of the peer's chain number `no` (zero for a chain with no keyed filter).
@@ -403,6 +441,15 @@ impl RxState {
         r.latest_no = no as u32;
         r.sealed_no = no as u32;
         Some(r)
+    }
+
+    /// This state with our stream sealed too: the peer's acknowledgements count only with a
+    /// tag under `secret` (as after its answer taking a keyed chain of ours). For fuzzing
+    /// what such a receive half refuses.
+    pub fn with_tagged_acks(mut self, secret: u128, active: bool) -> RxState {
+        self.set_auth(secret, active);
+        self.ack_demand = 1;
+        self
     }
 
     /// The key of the chain taken last, if it is keyed.
@@ -613,12 +660,14 @@ impl RxState {
         if h.kind != FrameKind::Data
             || h.chain != 0
             || h.seq != self.delivered
-            || h.ack < self.peer_ack
+            || (h.ack < self.peer_ack && self.ack_demand == 0)
             || buf.len() - HEADER_LEN != h.len as usize
         {
             return None;
         }
-        self.peer_ack = h.ack;
+        if self.ack_demand == 0 {
+            self.peer_ack = h.ack;
+        }
         self.delivered += u64::from(h.len);
         Some(h.len as usize)
     }
@@ -727,6 +776,11 @@ impl RxState {
                         self.ctl_rem = h.len;
                         self.ctl_answer = a;
                     } else {
+                        if h.chain & 1 != 0 {
+                            // A chain with no keyed filter taken: our stream is not sealed
+                            // from its first frame on, and plain acknowledgements count.
+                            self.ack_demand = 0;
+                        }
                         self.answer_in = a;
                     }
                 } else {
@@ -746,6 +800,14 @@ impl RxState {
         if h.kind == FrameKind::Data && self.fin != 0 {
             return Err(ProtoError::DataAfterFin);
         }
+        if h.kind == FrameKind::Ack && h.len == CTL_TAG {
+            // Its tag follows: the acknowledgement counts once it is checked.
+            self.spec_len = 0;
+            self.ctl_rem = CTL_TAG;
+            self.ctl_answer = 0;
+            self.ctl_fin = CTL_IS_ACK;
+            return Ok(());
+        }
         self.take_ack(h.ack)?;
         if h.kind == FrameKind::Fin {
             match (self.seal_key().is_some(), h.len) {
@@ -755,7 +817,7 @@ impl RxState {
                     self.spec_len = 0;
                     self.ctl_rem = CTL_TAG;
                     self.ctl_answer = 0;
-                    self.ctl_fin = 1;
+                    self.ctl_fin = CTL_IS_FIN;
                 }
                 (true, _) => return Err(ProtoError::ControlForged("an end of stream with no tag")),
                 (false, _) => return Err(ProtoError::ControlForged("a tagged end of stream")),
@@ -820,7 +882,16 @@ impl RxState {
         Ok(())
     }
 
+    /// The acknowledgement in a frame's header, which has no tag: it counts unless our
+    /// stream is sealed (`ack_demand`).
     fn take_ack(&mut self, ack: u64) -> Result<(), ProtoError> {
+        if self.ack_demand != 0 {
+            return Ok(());
+        }
+        self.take_checked_ack(ack)
+    }
+
+    fn take_checked_ack(&mut self, ack: u64) -> Result<(), ProtoError> {
         if ack < self.peer_ack {
             return Err(ProtoError::AckWentBack { ack, before: self.peer_ack });
         }
@@ -831,6 +902,18 @@ impl RxState {
     /// A control frame's payload is read whole: an offer's description, or an answer's
     /// key share.
     fn finish_ctl(&mut self) -> Result<(), ProtoError> {
+        if self.ctl_fin == CTL_IS_ACK {
+            self.ctl_fin = 0;
+            self.spec_len = 0;
+            // (The frame's header is still where it was gathered.)
+            let ack = u64::from_le_bytes(self.header[16..24].try_into().expect("8 bytes"));
+            let from_active = self.active == 0;
+            let tag = &self.spec[..CTL_TAG as usize];
+            if !crate::auth::ack_mac_ok(&self.auth, from_active, ack, tag) {
+                return Err(ProtoError::ControlForged("an acknowledgement"));
+            }
+            return self.take_checked_ack(ack);
+        }
         if self.ctl_fin != 0 {
             self.ctl_fin = 0;
             self.spec_len = 0;
@@ -851,6 +934,9 @@ impl RxState {
             crate::connection::aead::open_share(&self.auth, false, no, &self.spec[..self.spec_len as usize]);
         self.spec_len = 0;
         self.share_in = share.ok_or(ProtoError::ShareForged)?;
+        // A keyed chain taken for our stream: from here on the peer tags its
+        // acknowledgements (it has since it took the offer).
+        self.ack_demand = 1;
         self.answer_in = std::mem::take(&mut self.ctl_answer);
         Ok(())
     }
@@ -1212,6 +1298,112 @@ mod tests {
             let back = RxState::from_bytes(&rx.to_bytes()).expect("a state it wrote");
             assert_eq!((back.chains, back.careful), (rx.chains, rx.careful));
         }
+    }
+
+    #[test]
+    fn acknowledgements_of_a_sealed_stream_count_only_with_their_tag() {
+        let secret = 0x5eed_u128 << 64 | 77;
+        let auth = secret.to_le_bytes();
+        // This side connected; the peer accepted and tags as the side that did not.
+        let tagged = |seq: u64, ack: u64, from_active: bool| {
+            let mut h = FrameHeader::control(FrameKind::Ack, seq, ack);
+            h.len = CTL_TAG;
+            let mut v = h.encode().to_vec();
+            v.extend_from_slice(&crate::auth::ack_mac(&auth, from_active, ack));
+            v
+        };
+        let mut answer = FrameHeader::control(FrameKind::ChainAnswer, 2, 10);
+        answer.chain = 1;
+        answer.len = crate::wire::frame::ANSWER_SHARE;
+        let share = crate::connection::aead::seal_share(&auth, false, 2, &[9; KEY]);
+        // Whatever the reads' sizes.
+        for n in [1, 5, 24, 40, 1000] {
+            let mut rx = RxState::new();
+            rx.set_auth(secret, true);
+            let mut feed = |rx: &mut RxState, bytes: &[u8]| -> Result<(), ProtoError> {
+                for chunk in bytes.chunks(n) {
+                    rx.parse_buffer(&mut chunk.to_vec())?;
+                }
+                Ok(())
+            };
+            // Before our stream is sealed, every frame's acknowledgement counts.
+            feed(&mut rx, &wire(&[(FrameHeader::data(2, 0, 10), b"ab")])).unwrap();
+            assert_eq!(rx.peer_ack, 10);
+            // The peer takes a keyed chain for our stream: from its answer on, only tags.
+            feed(&mut rx, &wire(&[(answer, &share[..])])).unwrap();
+            assert!(rx.acks_need_tags());
+            feed(&mut rx, &wire(&[(FrameHeader::data(2, 2, 5000), b"cd")])).unwrap();
+            feed(&mut rx, &wire(&[(FrameHeader::control(FrameKind::Ack, 4, 6000), b"")])).unwrap();
+            assert_eq!(rx.peer_ack, 10, "acknowledgements with no tag are not counted");
+            let mut quick = rx;
+            let d = wire(&[(FrameHeader::data(1, 4, 7000), b"e")]);
+            assert_eq!(quick.take_plain_frame(&d), Some(1));
+            assert_eq!(quick.peer_ack, 10, "nor on the quick path");
+            feed(&mut rx, &tagged(4, 300, false)).unwrap();
+            assert_eq!(rx.peer_ack, 300);
+            // Our own acknowledgement sent back to us, a wrong tag, a changed value: refused.
+            for bad in [tagged(4, 400, true), tagged(4, 0, false)] {
+                let mut r = rx;
+                let e = feed(&mut r, &bad).unwrap_err();
+                assert!(matches!(e, ProtoError::ControlForged(_) | ProtoError::AckWentBack { .. }), "{e:?}");
+            }
+            let mut altered = tagged(4, 400, false);
+            altered[16] ^= 1;
+            let mut r = rx;
+            assert!(matches!(feed(&mut r, &altered), Err(ProtoError::ControlForged("an acknowledgement"))));
+            // A tagged acknowledgement recorded earlier and sent again says less: refused.
+            let mut r = rx;
+            feed(&mut r, &tagged(4, 350, false)).unwrap();
+            assert!(matches!(feed(&mut r, &tagged(4, 300, false)), Err(ProtoError::AckWentBack { .. })));
+            // The state crosses exec with it.
+            let back = RxState::from_bytes(&rx.to_bytes()).expect("a state it wrote");
+            assert!(back.acks_need_tags());
+            // The peer takes a chain with no keyed filter: plain acknowledgements count again.
+            let mut plain = FrameHeader::control(FrameKind::ChainAnswer, 3, 0);
+            plain.chain = 1;
+            feed(&mut rx, &wire(&[(plain, b"")])).unwrap();
+            assert!(!rx.acks_need_tags());
+            feed(&mut rx, &wire(&[(FrameHeader::control(FrameKind::Ack, 4, 8000), b"")])).unwrap();
+            assert_eq!(rx.peer_ack, 8000);
+        }
+    }
+
+    #[test]
+    fn a_side_that_took_a_keyed_chain_tags_its_acknowledgements() {
+        let secret = 41u128;
+        let auth = secret.to_le_bytes();
+        let share = crate::connection::aead::share_of(&[5; KEY]);
+        let keyed = |no: u64| {
+            let mut p = b"aead".to_vec();
+            p.push(0);
+            p.extend_from_slice(&crate::connection::aead::seal_share(&auth, true, no as u8, &share));
+            let mut h = FrameHeader::control(FrameKind::ChainOffer, no, 0);
+            h.len = p.len() as u32;
+            (h, p)
+        };
+        let mut rx = RxState::new();
+        rx.set_auth(secret, false);
+        assert!(!rx.tags_acks());
+        let (h, p) = keyed(5);
+        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((5, true, false)));
+        assert!(rx.tags_acks(), "the chain taken last is keyed");
+        // Turning the sealing off takes a tag under the sealing key; once taken, no more tags.
+        let mut rx2 = rx;
+        let key = *rx2.chain_key(5);
+        let mut p = b"lz4".to_vec();
+        p.push(0);
+        p.extend_from_slice(&crate::connection::aead::control_tag(
+            &key,
+            FrameKind::ChainOffer as u8,
+            6,
+            b"lz4",
+        ));
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, 6, 0);
+        h.len = p.len() as u32;
+        rx2.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        assert_eq!(rx2.take_answer_owed(), Some((6, true, false)));
+        assert!(!rx2.tags_acks());
     }
 
     #[test]

@@ -215,6 +215,12 @@ pub struct TxState {
     keyed_seq: u64,
     keyed_ms: u64,
     rekey: u32,
+    /// Highest acknowledgement this side has put on the wire with a tag
+    /// ([`plan_ack`](Self::plan_ack)), or stated in a resume handshake (which the
+    /// connection's secret authenticates). Once the peer's stream is sealed its layer
+    /// counts no other, so our acknowledgements alone go by this one. Not carried across
+    /// `exec` (the new image sends one tagged acknowledgement early).
+    pub ack_tagged: u64,
 }
 
 // (The fields every send touches fit in 120 bytes: two cache lines with the flag of the
@@ -436,6 +442,7 @@ impl TxState {
             rekey: 0,
             tail_chain: 0,
             ring_base: 0,
+            ack_tagged: 0,
         }
     }
 
@@ -871,6 +878,25 @@ impl TxState {
         Some(self.owed(len as usize, Source::Ring(self.wire_seq)))
     }
 
+    /// Plans an acknowledgement alone when no frame is in progress: with `tag` (this side
+    /// connected: `Some(true)`; accepted: `Some(false)`) it carries the tag that makes it
+    /// count on a sealed stream (`auth::ack_mac`, under the connection's secret, a payload
+    /// of `CTL_TAG` bytes that [`control_payload`](Self::control_payload) gives).
+    pub fn plan_ack(&mut self, delivered: u64, tag: Option<bool>) -> Option<Plan> {
+        let Some(active) = tag else { return self.plan_control(FrameKind::Ack, delivered) };
+        if self.in_frame() {
+            return None;
+        }
+        let mut h = FrameHeader::control(FrameKind::Ack, self.wire_seq, delivered);
+        h.len = CTL_TAG;
+        self.start_frame(h, false);
+        let mac = crate::auth::ack_mac(&self.auth, active, delivered);
+        self.answer_share[..CTL_TAG as usize].copy_from_slice(&mac);
+        self.owed_kind = OWED_SHARE;
+        self.owed_enc_len = CTL_TAG;
+        Some(self.owed(CTL_TAG as usize, Source::Share { skip: 0 }))
+    }
+
     /// Plans a control frame (ack, resync, abort, fin) when no frame is in progress. The
     /// Fin of a sealed stream carries its tag (a payload of `CTL_TAG` bytes, made by
     /// [`control_payload`](Self::control_payload)).
@@ -950,6 +976,10 @@ impl TxState {
         if self.owed_header_off as usize == HEADER_LEN && hw > 0 {
             let ack = u64::from_le_bytes(self.owed_header[16..24].try_into().expect("8 bytes"));
             self.ack_sent = self.ack_sent.max(ack);
+            if self.owed_header[1] == FrameKind::Ack as u8 && self.owed_kind == OWED_SHARE {
+                // (Counted once the header is out: its tag goes with it or right after.)
+                self.ack_tagged = self.ack_tagged.max(ack);
+            }
         }
         let pw = (written - hw).min(plan.payload);
         self.owed_payload -= pw as u64;
@@ -1064,6 +1094,7 @@ impl TxState {
         self.acked = received;
         self.wire_seq = received;
         self.ack_sent = self.ack_sent.max(delivered);
+        self.ack_tagged = self.ack_tagged.max(delivered);
         self.rekey = 1;
         Ok(())
     }
@@ -1361,6 +1392,38 @@ mod tests {
         assert_eq!(tx.commit(&p, 0, &[0; 100], &mut ring), 0);
         assert!(!tx.in_frame());
         assert!(tx.plan_control(FrameKind::Ack, 3).is_some());
+    }
+
+    #[test]
+    fn a_tagged_acknowledgement_carries_its_tag_and_alone_counts_as_tagged() {
+        let mut tx = TxState::new(4096);
+        tx.set_auth(99);
+        let mut ring = vec![0u8; 4096];
+        // A data frame's and a plain acknowledgement's values are sent, not tagged.
+        let p = tx.plan_send(10, 70, false).unwrap();
+        tx.commit(&p, p.header_len + 10, &[1; 10], &mut ring);
+        let p = tx.plan_ack(80, None).unwrap();
+        assert_eq!(p.payload, 0);
+        tx.commit(&p, HEADER_LEN, &[], &mut ring);
+        assert_eq!((tx.ack_sent, tx.ack_tagged), (80, 0));
+        // A tagged one, written in two pieces: counted once its header is out.
+        let p = tx.plan_ack(90, Some(false)).unwrap();
+        assert_eq!((p.header_len, p.payload), (HEADER_LEN, CTL_TAG as usize));
+        let h = FrameHeader::decode(p.header_bytes().try_into().unwrap()).unwrap();
+        assert_eq!((h.kind, h.len, h.seq, h.ack), (FrameKind::Ack, CTL_TAG, 10, 90));
+        let tag = tx.control_payload(p.source);
+        assert!(crate::auth::ack_mac_ok(&99u128.to_le_bytes(), false, 90, &tag));
+        assert!(!crate::auth::ack_mac_ok(&99u128.to_le_bytes(), true, 90, &tag));
+        tx.commit(&p, HEADER_LEN + 3, &[], &mut ring);
+        assert_eq!((tx.ack_sent, tx.ack_tagged), (90, 90));
+        assert!(tx.in_frame());
+        let rest = tx.plan_replay(90).unwrap();
+        assert_eq!(&tx.control_payload(rest.source)[3..], &tag[3..]);
+        tx.commit(&rest, CTL_TAG as usize - 3, &[], &mut ring);
+        assert!(!tx.in_frame());
+        // A resume handshake's count is authenticated: it counts as tagged.
+        tx.relink(10, 120).unwrap();
+        assert_eq!(tx.ack_tagged, 120);
     }
 
     #[test]

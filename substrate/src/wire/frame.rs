@@ -13,7 +13,10 @@
 //! ```
 //!
 //! * `Data` carries `len` payload bytes (1..=[`MAX_PAYLOAD`]) that follow the header.
-//! * `Ack` carries no payload; only `ack` matters (`seq` is the sender's next offset).
+//! * `Ack` carries no payload; only `ack` matters (`seq` is the sender's next offset). Once
+//!   the stream it acknowledges is sealed, it carries a 16-byte tag of the acknowledgement
+//!   under the connection's secret ([`CTL_TAG`], `auth::ack_mac`), and the receiver counts
+//!   no acknowledgement without one (not the `ack` field of any other frame).
 //! * `Resync` is the first frame on a rebuilt link: `ack` says how many bytes of the peer's
 //!   stream this side has delivered, so the peer replays from there.
 //! * `ChainOffer` (connection core) proposes a chain of filters for this side's stream:
@@ -51,7 +54,8 @@ pub const MAX_CHAIN_SPEC: u32 = 256;
 pub const ANSWER_SHARE: u32 = 48;
 /// Flag of a `Data` frame of a chain whose payload is plain (see the module's notes).
 pub const PLAIN: u8 = 0x10;
-/// Payload of a `Fin` on a sealed stream: its tag (`connection::aead::CTL_TAG`).
+/// Payload of a `Fin` on a sealed stream: its tag (`connection::aead::CTL_TAG`); also of an
+/// `Ack` of a sealed stream (`auth::ack_mac`).
 pub const CTL_TAG: u32 = 16;
 
 /// What a frame is for.
@@ -169,7 +173,7 @@ impl FrameHeader {
             FrameKind::Data => (1..=MAX_PAYLOAD).contains(&len),
             FrameKind::ChainOffer => (1..=MAX_CHAIN_SPEC).contains(&len),
             FrameKind::ChainAnswer => len == 0 || len == ANSWER_SHARE,
-            FrameKind::Fin => len == 0 || len == CTL_TAG,
+            FrameKind::Fin | FrameKind::Ack => len == 0 || len == CTL_TAG,
             _ => len == 0,
         };
         if !ok {
