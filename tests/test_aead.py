@@ -147,26 +147,25 @@ def test_an_acknowledgement_with_no_tag_does_not_count_on_a_sealed_stream(procs,
     """Someone on the path slips into a sealed stream's other direction an acknowledgement
     with no tag that claims more than the receiving program has read (VMI_TAMPER=ack:1 on the
     server: seven eighths of the bytes waiting in its socket besides, which the server lets
-    pile up by not reading for a while; the client's window is 8 MiB, so its first
-    acknowledgement alone goes at 5 MiB). Counted, it would make the client's layer drop from
+    pile up by not reading for a while; the client's window is 4 MiB, so its first
+    acknowledgement alone goes at 2.5 MiB). Counted, it would make the client's layer drop from
     its replay ring bytes the server has not read: the server stops reading again right there,
     the network fails, and the rebuilt link would lack them (or the true acknowledgements
     that follow, saying less, would end the connection). The client's layer counts no
     acknowledgement without a tag once the server took its sealing chain: the link is
     rebuilt on the other network and the stream arrives exact."""
     # (The layer's count includes the program's 24-byte header: the read that reaches this
-    # point delivers 5 MiB and one byte, and sends the acknowledgement first.)
-    stop_at = 5 * MiB - 24 + 1
+    # point delivers 2.5 MiB and one byte, and sends the acknowledgement first.)
+    stop_at = 5 * MiB // 2 - 24 + 1
     addr, n, srv, cli = forged_ack_run(procs, "ack", PORTS["aead_ack_forged"], 16 * MiB,
-                                       pauses=((4 * MiB + MiB // 2, 1), (stop_at, 5)),
-                                       window="8M")
+                                       pauses=((2 * MiB, 1), (stop_at, 5)), window="4M")
     with Watcher(SERVER, CLIENT) as w:
         line = wait_for("the forged acknowledgement", lambda: re.search(
             r"with no tag claiming (\d+) \(delivered (\d+)\)", srv.stderr()), 20)
         claim, delivered = int(line.group(1)), int(line.group(2))
         # (Meaningful only if it claims bytes the server will not have read at the failure.)
         assert claim > stop_at + 128 * 1024, f"claimed {claim}, delivered {delivered}"
-        # The client's layer reads the acknowledgements once its window of 8 MiB is out: what
+        # The client's layer reads the acknowledgements once its window of 4 MiB is out: what
         # it counts as acknowledged is then the true count, never the forged claim.
         c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) - c.get("unacked_bytes", 0)
                       >= delivered, 10, "the client's layer taking the acknowledgements")
