@@ -1320,7 +1320,7 @@ mod tests {
         for n in [1, 5, 24, 40, 1000] {
             let mut rx = RxState::new();
             rx.set_auth(secret, true);
-            let mut feed = |rx: &mut RxState, bytes: &[u8]| -> Result<(), ProtoError> {
+            let feed = |rx: &mut RxState, bytes: &[u8]| -> Result<(), ProtoError> {
                 for chunk in bytes.chunks(n) {
                     rx.parse_buffer(&mut chunk.to_vec())?;
                 }
