@@ -22,7 +22,7 @@ import time
 import pytest
 
 from helpers import (BASELINE, ETH0, ETH1, H1, H2, H2_IP, PORTS, Watcher, assert_same_stream,
-                     both_ways, chain_of, python_prog, vmictl_ok, wait_conn, wait_for, words_on_wire)
+                     both_ways, python_prog, vmictl_ok, wait_conn, wait_for, words_on_wire)
 
 pytestmark = pytest.mark.skipif(BASELINE, reason="devices are the layer's: on plain TCP there "
                                 "is nothing to test")
@@ -125,11 +125,10 @@ def test_aead_refuses_altered_records(procs, attack, logged):
     cli.stop()
 
 
-def forged_ack_run(procs, attack, port, rate, pauses=(), window="2M"):
+def forged_ack_run(procs, attack, port, rate, n, pauses=(), window="2M"):
     """A stream from the client to the server, sealed both ways (VMI_CHAIN=aead), whose
     server's layer slips in a forged acknowledgement before the first it sends alone."""
     addr = f"{H2_IP}:{port}"
-    n = 16 * MiB
     env = {"VMI_CHAIN": "aead", "VMI_LOG": "info"}
     pause = [a for at, s in pauses for a in ("--pause", f"{at}:{s}")]
     srv = procs.server(SERVER, python_prog("stream.py", "server", "--bind", addr, "--count", "1",
@@ -140,37 +139,42 @@ def forged_ack_run(procs, attack, port, rate, pauses=(), window="2M"):
                                           "--hold", "1"),
                       layer=True, env={**env, "VMI_GRACE": "20", "VMI_WINDOW": window},
                       name="stream-client")
-    return addr, n, srv, cli
+    return addr, srv, cli
 
 
 def test_an_acknowledgement_with_no_tag_does_not_count_on_a_sealed_stream(procs, faults):
     """Someone on the path slips into a sealed stream's other direction an acknowledgement
     with no tag that claims more than the receiving program has read (VMI_TAMPER=ack:1 on the
     server: seven eighths of the bytes waiting in its socket besides, which the server lets
-    pile up by not reading for a while; the client's window is 4 MiB, so its first
-    acknowledgement alone goes at 2.5 MiB). Counted, it would make the client's layer drop from
-    its replay ring bytes the server has not read: the server stops reading again right there,
-    the network fails, and the rebuilt link would lack them (or the true acknowledgements
-    that follow, saying less, would end the connection). The client's layer counts no
-    acknowledgement without a tag once the server took its sealing chain: the link is
-    rebuilt on the other network and the stream arrives exact."""
+    pile up by not reading for a while; the client's window is 4 MiB, so the first
+    acknowledgement alone goes at 2.5 MiB, and the server stops reading again right there).
+    Counted, it would make the client's layer drop from its replay ring bytes the server has
+    not read, lost when the network then fails (or the true acknowledgements that follow,
+    saying less, would end the connection). The client's layer counts no acknowledgement
+    without a tag once the server took its sealing chain: what it counts as acknowledged never
+    passes what the server delivered, the link is rebuilt on the other network, and the stream
+    arrives exact."""
     # (The layer's count includes the program's 24-byte header: the read that reaches this
     # point delivers 2.5 MiB and one byte, and sends the acknowledgement first.)
     stop_at = 5 * MiB // 2 - 24 + 1
-    addr, n, srv, cli = forged_ack_run(procs, "ack", PORTS["aead_ack_forged"], 16 * MiB,
-                                       pauses=((2 * MiB, 1), (stop_at, 5)), window="4M")
-    with Watcher(SERVER, CLIENT) as w:
+    n = 6 * MiB
+    addr, srv, cli = forged_ack_run(procs, "ack", PORTS["aead_ack_forged"], MiB, n,
+                                    pauses=((2 * MiB, 1.5), (stop_at, 5)), window="4M")
+    with Watcher(SERVER, CLIENT):
         line = wait_for("the forged acknowledgement", lambda: re.search(
             r"with no tag claiming (\d+) \(delivered (\d+)\)", srv.stderr()), 20)
         claim, delivered = int(line.group(1)), int(line.group(2))
         # (Meaningful only if it claims bytes the server will not have read at the failure.)
         assert claim > stop_at + 128 * 1024, f"claimed {claim}, delivered {delivered}"
-        # The client's layer reads the acknowledgements once its window of 4 MiB is out: what
-        # it counts as acknowledged is then the true count, never the forged claim.
+        # The client keeps sending (1 MiB/s, within what the sockets hold), so its layer
+        # applies what it read of the acknowledgements; it never counts more than the server
+        # delivered (read first, the server's count then: that only grows).
         c = wait_conn(CLIENT, addr, lambda c: c.get("bytes_sent", 0) - c.get("unacked_bytes", 0)
-                      >= delivered, 10, "the client's layer taking the acknowledgements")
+                      >= delivered, 4, "the client's layer applying the acknowledgement")
         acked = c["bytes_sent"] - c["unacked_bytes"]
-        assert acked == delivered, f"counted {acked} acknowledged, the server delivered {delivered}"
+        s = wait_conn(SERVER, addr, lambda s: True, 5, "the server's end", side="server")
+        assert acked <= s["bytes_received"], \
+            f"counted {acked} acknowledged, the server delivered {s['bytes_received']}"
         faults.link_down(CLIENT, ETH0)
         wait_conn(CLIENT, addr, lambda e: e.get("gid") == c["gid"] and e.get("network") == ETH1
                   and (e.get("failovers") or 0) >= 1, 20, "the connection moved to eth1")
@@ -181,15 +185,14 @@ def test_an_acknowledgement_with_no_tag_does_not_count_on_a_sealed_stream(procs,
     assert c2["sent_bytes"] == n and s["recv_bytes"] == n, (c2, s)
     assert_same_stream(c2, s)
     assert "failed authentication" not in cli.stderr() + srv.stderr()
-    ends = [e for e in w.connections(CLIENT) if e.get("gid") == c["gid"]]
-    assert ends and chain_of(ends[-1])[0] == "aead:aes-256-gcm", ends[-1] if ends else None
+    assert 'what it sends goes through chain "aead:aes-256-gcm"' in cli.stderr(), cli.stderr()[-2000:]
 
 
 def test_an_acknowledgement_with_a_forged_tag_closes_the_connection(procs):
     """The same, with an acknowledgement whose tag was not made with the connection's
     secret (VMI_TAMPER=acktag:1): the client's layer refuses it, says so in its log, and the
     client program sees ECONNRESET."""
-    addr, n, srv, cli = forged_ack_run(procs, "acktag", PORTS["aead_ack_tag"], 8 * MiB)
+    addr, srv, cli = forged_ack_run(procs, "acktag", PORTS["aead_ack_tag"], 8 * MiB, 16 * MiB)
     cli.wait(timeout=30, check=False)
     c = cli.last_json()
     assert "error" in c and "ConnectionResetError" in c["error"], (json.dumps(c), cli.stderr()[-3000:])
