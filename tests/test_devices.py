@@ -284,8 +284,15 @@ def test_devices_stand_aside_on_shared_memory_and_stay_across_moves(procs, devic
     vmictl_ok(H1, "device", "load", device, "--gid", gid)
     time.sleep(1)
     past = step(f"still on shared memory with {device} waiting", "shm", "", past)
+    # The status says what waits: the chain offered, for the next TCP link.
+    ends = wait_status(H1, local_ends(addr, "shm", ""), 10, "the ends")
+    assert spec in [e["chain"].get("send_offered") for e in ends], [e["chain"] for e in ends]
+    out = vmictl_ok(H1, "status").stdout
+    assert f"out {spec} offered, for the next TCP link" in out, out
     vmictl_ok(H1, "move", gid, "tcp")
     past = step(f"both ends on TCP with {device} both ways", "tcp", spec, past)
+    ends = wait_status(H1, local_ends(addr, "tcp", spec), 10, "the ends")
+    assert all(e["chain"].get("send_offered") is None for e in ends), [e["chain"] for e in ends]
     vmictl_ok(H1, "move", gid, "shm")
     past = step(f"back on shared memory, {device} kept", "shm", spec, past)
     vmictl_ok(H1, "move", gid, "tcp")

@@ -306,7 +306,12 @@ pub fn report(agent: &Agent, only: Option<u32>) -> String {
                 local: s.local.to_string(),
                 peer: s.peer.to_string(),
                 substrate: s.substrate,
-                chain: serde_json::json!({ "send": s.send_chain, "recv": s.recv_chain, "send_since_ms": s.send_chain_ms }),
+                chain: serde_json::json!({
+                    "send": s.send_chain,
+                    "recv": s.recv_chain,
+                    "send_since_ms": s.send_chain_ms,
+                    "send_offered": s.send_offer,
+                }),
                 direction: if s.active { "out" } else { "in" },
                 bytes_sent: s.bytes_sent,
                 bytes_received: s.bytes_received,

@@ -158,6 +158,12 @@ impl Slot {
         }
     }
 
+    /// Records our chain offer waiting for its answer (its compact form), or none.
+    pub fn set_offer(&self, ids: Option<u32>) {
+        let v = ids.map_or(0, |i| substrate::stats::OFFERED | i);
+        self.map.u32(self.at + off::SEND_OFFER).store(v, Relaxed);
+    }
+
     /// Records the substrate carrying the bytes (1 tcp, 2 shm).
     pub fn set_substrate(&self, code: u32) {
         self.map.u32(self.at + off::SUBSTRATE).store(code, Relaxed);

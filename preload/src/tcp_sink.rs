@@ -67,7 +67,7 @@ impl Device for TcpSink {
                 Ok(0)
             }
             (REPLAY, _) => Ok(usize::from(replay_now(self.mem, self.slot, fd))),
-            (CHAIN, Buf::Out(spec)) => offer(self.mem, spec, flags & BOTH_WAYS != 0),
+            (CHAIN, Buf::Out(spec)) => offer(self.mem, self.slot, spec, flags & BOTH_WAYS != 0),
             (IrbKind::Attach | IrbKind::Detach, _) => Ok(0),
             _ => return Disposition::Forward(irb),
         };
@@ -859,7 +859,7 @@ pub fn send<'a>(
             let rest = data.skip(total);
             let delivered = c.delivered.load(Acquire);
             if tx.chain_cur != 0 && tx.offer_no == 0 && !tx.in_frame() {
-                rekey_if_due(mem, tx);
+                rekey_if_due(mem, slot, tx);
             }
             // Our chain offer, not on this link yet, goes in the same write as this data frame
             // (taken as written whole here; undone below if the kernel takes less of it).
@@ -2014,7 +2014,7 @@ impl std::ops::DerefMut for Scratch {
 /// Offers the peer the chain `spec` describes for what this side sends from now on (the
 /// `CHAIN` IRB; with `both`, its flag [`BOTH_WAYS`], the peer is asked to put the chain on
 /// its own stream too). The tx lock is held by the caller.
-fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
+fn offer(mem: ConnMem, slot: Option<Slot>, spec: &[u8], both: bool) -> Result<usize, IrbError> {
     let c = mem.conn();
     let spec = std::str::from_utf8(spec).map_err(|_| IrbError::Os(libc::EINVAL))?;
     let ch = Chain::build(spec).ok_or(IrbError::Os(libc::EINVAL))?;
@@ -2028,7 +2028,7 @@ fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
             // Already so.
             return Ok(tx.chain_cur as usize);
         }
-        begin_offer(mem, tx, &ch, both).map(usize::from)
+        begin_offer(mem, slot, tx, &ch, both).map(usize::from)
     })
 }
 
@@ -2036,7 +2036,7 @@ fn offer(mem: ConnMem, spec: &[u8], both: bool) -> Result<usize, IrbError> {
 /// (see `TxState::rekey_due` and `VMI_REKEY`).
 #[cold]
 #[inline(never)]
-fn rekey_if_due(mem: ConnMem, tx: &mut TxState) {
+fn rekey_if_due(mem: ConnMem, slot: Option<Slot>, tx: &mut TxState) {
     let (cur, ids) = tx.chain_now();
     if *tx.chain_key(cur as u8) == [0; 32] || mem.conn().mirror_owed.load(Relaxed) != 0 {
         return;
@@ -2046,7 +2046,7 @@ fn rekey_if_due(mem: ConnMem, tx: &mut TxState) {
         return;
     }
     let Some(ch) = Chain::from_ids(ids) else { return };
-    if begin_offer(mem, tx, &ch, false).is_ok() {
+    if begin_offer(mem, slot, tx, &ch, false).is_ok() {
         crate::log::info(format_args!(
             "virtual connection {:032x}: chain \"{}\" takes a new key (offered again at byte {})",
             mem.conn().gid,
@@ -2060,7 +2060,13 @@ fn rekey_if_due(mem: ConnMem, tx: &mut TxState) {
 pub const BOTH_WAYS: i32 = 1;
 
 /// Starts our offer of chain `ch` (see [`offer`]).
-fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result<u8, IrbError> {
+fn begin_offer(
+    mem: ConnMem,
+    slot: Option<Slot>,
+    tx: &mut TxState,
+    ch: &Chain,
+    both: bool,
+) -> Result<u8, IrbError> {
     let c = mem.conn();
     let ids = ch.ids().ok_or(IrbError::Os(libc::EINVAL))?;
     let fit = if ch.is_empty() { MAX_PAYLOAD as usize } else { ch.fit(CODED_MAX) };
@@ -2085,6 +2091,9 @@ fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result
     })?;
     // The answer may come alone: readable reports are checked until it is here.
     c.offering.store(1, Release);
+    if let Some(s) = slot {
+        s.set_offer(Some(ids));
+    }
     crate::log::debug(format_args!(
         "virtual connection {:032x}: offers chain {no} \"{}\" for what it sends{}",
         c.gid,
@@ -2097,13 +2106,13 @@ fn begin_offer(mem: ConnMem, tx: &mut TxState, ch: &Chain, both: bool) -> Result
 /// The peer took a chain for its stream and asked for the same on ours: offered back
 /// (unless ours already is that chain, or an offer of our own waits).
 #[cold]
-fn mirror(mem: ConnMem, tx: &mut TxState, ids: u32) {
+fn mirror(mem: ConnMem, slot: Option<Slot>, tx: &mut TxState, ids: u32) {
     let gid = mem.conn().gid;
     if tx.chain_now().1 == ids && tx.offer_no == 0 {
         return;
     }
     let Some(ch) = Chain::from_ids(ids) else { return };
-    match begin_offer(mem, tx, &ch, false) {
+    match begin_offer(mem, slot, tx, &ch, false) {
         Ok(_) => crate::log::info(format_args!(
             "virtual connection {gid:032x}: offers chain \"{}\" for what it sends too, as the peer asked",
             ch.spec
@@ -2141,6 +2150,7 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
             c.offering.store(u32::from(tx.offer_no != 0), Release);
             if let Some(s) = slot {
                 s.set_chain(tx.chain_now().1, true);
+                s.set_offer(tx.offer_waiting());
             }
             if taken {
                 crate::log::info(format_args!(
@@ -2167,7 +2177,7 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
         }
     }
     if c.mirror_owed.load(Relaxed) != 0 && tx.offer_no == 0 && c.mirror_owed.swap(0, AcqRel) != 0 {
-        mirror(mem, tx, c.mirror_ids.load(Acquire));
+        mirror(mem, slot, tx, c.mirror_ids.load(Acquire));
     }
     let owed = c.answer_owed.load(Acquire);
     if owed != 0 && !tx.in_frame() {
@@ -2179,7 +2189,7 @@ fn chain_frames(mem: ConnMem, slot: Option<Slot>, fd: c_int, tx: &mut TxState, r
             publish_tx(mem, tx, slot);
             if r > 0 && c.answer_owed.compare_exchange(owed, 0, AcqRel, Relaxed).is_ok() && owed & MIRROR != 0
             {
-                mirror(mem, tx, c.mirror_ids.load(Acquire));
+                mirror(mem, slot, tx, c.mirror_ids.load(Acquire));
             }
         }
     }

@@ -444,6 +444,7 @@ impl Vc {
         c.coding.store(u32::from(tx.chain_cur != 0), Release);
         if let Some(sl) = vc.slot {
             sl.set_chain(tx.chain_now().1, true);
+            sl.set_offer(tx.offer_waiting());
             let rx_ids = (1..16).rev().find_map(|n| rx.chain_ids(n).filter(|_| rx.careful != 0)).unwrap_or(0);
             sl.set_chain(rx_ids, false);
         }
@@ -1035,7 +1036,12 @@ impl Vc {
         if both {
             irb.flags = crate::tcp_sink::BOTH_WAYS;
         }
-        self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb))
+        let r = self.send_chain.with(&c.tx_lock, |chain| Self::run(chain, irb));
+        if let Some(s) = self.slot {
+            // (An offer withdrawn above and not replaced shows no more.)
+            s.set_offer(c.with_tx_held(|tx| tx.offer_waiting()));
+        }
+        r
     }
 
     /// The description of the chain on what this end sends now (`""` for none).

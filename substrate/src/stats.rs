@@ -6,11 +6,11 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// Magic number at the start of a table.
-pub const TABLE_MAGIC: u64 = 0x766d_6973_7461_7431; // "vmistat1"
+pub const TABLE_MAGIC: u64 = 0x766d_6973_7461_7432; // "vmistat2"
 /// Bytes before the first slot.
 pub const TABLE_HEADER: usize = 64;
 /// Bytes per slot.
-pub const SLOT_SIZE: usize = 192;
+pub const SLOT_SIZE: usize = 256;
 /// Slots per table.
 pub const TABLE_SLOTS: usize = 65536;
 /// Header offset of a u32: every slot in use lies below this index (the layer takes the
@@ -60,7 +60,13 @@ pub mod off {
     /// u32: when the chain of what this side sends last changed, in ms after
     /// [`CREATED_MS`] (0: never).
     pub const SEND_CHAIN_AT: usize = 188;
+    /// u32: this side's chain offer for what it sends, waiting for the peer's answer (or,
+    /// on shared memory, for the next TCP link): [`OFFERED`] | its compact form; 0 none.
+    pub const SEND_OFFER: usize = 192;
 }
+
+/// `off::SEND_OFFER`: an offer waits (the compact form 0 is the empty chain, an offer too).
+pub const OFFERED: u32 = 1 << 31;
 
 /// Encodes an address into the 20-byte slot form.
 pub fn encode_addr(a: &SocketAddr) -> [u8; 20] {
@@ -135,6 +141,9 @@ pub struct SlotView {
     pub relinking: bool,
     /// When the chain of what this side sends last changed (ms since the epoch; 0: never).
     pub send_chain_ms: u64,
+    /// The chain this side offered for what it sends and the peer has not answered yet
+    /// (on shared memory: offered once the connection is on TCP again); `None`: no offer.
+    pub send_offer: Option<String>,
 }
 
 /// Substrate name for a code.
@@ -186,6 +195,10 @@ impl SlotView {
             send_chain_ms: match u32at(off::SEND_CHAIN_AT) {
                 0 => 0,
                 d => u64at(off::CREATED_MS).saturating_add(d as u64),
+            },
+            send_offer: match u32at(off::SEND_OFFER) {
+                v if v & OFFERED != 0 => Some(chain_name(v & !OFFERED)),
+                _ => None,
             },
         })
     }

@@ -73,7 +73,9 @@ const USAGE_STATUS: &str = "usage: vmictl [--socket NAME] [--node NODE] status [
                  null while its entry is missing or incomplete)
                  each connection has gid, pid, local, peer (what the program sees),
                  substrate, chain ({send, recv}: the filters on each direction, \"\" for
-                 none), direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
+                 none; send_offered: a chain offered for what this end sends and not
+                 answered yet, on shared memory until the next TCP link; null: none),
+                 direction, bytes_sent, bytes_received, msgs_sent, msgs_received,
                  unacked_bytes, window, age_ms, error, network, link_local, link_peer (the
                  physical link now), failovers, link (up, relinking or failed); mesh has
                  the cluster key's fingerprint (key) and counts of what was refused
@@ -263,6 +265,7 @@ fn print_devices(v: &Value, json: bool) {
                 "gid": c["gid"], "pid": c["pid"],
                 "send": c["chain"]["send"].as_str().unwrap_or(""),
                 "recv": c["chain"]["recv"].as_str().unwrap_or(""),
+                "send_offered": c["chain"]["send_offered"],
             })
         })
         .collect();
@@ -278,8 +281,12 @@ fn print_devices(v: &Value, json: bool) {
     println!("connections ({}):", conns.len());
     let shown = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
     for c in &conns {
+        let offered = match c["send_offered"].as_str() {
+            Some(o) => format!(" (offered to send through {}, not answered yet)", shown(o)),
+            None => String::new(),
+        };
         println!(
-            "  {} pid {:>7}  sends through {:<16} receives through {}",
+            "  {} pid {:>7}  sends through {:<16} receives through {}{offered}",
             c["gid"].as_str().unwrap_or("?"),
             c["pid"],
             shown(c["send"].as_str().unwrap_or("")),
@@ -436,9 +443,15 @@ fn print_table(v: &Value) {
         };
         let (tx_chain, rx_chain) =
             (c["chain"]["send"].as_str().unwrap_or(""), c["chain"]["recv"].as_str().unwrap_or(""));
-        if !tx_chain.is_empty() || !rx_chain.is_empty() {
+        let offered = c["chain"]["send_offered"].as_str();
+        if !tx_chain.is_empty() || !rx_chain.is_empty() || offered.is_some() {
             let or_none = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
             link += &format!(", chain out {} in {}", or_none(tx_chain), or_none(rx_chain));
+        }
+        if let Some(o) = offered {
+            // (On shared memory a chain stands aside: it is offered on the next TCP link.)
+            let when = if c["substrate"] == "shm" { ", for the next TCP link" } else { "" };
+            link += &format!(" (out {} offered{when})", if o.is_empty() { "-" } else { o });
         }
         println!(
             "  {:<32}  {:>7}  {:<22} {:<3} {:<22} {:<5} {:>10} {:>10} {:>10}  {:<6} {}{}",

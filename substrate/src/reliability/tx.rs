@@ -620,6 +620,11 @@ impl TxState {
         (self.chain_cur != 0 && *k != [0; KEY]).then_some(k)
     }
 
+    /// The compact form of our offer waiting for its answer, if one waits.
+    pub fn offer_waiting(&self) -> Option<u32> {
+        (self.offer_no != 0).then_some(self.offer_ids)
+    }
+
     /// True when our waiting offer is of a keyed chain.
     pub fn offer_keyed(&self) -> bool {
         self.offer_no != 0 && self.offer_secret != [0; KEY]
