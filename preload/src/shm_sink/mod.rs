@@ -54,6 +54,10 @@ use setup::*;
 
 /// Bytes of each ring.
 const RING: usize = 1 << 20;
+/// Most bytes copied into or out of a ring before the other side is shown them: a large
+/// message then goes through in pieces that both programs copy at once, the writer the next
+/// while the reader takes the last, as the kernel pipelines a TCP stream by segment.
+const PIECE: usize = 64 << 10;
 /// The region: a page of header, then the ring toward the accepting side, then the other.
 const PAGE: usize = 4096;
 const REGION: usize = PAGE + 2 * Ring::size(RING).next_multiple_of(PAGE);
@@ -358,16 +362,21 @@ impl ShmLink {
                 }
                 return Err(IrbError::Os(libc::EPIPE));
             }
-            let n = self.tx.write(&data[sent..]).map_err(|_| corrupt())?;
+            let end = data.len().min(sent + PIECE);
+            let n = self.tx.write(&data[sent..end]).map_err(|_| corrupt())?;
             sent += n;
             if n > 0 && self.tx.after_write() == Bell::Ring {
                 self.ring(fd);
             }
-            if sent == data.len() || (sent > 0 && nonblock()) {
+            if sent == data.len() {
                 return Ok(sent);
             }
             if n > 0 {
+                // (The next piece: a full ring stops this call, not a piece.)
                 continue;
+            }
+            if sent > 0 && nonblock() {
+                return Ok(sent);
             }
             if nonblock() {
                 // The program will wait on the descriptor: the reader rings it when it makes
@@ -427,7 +436,10 @@ impl ShmLink {
         // The program's receive time-out (SO_RCVTIMEO), looked up when the wait begins.
         let mut timeo: Option<Option<u64>> = None;
         let r = loop {
-            let n = match self.rx.read(&mut buf[got..], peek) {
+            // (A piece at a time, each shown to the writer as soon as it is out; a peek
+            // takes everything at once, as it frees nothing.)
+            let want = if peek { buf.len() - got } else { (buf.len() - got).min(PIECE) };
+            let n = match self.rx.read(&mut buf[got..got + want], peek) {
                 Ok(n) => n,
                 Err(_) => break Err(corrupt()),
             };
@@ -440,11 +452,15 @@ impl ShmLink {
                         bell(fd);
                     }
                 }
-                if !waitall || got == buf.len() {
+                if got == buf.len() || (!waitall && n < want) {
                     break Ok(got);
                 }
                 spin_until = 0;
                 continue;
+            }
+            if got > 0 && !waitall {
+                // (The ring ran dry after a whole piece: what came is the answer.)
+                break Ok(got);
             }
             if buf.is_empty() || self.rx.at_end().unwrap_or(true) || self.eof.load(Acquire) {
                 if got == 0 && !buf.is_empty() && !peek && self.rx.take_reset() {
