@@ -54,8 +54,17 @@ impl End {
     fn new(side: usize, window: u64) -> Self {
         End {
             side,
-            tx: TxState::with_soft_window(window, window / 2),
-            rx: RxState::new(),
+            tx: {
+                let mut t = TxState::with_soft_window(window, window / 2);
+                t.set_auth(SECRET);
+                t
+            },
+            rx: {
+                // (Side 0 connected.)
+                let mut r = RxState::new();
+                r.set_auth(SECRET, side == 0);
+                r
+            },
             ring: vec![0; window as usize],
             produced: 0,
             received: Vec::new(),
@@ -211,18 +220,25 @@ fn send_ack(e: &mut End, link: &mut Link) {
     if e.tx.awaiting_resync() && e.rx.expect_resync != 0 {
         return;
     }
-    if !ack_due(e.rx.delivered, e.tx.ack_sent, e.tx.soft_window) {
+    // As the sink: once the peer's stream is sealed, acknowledgements alone carry a tag and
+    // only they count for the peer.
+    let tag = e.rx.tags_acks().then_some(e.side == 0);
+    let sent = if tag.is_some() { e.tx.ack_tagged } else { e.tx.ack_sent };
+    if !ack_due(e.rx.delivered, sent, e.tx.soft_window) {
         return;
     }
     let q = &mut link.q[e.side];
     let room = link.cap - q.len();
     e.chain_frames(q, room);
     let room = link.cap - q.len();
-    if let Some(plan) = e.tx.plan_control(FrameKind::Ack, e.rx.delivered) {
+    if let Some(plan) = e.tx.plan_ack(e.rx.delivered, tag) {
         let n = e.push(&plan, &[], q, room);
         e.tx.commit(&plan, n, &[], &mut e.ring);
     }
 }
+
+/// The connection's secret both ends hold (the key of acknowledgements' tags).
+const SECRET: u128 = 0x5eed_0f_a11_acc;
 
 fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     if e.rx.coded_len > 0 {
