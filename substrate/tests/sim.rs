@@ -238,7 +238,7 @@ fn send_ack(e: &mut End, link: &mut Link) {
 }
 
 /// The connection's secret both ends hold (the key of acknowledgements' tags).
-const SECRET: u128 = 0x5eed_0f_a11_acc;
+const SECRET: u128 = 0x5eed_0fa1_1acc;
 
 fn read_some(e: &mut End, peer_q: &mut VecDeque<u8>, rng: &mut Rng, n: usize) {
     if e.rx.coded_len > 0 {
