@@ -975,7 +975,11 @@ impl RxState {
                 share = None;
             }
         } else if tagged {
-            return Err(ProtoError::ControlForged("a tagged change of chain"));
+            // A tag where none is owed: the stream is not sealed, so an offer counts without
+            // one, and the tag is dropped. (An offer our answer did not reach before its
+            // link failed comes again on the new link as it was, tagged under the key of the
+            // sealing chain before it, while the chain taken last here is the offered one.)
+            share = None;
         }
         let spec = std::str::from_utf8(text).unwrap_or("?");
         let spec = if spec == "-" { "" } else { spec };
@@ -1404,6 +1408,44 @@ mod tests {
         rx2.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
         assert_eq!(rx2.take_answer_owed(), Some((6, true, false)));
         assert!(!rx2.tags_acks());
+    }
+
+    #[test]
+    fn an_offer_sent_again_after_a_relink_is_taken_again() {
+        // A keyed chain taken, and no sealed frame yet; then an offer that turns the sealing
+        // off, tagged under its key, taken. Its answer is lost with the link, and the offer
+        // comes again as it was: it is taken again, not refused for its tag (the chain taken
+        // last here is now the one offered, which owes no tag).
+        let secret = 43u128;
+        let auth = secret.to_le_bytes();
+        let share = crate::connection::aead::share_of(&[6; KEY]);
+        let mut p = b"aead".to_vec();
+        p.push(0);
+        p.extend_from_slice(&crate::connection::aead::seal_share(&auth, true, 2, &share));
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, 2, 0);
+        h.len = p.len() as u32;
+        let mut rx = RxState::new();
+        rx.set_auth(secret, false);
+        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((2, true, false)));
+        let key = *rx.chain_key(2);
+        let mut p = b"lz4".to_vec();
+        p.push(0);
+        p.extend_from_slice(&crate::connection::aead::control_tag(
+            &key,
+            FrameKind::ChainOffer as u8,
+            3,
+            b"lz4",
+        ));
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, 3, 0);
+        h.len = p.len() as u32;
+        let offer = wire(&[(h, &p)]);
+        rx.parse_buffer(&mut offer.clone()).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((3, true, false)));
+        rx.relink(0);
+        rx.parse_buffer(&mut offer.clone()).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((3, true, false)));
+        assert_eq!(rx.chain_ids(3), crate::connection::Chain::build("lz4").and_then(|c| c.ids()));
     }
 
     #[test]
