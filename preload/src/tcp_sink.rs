@@ -123,9 +123,6 @@ fn fail(mem: ConnMem, slot: Option<Slot>, fd: c_int, e: ProtoError) -> IrbError 
 fn publish_tx(mem: ConnMem, tx: &TxState, slot: Option<Slot>) {
     let c = mem.conn();
     c.ack_sent.store(tx.ack_sent, Release);
-    if tx.ack_tagged != 0 {
-        c.ack_tagged.store(tx.ack_tagged, Release);
-    }
     c.unacked.store(tx.unacked(), Relaxed);
     if let Some(s) = slot {
         s.set_unacked(tx.unacked());
@@ -681,6 +678,10 @@ fn control_held(mem: ConnMem, slot: Option<Slot>, fd: c_int, kind: FrameKind) {
         let tag = tx.control_payload(plan.source);
         let r = write_coded(fd, &plan, NO_APP, ring, &tag, libc::MSG_DONTWAIT);
         tx.commit(&plan, r.max(0) as usize, &[], ring);
+        if !tag.is_empty() {
+            // (Only a tagged acknowledgement moves it; a relink's count is published there.)
+            c.ack_tagged.store(tx.ack_tagged, Release);
+        }
         if r > 0 && tx.in_frame() {
             // (The rest of its tag goes with our next frame, or from the control thread.)
             linkstate::owed_later();
@@ -1319,13 +1320,16 @@ fn wait_for_acks(mem: ConnMem, fd: c_int) {
 #[inline]
 fn maybe_ack(mem: ConnMem, slot: Option<Slot>, fd: c_int, delivered: u64) {
     let c = mem.conn();
-    if (c.answer_owed.load(Relaxed) | c.careful.load(Relaxed)) != 0 {
+    let careful = c.careful.load(Relaxed);
+    if (c.answer_owed.load(Relaxed) | careful) != 0 {
         answer_if_owed(mem, slot, fd);
         ensure_rcvbuf(mem, fd);
     }
     // (On a sealed stream of the peer's, it counts only the acknowledgements that carry a
-    // tag: those are what it has.)
-    let sent = if c.ack_tags.load(Relaxed) != 0 { &c.ack_tagged } else { &c.ack_sent };
+    // tag: those are what it has. Such a stream is always read carefully, so a connection
+    // with no chain reads nothing more.)
+    let tagged = careful != 0 && c.ack_tags.load(Relaxed) != 0;
+    let sent = if tagged { &c.ack_tagged } else { &c.ack_sent };
     if !lone_ack_due(delivered, sent.load(Acquire), c.peer_window) || peer_closed(fd) {
         return;
     }

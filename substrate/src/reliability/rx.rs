@@ -105,6 +105,13 @@ pub struct RxState {
     /// (under the first's key, else the second's): so every chain taken after a keyed one
     /// was offered by the peer, not by someone on the path.
     sealed_no: u32,
+    /// 1 once the peer took a keyed chain for our stream (its answer carried a key share),
+    /// until it takes one with no keyed filter: our stream is sealed, and the peer's
+    /// acknowledgements of it count only from frames that carry a tag under the
+    /// connection's secret (`auth::ack_mac`: acks sent alone). The acknowledgement in every
+    /// other frame's header is ignored: someone on the path who forged one could make our
+    /// sender drop bytes a failover would need.
+    ack_demand: u32,
     /// The peer's resync value, when one arrived and was not taken yet.
     pub resync: u64,
     /// Bytes of `spec` gathered so far.
@@ -150,13 +157,6 @@ pub struct RxState {
     /// What the control payload being read is: [`CTL_IS_FIN`] a Fin's tag, [`CTL_IS_ACK`]
     /// an acknowledgement's tag (its value is in `header`, the frame's), 0 neither.
     ctl_fin: u32,
-    /// 1 once the peer took a keyed chain for our stream (its answer carried a key share),
-    /// until it takes one with no keyed filter: our stream is sealed, and the peer's
-    /// acknowledgements of it count only from frames that carry a tag under the
-    /// connection's secret (`auth::ack_mac`: acks sent alone). The acknowledgement in every
-    /// other frame's header is ignored: someone on the path who forged one could make our
-    /// sender drop bytes a failover would need.
-    ack_demand: u32,
     /// 1 on the side that connected: the side the peer's acknowledgement tags name.
     active: u32,
 }
@@ -184,7 +184,7 @@ impl Default for RxState {
 
 // (The fields every receive touches fit in 120 bytes: two cache lines with the flag of the
 // cell that holds the state.)
-const _: () = assert!(std::mem::offset_of!(RxState, sealed_no) + 4 <= 120);
+const _: () = assert!(std::mem::offset_of!(RxState, ack_demand) + 4 <= 120);
 
 impl RxState {
     /// The state as bytes (little endian, field by field) for a record that crosses
@@ -1372,42 +1372,50 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_side_that_took_a_keyed_chain_tags_its_acknowledgements() {
-        let secret = 41u128;
-        let auth = secret.to_le_bytes();
+    /// A peer's offer of the keyed chain `aead` as chain `no`, its share tagged under `secret`.
+    fn keyed_offer(secret: u128, no: u64) -> Vec<u8> {
         let share = crate::connection::aead::share_of(&[5; KEY]);
-        let keyed = |no: u64| {
-            let mut p = b"aead".to_vec();
-            p.push(0);
-            p.extend_from_slice(&crate::connection::aead::seal_share(&auth, true, no as u8, &share));
-            let mut h = FrameHeader::control(FrameKind::ChainOffer, no, 0);
-            h.len = p.len() as u32;
-            (h, p)
-        };
-        let mut rx = RxState::new();
-        rx.set_auth(secret, false);
-        assert!(!rx.tags_acks());
-        let (h, p) = keyed(5);
-        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
-        assert_eq!(rx.take_answer_owed(), Some((5, true, false)));
-        assert!(rx.tags_acks(), "the chain taken last is keyed");
-        // Turning the sealing off takes a tag under the sealing key; once taken, no more tags.
-        let mut rx2 = rx;
-        let key = *rx2.chain_key(5);
+        let mut p = b"aead".to_vec();
+        p.push(0);
+        p.extend_from_slice(&crate::connection::aead::seal_share(
+            &secret.to_le_bytes(),
+            true,
+            no as u8,
+            &share,
+        ));
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, no, 0);
+        h.len = p.len() as u32;
+        wire(&[(h, &p)])
+    }
+
+    /// A peer's offer of `lz4` as chain `no`, turning the sealing off: tagged under `key`.
+    fn unsealing_offer(key: &[u8; KEY], no: u64) -> Vec<u8> {
         let mut p = b"lz4".to_vec();
         p.push(0);
         p.extend_from_slice(&crate::connection::aead::control_tag(
-            &key,
+            key,
             FrameKind::ChainOffer as u8,
-            6,
+            no,
             b"lz4",
         ));
-        let mut h = FrameHeader::control(FrameKind::ChainOffer, 6, 0);
+        let mut h = FrameHeader::control(FrameKind::ChainOffer, no, 0);
         h.len = p.len() as u32;
-        rx2.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
-        assert_eq!(rx2.take_answer_owed(), Some((6, true, false)));
-        assert!(!rx2.tags_acks());
+        wire(&[(h, &p)])
+    }
+
+    #[test]
+    fn a_side_that_took_a_keyed_chain_tags_its_acknowledgements() {
+        let mut rx = RxState::new();
+        rx.set_auth(41, false);
+        assert!(!rx.tags_acks());
+        rx.parse_buffer(&mut keyed_offer(41, 5)).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((5, true, false)));
+        assert!(rx.tags_acks(), "the chain taken last is keyed");
+        // Turning the sealing off takes a tag under the sealing key; once taken, no more tags.
+        let key = *rx.chain_key(5);
+        rx.parse_buffer(&mut unsealing_offer(&key, 6)).unwrap();
+        assert_eq!(rx.take_answer_owed(), Some((6, true, false)));
+        assert!(!rx.tags_acks());
     }
 
     #[test]
@@ -1416,30 +1424,12 @@ mod tests {
         // off, tagged under its key, taken. Its answer is lost with the link, and the offer
         // comes again as it was: it is taken again, not refused for its tag (the chain taken
         // last here is now the one offered, which owes no tag).
-        let secret = 43u128;
-        let auth = secret.to_le_bytes();
-        let share = crate::connection::aead::share_of(&[6; KEY]);
-        let mut p = b"aead".to_vec();
-        p.push(0);
-        p.extend_from_slice(&crate::connection::aead::seal_share(&auth, true, 2, &share));
-        let mut h = FrameHeader::control(FrameKind::ChainOffer, 2, 0);
-        h.len = p.len() as u32;
         let mut rx = RxState::new();
-        rx.set_auth(secret, false);
-        rx.parse_buffer(&mut wire(&[(h, &p)])).unwrap();
+        rx.set_auth(43, false);
+        rx.parse_buffer(&mut keyed_offer(43, 2)).unwrap();
         assert_eq!(rx.take_answer_owed(), Some((2, true, false)));
         let key = *rx.chain_key(2);
-        let mut p = b"lz4".to_vec();
-        p.push(0);
-        p.extend_from_slice(&crate::connection::aead::control_tag(
-            &key,
-            FrameKind::ChainOffer as u8,
-            3,
-            b"lz4",
-        ));
-        let mut h = FrameHeader::control(FrameKind::ChainOffer, 3, 0);
-        h.len = p.len() as u32;
-        let offer = wire(&[(h, &p)]);
+        let offer = unsealing_offer(&key, 3);
         rx.parse_buffer(&mut offer.clone()).unwrap();
         assert_eq!(rx.take_answer_owed(), Some((3, true, false)));
         rx.relink(0);
